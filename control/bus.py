@@ -1,0 +1,608 @@
+"""The bus client: the only way rove's parts talk to each other.
+
+`Bus.connect(options)` connects to `options.url` (user/password, token,
+nkeys, creds files and TLS supported) or, with no URL, starts an embedded
+`nats-server -js` and stops it on `close()`. It then creates the streams and
+the lease bucket idempotently.
+
+Publishing uses the event id as `Nats-Msg-Id`, so a retry after a timeout or
+a JetStream leader change is stored once; retries back off inside one total
+deadline. A `Fence` makes a master write conditional on its own election
+still being the newest (the server rejects a deposed master's write).
+Subscriptions are callback-driven ordered consumers (the fastest replay path
+in nats-py); every message is decoded and validated, and bad payloads are
+handed to `on_rejected` instead of ever stopping the consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import random
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    Header,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+
+from rove.control import events as ev
+from rove.control import records, subjects
+from rove.control.embedded import EmbeddedServer
+from rove.control.errors import (
+    BusUnavailableError,
+    ConfigError,
+    FencedError,
+    PublishDeadlineError,
+    RoveError,
+)
+
+log = structlog.get_logger("rove.bus")
+
+EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+WRONG_LAST_SEQUENCE = 10071
+
+_RETRYABLE: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    asyncio.TimeoutError,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BusOptions:
+    """How to reach NATS and how to lay out the streams.
+
+    `url` may list several servers separated by commas. With no `url`, an
+    embedded server is started with its store under `embedded_dir`.
+    """
+
+    url: str | None = None
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    nkey_seed_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_handshake_first: bool = False
+    inbox_prefix: str | None = None
+    name: str = "rove"
+    connect_timeout_s: float = 5.0
+    reconnect_forever: bool = False
+    replicas: int = 1
+    lease_ttl_s: float = 6.0
+    duplicate_window_s: float = 120.0
+    embedded_dir: Path | None = None
+    create_streams: bool = True
+
+
+class Fence(NamedTuple):
+    """A master write is accepted only while `subject`'s last sequence is `seq`."""
+
+    subject: str
+    seq: int
+
+    def headers(self) -> dict[str, str]:
+        return {
+            Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(self.seq),
+            EXPECTED_LAST_SUBJECT_SEQ_SUBJECT: self.subject,
+        }
+
+
+OnRecorded = Callable[[records.Recorded], Awaitable[None] | None]
+OnRejected = Callable[[records.Rejection], Awaitable[None] | None]
+
+
+@dataclass
+class Feed:
+    """A running subscription; `caught_up` is set once the backlog has been delivered."""
+
+    sub: Any
+    target_seq: int
+    caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+    last_seq: int = 0
+
+    async def stop(self) -> None:
+        try:
+            await self.sub.unsubscribe()
+        except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
+            pass
+
+
+def _tls_context(o: BusOptions) -> ssl.SSLContext | None:
+    if not (o.tls_ca_file or o.tls_cert_file):
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=o.tls_ca_file)
+    if o.tls_cert_file:
+        ctx.load_cert_chain(o.tls_cert_file, o.tls_key_file)
+    return ctx
+
+
+def _servers(url: str) -> list[str]:
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    for s in servers:
+        if "://" not in s:
+            raise ConfigError(
+                f"invalid NATS URL {s!r}: expected a form like nats://host:4222 "
+                "(or tls://host:4222); pass it with --nats or ROVE_NATS_URL"
+            )
+        scheme = s.split("://", 1)[0]
+        if scheme not in {"nats", "tls", "ws", "wss"}:
+            raise ConfigError(f"invalid NATS URL {s!r}: scheme must be nats, tls, ws or wss")
+    if not servers:
+        raise ConfigError("empty NATS URL: pass --nats nats://host:4222 or set ROVE_NATS_URL")
+    return servers
+
+
+class Bus:
+    """A connection to NATS JetStream with rove's streams, publishing and consumers."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        options: BusOptions,
+        server: EmbeddedServer | None = None,
+    ) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=5.0, publish_async_max_pending=4000)
+        self.options = options
+        self.server = server
+        self._lease_kv: KeyValue | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(cls, options: BusOptions) -> Bus:
+        """Connect (or start an embedded server), then ensure streams exist.
+
+        Raises:
+            ConfigError: malformed URL or options.
+            BusUnavailableError: the server could not be reached in time.
+        """
+        server: EmbeddedServer | None = None
+        url = options.url
+        if not url:
+            store = options.embedded_dir
+            if store is None:
+                raise ConfigError("no NATS URL and no directory for an embedded server")
+            server = EmbeddedServer(store)
+            url = await asyncio.to_thread(server.start)
+        servers = _servers(url)
+        nc = await cls._connect_client(servers, options)
+        bus = cls(nc, options, server)
+        if options.create_streams:
+            try:
+                await bus.ensure_streams()
+            except BaseException:
+                await bus.close()
+                raise
+        return bus
+
+    @staticmethod
+    async def _connect_client(servers: list[str], o: BusOptions) -> NatsClient:
+        state = {"connected": False, "closing": False}
+
+        async def on_error(exc: Exception) -> None:
+            if state["connected"] and not state["closing"]:
+                log.warning("NATS client error", error=repr(exc))
+            else:
+                log.debug("NATS client error", error=repr(exc))
+
+        async def on_disconnected() -> None:
+            if state["connected"] and not state["closing"]:
+                log.warning("disconnected from NATS; reconnecting", servers=servers)
+
+        async def on_reconnected() -> None:
+            log.info(
+                "reconnected to NATS", server=str(nc.connected_url and nc.connected_url.netloc)
+            )
+
+        kwargs: dict[str, Any] = {
+            "servers": servers,
+            "name": o.name,
+            "connect_timeout": o.connect_timeout_s,
+            "allow_reconnect": True,
+            # Daemons ride out any outage; one-shot commands fail fast and say why.
+            "max_reconnect_attempts": -1 if o.reconnect_forever else 3,
+            "reconnect_time_wait": 0.5,
+            "error_cb": on_error,
+            "disconnected_cb": on_disconnected,
+            "reconnected_cb": on_reconnected,
+            "tls": _tls_context(o),
+            "tls_handshake_first": o.tls_handshake_first,
+        }
+        if o.user:
+            kwargs["user"], kwargs["password"] = o.user, o.password
+        if o.token:
+            kwargs["token"] = o.token
+        if o.creds_file:
+            kwargs["user_credentials"] = o.creds_file
+        if o.nkey_seed_file:
+            kwargs["nkeys_seed"] = o.nkey_seed_file
+        if o.inbox_prefix:
+            kwargs["inbox_prefix"] = o.inbox_prefix
+        nc = NatsClient()
+        nc._rove_state = state  # type: ignore[attr-defined]  # read by _quiet_close
+        try:
+            # The first connection gets one pass over the servers: an
+            # unreachable URL is a user error to report, not to wait out.
+            await asyncio.wait_for(
+                nc.connect(**{**kwargs, "max_reconnect_attempts": 1}),
+                timeout=o.connect_timeout_s * max(2, len(servers)) + 1,
+            )
+        except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
+            state["closing"] = True
+            await _quiet_close(nc)
+            raise BusUnavailableError(
+                f"cannot connect to NATS at {', '.join(servers)}: {exc or type(exc).__name__}; "
+                "check that the server runs and that --nats / ROVE_NATS_URL points at it"
+            ) from exc
+        except nats.errors.Error as exc:
+            state["closing"] = True
+            await _quiet_close(nc)
+            raise BusUnavailableError(
+                f"NATS at {', '.join(servers)} refused the connection: {exc}; "
+                "check credentials (--nats-user/--nats-creds) and TLS settings"
+            ) from exc
+        nc.options["max_reconnect_attempts"] = kwargs["max_reconnect_attempts"]
+        state["connected"] = True
+        return nc
+
+    async def close(self) -> None:
+        await _quiet_close(self.nc)
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def url(self) -> str:
+        cu = self.nc.connected_url
+        return f"{cu.scheme}://{cu.netloc}" if cu else (self.options.url or "")
+
+    # ------------------------------------------------------------------ streams
+
+    def stream_configs(self) -> list[StreamConfig]:
+        o = self.options
+        return [
+            StreamConfig(
+                name=subjects.EVENTS_STREAM,
+                subjects=[f"{subjects.EVENTS_ROOT}.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                num_replicas=o.replicas,
+                duplicate_window=o.duplicate_window_s,
+                allow_direct=True,
+            ),
+            StreamConfig(
+                name=subjects.HEARTBEAT_STREAM,
+                subjects=[f"{subjects.HEARTBEAT_ROOT}.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                num_replicas=o.replicas,
+                max_msgs_per_subject=1,
+                duplicate_window=o.duplicate_window_s,
+                allow_direct=True,
+            ),
+            StreamConfig(
+                name=subjects.SNAPSHOT_STREAM,
+                subjects=[f"{subjects.SNAPSHOT_ROOT}.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                num_replicas=o.replicas,
+                max_msgs_per_subject=1,
+                allow_rollup_hdrs=True,
+                allow_direct=True,
+            ),
+        ]
+
+    async def ensure_streams(self) -> None:
+        """Create rove's streams and lease bucket, or leave them as they are."""
+        for cfg in self.stream_configs():
+            await self._retry(lambda cfg=cfg: self._ensure_stream(cfg), deadline_s=30.0)
+        await self._retry(self._ensure_lease_bucket, deadline_s=30.0)
+
+    async def _ensure_stream(self, cfg: StreamConfig) -> None:
+        assert cfg.name is not None
+        try:
+            await self.js.stream_info(cfg.name)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        try:
+            await self.js.add_stream(cfg)
+            log.info("created stream", stream=cfg.name, replicas=cfg.num_replicas)
+        except nats.js.errors.BadRequestError as exc:
+            # 10058: created concurrently by another component; fine.
+            if exc.err_code != 10058:
+                raise
+
+    async def _ensure_lease_bucket(self) -> None:
+        try:
+            self._lease_kv = await self.js.key_value(subjects.LEASE_BUCKET)
+            return
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        try:
+            self._lease_kv = await self.js.create_key_value(
+                KeyValueConfig(
+                    bucket=subjects.LEASE_BUCKET,
+                    history=1,
+                    ttl=self.options.lease_ttl_s,
+                    replicas=self.options.replicas,
+                    storage=StorageType.FILE,
+                )
+            )
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != 10058:
+                raise
+            self._lease_kv = await self.js.key_value(subjects.LEASE_BUCKET)
+
+    async def lease_bucket(self) -> tuple[KeyValue, float]:
+        """The leader-lease bucket and its actual TTL in seconds."""
+        if self._lease_kv is None:
+            await self._retry(self._ensure_lease_bucket, deadline_s=30.0)
+        assert self._lease_kv is not None
+        status = await self._lease_kv.status()
+        ttl = status.ttl or self.options.lease_ttl_s
+        return self._lease_kv, float(ttl)
+
+    # ------------------------------------------------------------------ publishing
+
+    async def publish(
+        self,
+        event: ev.Event,
+        *,
+        fence: Fence | None = None,
+        deadline_s: float = 10.0,
+    ) -> int:
+        """Publish `event` on its subject; return its stream sequence.
+
+        A duplicate of an already stored event (same id) returns the stored sequence.
+
+        Raises:
+            FencedError: `fence` no longer holds: a newer master was elected.
+            PublishDeadlineError: retryable failures lasted past `deadline_s`.
+        """
+        headers = {Header.MSG_ID: event.id}
+        if fence is not None:
+            headers.update(fence.headers())
+        return await self.publish_raw(
+            subjects.subject_for(event), ev.encode(event), headers, deadline_s=deadline_s
+        )
+
+    async def publish_raw(
+        self,
+        subject: str,
+        payload: bytes,
+        headers: dict[str, str] | None = None,
+        *,
+        deadline_s: float = 10.0,
+    ) -> int:
+        async def attempt(wait_s: float) -> int:
+            try:
+                ack = await self.js.publish(
+                    subject, payload, timeout=wait_s, headers=dict(headers or {})
+                )
+            except nats.js.errors.BadRequestError as exc:
+                if (
+                    exc.err_code == WRONG_LAST_SEQUENCE
+                    and headers
+                    and (
+                        EXPECTED_LAST_SUBJECT_SEQ_SUBJECT in headers
+                        or Header.EXPECTED_LAST_SUBJECT_SEQUENCE in headers
+                    )
+                ):
+                    raise FencedError(
+                        f"the server refused a write to {subject}: {exc.description}; "
+                        "a newer master holds the lease"
+                    ) from exc
+                raise
+            return int(ack.seq)
+
+        return await self._retry_with_timeout(attempt, deadline_s=deadline_s, what=subject)
+
+    async def publish_many(
+        self, events: Iterable[ev.Event], *, deadline_s: float = 30.0
+    ) -> list[int]:
+        """Pipelined publish of many events (windowed `publish_async`); sequences in order.
+
+        Each event keeps its id, so events whose ack was lost are re-sent and
+        deduplicated by the server.
+        """
+        batch = list(events)
+        seqs: list[int] = [0] * len(batch)
+        deadline = time.monotonic() + deadline_s
+        pending = list(range(len(batch)))
+        delay = 0.05
+        while pending:
+            futures = []
+            for i in pending:
+                e = batch[i]
+                futures.append(
+                    await self.js.publish_async(
+                        subjects.subject_for(e), ev.encode(e), headers={Header.MSG_ID: e.id}
+                    )
+                )
+            remaining = max(0.1, deadline - time.monotonic())
+            results = await asyncio.gather(
+                *(asyncio.wait_for(f, remaining) for f in futures), return_exceptions=True
+            )
+            failed = []
+            for i, res in zip(pending, results, strict=True):
+                if isinstance(res, BaseException):
+                    if not isinstance(res, _RETRYABLE):
+                        raise res
+                    failed.append(i)
+                else:
+                    seqs[i] = int(res.seq)
+            pending = failed
+            if pending:
+                if time.monotonic() >= deadline:
+                    raise PublishDeadlineError(
+                        f"{len(pending)} of {len(batch)} events were not acknowledged within "
+                        f"{deadline_s:g}s; is JetStream available?"
+                    )
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        return seqs
+
+    async def _retry(self, fn: Callable[[], Awaitable[Any]], *, deadline_s: float) -> Any:
+        return await self._retry_with_timeout(
+            lambda _t: fn(), deadline_s=deadline_s, what="request"
+        )
+
+    async def _retry_with_timeout(
+        self, fn: Callable[[float], Awaitable[Any]], *, deadline_s: float, what: str
+    ) -> Any:
+        deadline = time.monotonic() + deadline_s
+        delay = 0.05
+        tries = 0
+        while True:
+            tries += 1
+            remaining = deadline - time.monotonic()
+            try:
+                return await fn(max(0.05, min(2.0, remaining)))
+            except _RETRYABLE as exc:
+                last: BaseException = exc
+            except nats.js.errors.APIError as exc:
+                if exc.code != 503:
+                    raise
+                last = exc
+            if time.monotonic() + delay >= deadline:
+                raise PublishDeadlineError(
+                    f"{what}: no acknowledgement from JetStream after {tries} tries in "
+                    f"{deadline_s:g}s (last error: {type(last).__name__}: {last}); "
+                    "is the NATS server up and does JetStream have a leader?"
+                ) from last
+            log.debug("retrying", what=what, attempt=tries, error=type(last).__name__)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(1.0, delay * 2)
+
+    # ------------------------------------------------------------------ consuming
+
+    async def last_seq(self, stream: str, subject_filter: str) -> int:
+        """Stream sequence of the newest message matching `subject_filter` (0 if none)."""
+
+        async def get() -> int:
+            try:
+                msg = await self.js.get_last_msg(stream, subject_filter, direct=True)
+            except nats.js.errors.NotFoundError:
+                return 0
+            return int(msg.seq or 0)
+
+        return int(await self._retry(get, deadline_s=15.0))
+
+    async def job_exists(self, job: str) -> bool:
+        return await self.last_seq(subjects.EVENTS_STREAM, subjects.job_events(job)) > 0
+
+    async def subscribe(
+        self,
+        stream: str,
+        subject_filter: str,
+        on_recorded: OnRecorded,
+        on_rejected: OnRejected,
+        *,
+        start_seq: int | None = None,
+        start_time: dt.datetime | None = None,
+        last_per_subject: bool = False,
+    ) -> Feed:
+        """Deliver every stored and future message matching `subject_filter`, in order.
+
+        Starts at `start_seq`, or at `start_time`, or with the newest message
+        per subject (`last_per_subject`), else at the beginning. Handlers may
+        be coroutines. A handler that raises a `RoveError` is logged with the
+        message's sequence and the feed goes on; anything else propagates
+        (nats-py reports it through the error callback).
+        """
+        target = await self.last_seq(stream, subject_filter)
+        if start_seq is not None:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
+            )
+        elif start_time is not None:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start_time
+            )
+        elif last_per_subject:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        else:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        feed = Feed(sub=None, target_seq=target)
+        first = start_seq if start_seq is not None else 1
+        if target == 0 or (start_seq is not None and target < first):
+            feed.caught_up.set()
+
+        async def on_msg(msg: Msg) -> None:
+            meta = msg.metadata
+            seq = meta.sequence.stream
+            item = records.read(stream, seq, msg.subject, msg.data)
+            try:
+                if isinstance(item, records.Recorded):
+                    r = on_recorded(item)
+                else:
+                    log.warning(
+                        "rejected a stored message",
+                        stream=stream,
+                        seq=seq,
+                        subject=msg.subject,
+                        error=item.error,
+                    )
+                    r = on_rejected(item)
+                if r is not None:
+                    await r
+            except RoveError:
+                log.exception("handler failed on a stored message; skipped", stream=stream, seq=seq)
+            feed.last_seq = seq
+            if not feed.caught_up.is_set() and (seq >= target or meta.num_pending == 0):
+                feed.caught_up.set()
+
+        feed.sub = await self.js.subscribe(
+            subject_filter,
+            stream=stream,
+            cb=on_msg,
+            ordered_consumer=True,
+            config=config,
+        )
+        return feed
+
+
+async def _quiet_close(nc: NatsClient) -> None:
+    state = getattr(nc, "_rove_state", None)
+    if state is not None:
+        state["closing"] = True
+    if nc.is_closed:
+        return
+    try:
+        await nc.close()
+    except (nats.errors.Error, OSError, asyncio.CancelledError):
+        pass

@@ -1,0 +1,160 @@
+"""Arguments and helpers shared by the CLI commands: NATS options, exit codes, durations."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+
+from rove.control import embedded
+from rove.control.bus import BusOptions
+from rove.control.errors import ConfigError
+
+# Exit codes of the CLI.
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_UNKNOWN_JOB = 4
+EXIT_INTERRUPTED = 130
+
+
+def add_nats_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("NATS connection")
+    g.add_argument(
+        "--nats",
+        metavar="URL",
+        default=os.environ.get("ROVE_NATS_URL"),
+        help="NATS server URL(s), comma-separated (env ROVE_NATS_URL)",
+    )
+    g.add_argument(
+        "--nats-user",
+        default=os.environ.get("ROVE_NATS_USER"),
+        help="user name (env ROVE_NATS_USER)",
+    )
+    g.add_argument(
+        "--nats-password",
+        default=os.environ.get("ROVE_NATS_PASSWORD"),
+        help="password (env ROVE_NATS_PASSWORD)",
+    )
+    g.add_argument(
+        "--nats-token",
+        default=os.environ.get("ROVE_NATS_TOKEN"),
+        help="token (env ROVE_NATS_TOKEN)",
+    )
+    g.add_argument(
+        "--nats-creds",
+        metavar="FILE",
+        default=os.environ.get("ROVE_NATS_CREDS"),
+        help="credentials file with a user JWT and nkey seed (env ROVE_NATS_CREDS)",
+    )
+    g.add_argument(
+        "--nats-nkey",
+        metavar="FILE",
+        default=os.environ.get("ROVE_NATS_NKEY"),
+        help="nkey seed file (env ROVE_NATS_NKEY)",
+    )
+    g.add_argument(
+        "--nats-tls-ca",
+        metavar="FILE",
+        default=os.environ.get("ROVE_NATS_TLS_CA"),
+        help="CA bundle to verify the server (env ROVE_NATS_TLS_CA)",
+    )
+    g.add_argument(
+        "--nats-tls-cert",
+        metavar="FILE",
+        default=os.environ.get("ROVE_NATS_TLS_CERT"),
+        help="client certificate for mutual TLS (env ROVE_NATS_TLS_CERT)",
+    )
+    g.add_argument(
+        "--nats-tls-key",
+        metavar="FILE",
+        default=os.environ.get("ROVE_NATS_TLS_KEY"),
+        help="client key for mutual TLS (env ROVE_NATS_TLS_KEY)",
+    )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=int(os.environ.get("ROVE_NATS_REPLICAS", "0") or 0),
+        help="stream replicas when creating streams: 1 on one server, 3 on a cluster "
+        "(default: 1 embedded, 3 for a URL listing 3+ servers, else 1)",
+    )
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    for flag in ("nats_creds", "nats_nkey", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+        value = getattr(args, flag, None)
+        if value and not Path(value).is_file():
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: no such file")
+
+
+def bus_options(
+    args: argparse.Namespace,
+    *,
+    name: str,
+    job: str | None = None,
+    daemon: bool = False,
+    allow_embedded: bool = False,
+    lease_ttl_s: float = 6.0,
+) -> BusOptions:
+    """BusOptions from the parsed arguments.
+
+    Without --nats, a CLI command uses the URL that the job's embedded server
+    recorded on this machine; a daemon with `allow_embedded` starts one.
+
+    Raises:
+        ConfigError: nothing to connect to, or a named file is missing.
+    """
+    _check_files(args)
+    url = args.nats
+    embedded_dir = None
+    if not url and job is not None:
+        if allow_embedded:
+            embedded_dir = embedded.job_dir(job) / "nats"
+        else:
+            url = embedded.recorded_url(job)
+    if not url and embedded_dir is None:
+        raise ConfigError(
+            "no NATS server to connect to: pass --nats nats://host:4222 or set ROVE_NATS_URL "
+            + (f"(no embedded server of job {job!r} is running on this machine)" if job else "")
+        )
+    replicas = args.replicas or (3 if url and len(url.split(",")) >= 3 else 1)
+    return BusOptions(
+        url=url,
+        user=args.nats_user,
+        password=args.nats_password,
+        token=args.nats_token,
+        creds_file=args.nats_creds,
+        nkey_seed_file=args.nats_nkey,
+        tls_ca_file=args.nats_tls_ca,
+        tls_cert_file=args.nats_tls_cert,
+        tls_key_file=args.nats_tls_key,
+        name=name,
+        reconnect_forever=daemon,
+        replicas=replicas,
+        lease_ttl_s=lease_ttl_s,
+        embedded_dir=embedded_dir,
+    )
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def duration(text: str) -> float:
+    """'90s', '5m', '1.5h', '2d', '250ms' or a plain number of seconds -> seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {text!r}: "
+            "use a number with an optional unit ms, s, m, h or d (e.g. 10m)"
+        )
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value

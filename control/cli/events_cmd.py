@@ -1,0 +1,95 @@
+"""`rove events`: print a job's events as readable lines or JSON lines, optionally following."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import sys
+
+from rove.control import events as ev
+from rove.control import records, subjects
+from rove.control.bus import Bus
+from rove.control.cli import common
+from rove.control.cli.format import event_json, event_line
+from rove.control.errors import ConfigError, UnknownJobError
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("events", help="print a job's events", description=__doc__)
+    p.add_argument("--job", required=True, help="job name")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.add_argument(
+        "--since",
+        type=common.duration,
+        metavar="DURATION",
+        help="only events newer than this, e.g. 30s, 10m, 2h",
+    )
+    p.add_argument(
+        "--type",
+        dest="types",
+        action="append",
+        metavar="TYPE",
+        help="only this event type (repeatable), e.g. node_lost",
+    )
+    p.add_argument("--node", help="only events about this node")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    common.add_nats_args(p)
+    p.set_defaults(func=run)
+
+
+def matches(event: ev.Event, types: set[str] | None, node: str | None) -> bool:
+    if types and ev.kind(event) not in types:
+        return False
+    return not (node and getattr(event, "node", None) != node)
+
+
+def run(args: argparse.Namespace) -> int:
+    subjects.check_name("job", args.job)
+    if args.types:
+        unknown = sorted(set(args.types) - set(ev.EVENT_TYPES))
+        if unknown:
+            raise ConfigError(
+                f"unknown event type(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(ev.EVENT_TYPES))}"
+            )
+    if args.node:
+        subjects.check_name("node", args.node)
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    options = common.bus_options(args, name="rove-events", job=args.job, daemon=args.follow)
+    types = set(args.types) if args.types else None
+    out = sys.stdout
+    async with await Bus.connect(options) as bus:
+        if not await bus.job_exists(args.job):
+            raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
+
+        def show(rec: records.Recorded) -> None:
+            if not matches(rec.event, types, args.node):
+                return
+            if args.json:
+                out.write(event_json(rec).decode() + "\n")
+            else:
+                out.write(event_line(rec) + "\n")
+            out.flush()
+
+        def bad(rej: records.Rejection) -> None:
+            if not args.json:
+                out.write(f"{'':23}  #{rej.seq:<6} {'?':<24} {'(unreadable)':<16} {rej.error}\n")
+
+        start_time = None
+        if args.since is not None:
+            start_time = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=args.since)
+        feed = await bus.subscribe(
+            subjects.EVENTS_STREAM, subjects.job_events(args.job), show, bad, start_time=start_time
+        )
+        try:
+            if args.follow:
+                await asyncio.Event().wait()
+            else:
+                await feed.caught_up.wait()
+        finally:
+            await feed.stop()
+    return common.EXIT_OK

@@ -1,0 +1,45 @@
+"""Readable renderings of events for `rove events` (pure functions)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import msgspec
+
+from rove.control import events as ev
+from rove.control.records import Recorded
+
+_COMMON = {"job", "id", "producer", "ts", "epoch"}
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bytes):
+        return f"<{len(v)} bytes>"
+    if isinstance(v, float):
+        return f"{v:.3f}".rstrip("0").rstrip(".")
+    if isinstance(v, msgspec.Struct | tuple | list | dict):
+        return msgspec.json.encode(v).decode()
+    text = str(v)
+    return text if text and " " not in text else repr(text)
+
+
+def key_fields(event: ev.Event) -> dict[str, Any]:
+    """The fields that say what this event is about (everything but the envelope)."""
+    return {f: getattr(event, f) for f in event.__struct_fields__ if f not in _COMMON}
+
+
+def event_line(rec: Recorded) -> str:
+    e = rec.event
+    when = dt.datetime.fromtimestamp(e.ts).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    fields = " ".join(
+        f"{k}={_value(v)}" for k, v in key_fields(e).items() if v not in (None, "", ())
+    )
+    if isinstance(e, ev.Decision):
+        fields = f"epoch={e.epoch} {fields}".rstrip()
+    return f"{when}  #{rec.seq:<6} {e.producer:<24} {ev.kind(e):<16} {fields}"
+
+
+def event_json(rec: Recorded) -> bytes:
+    body = msgspec.to_builtins(rec.event)
+    return msgspec.json.encode({"seq": rec.seq, "subject": rec.subject, **body})

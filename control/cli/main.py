@@ -1,0 +1,57 @@
+"""Entry point of the `rove` console script: parse, dispatch, map errors to exit codes.
+
+User mistakes (bad arguments, unreachable server, unknown job) print one
+clear line on stderr and exit with a documented code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rove.control import logs
+from rove.control.cli import common, events_cmd, master_cmd, status_cmd, stop_cmd
+from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rove",
+        description="rove: elastic, self-healing distributed training on NATS JetStream.",
+        epilog="exit codes: 0 ok, 1 failed, 2 bad arguments, 3 NATS unreachable, 4 unknown job",
+    )
+    p.add_argument(
+        "--log-level", default=None, help="debug, info, warning, error (env ROVE_LOG_LEVEL)"
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (master_cmd, events_cmd, status_cmd, stop_cmd):
+        module.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.configure(args.log_level)
+    try:
+        code: int = args.func(args)
+        return code
+    except ConfigError as exc:
+        print(f"rove {args.command}: {exc}", file=sys.stderr)
+        return common.EXIT_USAGE
+    except BusUnavailableError as exc:
+        print(f"rove {args.command}: {exc}", file=sys.stderr)
+        return common.EXIT_UNREACHABLE
+    except UnknownJobError as exc:
+        print(f"rove {args.command}: {exc}", file=sys.stderr)
+        return common.EXIT_UNKNOWN_JOB
+    except RoveError as exc:
+        print(f"rove {args.command}: {exc}", file=sys.stderr)
+        return common.EXIT_FAILED
+    except KeyboardInterrupt:
+        return common.EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

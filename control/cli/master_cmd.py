@@ -1,0 +1,102 @@
+"""`rove master`: run a master candidate for a job (leader or standby).
+
+Start it any number of times against the same NATS: one leads, the others
+follow the stream and take over within the lease TTL when the leader dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+
+import structlog
+
+from rove.control import embedded, events, subjects
+from rove.control.bus import Bus
+from rove.control.cli import common
+from rove.control.master.runner import MasterRunner
+
+log = structlog.get_logger("rove.master")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "master", help="run a master for a job (leader or standby)", description=__doc__
+    )
+    p.add_argument("--job", required=True, help="job name")
+    p.add_argument("--id", dest="master_id", help="this master's id (default: host-pid)")
+    p.add_argument(
+        "--node-timeout",
+        type=common.positive,
+        default=30.0,
+        metavar="SECONDS",
+        help="a node with no heartbeat for this long is lost (default 30)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=common.positive,
+        default=6.0,
+        metavar="SECONDS",
+        help="leader lease TTL when the lease bucket is created (default 6)",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=1000,
+        metavar="EVENTS",
+        help="write a snapshot after this many events (default 1000)",
+    )
+    p.add_argument(
+        "--snapshot-interval",
+        type=common.positive,
+        default=30.0,
+        metavar="SECONDS",
+        help="or after this many seconds with new events (default 30)",
+    )
+    common.add_nats_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    subjects.check_name("job", args.job)
+    master_id = args.master_id or f"{socket.gethostname()}-{os.getpid()}"
+    subjects.check_name("master id", master_id)
+    return asyncio.run(_run(args, master_id))
+
+
+async def _run(args: argparse.Namespace, master_id: str) -> int:
+    options = common.bus_options(
+        args,
+        name=f"rove-master-{master_id}",
+        job=args.job,
+        daemon=True,
+        allow_embedded=True,
+        lease_ttl_s=args.lease_ttl,
+    )
+    bus = await Bus.connect(options)
+    if bus.server is not None:
+        path = embedded.url_file(args.job)
+        path.write_text(bus.url + "\n")
+        log.info("started an embedded NATS server", url=bus.url, store=str(options.embedded_dir))
+    runner = MasterRunner(
+        bus,
+        args.job,
+        master_id,
+        events.JobSpec(node_timeout_s=args.node_timeout),
+        snapshot_every_events=args.snapshot_every,
+        snapshot_every_s=args.snapshot_interval,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, runner.stop)
+    try:
+        await runner.run()
+    finally:
+        if bus.server is not None:
+            embedded.url_file(args.job).unlink(missing_ok=True)
+        await bus.close()
+    log.info("master stopped", job=args.job, master=master_id)
+    return common.EXIT_OK

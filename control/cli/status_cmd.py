@@ -1,0 +1,162 @@
+"""`rove status`: the folded state of a job as a table, or one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from rove.control import events as ev
+from rove.control import subjects
+from rove.control.bus import Bus
+from rove.control.cli import common
+from rove.control.errors import UnknownJobError
+from rove.control.master.election import Holder, current_holder
+from rove.control.master.replica import Replica
+from rove.control.master.state import JobState
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("status", help="show a job's state", description=__doc__)
+    p.add_argument("--job", required=True, help="job name")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_nats_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    subjects.check_name("job", args.job)
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    options = common.bus_options(args, name="rove-status", job=args.job)
+    async with await Bus.connect(options) as bus:
+        if not await bus.job_exists(args.job):
+            raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
+        replica = Replica(bus, args.job)
+        await replica.start()
+        await replica.stop()
+        kv, _ttl = await bus.lease_bucket()
+        holder = await current_holder(kv, subjects.lease_key(args.job))
+    view = status_view(replica.state, replica.liveness, holder, time.time())
+    if args.json:
+        sys.stdout.write(json.dumps(view) + "\n")
+    else:
+        sys.stdout.write(render(view))
+    return common.EXIT_OK
+
+
+def status_view(
+    state: JobState, liveness: Mapping[str, ev.Heartbeat], holder: Holder | None, now: float
+) -> dict[str, Any]:
+    """Everything `rove status` shows, as plain data (pure)."""
+    nodes = []
+    for n in sorted(state.nodes.values(), key=lambda r: r.node):
+        hb = liveness.get(n.node)
+        fresh = hb is not None and hb.incarnation == n.incarnation
+        ranks = hb.ranks if fresh and hb else ()
+        nodes.append(
+            {
+                "node": n.node,
+                "status": n.status.value,
+                "host": n.host,
+                "pid": n.pid,
+                "incarnation": n.incarnation,
+                "reason": n.reason,
+                "last_heartbeat_age_s": round(now - hb.ts, 1) if fresh and hb else None,
+                "ranks": len(ranks),
+                "step": max((r.step for r in ranks), default=None),
+                "samples_per_s": round(sum(r.samples_per_s for r in ranks), 1) if ranks else None,
+                "cpu_percent": hb.cpu_percent if fresh and hb else None,
+                "mem_used_bytes": hb.mem_used_bytes if fresh and hb else None,
+            }
+        )
+    return {
+        "job": state.job,
+        "phase": state.phase.value,
+        "end_reason": state.end_reason or None,
+        "leader": state.leader or None,
+        "epoch": state.epoch,
+        "lease_holder": holder.master if holder else None,
+        "applied_seq": state.applied_seq,
+        "spec": msgspec.to_builtins(state.spec) if state.spec else None,
+        "nodes": nodes,
+        "counters": msgspec.to_builtins(state.counters),
+        "recent_rejections": [
+            {"stream": r.stream, "seq": r.stream_seq, "subject": r.subject, "error": r.error}
+            for r in state.recent_rejections
+        ],
+    }
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _mib(v: int | None) -> str:
+    return "-" if v is None else f"{v / 2**20:.0f}MiB"
+
+
+_NO_HOLDER = "nobody (failover in progress, or no master running)"
+
+
+def render(view: dict[str, Any]) -> str:
+    lines = [
+        f"job {view['job']}: {view['phase']}"
+        + (f" ({view['end_reason']})" if view["end_reason"] else ""),
+        f"leader {view['leader'] or '(none elected yet)'}, epoch {view['epoch']}; "
+        f"lease held by {view['lease_holder'] or _NO_HOLDER}",
+        f"{view['counters']['events']} events folded (stream seq {view['applied_seq']}), "
+        f"{view['counters']['rejected']} rejected",
+        "",
+    ]
+    header = [
+        "NODE",
+        "STATUS",
+        "HOST",
+        "PID",
+        "HEARTBEAT",
+        "RANKS",
+        "STEP",
+        "SAMPLES/S",
+        "CPU%",
+        "MEM",
+    ]
+    rows = [
+        [
+            n["node"],
+            n["status"] + (f" ({n['reason']})" if n["reason"] else ""),
+            n["host"],
+            str(n["pid"]),
+            "-" if n["last_heartbeat_age_s"] is None else f"{n['last_heartbeat_age_s']:g}s ago",
+            str(n["ranks"]),
+            _cell(n["step"]),
+            _cell(n["samples_per_s"]),
+            _cell(n["cpu_percent"]),
+            _mib(n["mem_used_bytes"]),
+        ]
+        for n in view["nodes"]
+    ]
+    if rows:
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for r in [header, *rows]:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    else:
+        lines.append("no nodes have joined")
+    if view["recent_rejections"]:
+        lines.append("")
+        lines.append("recently rejected messages:")
+        for r in view["recent_rejections"][-5:]:
+            lines.append(f"  {r['stream']} #{r['seq']} on {r['subject']}: {r['error']}")
+    return "\n".join(lines) + "\n"

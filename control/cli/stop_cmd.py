@@ -1,0 +1,50 @@
+"""`rove stop`: ask a job to stop; the leading master ends it with phase `stopped`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import socket
+import sys
+import time
+import uuid
+
+from rove.control import events as ev
+from rove.control import subjects
+from rove.control.bus import Bus
+from rove.control.cli import common
+from rove.control.errors import UnknownJobError
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("stop", help="ask a job to stop", description=__doc__)
+    p.add_argument("--job", required=True, help="job name")
+    p.add_argument("--reason", default="", help="recorded with the request")
+    common.add_nats_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    subjects.check_name("job", args.job)
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    options = common.bus_options(args, name="rove-stop", job=args.job)
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    async with await Bus.connect(options) as bus:
+        if not await bus.job_exists(args.job):
+            raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
+        event = ev.StopRequested(
+            job=args.job,
+            id=ev.make_id(args.job, "stop", uuid.uuid4().hex),
+            producer=f"cli:{who}",
+            ts=time.time(),
+            reason=args.reason or f"requested by {who}",
+        )
+        seq = await bus.publish(event)
+    sys.stdout.write(
+        f"stop of job {args.job} requested (event #{seq}); the leading master ends it\n"
+    )
+    return common.EXIT_OK

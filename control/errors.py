@@ -1,0 +1,54 @@
+"""The control plane's errors.
+
+One root (`RoveError`); each error says whether retrying can help
+(`TemporaryError`) or not (`PermanentError`), and carries a message written for
+the person who must act on it: what happened and what to do.
+"""
+
+from __future__ import annotations
+
+
+class RoveError(Exception):
+    """Root of every error rove raises on purpose."""
+
+
+class PermanentError(RoveError):
+    """Retrying the same call cannot succeed; a person or a caller must change something."""
+
+
+class TemporaryError(RoveError):
+    """The call may succeed later (a server is electing a leader, a connection is down).
+
+    `retry_after` hints how long to wait before the next try, in seconds.
+    """
+
+    def __init__(self, message: str, *, retry_after: float = 0.5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ConfigError(PermanentError):
+    """Bad arguments or configuration given by the user."""
+
+
+class BusUnavailableError(TemporaryError):
+    """The NATS server could not be reached or JetStream did not answer in time."""
+
+
+class PublishDeadlineError(BusUnavailableError):
+    """A publish kept failing with retryable errors until its total deadline ran out."""
+
+
+class FencedError(PermanentError):
+    """The server refused a master write because a newer master was elected.
+
+    The writer has been deposed: it must stop deciding and go back to standby.
+    """
+
+
+class UnknownJobError(PermanentError):
+    """No event of the named job exists on the bus."""
+
+
+class InvalidEventError(PermanentError):
+    """A payload could not be decoded or does not fit the subject it arrived on."""

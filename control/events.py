@@ -1,0 +1,231 @@
+"""The event catalogue: every fact and every decision rove records.
+
+Every event is a frozen, tagged `msgspec.Struct` carrying the job, a
+deterministic id (sent as `Nats-Msg-Id`, so a retried publish is stored once),
+its producer and the producer's wall-clock timestamp. Master decisions also
+carry the master epoch that made them. One decoder reads the whole union;
+msgpack is the wire format. Nothing is ever pickled.
+
+Schema evolution (the rule every change to this file follows):
+
+* a new field gets a default, so old payloads still decode;
+* a field's type never changes, and a field is never renamed;
+* a tag is never reused: a changed meaning is a new class with a new tag;
+* unknown fields are ignored, so an old reader accepts a newer writer's event;
+  an unknown *tag* is rejected, so roll out readers before writers.
+
+`tests/data/events_v1.msgpack` holds payloads written by the first version of
+this catalogue; the test suite decodes them on every run.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import msgspec
+
+
+class JobPhase(enum.StrEnum):
+    """Lifecycle of a job.
+
+    PENDING -> RUNNING (first node joined) -> one of FINISHED, FAILED, STOPPED.
+    Terminal phases never change again.
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL: Final = frozenset({JobPhase.FINISHED, JobPhase.FAILED, JobPhase.STOPPED})
+
+
+class Event(msgspec.Struct, tag_field="type", frozen=True, kw_only=True):
+    """Fields every event carries."""
+
+    job: str
+    id: str
+    producer: str
+    ts: float
+
+
+class Decision(Event, frozen=True, kw_only=True):
+    """An event the leading master decided; `epoch` fences stale masters."""
+
+    epoch: int
+
+
+# --------------------------------------------------------------------------- values
+
+
+class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Job-level settings fixed by the first leader and folded into the state."""
+
+    node_timeout_s: float = 30.0
+
+
+class RankStat(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker process's progress and resource use, inside a heartbeat."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    step: int = 0
+    samples_per_s: float = 0.0
+    cpu_percent: float = 0.0
+    rss_bytes: int = 0
+    gpu_mem_bytes: int | None = None
+    gpu_util_percent: float | None = None
+
+
+# --------------------------------------------------------------------------- agent facts
+
+
+class NodeJoined(Event, tag="node_joined", frozen=True, kw_only=True):
+    """An agent started (or restarted: a new `incarnation`) on `node`."""
+
+    node: str
+    host: str
+    pid: int
+    incarnation: str
+    nproc_per_node: int = 1
+
+
+class NodeLeft(Event, tag="node_left", frozen=True, kw_only=True):
+    """An agent stopped on purpose (SIGTERM, job done) and will not heartbeat again."""
+
+    node: str
+    incarnation: str
+    reason: str = ""
+
+
+class Heartbeat(Event, tag="heartbeat", frozen=True, kw_only=True):
+    """Periodic liveness and metrics of one node and all its ranks (stream ROVE_HB)."""
+
+    node: str
+    incarnation: str
+    seq: int
+    cpu_percent: float = 0.0
+    mem_used_bytes: int = 0
+    mem_total_bytes: int = 0
+    ranks: tuple[RankStat, ...] = ()
+
+
+# --------------------------------------------------------------------------- operator commands
+
+
+class StopRequested(Event, tag="stop_requested", frozen=True, kw_only=True):
+    """An operator asked the job to stop (`rove stop`)."""
+
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- master decisions
+
+
+class MasterElected(Decision, tag="master_elected", frozen=True, kw_only=True):
+    """`master` holds the job's leader lease; `epoch` is the lease revision."""
+
+    master: str
+
+
+class JobConfigured(Decision, tag="job_configured", frozen=True, kw_only=True):
+    """The job's settings, fixed by its first leader."""
+
+    spec: JobSpec
+
+
+class NodeLost(Decision, tag="node_lost", frozen=True, kw_only=True):
+    """`node` sent no heartbeat for longer than the job's node timeout."""
+
+    node: str
+    incarnation: str
+    last_seen: float
+    timeout_s: float
+
+
+class JobEnded(Decision, tag="job_ended", frozen=True, kw_only=True):
+    """The job reached a terminal phase."""
+
+    phase: JobPhase
+    reason: str = ""
+
+
+class EventRejected(Decision, tag="event_rejected", frozen=True, kw_only=True):
+    """Dead letter: a payload that failed to decode or validate, recorded and skipped."""
+
+    stream: str
+    stream_seq: int
+    subject: str
+    error: str
+    payload_size: int
+    payload_head: bytes = b""
+
+
+AnyEvent = (
+    NodeJoined
+    | NodeLeft
+    | Heartbeat
+    | StopRequested
+    | MasterElected
+    | JobConfigured
+    | NodeLost
+    | JobEnded
+    | EventRejected
+)
+
+EVENT_TYPES: Final[dict[str, type[Event]]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in (
+        NodeJoined,
+        NodeLeft,
+        Heartbeat,
+        StopRequested,
+        MasterElected,
+        JobConfigured,
+        NodeLost,
+        JobEnded,
+        EventRejected,
+    )
+}
+
+#: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).
+PAYLOAD_HEAD_BYTES: Final = 256
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyEvent)
+
+
+def encode(event: Event) -> bytes:
+    """msgpack bytes of `event`, as published on the bus."""
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> AnyEvent:
+    """Decode one event.
+
+    Raises:
+        msgspec.DecodeError: the bytes are not msgpack.
+        msgspec.ValidationError: msgpack, but not an event of this catalogue
+            (unknown tag, missing field, wrong type), with the path in the message.
+    """
+    return _decoder.decode(data)
+
+
+def kind(event: Event | type[Event]) -> str:
+    """The event's tag, e.g. ``node_joined``."""
+    tag = event.__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+def make_id(*parts: object) -> str:
+    """A deterministic event id from its identifying parts (used as `Nats-Msg-Id`)."""
+    return ":".join(str(p) for p in parts)

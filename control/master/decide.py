@@ -1,0 +1,80 @@
+"""`decide(state, liveness, now) -> decisions`: what the leading master should do now.
+
+Pure: the clock is the `now` argument, heartbeats are the `liveness` argument
+(they are soft state, read from the heartbeat stream, not folded). A decision
+takes effect only when it comes back through the stream, so `decide` may
+return the same decision on several ticks: its id is a function of the state
+it answers, and the server drops the repeats (`Nats-Msg-Id`).
+
+Only the elected leader calls this, after its own `master_elected` event has
+been folded (so `state.leader` and `state.epoch` name it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rove.control import events as ev
+from rove.control.master.state import JobState, NodeStatus
+
+
+def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) -> list[ev.Decision]:
+    if state.phase.terminal or state.spec is None:
+        return []
+    decisions: list[ev.Decision] = []
+    decisions.extend(_lost_nodes(state, liveness, now))
+    decisions.extend(_stop(state, now))
+    return decisions
+
+
+def _common(state: JobState, now: float, *id_parts: object) -> dict[str, object]:
+    return {
+        "job": state.job,
+        "id": ev.make_id(state.job, *id_parts),
+        "producer": f"master:{state.leader}",
+        "ts": now,
+        "epoch": state.epoch,
+    }
+
+
+def _lost_nodes(
+    state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float
+) -> list[ev.Decision]:
+    assert state.spec is not None
+    timeout = state.spec.node_timeout_s
+    # A new leader gives every node one full timeout to reach it before it
+    # declares anyone lost: heartbeats may have paused while there was no leader.
+    if now - state.leader_since < timeout:
+        return []
+    lost: list[ev.Decision] = []
+    for node in state.nodes.values():
+        if node.status is not NodeStatus.ACTIVE:
+            continue
+        hb = liveness.get(node.node)
+        last_seen = node.joined_ts
+        if hb is not None and hb.incarnation == node.incarnation:
+            last_seen = max(last_seen, hb.ts)
+        if now - last_seen > timeout:
+            lost.append(
+                ev.NodeLost(
+                    **_common(state, now, "node_lost", node.node, node.incarnation),  # type: ignore[arg-type]
+                    node=node.node,
+                    incarnation=node.incarnation,
+                    last_seen=last_seen,
+                    timeout_s=timeout,
+                )
+            )
+    return lost
+
+
+def _stop(state: JobState, now: float) -> list[ev.Decision]:
+    if state.stop_requested is None:
+        return []
+    reason = state.stop_requested or "stopped by an operator"
+    return [
+        ev.JobEnded(
+            **_common(state, now, "job_ended", ev.JobPhase.STOPPED),  # type: ignore[arg-type]
+            phase=ev.JobPhase.STOPPED,
+            reason=reason,
+        )
+    ]

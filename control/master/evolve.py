@@ -1,0 +1,111 @@
+"""`evolve(state, event, seq) -> state`: fold one recorded event into the job state.
+
+Pure: no clock, no I/O, no randomness; it never raises on a decoded event.
+`seq` is the event's stream sequence, part of the recorded fact. Decisions
+from an older epoch than the state's (a deposed master that slipped past the
+fence) are counted and otherwise ignored, as are decisions that no longer
+apply (a node lost twice), so replaying duplicates is harmless.
+"""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from rove.control import events as ev
+from rove.control.master.state import (
+    RECENT_REJECTIONS,
+    Counters,
+    JobState,
+    NodeRecord,
+    NodeStatus,
+)
+
+
+def evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
+    counters = replace(state.counters, events=state.counters.events + 1)
+    if isinstance(event, ev.Decision) and event.epoch < state.epoch:
+        counters = replace(counters, stale_decisions=counters.stale_decisions + 1)
+        return replace(state, counters=counters, applied_seq=seq)
+    new = _apply(state, event, seq, counters)
+    return replace(new, applied_seq=seq)
+
+
+def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> JobState:
+    match event:
+        case ev.NodeJoined():
+            record = NodeRecord(
+                node=event.node,
+                host=event.host,
+                pid=event.pid,
+                incarnation=event.incarnation,
+                status=NodeStatus.ACTIVE,
+                joined_ts=event.ts,
+                nproc_per_node=event.nproc_per_node,
+            )
+            phase = ev.JobPhase.RUNNING if state.phase is ev.JobPhase.PENDING else state.phase
+            return replace(
+                state,
+                nodes={**state.nodes, event.node: record},
+                phase=phase,
+                counters=replace(counters, nodes_joined=counters.nodes_joined + 1),
+            )
+        case ev.NodeLeft():
+            node = state.nodes.get(event.node)
+            if node is None or node.incarnation != event.incarnation:
+                return replace(state, counters=counters)
+            left = replace(node, status=NodeStatus.LEFT, reason=event.reason)
+            return replace(
+                state,
+                nodes={**state.nodes, event.node: left},
+                counters=replace(counters, nodes_left=counters.nodes_left + 1),
+            )
+        case ev.NodeLost():
+            node = state.nodes.get(event.node)
+            if (
+                node is None
+                or node.status is not NodeStatus.ACTIVE
+                or node.incarnation != event.incarnation
+            ):
+                return replace(state, counters=counters)
+            lost = replace(
+                node,
+                status=NodeStatus.LOST,
+                reason=f"no heartbeat for {event.timeout_s:g}s",
+            )
+            return replace(
+                state,
+                nodes={**state.nodes, event.node: lost},
+                counters=replace(counters, nodes_lost=counters.nodes_lost + 1),
+            )
+        case ev.MasterElected():
+            return replace(
+                state,
+                leader=event.master,
+                epoch=event.epoch,
+                elected_seq=seq,
+                leader_since=event.ts,
+                counters=replace(counters, elections=counters.elections + 1),
+            )
+        case ev.JobConfigured():
+            if state.spec is not None:
+                return replace(state, counters=counters)
+            return replace(state, spec=event.spec, counters=counters)
+        case ev.StopRequested():
+            if state.stop_requested is not None or state.phase.terminal:
+                return replace(state, counters=counters)
+            return replace(state, stop_requested=event.reason, counters=counters)
+        case ev.JobEnded():
+            if state.phase.terminal:
+                return replace(state, counters=counters)
+            return replace(state, phase=event.phase, end_reason=event.reason, counters=counters)
+        case ev.EventRejected():
+            recent = (*state.recent_rejections, event)[-RECENT_REJECTIONS:]
+            return replace(
+                state,
+                recent_rejections=recent,
+                counters=replace(counters, rejected=counters.rejected + 1),
+            )
+        case _:
+            # Heartbeats live in their own stream and never reach the fold;
+            # any other event type is folded by the features that add it.
+            return replace(state, counters=counters)

@@ -1,0 +1,132 @@
+"""A live, folded copy of one job's state, rebuilt from the bus.
+
+`Replica.start()` loads the newest snapshot, replays only the tail of the
+event stream after it (callback consumer), reads the newest heartbeat of every
+node, and then keeps following both. Masters (leader and standbys) and
+`rove status` all use it; only the leader acts on what it sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from rove.control import events as ev
+from rove.control import records, subjects
+from rove.control.bus import Bus, Feed
+from rove.control.master import snapshots
+from rove.control.master.evolve import evolve
+from rove.control.master.state import JobState, initial
+
+log = structlog.get_logger("rove.replica")
+
+
+class Replica:
+    """Folded state of `job`, following the stream.
+
+    `on_applied(recorded)` and `on_rejected(rejection)` are optional hooks
+    called after each event is folded and for each bad stored message.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        job: str,
+        *,
+        use_snapshot: bool = True,
+        on_applied: Callable[[records.Recorded], None] | None = None,
+        on_rejected: Callable[[records.Rejection], None] | None = None,
+    ) -> None:
+        self.bus = bus
+        self.job = subjects.check_name("job", job)
+        self.use_snapshot = use_snapshot
+        self.state: JobState = initial(job)
+        self.liveness: dict[str, ev.Heartbeat] = {}
+        self.snapshot_seq = 0
+        #: Newest event-stream sequence handled, folded or rejected.
+        self.seen_seq = 0
+        self._on_applied = on_applied
+        self._on_rejected = on_rejected
+        self._events: Feed | None = None
+        self._heartbeats: Feed | None = None
+        self._progress = asyncio.Condition()
+
+    async def start(self) -> None:
+        """Rebuild from snapshot + tail, then follow. Returns when caught up."""
+        if self.use_snapshot:
+            snap = await snapshots.load(self.bus, self.job)
+            if snap is not None:
+                self.state = snap
+                self.snapshot_seq = snap.applied_seq
+                self.seen_seq = snap.applied_seq
+                log.info(
+                    "loaded snapshot", job=self.job, applied_seq=snap.applied_seq, epoch=snap.epoch
+                )
+        self._events = await self.bus.subscribe(
+            subjects.EVENTS_STREAM,
+            subjects.job_events(self.job),
+            self._apply,
+            self._reject,
+            start_seq=self.state.applied_seq + 1,
+        )
+        self._heartbeats = await self.bus.subscribe(
+            subjects.HEARTBEAT_STREAM,
+            subjects.job_heartbeats(self.job),
+            self._heartbeat,
+            self._reject,
+            last_per_subject=True,
+        )
+        await self._events.caught_up.wait()
+        await self._heartbeats.caught_up.wait()
+
+    async def stop(self) -> None:
+        for feed in (self._events, self._heartbeats):
+            if feed is not None:
+                await feed.stop()
+
+    async def _apply(self, rec: records.Recorded) -> None:
+        if rec.seq <= self.seen_seq:
+            return  # already handled (an ordered consumer may redeliver after a reset)
+        if not isinstance(rec.event, ev.Heartbeat):
+            self.state = evolve(self.state, rec.event, rec.seq)
+            if self._on_applied is not None:
+                self._on_applied(rec)
+        await self._seen(rec.seq)
+
+    async def _seen(self, seq: int) -> None:
+        self.seen_seq = seq
+        async with self._progress:
+            self._progress.notify_all()
+
+    def _heartbeat(self, rec: records.Recorded) -> None:
+        hb = rec.event
+        if not isinstance(hb, ev.Heartbeat):
+            return
+        known = self.liveness.get(hb.node)
+        if known is None or known.incarnation != hb.incarnation or known.seq < hb.seq:
+            self.liveness[hb.node] = hb
+
+    async def _reject(self, rej: records.Rejection) -> None:
+        if rej.stream == subjects.EVENTS_STREAM and rej.seq <= self.seen_seq:
+            return
+        if self._on_rejected is not None:
+            self._on_rejected(rej)
+        if rej.stream == subjects.EVENTS_STREAM:
+            await self._seen(rej.seq)
+
+    async def wait_applied(self, seq: int, timeout_s: float | None = None) -> None:
+        """Wait until the message at stream sequence `seq` (or a later one) is handled."""
+
+        async def wait() -> None:
+            async with self._progress:
+                await self._progress.wait_for(lambda: self.seen_seq >= seq)
+
+        await asyncio.wait_for(wait(), timeout_s)
+
+    async def catch_up(self, timeout_s: float | None = None) -> int:
+        """Fold everything stored right now; returns the sequence reached."""
+        target = await self.bus.last_seq(subjects.EVENTS_STREAM, subjects.job_events(self.job))
+        await self.wait_applied(target, timeout_s)
+        return target

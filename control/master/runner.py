@@ -1,0 +1,276 @@
+"""The master process: follow the job, win the lease, decide, publish, snapshot.
+
+Every master (any number per job) keeps a `Replica` of the job's state. One
+of them holds the leader lease: it catches up with the stream, publishes its
+`master_elected` event fenced on the previous election (so two leaders can
+never both be elected), waits to see it folded, and then on every tick runs
+the pure `decide` and publishes what it returns, fenced on its own election.
+The server rejects the writes of a deposed leader; the leader then steps down
+to standby, its folded state still valid. Standbys keep following, ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import structlog
+
+from rove.control import events as ev
+from rove.control import records, subjects
+from rove.control.bus import Bus, Fence
+from rove.control.errors import FencedError, PublishDeadlineError
+from rove.control.master import snapshots
+from rove.control.master.decide import decide
+from rove.control.master.election import Lease
+from rove.control.master.replica import Replica
+
+log = structlog.get_logger("rove.master")
+
+#: How long a published decision is not re-published while we wait to see it folded.
+INFLIGHT_S = 5.0
+
+
+class MasterRunner:
+    """Runs one master candidate for `job` until `stop()`."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        job: str,
+        master_id: str,
+        spec: ev.JobSpec,
+        *,
+        clock: Callable[[], float] = time.time,
+        tick_s: float = 0.25,
+        snapshot_every_events: int = 1000,
+        snapshot_every_s: float = 30.0,
+    ) -> None:
+        self.bus = bus
+        self.job = subjects.check_name("job", job)
+        self.master_id = master_id
+        self.spec = spec
+        self.clock = clock
+        self.tick_s = tick_s
+        self.snapshot_every_events = snapshot_every_events
+        self.snapshot_every_s = snapshot_every_s
+        self.replica = Replica(bus, job, on_applied=self._applied, on_rejected=self._rejected)
+        self.role = "starting"
+        self.fence: Fence | None = None
+        self.lease: Lease | None = None
+        self._inflight: dict[str, float] = {}
+        self._unrecorded: dict[tuple[str, int], records.Rejection] = {}
+        self._recorded: set[tuple[str, int]] = set()
+        self._stopping = asyncio.Event()
+        self._last_snapshot_seq = 0
+        self._last_snapshot_at = 0.0
+        self.log = log.bind(job=job, master=master_id)
+
+    @property
+    def state(self):  # type: ignore[no-untyped-def]
+        return self.replica.state
+
+    # ------------------------------------------------------------------ hooks from the replica
+
+    def _applied(self, rec: records.Recorded) -> None:
+        self._inflight.pop(rec.event.id, None)
+        if isinstance(rec.event, ev.EventRejected):
+            key = (rec.event.stream, rec.event.stream_seq)
+            self._recorded.add(key)
+            self._unrecorded.pop(key, None)
+
+    def _rejected(self, rej: records.Rejection) -> None:
+        key = (rej.stream, rej.seq)
+        if key not in self._recorded:
+            self._unrecorded[key] = rej
+
+    # ------------------------------------------------------------------ main loop
+
+    async def run(self) -> None:
+        await self.replica.start()
+        self._last_snapshot_seq = self.replica.snapshot_seq
+        kv, ttl = await self.bus.lease_bucket()
+        self.lease = Lease(kv, self.job, self.master_id, ttl)
+        self.role = "standby"
+        self.log.info(
+            "master is following the job",
+            applied_seq=self.state.applied_seq,
+            leader=self.state.leader or None,
+            epoch=self.state.epoch,
+        )
+        try:
+            while not self._stopping.is_set():
+                epoch = await self.lease.try_acquire()
+                if epoch is None:
+                    await self._sleep(min(self.lease.renew_every_s, 1.0) / 2)
+                    continue
+                await self._hold(epoch)
+                self.fence = None
+                self.role = "standby"
+        finally:
+            if self.role == "leader":
+                await self._write_snapshot()
+            if self.lease is not None:
+                await self.lease.release()
+            await self.replica.stop()
+
+    async def _hold(self, epoch: int) -> None:
+        """Lead while the lease is ours; return when it is lost or we stop."""
+        assert self.lease is not None
+        while not self._stopping.is_set():
+            try:
+                await self._lead(epoch)
+                return
+            except FencedError as exc:
+                # The fence broke. If our lease CAS still succeeds nobody else
+                # can have been elected: a stray message landed on the election
+                # subject, so elect ourselves again. Otherwise we were deposed.
+                if self.lease.revision is not None and await self.lease.renew():
+                    self.log.warning(
+                        "fence broken by a non-election message; re-electing", error=str(exc)
+                    )
+                    await self._sleep(0.05)
+                    continue
+                self.log.warning("deposed: stepping down to standby", epoch=epoch, reason=str(exc))
+                return
+            except (PublishDeadlineError, TimeoutError) as exc:
+                self.log.warning(
+                    "lost the bus while leading; stepping down",
+                    error=str(exc) or type(exc).__name__,
+                )
+                await self.lease.release()
+                return
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _lead(self, epoch: int) -> None:
+        assert self.lease is not None
+        self.role = "electing"
+        self.log.info("won the leader lease; catching up", epoch=epoch)
+        await self.replica.catch_up(timeout_s=self.lease.ttl_s)
+        previous = await self._election_fence(epoch)
+        await self.replica.wait_applied(previous.seq, timeout_s=self.lease.ttl_s)
+        elected = ev.MasterElected(
+            job=self.job,
+            id=ev.make_id(self.job, "elected", epoch, previous.seq),
+            producer=f"master:{self.master_id}",
+            ts=self.clock(),
+            epoch=epoch,
+            master=self.master_id,
+        )
+        seq = await self.bus.publish(elected, fence=previous)
+        self.fence = Fence(subjects.master_elected(self.job), seq)
+        await self.replica.wait_applied(seq, timeout_s=self.lease.ttl_s)
+        self.role = "leader"
+        self.log.info(
+            "elected leader",
+            epoch=epoch,
+            applied_seq=self.state.applied_seq,
+            nodes=len(self.state.nodes),
+        )
+        if self.state.spec is None:
+            await self._publish(
+                ev.JobConfigured(
+                    job=self.job,
+                    id=ev.make_id(self.job, "job_configured"),
+                    producer=f"master:{self.master_id}",
+                    ts=self.clock(),
+                    epoch=epoch,
+                    spec=self.spec,
+                )
+            )
+        next_renew = time.monotonic() + self.lease.renew_every_s
+        while not self._stopping.is_set():
+            if time.monotonic() >= next_renew:
+                if not await self.lease.renew():
+                    raise FencedError("the leader lease expired or was taken")
+                next_renew = time.monotonic() + self.lease.renew_every_s
+            await self._tick()
+            await self._sleep(self.tick_s)
+
+    async def _election_fence(self, epoch: int) -> Fence:
+        """Fence for our `master_elected`: the last message now on the election subject.
+
+        Raises:
+            FencedError: that message is a newer master's election.
+        """
+        subject = subjects.master_elected(self.job)
+        seq = await self.bus.last_seq(subjects.EVENTS_STREAM, subject)
+        if seq:
+            msg = await self.bus.js.get_msg(subjects.EVENTS_STREAM, seq, direct=True)
+            item = records.read(subjects.EVENTS_STREAM, seq, subject, msg.data or b"")
+            newer = (
+                isinstance(item, records.Recorded)
+                and isinstance(item.event, ev.MasterElected)
+                and item.event.epoch > epoch
+            )
+            if newer:
+                raise FencedError(f"a newer master was elected (stream seq {seq})")
+        return Fence(subject, seq)
+
+    async def _tick(self) -> None:
+        now = self.clock()
+        for rej in list(self._unrecorded.values()):
+            await self._publish(
+                records.dead_letter(
+                    self.job, rej, master=self.master_id, epoch=self.state.epoch, now=now
+                )
+            )
+            self._unrecorded.pop((rej.stream, rej.seq), None)
+        for decision in decide(self.state, self.replica.liveness, now):
+            await self._publish(decision)
+        if self._snapshot_due(now):
+            await self._write_snapshot()
+
+    async def _publish(self, decision: ev.Decision) -> None:
+        assert self.fence is not None
+        mono = time.monotonic()
+        if self._inflight.get(decision.id, 0.0) > mono:
+            return
+        self._inflight[decision.id] = mono + INFLIGHT_S
+        seq = await self.bus.publish(decision, fence=self.fence)
+        self.log.info(
+            f"decided {ev.kind(decision)}",
+            seq=seq,
+            **{k: v for k, v in _key_fields(decision).items()},
+        )
+
+    def _snapshot_due(self, now: float) -> bool:
+        behind = self.state.applied_seq - self._last_snapshot_seq
+        if behind <= 0:
+            return False
+        return (
+            behind >= self.snapshot_every_events
+            or now - self._last_snapshot_at >= self.snapshot_every_s
+        )
+
+    async def _write_snapshot(self) -> None:
+        state = self.state
+        if state.applied_seq <= self._last_snapshot_seq:
+            return
+        try:
+            await snapshots.save(self.bus, state, master=self.master_id, now=self.clock())
+        except PublishDeadlineError as exc:
+            self.log.warning("could not write a snapshot; will retry", error=str(exc))
+            return
+        self._last_snapshot_seq = state.applied_seq
+        self._last_snapshot_at = self.clock()
+
+
+def _key_fields(decision: ev.Decision) -> dict[str, object]:
+    match decision:
+        case ev.NodeLost():
+            return {"node": decision.node, "last_seen": round(decision.last_seen, 3)}
+        case ev.JobEnded():
+            return {"phase": decision.phase.value, "reason": decision.reason}
+        case ev.EventRejected():
+            return {"stream": decision.stream, "stream_seq": decision.stream_seq}
+    return {}

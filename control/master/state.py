@@ -1,0 +1,98 @@
+"""The master's folded view of one job.
+
+A `JobState` is the result of `fold(evolve, events)` over the job's event
+stream. It is immutable: `evolve` returns a new state that shares the parts it
+did not change. Snapshots are this struct encoded with msgpack.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from rove.control.events import EventRejected, JobPhase, JobSpec
+
+#: How many dead letters the state keeps for `rove status` (the count is unbounded).
+RECENT_REJECTIONS = 20
+
+
+class NodeStatus(enum.StrEnum):
+    """Lifecycle of a node as the master sees it.
+
+    ACTIVE -> LEFT (agent stopped on purpose) | LOST (heartbeats stopped).
+    LEFT or LOST -> ACTIVE when the agent joins again (a new incarnation).
+    """
+
+    ACTIVE = "active"
+    LEFT = "left"
+    LOST = "lost"
+
+
+class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    host: str
+    pid: int
+    incarnation: str
+    status: NodeStatus
+    joined_ts: float
+    nproc_per_node: int = 1
+    reason: str = ""
+
+
+class Counters(msgspec.Struct, frozen=True, kw_only=True):
+    """Monotonic counts that later features extend (new fields need defaults)."""
+
+    events: int = 0
+    nodes_joined: int = 0
+    nodes_left: int = 0
+    nodes_lost: int = 0
+    elections: int = 0
+    rejected: int = 0
+    stale_decisions: int = 0
+
+
+class JobState(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the master knows about a job, rebuilt from its events.
+
+    `applied_seq` is the stream sequence of the last event folded in; a
+    snapshot resumes replay right after it. `elected_seq` is the stream
+    sequence of the newest `master_elected` event: the fence a new leader must
+    name when it publishes its own election.
+    """
+
+    job: str
+    phase: JobPhase = JobPhase.PENDING
+    spec: JobSpec | None = None
+    leader: str = ""
+    epoch: int = 0
+    elected_seq: int = 0
+    leader_since: float = 0.0
+    nodes: dict[str, NodeRecord] = msgspec.field(default_factory=dict)
+    stop_requested: str | None = None
+    end_reason: str = ""
+    counters: Counters = msgspec.field(default_factory=Counters)
+    recent_rejections: tuple[EventRejected, ...] = ()
+    applied_seq: int = 0
+
+
+def initial(job: str) -> JobState:
+    """The state of a job before any event."""
+    return JobState(job=job)
+
+
+def active_nodes(state: JobState) -> list[NodeRecord]:
+    return [n for n in state.nodes.values() if n.status is NodeStatus.ACTIVE]
+
+
+_state_encoder = msgspec.msgpack.Encoder()
+_state_decoder = msgspec.msgpack.Decoder(JobState)
+
+
+def encode_state(state: JobState) -> bytes:
+    return _state_encoder.encode(state)
+
+
+def decode_state(data: bytes) -> JobState:
+    """Raises msgspec.DecodeError / msgspec.ValidationError for bad bytes."""
+    return _state_decoder.decode(data)

@@ -1,0 +1,75 @@
+"""Reading stored messages: decode, validate, or turn into a dead letter.
+
+`read(...)` never raises. A payload that is not msgpack, is msgpack but not an
+event of the catalogue, or is an event on the wrong subject becomes a
+`Rejection`, which consumers log with its stream sequence and skip; the
+leading master records it as an `event_rejected` dead letter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from rove.control import events as ev
+from rove.control import subjects
+from rove.control.errors import InvalidEventError
+
+
+class Recorded(NamedTuple):
+    """An event as stored: where, at which sequence, and what."""
+
+    stream: str
+    seq: int
+    subject: str
+    event: ev.AnyEvent
+
+
+class Rejection(NamedTuple):
+    """A stored payload that is not a valid event for its subject."""
+
+    stream: str
+    seq: int
+    subject: str
+    error: str
+    payload: bytes
+
+
+def read(stream: str, seq: int, subject: str, payload: bytes) -> Recorded | Rejection:
+    try:
+        event = ev.decode(payload)
+    except msgspec.DecodeError as exc:
+        return Rejection(stream, seq, subject, f"not msgpack: {exc}", payload)
+    except msgspec.ValidationError as exc:
+        return Rejection(stream, seq, subject, f"not a rove event: {exc}", payload)
+    try:
+        subjects.check_subject(event, subject)
+    except InvalidEventError as exc:
+        return Rejection(stream, seq, subject, str(exc), payload)
+    return Recorded(stream, seq, subject, event)
+
+
+def job_of_subject(subject: str) -> str | None:
+    """The job token of a `rove.ev.<job>...` / `rove.hb.<job>...` subject."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) > 2 and parts[0] == "rove" else None
+
+
+def dead_letter(
+    job: str, rejection: Rejection, *, master: str, epoch: int, now: float
+) -> ev.EventRejected:
+    """The `event_rejected` decision recording `rejection` (id unique per stored message)."""
+    return ev.EventRejected(
+        job=job,
+        id=ev.make_id(job, "rejected", rejection.stream, rejection.seq),
+        producer=f"master:{master}",
+        ts=now,
+        epoch=epoch,
+        stream=rejection.stream,
+        stream_seq=rejection.seq,
+        subject=rejection.subject,
+        error=rejection.error[:1000],
+        payload_size=len(rejection.payload),
+        payload_head=rejection.payload[: ev.PAYLOAD_HEAD_BYTES],
+    )

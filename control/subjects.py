@@ -1,0 +1,138 @@
+"""JetStream stream names and subjects, built by functions only.
+
+Call sites never paste subject strings together: they call these functions,
+which also validate the names that become subject tokens.
+
+    rove.ev.<job>.node.<node>        agent facts
+    rove.ev.<job>.master             master decisions (no kind)
+    rove.ev.<job>.master.<kind>      master decisions, one subject per kind
+    rove.ev.<job>.data.<dataset>     shard requests / acknowledgements
+    rove.ev.<job>.plan               scale plans
+    rove.ev.<job>.scaler             plan outcomes
+    rove.ev.<job>.cmd                operator commands
+    rove.hb.<job>.<node>             heartbeats (stream ROVE_HB, last per subject kept)
+    rove.snap.<job>                  master snapshots (stream ROVE_SNAP, rollup)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from rove.control import events as ev
+from rove.control.errors import ConfigError, InvalidEventError
+
+EVENTS_STREAM: Final = "ROVE_EVENTS"
+HEARTBEAT_STREAM: Final = "ROVE_HB"
+SNAPSHOT_STREAM: Final = "ROVE_SNAP"
+LEASE_BUCKET: Final = "rove_leases"
+SNAPSHOT_OBJECTS: Final = "rove_snapshots"
+
+EVENTS_ROOT: Final = "rove.ev"
+HEARTBEAT_ROOT: Final = "rove.hb"
+SNAPSHOT_ROOT: Final = "rove.snap"
+
+#: The stream every fenced master write is scoped to.
+ELECTED_KIND: Final = "elected"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+def check_name(what: str, value: str) -> str:
+    """Return `value` if it can be a subject token and a KV key, else raise.
+
+    Raises:
+        ConfigError: with a message naming `what` and the allowed characters.
+    """
+    if not _NAME.match(value):
+        raise ConfigError(
+            f"invalid {what} name {value!r}: use 1-64 letters, digits, '-' or '_', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def job_events(job: str) -> str:
+    """Every event of `job` (the replay filter)."""
+    return f"{EVENTS_ROOT}.{check_name('job', job)}.>"
+
+
+def node_facts(job: str, node: str) -> str:
+    return f"{EVENTS_ROOT}.{check_name('job', job)}.node.{check_name('node', node)}"
+
+
+def master(job: str, kind: str | None = None) -> str:
+    base = f"{EVENTS_ROOT}.{check_name('job', job)}.master"
+    return base if kind is None else f"{base}.{kind}"
+
+
+def master_elected(job: str) -> str:
+    """The subject whose last sequence fences every master write."""
+    return master(job, ELECTED_KIND)
+
+
+def data(job: str, dataset: str) -> str:
+    return f"{EVENTS_ROOT}.{check_name('job', job)}.data.{check_name('dataset', dataset)}"
+
+
+def plan(job: str) -> str:
+    return f"{EVENTS_ROOT}.{check_name('job', job)}.plan"
+
+
+def scaler(job: str) -> str:
+    return f"{EVENTS_ROOT}.{check_name('job', job)}.scaler"
+
+
+def cmd(job: str) -> str:
+    return f"{EVENTS_ROOT}.{check_name('job', job)}.cmd"
+
+
+def heartbeat(job: str, node: str) -> str:
+    return f"{HEARTBEAT_ROOT}.{check_name('job', job)}.{check_name('node', node)}"
+
+
+def job_heartbeats(job: str) -> str:
+    return f"{HEARTBEAT_ROOT}.{check_name('job', job)}.*"
+
+
+def snapshot(job: str) -> str:
+    return f"{SNAPSHOT_ROOT}.{check_name('job', job)}"
+
+
+def lease_key(job: str) -> str:
+    return check_name("job", job)
+
+
+def subject_for(event: ev.Event) -> str:
+    """The one subject on which `event` is published."""
+    match event:
+        case ev.MasterElected():
+            return master_elected(event.job)
+        case ev.Decision():
+            return master(event.job, ev.kind(event))
+        case ev.Heartbeat():
+            return heartbeat(event.job, event.node)
+        case ev.NodeJoined() | ev.NodeLeft():
+            return node_facts(event.job, event.node)
+        case ev.StopRequested():
+            return cmd(event.job)
+    raise TypeError(f"no subject is defined for event type {type(event).__name__}")
+
+
+def check_subject(event: ev.Event, subject: str) -> None:
+    """Refuse an event that arrived on a subject it does not belong to.
+
+    This stops a producer from writing another job's or another node's facts,
+    or dressing a fact up as a master decision.
+
+    Raises:
+        InvalidEventError: naming the expected and the actual subject.
+    """
+    try:
+        expected = subject_for(event)
+    except (TypeError, ConfigError) as exc:
+        raise InvalidEventError(f"event of type {ev.kind(event)} is not valid here: {exc}") from exc
+    if subject != expected:
+        raise InvalidEventError(
+            f"event {ev.kind(event)} (id {event.id}) arrived on {subject} but belongs on {expected}"
+        )
