@@ -3,8 +3,10 @@
 Pure: the clock is the `now` argument, heartbeats are the `liveness` argument
 (they are soft state, read from the heartbeat stream, not folded). A decision
 takes effect only when it comes back through the stream, so `decide` may
-return the same decision on several ticks: its id is a function of the state
-it answers, and the server drops the repeats (`Nats-Msg-Id`).
+return the same decision on several ticks: its id is a function of the epoch
+and the state it answers, and the server drops the repeats (`Nats-Msg-Id`).
+The epoch is part of the id so that a deposed leader's copy of a decision is
+refused by the fence, never silently absorbed as a duplicate.
 
 Only the elected leader calls this, after its own `master_elected` event has
 been folded (so `state.leader` and `state.epoch` name it).
@@ -30,7 +32,7 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
 def _common(state: JobState, now: float, *id_parts: object) -> dict[str, object]:
     return {
         "job": state.job,
-        "id": ev.make_id(state.job, *id_parts),
+        "id": ev.make_id(state.job, state.epoch, *id_parts),
         "producer": f"master:{state.leader}",
         "ts": now,
         "epoch": state.epoch,

@@ -187,13 +187,17 @@ class MasterRunner:
                     spec=self.spec,
                 )
             )
+        await self._write_snapshot()
         next_renew = time.monotonic() + self.lease.renew_every_s
         while not self._stopping.is_set():
+            # Decide before renewing: a leader that was paused past its lease
+            # tries its writes and the server refuses them (the fence), which
+            # is the guarantee; the lease check below is only the fast path.
+            await self._tick(epoch)
             if time.monotonic() >= next_renew:
                 if not await self.lease.renew():
                     raise FencedError("the leader lease expired or was taken")
                 next_renew = time.monotonic() + self.lease.renew_every_s
-            await self._tick()
             await self._sleep(self.tick_s)
 
     async def _election_fence(self, epoch: int) -> Fence:
@@ -216,7 +220,11 @@ class MasterRunner:
                 raise FencedError(f"a newer master was elected (stream seq {seq})")
         return Fence(subject, seq)
 
-    async def _tick(self) -> None:
+    async def _tick(self, epoch: int) -> None:
+        if self.state.epoch != epoch:
+            raise FencedError(
+                f"master {self.state.leader} was elected with epoch {self.state.epoch}"
+            )
         now = self.clock()
         for rej in list(self._unrecorded.values()):
             await self._publish(

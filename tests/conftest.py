@@ -1,0 +1,48 @@
+"""Fixtures: real nats-server processes (one node, or a 3-node JetStream cluster)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from rove.control import logs
+from rove.control.bus import Bus, BusOptions
+from rove.control.embedded import EmbeddedServer
+from tests.support import Cluster
+
+logs.configure("warning")
+
+#: Lease TTL used by the tests' buses and masters (short, so failovers are quick).
+TEST_LEASE_TTL = 2.0
+
+
+@pytest.fixture(autouse=True)
+def _rove_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROVE_HOME", str(tmp_path / "rove-home"))
+    monkeypatch.delenv("ROVE_NATS_URL", raising=False)
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer(tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path / "cluster")
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+async def bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
+    assert nats_server.url is not None
+    b = await Bus.connect(BusOptions(url=nats_server.url, lease_ttl_s=TEST_LEASE_TTL))
+    yield b
+    await b.close()

@@ -1,0 +1,185 @@
+"""The bus client against a real nats-server: streams, dedupe, fencing, retries, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rove.control import events as ev
+from rove.control import records, subjects
+from rove.control.bus import Bus, BusOptions, Fence
+from rove.control.embedded import EmbeddedServer
+from rove.control.errors import BusUnavailableError, ConfigError, FencedError, PublishDeadlineError
+from tests import factories
+from tests.support import eventually, free_port
+
+
+async def stored(bus: Bus, job: str = "j1") -> list[records.Recorded | records.Rejection]:
+    got: list[records.Recorded | records.Rejection] = []
+    feed = await bus.subscribe(
+        subjects.EVENTS_STREAM, subjects.job_events(job), got.append, got.append
+    )
+    await feed.caught_up.wait()
+    await feed.stop()
+    return got
+
+
+async def test_streams_and_lease_bucket_are_created_idempotently(bus: Bus) -> None:
+    await bus.ensure_streams()
+    await bus.ensure_streams()
+    names = {s.config.name for s in await bus.js.streams_info()}
+    assert {subjects.EVENTS_STREAM, subjects.HEARTBEAT_STREAM, subjects.SNAPSHOT_STREAM} <= names
+    _kv, ttl = await bus.lease_bucket()
+    assert ttl == pytest.approx(2.0)
+
+
+async def test_a_retried_publish_with_the_same_id_is_stored_once(bus: Bus) -> None:
+    event = factories.joined("n1")
+    first = await bus.publish(event)
+    again = await bus.publish(event)
+    assert first == again
+    assert [r.event for r in await stored(bus)] == [event]
+
+
+async def test_pipelined_publish_keeps_order_and_dedupes(bus: Bus) -> None:
+    batch = [factories.joined(f"n{i}", n=i) for i in range(500)]
+    seqs = await bus.publish_many(batch)
+    assert seqs == sorted(seqs) and len(set(seqs)) == 500
+    assert await bus.publish_many(batch[:10]) == seqs[:10]
+    assert [r.event for r in await stored(bus)] == batch
+
+
+async def test_deposed_master_write_is_rejected_by_the_server(bus: Bus) -> None:
+    elected_subject = subjects.master_elected("j1")
+    seq_a = await bus.publish(factories.elected("a", 1), fence=Fence(elected_subject, 0))
+    fence_a = Fence(elected_subject, seq_a)
+    await bus.publish(factories.lost("n1", 1), fence=fence_a)  # accepted while A is newest
+    await bus.publish(factories.elected("b", 2), fence=Fence(elected_subject, seq_a))
+    with pytest.raises(FencedError, match="newer master"):
+        await bus.publish(factories.lost("n2", 1), fence=fence_a)
+    kinds = [ev.kind(r.event) for r in await stored(bus)]
+    assert kinds == ["master_elected", "node_lost", "master_elected"]
+
+
+async def test_two_candidates_cannot_both_be_elected_on_the_same_fence(bus: Bus) -> None:
+    subject = subjects.master_elected("j1")
+    await bus.publish(factories.elected("a", 1), fence=Fence(subject, 0))
+    with pytest.raises(FencedError):
+        await bus.publish(factories.elected("b", 2), fence=Fence(subject, 0))
+
+
+async def test_garbage_is_handed_to_on_rejected_and_the_feed_goes_on(bus: Bus) -> None:
+    await bus.publish(factories.joined("n1"))
+    await bus.publish_raw("rove.ev.j1.node.n1", b"\xc1garbage")
+    wrong_schema = msgspec.msgpack.encode({"type": "node_joined", "job": "j1", "node": 7})
+    await bus.publish_raw("rove.ev.j1.node.n1", wrong_schema)
+    await bus.publish_raw("rove.ev.j1.node.n2", ev.encode(factories.joined("n9", n=9)))
+    await bus.publish(factories.joined("n2", n=2))
+    got = await stored(bus)
+    assert [type(x).__name__ for x in got] == [
+        "Recorded",
+        "Rejection",
+        "Rejection",
+        "Rejection",
+        "Recorded",
+    ]
+    rejections = [x for x in got if isinstance(x, records.Rejection)]
+    assert "not msgpack" in rejections[0].error
+    assert "belongs on rove.ev.j1.node.n9" in rejections[2].error
+    assert [r.seq for r in rejections] == [2, 3, 4]
+
+
+async def test_publish_survives_a_server_restart_within_its_deadline(tmp_path: Path) -> None:
+    port = free_port()
+    server = EmbeddedServer(tmp_path / "nats", port=port)
+    server.start()
+    bus = await Bus.connect(BusOptions(url=server.url, reconnect_forever=True))
+    try:
+        await bus.publish(factories.joined("n1"))
+        server.kill()
+
+        async def restart_later() -> None:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(server.start)
+
+        restart = asyncio.create_task(restart_later())
+        seq = await bus.publish(factories.joined("n2", n=2), deadline_s=20.0)
+        await restart
+        assert seq == 2
+        assert [r.event.node for r in await stored(bus)] == ["n1", "n2"]  # type: ignore[union-attr]
+    finally:
+        await bus.close()
+        server.stop()
+
+
+async def test_publish_gives_up_after_its_total_deadline(tmp_path: Path) -> None:
+    server = EmbeddedServer(tmp_path / "nats")
+    server.start()
+    bus = await Bus.connect(BusOptions(url=server.url, reconnect_forever=True))
+    server.kill()
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(PublishDeadlineError, match="no acknowledgement"):
+            await bus.publish(factories.joined("n1"), deadline_s=1.5)
+        assert loop.time() - started < 10  # bounded, not forever
+    finally:
+        await bus.close()
+
+
+async def test_no_url_starts_an_embedded_server_and_close_stops_it(tmp_path: Path) -> None:
+    bus = await Bus.connect(BusOptions(embedded_dir=tmp_path / "emb"))
+    server = bus.server
+    assert server is not None and server.alive()
+    await bus.publish(factories.joined("n1"))
+    assert await bus.job_exists("j1")
+    assert not await bus.job_exists("other")
+    await bus.close()
+    assert not server.alive()
+
+
+async def test_unreachable_server_is_a_clear_error() -> None:
+    with pytest.raises(BusUnavailableError, match="cannot connect to NATS at nats://127.0.0.1"):
+        await Bus.connect(BusOptions(url=f"nats://127.0.0.1:{free_port()}"))
+
+
+async def test_malformed_url_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="invalid NATS URL"):
+        await Bus.connect(BusOptions(url="localhost:4222"))
+
+
+async def test_user_and_password_are_sent_and_wrong_ones_refused(tmp_path: Path) -> None:
+    server = EmbeddedServer(tmp_path / "auth", extra_args=["--user", "rove", "--pass", "s3cret"])
+    server.start()
+    try:
+        bus = await Bus.connect(BusOptions(url=server.url, user="rove", password="s3cret"))
+        await bus.publish(factories.joined("n1"))
+        await bus.close()
+        with pytest.raises(BusUnavailableError):
+            await Bus.connect(BusOptions(url=server.url, user="rove", password="wrong"))
+    finally:
+        server.stop()
+
+
+async def test_caught_up_is_set_for_an_empty_job_and_after_the_backlog(bus: Bus) -> None:
+    feed = await bus.subscribe(
+        subjects.EVENTS_STREAM, subjects.job_events("empty"), lambda r: None, lambda r: None
+    )
+    await asyncio.wait_for(feed.caught_up.wait(), 5)
+    await feed.stop()
+    await bus.publish_many([factories.joined(f"n{i}", n=i) for i in range(50)])
+    seen: list[int] = []
+    feed = await bus.subscribe(
+        subjects.EVENTS_STREAM,
+        subjects.job_events("j1"),
+        lambda r: seen.append(r.seq),
+        lambda r: None,
+    )
+    await asyncio.wait_for(feed.caught_up.wait(), 5)
+    assert seen == list(range(1, 51))
+    await bus.publish(factories.joined("late", n=99))
+    await eventually(lambda: len(seen) == 51)
+    await feed.stop()

@@ -1,0 +1,83 @@
+"""Master decisions as a pure function of state, heartbeats and an injected clock."""
+
+from __future__ import annotations
+
+from rove.control import events as ev
+from rove.control.master.decide import decide
+from rove.control.master.evolve import evolve
+from rove.control.master.state import JobState, initial
+from tests import factories
+
+TIMEOUT = 10.0
+ELECTED_AT = 100.0
+
+
+def running(*events: ev.Event) -> JobState:
+    state = initial("j1")
+    base = [factories.elected("m1", 3, ts=ELECTED_AT), factories.configured(3, TIMEOUT)]
+    for i, e in enumerate([*base, *events]):
+        state = evolve(state, e, i + 1)
+    return state
+
+
+def lost_nodes(decisions: list[ev.Decision]) -> list[str]:
+    return [d.node for d in decisions if isinstance(d, ev.NodeLost)]
+
+
+def test_a_node_silent_past_the_timeout_is_lost() -> None:
+    state = running(factories.joined("n1", ts=100.0))
+    hb = {"n1": factories.heartbeat("n1", ts=105.0)}
+    assert lost_nodes(decide(state, hb, now=105.0 + TIMEOUT - 0.1)) == []
+    decisions = decide(state, hb, now=105.0 + TIMEOUT + 0.1)
+    assert lost_nodes(decisions) == ["n1"]
+    (d,) = decisions
+    assert d.epoch == 3 and d.producer == "master:m1" and d.last_seen == 105.0
+
+
+def test_a_new_leader_waits_one_timeout_before_declaring_anyone_lost() -> None:
+    state = running(factories.joined("n1", ts=10.0))
+    assert decide(state, {}, now=ELECTED_AT + TIMEOUT - 1) == []
+    assert lost_nodes(decide(state, {}, now=ELECTED_AT + TIMEOUT + 1)) == ["n1"]
+
+
+def test_a_heartbeat_from_an_old_incarnation_does_not_keep_a_node_alive() -> None:
+    state = running(factories.joined("n1", inc="i2", ts=100.0))
+    hb = {"n1": factories.heartbeat("n1", inc="i1", ts=1000.0)}
+    assert lost_nodes(decide(state, hb, now=100.0 + TIMEOUT + 1)) == ["n1"]
+
+
+def test_the_same_decision_gets_the_same_id_on_every_tick() -> None:
+    state = running(factories.joined("n1", ts=100.0))
+    a = decide(state, {}, now=200.0)
+    b = decide(state, {}, now=201.0)
+    assert [d.id for d in a] == [d.id for d in b]
+
+
+def test_a_lost_node_is_not_decided_again_once_folded() -> None:
+    state = running(factories.joined("n1", ts=100.0))
+    (d,) = decide(state, {}, now=200.0)
+    state = evolve(state, d, 99)
+    assert decide(state, {}, now=300.0) == []
+
+
+def test_nodes_that_left_are_never_lost() -> None:
+    state = running(factories.joined("n1", ts=100.0), factories.left("n1"))
+    assert decide(state, {}, now=1000.0) == []
+
+
+def test_a_stop_request_ends_the_job_as_stopped() -> None:
+    state = running(factories.joined("n1", ts=100.0), factories.stop())
+    hb = {"n1": factories.heartbeat("n1", ts=150.0)}
+    (d,) = decide(state, hb, now=151.0)
+    assert isinstance(d, ev.JobEnded) and d.phase is ev.JobPhase.STOPPED
+    assert d.reason == "enough"
+
+
+def test_an_ended_job_decides_nothing() -> None:
+    state = running(factories.joined("n1", ts=1.0), factories.ended(3))
+    assert decide(state, {}, now=10_000.0) == []
+
+
+def test_nothing_is_decided_before_the_job_is_configured() -> None:
+    state = evolve(initial("j1"), factories.joined("n1", ts=1.0), 1)
+    assert decide(state, {}, now=10_000.0) == []
