@@ -28,7 +28,7 @@ def test_names_that_would_break_subjects_are_refused_with_a_clear_message(bad: s
 
 
 def test_a_fact_on_another_nodes_subject_is_refused() -> None:
-    with pytest.raises(InvalidEventError, match="belongs on rove.ev.j1.node.n1"):
+    with pytest.raises(InvalidEventError, match=r"belongs on rove\.ev\.j1\.node\.n1"):
         subjects.check_subject(factories.joined("n1"), "rove.ev.j1.node.n2")
 
 
