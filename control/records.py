@@ -39,10 +39,10 @@ class Rejection(NamedTuple):
 def read(stream: str, seq: int, subject: str, payload: bytes) -> Recorded | Rejection:
     try:
         event = ev.decode(payload)
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
+        return Rejection(stream, seq, subject, f"not a rove event: {exc}", payload)
     except msgspec.DecodeError as exc:
         return Rejection(stream, seq, subject, f"not msgpack: {exc}", payload)
-    except msgspec.ValidationError as exc:
-        return Rejection(stream, seq, subject, f"not a rove event: {exc}", payload)
     try:
         subjects.check_subject(event, subject)
     except InvalidEventError as exc:

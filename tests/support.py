@@ -125,3 +125,102 @@ class MasterProc:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class Agents:
+    """Simulated agents publishing real events: steady nodes heartbeat, churn nodes go silent."""
+
+    def __init__(self, bus: Any, job: str = "j1", interval: float = 0.2) -> None:
+        from rove.control import events as ev
+
+        self.ev = ev
+        self.bus = bus
+        self.job = job
+        self.interval = interval
+        self.silent: set[str] = set()
+        self.churned: list[str] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _joined(self, node: str) -> Any:
+        return self.ev.NodeJoined(
+            job=self.job,
+            id=f"{node}:joined",
+            producer=f"agent:{node}",
+            ts=time.time(),
+            node=node,
+            host="localhost",
+            pid=os.getpid(),
+            incarnation="i1",
+        )
+
+    async def join(self, node: str) -> None:
+        await self.bus.publish(self._joined(node))
+
+    async def heartbeat_forever(self, node: str) -> None:
+        seq = 0
+        while True:
+            if node not in self.silent:
+                seq += 1
+                await self.bus.publish(
+                    self.ev.Heartbeat(
+                        job=self.job,
+                        id=f"{node}:hb:{seq}",
+                        producer=f"agent:{node}",
+                        ts=time.time(),
+                        node=node,
+                        incarnation="i1",
+                        seq=seq,
+                    ),
+                    deadline_s=30,
+                )
+            await asyncio.sleep(self.interval)
+
+    async def steady(self, *nodes: str) -> None:
+        for node in nodes:
+            await self.join(node)
+            self._tasks.append(asyncio.create_task(self.heartbeat_forever(node)))
+
+    async def churn_forever(self, every: float = 0.1) -> None:
+        """A new node joins every `every` seconds and never heartbeats (so it must be lost)."""
+        i = 0
+        while True:
+            i += 1
+            node = f"c{i}"
+            await self.bus.publish(self._joined(node), deadline_s=30)
+            self.churned.append(node)
+            await asyncio.sleep(every)
+
+    def start_churn(self, every: float = 0.1) -> asyncio.Task[None]:
+        task = asyncio.create_task(self.churn_forever(every))
+        self._tasks.append(task)
+        return task
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def stored_events(bus: Any, job: str = "j1") -> list[Any]:
+    """Every valid stored event of `job` as `Recorded`, in stream order."""
+    from rove.control import subjects
+
+    got: list[Any] = []
+    feed = await bus.subscribe(
+        subjects.EVENTS_STREAM, subjects.job_events(job), got.append, lambda r: None
+    )
+    await feed.caught_up.wait()
+    await feed.stop()
+    return got
+
+
+def fold_records(recs: list[Any], job: str = "j1", upto: int | None = None) -> Any:
+    from rove.control.master.evolve import evolve
+    from rove.control.master.state import initial
+
+    state = initial(job)
+    for r in recs:
+        if upto is not None and r.seq > upto:
+            break
+        state = evolve(state, r.event, r.seq)
+    return state

@@ -226,13 +226,13 @@ class MasterRunner:
                 f"master {self.state.leader} was elected with epoch {self.state.epoch}"
             )
         now = self.clock()
+        # A rejection is forgotten only when its dead letter comes back folded.
         for rej in list(self._unrecorded.values()):
             await self._publish(
                 records.dead_letter(
                     self.job, rej, master=self.master_id, epoch=self.state.epoch, now=now
                 )
             )
-            self._unrecorded.pop((rej.stream, rej.seq), None)
         for decision in decide(self.state, self.replica.liveness, now):
             await self._publish(decision)
         if self._snapshot_due(now):
@@ -244,7 +244,11 @@ class MasterRunner:
         if self._inflight.get(decision.id, 0.0) > mono:
             return
         self._inflight[decision.id] = mono + INFLIGHT_S
-        seq = await self.bus.publish(decision, fence=self.fence)
+        try:
+            seq = await self.bus.publish(decision, fence=self.fence)
+        except BaseException:
+            self._inflight.pop(decision.id, None)
+            raise
         self.log.info(
             f"decided {ev.kind(decision)}",
             seq=seq,

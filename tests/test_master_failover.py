@@ -1,0 +1,169 @@
+"""Masters as real processes: one leader and standbys, kill -9 failover, SIGSTOP fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from pathlib import Path
+
+import pytest
+
+from rove.control import events as ev
+from rove.control import subjects
+from rove.control.bus import Bus
+from rove.control.master import snapshots
+from rove.control.master.election import current_holder
+from rove.control.master.state import NodeStatus
+from tests.conftest import TEST_LEASE_TTL
+from tests.support import Agents, MasterProc, eventually, fold_records, stored_events
+
+pytestmark = pytest.mark.slow
+
+NODE_TIMEOUT = 1.5
+MARGIN = 4.0
+
+
+def start_masters(url: str, tmp_path: Path, *ids: str) -> dict[str, MasterProc]:
+    args = ("--node-timeout", str(NODE_TIMEOUT), "--snapshot-every", "50")
+    return {i: MasterProc(url, "j1", i, tmp_path, *args) for i in ids}
+
+
+async def leader_of(bus: Bus) -> str:
+    kv, _ = await bus.lease_bucket()
+
+    async def holder() -> str | None:
+        h = await current_holder(kv, subjects.lease_key("j1"))
+        return h.master if h else None
+
+    return str(await eventually(holder, timeout=30))
+
+
+async def elections(bus: Bus) -> list[tuple[int, ev.MasterElected]]:
+    return [
+        (r.seq, r.event) for r in await stored_events(bus) if isinstance(r.event, ev.MasterElected)
+    ]
+
+
+async def test_kill_9_of_the_leader_hands_over_to_a_standby_with_nothing_lost_or_doubled(
+    bus: Bus, tmp_path: Path
+) -> None:
+    masters = start_masters(bus.url, tmp_path, "ma", "mb")
+    agents = Agents(bus)
+    try:
+        first = await leader_of(bus)
+        standby = next(m for m in masters if m != first)
+        await eventually(lambda: "master is following the job" in masters[standby].log())
+        await agents.steady("s1", "s2", "s3")
+        churn = agents.start_churn(every=0.1)
+        await asyncio.sleep(3.0)  # decisions flowing: churn nodes are being declared lost
+
+        masters[first].kill()
+        killed_at = time.time()
+        await asyncio.sleep(3.0)  # events keep flowing with no leader, then to the new one
+        churn.cancel()
+        churned = list(agents.churned)
+
+        new = await eventually(
+            lambda: _elected_after(bus, first), timeout=TEST_LEASE_TTL + MARGIN + 10
+        )
+        assert new.master == standby
+        assert new.ts - killed_at <= TEST_LEASE_TTL + MARGIN, (
+            "standby took over within TTL + margin"
+        )
+
+        async def all_churn_lost() -> bool:
+            state = fold_records(await stored_events(bus))
+            return all(state.nodes[n].status is NodeStatus.LOST for n in churned)
+
+        await eventually(all_churn_lost, timeout=30)
+        recs = await stored_events(bus)
+        lost = collections.Counter(r.event.node for r in recs if isinstance(r.event, ev.NodeLost))
+        assert set(lost) == set(churned), "every silent node was declared lost, none forgotten"
+        assert max(lost.values()) == 1, "no decision was recorded twice"
+        assert not {"s1", "s2", "s3"} & set(lost), "heartbeating nodes were never declared lost"
+
+        (old_seq, old), (new_seq, newer) = (await elections(bus))[-2:]
+        assert old.master == first and newer.master == standby and newer.epoch > old.epoch
+        stale = [
+            r
+            for r in recs
+            if isinstance(r.event, ev.Decision) and r.seq > new_seq and r.event.epoch != newer.epoch
+        ]
+        assert stale == [], "no write of the dead leader's epoch after the new election"
+        assert "elected leader" in masters[standby].log()
+    finally:
+        await agents.stop()
+        codes = {m: p.stop() for m, p in masters.items()}
+    assert codes[standby] == 0
+
+    # The new leader's final snapshot equals an independent fold of the stream prefix.
+    snap = await snapshots.load(bus, "j1")
+    assert snap is not None and snap.leader == standby
+    recs = await stored_events(bus)
+    assert snap == fold_records(recs, upto=snap.applied_seq)
+
+
+async def _elected_after(bus: Bus, old_master: str) -> ev.MasterElected | None:
+    found = [e for _, e in await elections(bus) if e.master != old_master]
+    return found[-1] if found else None
+
+
+async def test_two_masters_give_one_leader_and_one_standby(bus: Bus, tmp_path: Path) -> None:
+    masters = start_masters(bus.url, tmp_path, "m1", "m2")
+    try:
+        leader = await leader_of(bus)
+        other = next(m for m in masters if m != leader)
+        await eventually(lambda: "master is following the job" in masters[other].log())
+        await asyncio.sleep(TEST_LEASE_TTL * 2)
+        assert [e.master for _, e in await elections(bus)] == [leader]
+        assert "elected leader" not in masters[other].log()
+        assert await leader_of(bus) == leader
+    finally:
+        for p in masters.values():
+            p.stop()
+
+
+async def test_a_paused_leader_is_fenced_by_the_server_and_steps_down(
+    bus: Bus, tmp_path: Path
+) -> None:
+    masters = start_masters(bus.url, tmp_path, "pa", "pb")
+    agents = Agents(bus)
+    try:
+        paused = await leader_of(bus)
+        other = next(m for m in masters if m != paused)
+        await eventually(lambda: "master is following the job" in masters[other].log())
+        await agents.steady("s1", "quiet")
+        await asyncio.sleep(NODE_TIMEOUT + 0.5)  # the leader has seen both nodes alive
+
+        agents.silent.add("quiet")  # the paused leader will find "quiet" lost when it wakes
+        masters[paused].pause()
+        new = await eventually(lambda: _elected_after(bus, paused), timeout=TEST_LEASE_TTL + 15)
+        assert new.master == other
+        await asyncio.sleep(NODE_TIMEOUT + 0.5)
+        masters[paused].resume()
+
+        await eventually(
+            lambda: "deposed: stepping down to standby" in masters[paused].log(), timeout=15
+        )
+        recs = await stored_events(bus)
+        new_seq = next(r.seq for r in recs if r.event == new)
+        from_paused = [
+            r
+            for r in recs
+            if r.seq > new_seq
+            and isinstance(r.event, ev.Decision)
+            and r.event.producer == f"master:{paused}"
+        ]
+        assert from_paused == [], "the server stored nothing the deposed leader wrote"
+        assert await leader_of(bus) == other
+        assert masters[paused].proc.poll() is None, "it stays up as a standby"
+
+        # ... and it is a working standby: kill the new leader, the old one leads again.
+        masters[other].kill()
+        back = await eventually(lambda: _elected_after(bus, other), timeout=TEST_LEASE_TTL + 15)
+        assert back.master == paused
+    finally:
+        await agents.stop()
+        for p in masters.values():
+            p.stop()

@@ -1,0 +1,98 @@
+"""Snapshots: a new master loads the newest one and replays only the tail."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from rove.control import events as ev
+from rove.control import subjects
+from rove.control.bus import Bus
+from rove.control.master import snapshots
+from rove.control.master.replica import Replica
+from rove.control.master.runner import MasterRunner
+from rove.control.master.state import NodeRecord, NodeStatus, initial
+from tests import factories
+from tests.support import eventually, fold_records, stored_events
+
+
+async def test_a_new_replica_loads_the_snapshot_and_replays_only_the_tail(bus: Bus) -> None:
+    await bus.publish_many([factories.joined(f"n{i}", n=i) for i in range(300)])
+    recs = await stored_events(bus)
+    await snapshots.save(bus, fold_records(recs, upto=200), master="t", now=1.0)
+    replayed: list[int] = []
+    replica = Replica(bus, "j1", on_applied=lambda r: replayed.append(r.seq))
+    await replica.start()
+    await replica.stop()
+    assert replica.snapshot_seq == 200
+    assert replayed == list(range(201, 301))
+    assert replica.state == fold_records(recs)
+
+
+async def test_a_large_snapshot_goes_to_the_object_store_and_loads_back(bus: Bus) -> None:
+    nodes = {
+        f"node-{i}": NodeRecord(
+            node=f"node-{i}",
+            host="h" * 200,
+            pid=i,
+            incarnation="x" * 40,
+            status=NodeStatus.ACTIVE,
+            joined_ts=float(i),
+        )
+        for i in range(4000)
+    }
+    state = msgspec.structs.replace(initial("j1"), nodes=nodes, applied_seq=7)
+    snap = await snapshots.save(bus, state, master="t", now=1.0)
+    assert snap.object_name is not None and snap.state is None
+    assert snap.size > snapshots.INLINE_LIMIT
+    assert await snapshots.load(bus, "j1") == state
+
+
+async def test_a_snapshot_of_another_job_on_the_subject_is_ignored(bus: Bus) -> None:
+    other = msgspec.structs.replace(initial("j2"), applied_seq=3)
+    await snapshots.save(bus, other, master="t", now=1.0)
+    raw = await bus.js.get_last_msg(subjects.SNAPSHOT_STREAM, subjects.snapshot("j2"))
+    await bus.publish_raw(subjects.snapshot("j1"), raw.data or b"")
+    assert await snapshots.load(bus, "j1") is None
+
+
+async def test_the_leader_snapshots_every_n_events(bus: Bus) -> None:
+    runner = MasterRunner(
+        bus,
+        "j1",
+        "m1",
+        ev.JobSpec(node_timeout_s=60),
+        tick_s=0.05,
+        snapshot_every_events=100,
+        snapshot_every_s=3600,
+    )
+    task = asyncio.create_task(runner.run())
+    try:
+        await eventually(lambda: runner.role == "leader")
+        await bus.publish_many([factories.joined(f"n{i}", n=i) for i in range(250)])
+
+        async def snapshot_at_least(seq: int) -> bool:
+            snap = await snapshots.load(bus, "j1")
+            return snap is not None and snap.applied_seq >= seq
+
+        await eventually(lambda: snapshot_at_least(200))
+    finally:
+        runner.stop()
+        await task
+    final = await snapshots.load(bus, "j1")
+    assert final is not None
+    assert final == fold_records(await stored_events(bus), upto=final.applied_seq)
+    assert final.applied_seq == (await stored_events(bus))[-1].seq, "final snapshot on stop"
+
+
+@pytest.mark.parametrize("garbage", [b"\xc1", msgspec.msgpack.encode({"format": 1})])
+async def test_an_unreadable_snapshot_means_a_full_replay(bus: Bus, garbage: bytes) -> None:
+    await bus.publish(factories.joined("n1"))
+    await bus.publish_raw(subjects.snapshot("j1"), garbage)
+    assert await snapshots.load(bus, "j1") is None
+    replica = Replica(bus, "j1")
+    await replica.start()
+    await replica.stop()
+    assert "n1" in replica.state.nodes
