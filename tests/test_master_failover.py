@@ -83,7 +83,7 @@ async def test_kill_9_of_the_leader_hands_over_to_a_standby_with_nothing_lost_or
         assert max(lost.values()) == 1, "no decision was recorded twice"
         assert not {"s1", "s2", "s3"} & set(lost), "heartbeating nodes were never declared lost"
 
-        (old_seq, old), (new_seq, newer) = (await elections(bus))[-2:]
+        (_, old), (new_seq, newer) = (await elections(bus))[-2:]
         assert old.master == first and newer.master == standby and newer.epoch > old.epoch
         stale = [
             r

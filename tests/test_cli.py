@@ -1,0 +1,197 @@
+"""The `rove` CLI against a real server: readable output, JSON output, clear errors and exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rove.control.bus import Bus
+from rove.control.cli import common
+from rove.control.embedded import EmbeddedServer
+from tests import factories
+from tests.support import free_port
+
+
+def rove(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rove.control.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+async def seed(bus: Bus) -> None:
+    await bus.publish(factories.elected("m1", 1, ts=time.time()))
+    await bus.publish(factories.configured(1, 30.0))
+    await bus.publish(factories.joined("n1", ts=time.time()))
+    await bus.publish(factories.joined("n2", ts=time.time(), n=2))
+    await bus.publish(factories.heartbeat("n1", ts=time.time(), step=42))
+    await bus.publish(factories.lost("n2", 1))
+
+
+async def test_events_prints_one_readable_line_per_event(bus: Bus) -> None:
+    await seed(bus)
+    out = await asyncio.to_thread(rove, "events", "--job", "j1", "--nats", bus.url)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 5  # heartbeats live in their own stream
+    assert "master_elected" in lines[0] and "epoch=1" in lines[0] and "master=m1" in lines[0]
+    assert "node_joined" in lines[2] and "node=n1" in lines[2] and "agent:n1" in lines[2]
+    assert "node_lost" in lines[4] and "node=n2" in lines[4]
+
+
+async def test_events_json_filters_by_type_and_node(bus: Bus) -> None:
+    await seed(bus)
+    out = await asyncio.to_thread(
+        rove,
+        "events",
+        "--job",
+        "j1",
+        "--nats",
+        bus.url,
+        "--json",
+        "--type",
+        "node_joined",
+        "--node",
+        "n2",
+    )
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [(r["type"], r["node"], r["seq"]) for r in rows] == [("node_joined", "n2", 4)]
+
+
+async def test_events_since_skips_older_events(bus: Bus) -> None:
+    await bus.publish(factories.joined("old"))
+    await asyncio.sleep(2.0)
+    await bus.publish(factories.joined("new", n=1))
+    out = await asyncio.to_thread(rove, "events", "--job", "j1", "--nats", bus.url, "--since", "1s")
+    assert "node=new" in out.stdout and "node=old" not in out.stdout
+
+
+async def test_events_follow_prints_new_events_as_they_arrive(bus: Bus) -> None:
+    await bus.publish(factories.joined("n1"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rove.control.cli.main",
+            "events",
+            "--job",
+            "j1",
+            "--follow",
+            "--nats",
+            bus.url,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = await asyncio.to_thread(proc.stdout.readline)
+        assert "node=n1" in first
+        await bus.publish(factories.joined("n7", n=7))
+        second = await asyncio.to_thread(proc.stdout.readline)
+        assert "node=n7" in second
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_status_shows_leader_nodes_and_heartbeats(bus: Bus) -> None:
+    await seed(bus)
+    out = await asyncio.to_thread(rove, "status", "--job", "j1", "--nats", bus.url)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "job j1: running" in text
+    assert "leader m1, epoch 1" in text
+    n1 = next(line for line in text.splitlines() if line.startswith("n1 "))
+    assert "active" in n1 and "42" in n1
+    n2 = next(line for line in text.splitlines() if line.startswith("n2 "))
+    assert "lost" in n2
+
+
+async def test_status_json_is_one_object(bus: Bus) -> None:
+    await seed(bus)
+    out = await asyncio.to_thread(rove, "status", "--job", "j1", "--nats", bus.url, "--json")
+    view = json.loads(out.stdout)
+    assert view["leader"] == "m1" and view["epoch"] == 1 and view["phase"] == "running"
+    assert {n["node"]: n["status"] for n in view["nodes"]} == {"n1": "active", "n2": "lost"}
+    assert view["nodes"][0]["step"] == 42
+    assert view["counters"]["nodes_lost"] == 1
+
+
+async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
+    await seed(bus)
+    out = await asyncio.to_thread(
+        rove, "stop", "--job", "j1", "--nats", bus.url, "--reason", "done"
+    )
+    assert out.returncode == 0, out.stderr
+    events = await asyncio.to_thread(
+        rove, "events", "--job", "j1", "--nats", bus.url, "--type", "stop_requested", "--json"
+    )
+    assert json.loads(events.stdout)["reason"] == "done"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (
+            ["status", "--job", "j1", "--nats", "localhost:4222"],
+            common.EXIT_USAGE,
+            "invalid NATS URL",
+        ),
+        (["status", "--job", "bad.name", "--nats", "nats://x:1"], common.EXIT_USAGE, "invalid job"),
+        (["status", "--job", "j1"], common.EXIT_USAGE, "no NATS server to connect to"),
+        (
+            ["events", "--job", "j1", "--since", "yesterday", "--nats", "nats://x:1"],
+            common.EXIT_USAGE,
+            "invalid duration",
+        ),
+        (
+            ["events", "--job", "j1", "--type", "nope", "--nats", "nats://x:1"],
+            common.EXIT_USAGE,
+            "unknown event type",
+        ),
+        (
+            ["status", "--job", "j1", "--nats", "nats://h:1", "--nats-creds", "/no/such.creds"],
+            common.EXIT_USAGE,
+            "no such file",
+        ),
+        (["frobnicate"], common.EXIT_USAGE, "invalid choice"),
+    ],
+)
+def test_user_mistakes_get_one_clear_line_and_an_exit_code(
+    args: list[str], code: int, message: str
+) -> None:
+    out = rove(*args)
+    assert out.returncode == code
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_an_unreachable_server_exits_3() -> None:
+    out = rove("status", "--job", "j1", "--nats", f"nats://127.0.0.1:{free_port()}")
+    assert out.returncode == common.EXIT_UNREACHABLE
+    assert "cannot connect to NATS" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_unknown_job_exits_4(nats_server: EmbeddedServer) -> None:
+    assert nats_server.url
+    out = rove("status", "--job", "nosuchjob", "--nats", nats_server.url)
+    assert out.returncode == common.EXIT_UNKNOWN_JOB
+    assert "no events of job 'nosuchjob'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90), ("90s", 90), ("5m", 300), ("1.5h", 5400), ("2d", 172800), ("250ms", 0.25)],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert common.duration(text) == pytest.approx(seconds)
