@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import random
 import ssl
 import time
@@ -109,7 +110,7 @@ class Fence(NamedTuple):
 
     def headers(self) -> dict[str, str]:
         return {
-            Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(self.seq),
+            Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(self.seq),
             EXPECTED_LAST_SUBJECT_SEQ_SUBJECT: self.subject,
         }
 
@@ -328,7 +329,7 @@ class Bus:
     async def ensure_streams(self) -> None:
         """Create rove's streams and lease bucket, or leave them as they are."""
         for cfg in self.stream_configs():
-            await self._retry(lambda cfg=cfg: self._ensure_stream(cfg), deadline_s=30.0)
+            await self._retry(functools.partial(self._ensure_stream, cfg), deadline_s=30.0)
         await self._retry(self._ensure_lease_bucket, deadline_s=30.0)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
@@ -393,7 +394,7 @@ class Bus:
             FencedError: `fence` no longer holds: a newer master was elected.
             PublishDeadlineError: retryable failures lasted past `deadline_s`.
         """
-        headers = {Header.MSG_ID: event.id}
+        headers: dict[str, str] = {Header.MSG_ID.value: event.id}
         if fence is not None:
             headers.update(fence.headers())
         return await self.publish_raw(
@@ -419,7 +420,7 @@ class Bus:
                     and headers
                     and (
                         EXPECTED_LAST_SUBJECT_SEQ_SUBJECT in headers
-                        or Header.EXPECTED_LAST_SUBJECT_SEQUENCE in headers
+                        or Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value in headers
                     )
                 ):
                     raise FencedError(
@@ -429,7 +430,8 @@ class Bus:
                 raise
             return int(ack.seq)
 
-        return await self._retry_with_timeout(attempt, deadline_s=deadline_s, what=subject)
+        seq: int = await self._retry_with_timeout(attempt, deadline_s=deadline_s, what=subject)
+        return seq
 
     async def publish_many(
         self, events: Iterable[ev.Event], *, deadline_s: float = 30.0
@@ -450,7 +452,7 @@ class Bus:
                 e = batch[i]
                 futures.append(
                     await self.js.publish_async(
-                        subjects.subject_for(e), ev.encode(e), headers={Header.MSG_ID: e.id}
+                        subjects.subject_for(e), ev.encode(e), headers={Header.MSG_ID.value: e.id}
                     )
                 )
             remaining = max(0.1, deadline - time.monotonic())

@@ -216,7 +216,8 @@ def decode(data: bytes) -> AnyEvent:
         msgspec.ValidationError: msgpack, but not an event of this catalogue
             (unknown tag, missing field, wrong type), with the path in the message.
     """
-    return _decoder.decode(data)
+    event: AnyEvent = _decoder.decode(data)
+    return event
 
 
 def kind(event: Event | type[Event]) -> str:

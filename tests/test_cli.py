@@ -1,4 +1,4 @@
-"""The `rove` CLI against a real server: readable output, JSON output, clear errors and exit codes."""
+"""The `rove` CLI against a real server: readable and JSON output, clear errors, exit codes."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ async def save(bus: Bus, state: JobState, *, master: str, now: float) -> Snapsho
     await bus.publish_raw(
         subjects.snapshot(state.job),
         _enc.encode(snap),
-        {Header.ROLLUP: "sub"},
+        {Header.ROLLUP.value: "sub"},
         deadline_s=10.0,
     )
     log.debug("snapshot written", job=state.job, applied_seq=state.applied_seq, bytes=len(data))
