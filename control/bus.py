@@ -160,6 +160,32 @@ def _servers(url: str) -> list[str]:
     return servers
 
 
+_CRLF = b"\r\n"
+
+
+def parse_header_lines(raw: bytes) -> dict[str, str]:
+    """Same result as nats-py's `Client._parse_header_lines`, several times faster.
+
+    nats-py checks every character of every header name with a generator; on
+    the replay path (every stored event carries `Nats-Msg-Id`) that is a fifth
+    of the per-message cost. `tests/test_bus.py` checks both agree.
+    """
+    out: dict[str, str] = {}
+    for line in raw.split(_CRLF):
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        name = name.strip()
+        if not name.isascii() or len(name.split()) != 1:
+            continue  # non-ASCII or whitespace inside the name: invalid, skipped
+        out[name.decode("ascii")] = value.strip().decode("utf-8", "replace")
+    return out
+
+
+class _Client(NatsClient):
+    _parse_header_lines = staticmethod(parse_header_lines)
+
+
 class Bus:
     """A connection to NATS JetStream with rove's streams, publishing and consumers."""
 
@@ -247,7 +273,7 @@ class Bus:
             kwargs["nkeys_seed"] = o.nkey_seed_file
         if o.inbox_prefix:
             kwargs["inbox_prefix"] = o.inbox_prefix
-        nc = NatsClient()
+        nc = _Client()
         nc._rove_state = state  # type: ignore[attr-defined]  # read by _quiet_close
         try:
             # The first connection gets one pass over the servers: an
@@ -565,13 +591,13 @@ class Bus:
             feed.caught_up.set()
 
         async def on_msg(msg: Msg) -> None:
-            meta = msg.metadata
-            seq = meta.sequence.stream
+            seq, pending = ack_position(msg.reply)
             item = records.read(stream, seq, msg.subject, msg.data)
             try:
-                if isinstance(item, records.Recorded):
+                if type(item) is records.Recorded:
                     r = on_recorded(item)
                 else:
+                    assert isinstance(item, records.Rejection)
                     log.warning(
                         "rejected a stored message",
                         stream=stream,
@@ -585,7 +611,7 @@ class Bus:
             except RoveError:
                 log.exception("handler failed on a stored message; skipped", stream=stream, seq=seq)
             feed.last_seq = seq
-            if not feed.caught_up.is_set() and (seq >= target or meta.num_pending == 0):
+            if not feed.caught_up.is_set() and (seq >= target or pending == 0):
                 feed.caught_up.set()
 
         feed.sub = await self.js.subscribe(
@@ -596,6 +622,20 @@ class Bus:
             config=config,
         )
         return feed
+
+
+def ack_position(reply: str) -> tuple[int, int]:
+    """(stream sequence, messages pending) from a JetStream delivery's reply subject.
+
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or the
+    v2 form with domain and account hash (and a token) after `$JS.ACK`. Parsing
+    it directly is several times cheaper than nats-py's `Msg.metadata`, which
+    matters on the replay path.
+    """
+    tokens = reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[5]), int(tokens[8])
+    return int(tokens[7]), int(tokens[10])
 
 
 async def _quiet_close(nc: NatsClient) -> None:

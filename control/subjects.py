@@ -16,8 +16,10 @@ which also validate the names that become subject tokens.
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
 from rove.control import events as ev
 from rove.control.errors import ConfigError, InvalidEventError
@@ -38,6 +40,7 @@ ELECTED_KIND: Final = "elected"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
+@functools.lru_cache(maxsize=65536)
 def check_name(what: str, value: str) -> str:
     """Return `value` if it can be a subject token and a KV key, else raise.
 
@@ -103,19 +106,27 @@ def lease_key(job: str) -> str:
     return check_name("job", job)
 
 
+def _decision_subject(event: ev.Event) -> str:
+    return master(event.job, ev.kind(event))
+
+
+#: Subject of each event type (a dict lookup: this runs for every event replayed).
+_SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
+    ev.MasterElected: lambda e: master_elected(e.job),
+    ev.Heartbeat: lambda e: heartbeat(e.job, e.node),
+    ev.NodeJoined: lambda e: node_facts(e.job, e.node),
+    ev.NodeLeft: lambda e: node_facts(e.job, e.node),
+    ev.StopRequested: lambda e: cmd(e.job),
+}
+
+
 def subject_for(event: ev.Event) -> str:
     """The one subject on which `event` is published."""
-    match event:
-        case ev.MasterElected():
-            return master_elected(event.job)
-        case ev.Decision():
-            return master(event.job, ev.kind(event))
-        case ev.Heartbeat():
-            return heartbeat(event.job, event.node)
-        case ev.NodeJoined() | ev.NodeLeft():
-            return node_facts(event.job, event.node)
-        case ev.StopRequested():
-            return cmd(event.job)
+    build = _SUBJECT_OF.get(type(event))
+    if build is not None:
+        return build(event)
+    if isinstance(event, ev.Decision):
+        return _decision_subject(event)
     raise TypeError(f"no subject is defined for event type {type(event).__name__}")
 
 

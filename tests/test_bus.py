@@ -183,3 +183,20 @@ async def test_caught_up_is_set_for_an_empty_job_and_after_the_backlog(bus: Bus)
     await bus.publish(factories.joined("late", n=99))
     await eventually(lambda: len(seen) == 51)
     await feed.stop()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"Nats-Msg-Id: j1:n1:3\r\n\r\n",
+        b"Nats-Msg-Id:abc\r\nX-Other:  spaced value \r\n\r\n",
+        b"Bad Name: x\r\nGood:\tv\r\nnocolon\r\n\xc3\xa9: skipped\r\nK: \xc3\xa9\xff\r\n\r\n",
+        b"",
+    ],
+)
+def test_fast_header_parser_agrees_with_nats_py(raw: bytes) -> None:
+    from nats.aio.client import Client
+
+    from rove.control.bus import parse_header_lines
+
+    assert parse_header_lines(raw) == Client._parse_header_lines(raw)

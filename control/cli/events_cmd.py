@@ -7,8 +7,8 @@ import asyncio
 import datetime as dt
 import sys
 
+from rove.control import aio, records, subjects
 from rove.control import events as ev
-from rove.control import records, subjects
 from rove.control.bus import Bus
 from rove.control.cli import common
 from rove.control.cli.format import event_json, event_line
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.node:
         subjects.check_name("node", args.node)
-    return asyncio.run(_run(args))
+    return aio.run(_run(args))
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -13,7 +13,12 @@ from rove.control.records import Recorded
 _COMMON = {"job", "id", "producer", "ts", "epoch"}
 
 
-def _value(v: Any) -> str:
+_TIMES = {"last_seen"}
+
+
+def _value(v: Any, key: str = "") -> str:
+    if key in _TIMES and isinstance(v, float):
+        return dt.datetime.fromtimestamp(v).strftime("%H:%M:%S.%f")[:-3]
     if isinstance(v, bytes):
         return f"<{len(v)} bytes>"
     if isinstance(v, float):

@@ -14,7 +14,7 @@ import socket
 
 import structlog
 
-from rove.control import embedded, events, subjects
+from rove.control import aio, embedded, events, subjects
 from rove.control.bus import Bus
 from rove.control.cli import common
 from rove.control.master.runner import MasterRunner
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     subjects.check_name("job", args.job)
     master_id = args.master_id or f"{socket.gethostname()}-{os.getpid()}"
     subjects.check_name("master id", master_id)
-    return asyncio.run(_run(args, master_id))
+    return aio.run(_run(args, master_id))
 
 
 async def _run(args: argparse.Namespace, master_id: str) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -12,8 +11,8 @@ from typing import Any
 
 import msgspec
 
+from rove.control import aio, subjects
 from rove.control import events as ev
-from rove.control import subjects
 from rove.control.bus import Bus
 from rove.control.cli import common
 from rove.control.errors import UnknownJobError
@@ -32,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     subjects.check_name("job", args.job)
-    return asyncio.run(_run(args))
+    return aio.run(_run(args))
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -26,11 +26,11 @@ def evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
     if isinstance(event, ev.Decision) and event.epoch < state.epoch:
         counters = replace(counters, stale_decisions=counters.stale_decisions + 1)
         return replace(state, counters=counters, applied_seq=seq)
-    new = _apply(state, event, seq, counters)
-    return replace(new, applied_seq=seq)
+    return _apply(state, event, seq, counters)
 
 
 def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> JobState:
+    """The new state; every branch sets `applied_seq=seq` in its one `replace`."""
     match event:
         case ev.NodeJoined():
             record = NodeRecord(
@@ -45,6 +45,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             phase = ev.JobPhase.RUNNING if state.phase is ev.JobPhase.PENDING else state.phase
             return replace(
                 state,
+                applied_seq=seq,
                 nodes={**state.nodes, event.node: record},
                 phase=phase,
                 counters=replace(counters, nodes_joined=counters.nodes_joined + 1),
@@ -52,10 +53,11 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
         case ev.NodeLeft():
             node = state.nodes.get(event.node)
             if node is None or node.incarnation != event.incarnation:
-                return replace(state, counters=counters)
+                return replace(state, counters=counters, applied_seq=seq)
             left = replace(node, status=NodeStatus.LEFT, reason=event.reason)
             return replace(
                 state,
+                applied_seq=seq,
                 nodes={**state.nodes, event.node: left},
                 counters=replace(counters, nodes_left=counters.nodes_left + 1),
             )
@@ -66,7 +68,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 or node.status is not NodeStatus.ACTIVE
                 or node.incarnation != event.incarnation
             ):
-                return replace(state, counters=counters)
+                return replace(state, counters=counters, applied_seq=seq)
             lost = replace(
                 node,
                 status=NodeStatus.LOST,
@@ -74,12 +76,14 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             )
             return replace(
                 state,
+                applied_seq=seq,
                 nodes={**state.nodes, event.node: lost},
                 counters=replace(counters, nodes_lost=counters.nodes_lost + 1),
             )
         case ev.MasterElected():
             return replace(
                 state,
+                applied_seq=seq,
                 leader=event.master,
                 epoch=event.epoch,
                 elected_seq=seq,
@@ -88,24 +92,31 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             )
         case ev.JobConfigured():
             if state.spec is not None:
-                return replace(state, counters=counters)
-            return replace(state, spec=event.spec, counters=counters)
+                return replace(state, counters=counters, applied_seq=seq)
+            return replace(state, spec=event.spec, counters=counters, applied_seq=seq)
         case ev.StopRequested():
             if state.stop_requested is not None or state.phase.terminal:
-                return replace(state, counters=counters)
-            return replace(state, stop_requested=event.reason, counters=counters)
+                return replace(state, counters=counters, applied_seq=seq)
+            return replace(state, stop_requested=event.reason, counters=counters, applied_seq=seq)
         case ev.JobEnded():
             if state.phase.terminal:
-                return replace(state, counters=counters)
-            return replace(state, phase=event.phase, end_reason=event.reason, counters=counters)
+                return replace(state, counters=counters, applied_seq=seq)
+            return replace(
+                state,
+                phase=event.phase,
+                end_reason=event.reason,
+                counters=counters,
+                applied_seq=seq,
+            )
         case ev.EventRejected():
             recent = (*state.recent_rejections, event)[-RECENT_REJECTIONS:]
             return replace(
                 state,
+                applied_seq=seq,
                 recent_rejections=recent,
                 counters=replace(counters, rejected=counters.rejected + 1),
             )
         case _:
             # Heartbeats live in their own stream and never reach the fold;
             # any other event type is folded by the features that add it.
-            return replace(state, counters=counters)
+            return replace(state, counters=counters, applied_seq=seq)

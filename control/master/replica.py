@@ -51,7 +51,7 @@ class Replica:
         self._on_rejected = on_rejected
         self._events: Feed | None = None
         self._heartbeats: Feed | None = None
-        self._progress = asyncio.Condition()
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     async def start(self) -> None:
         """Rebuild from snapshot + tail, then follow. Returns when caught up."""
@@ -86,19 +86,26 @@ class Replica:
             if feed is not None:
                 await feed.stop()
 
-    async def _apply(self, rec: records.Recorded) -> None:
+    def _apply(self, rec: records.Recorded) -> None:
         if rec.seq <= self.seen_seq:
             return  # already handled (an ordered consumer may redeliver after a reset)
         if not isinstance(rec.event, ev.Heartbeat):
             self.state = evolve(self.state, rec.event, rec.seq)
             if self._on_applied is not None:
                 self._on_applied(rec)
-        await self._seen(rec.seq)
+        self._seen(rec.seq)
 
-    async def _seen(self, seq: int) -> None:
+    def _seen(self, seq: int) -> None:
         self.seen_seq = seq
-        async with self._progress:
-            self._progress.notify_all()
+        if self._waiters:
+            waiting = []
+            for target, fut in self._waiters:
+                if seq >= target:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    waiting.append((target, fut))
+            self._waiters = waiting
 
     def _heartbeat(self, rec: records.Recorded) -> None:
         hb = rec.event
@@ -108,22 +115,24 @@ class Replica:
         if known is None or known.incarnation != hb.incarnation or known.seq < hb.seq:
             self.liveness[hb.node] = hb
 
-    async def _reject(self, rej: records.Rejection) -> None:
+    def _reject(self, rej: records.Rejection) -> None:
         if rej.stream == subjects.EVENTS_STREAM and rej.seq <= self.seen_seq:
             return
         if self._on_rejected is not None:
             self._on_rejected(rej)
         if rej.stream == subjects.EVENTS_STREAM:
-            await self._seen(rej.seq)
+            self._seen(rej.seq)
 
     async def wait_applied(self, seq: int, timeout_s: float | None = None) -> None:
         """Wait until the message at stream sequence `seq` (or a later one) is handled."""
-
-        async def wait() -> None:
-            async with self._progress:
-                await self._progress.wait_for(lambda: self.seen_seq >= seq)
-
-        await asyncio.wait_for(wait(), timeout_s)
+        if self.seen_seq >= seq:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((seq, fut))
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._waiters = [(t, f) for t, f in self._waiters if f is not fut]
 
     async def catch_up(self, timeout_s: float | None = None) -> int:
         """Fold everything stored right now; returns the sequence reached."""

@@ -1,0 +1,56 @@
+# rove's task file. Every target sets up the virtual environment it needs first.
+#   make demo   - install and run the main job on the embedded default
+#   make test   - install test tools, lint, and run the whole test suite (what CI runs)
+#   make lint   - ruff (check + format) and mypy (strict on the control-plane domain code)
+#   make bench  - run the benchmarks; each prints one JSON line
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first, pinned: 2.13.0 is the CPU build that lies on this machine's disk;
+# any other spec downloads several GB of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast lint format bench typecheck-view clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e .
+	touch $@
+
+$(VENV)/.installed-tests: $(VENV)/.installed
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[tests]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python examples/control_plane_demo.py
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed-tests
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+typecheck-view:
+	@mkdir -p .typecheck/rove
+	@for p in control agent shard_service checkpoint; do ln -sfn ../../$$p .typecheck/rove/$$p; done
+
+lint: $(VENV)/.installed-tests typecheck-view
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+format: $(VENV)/.installed-tests
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(VENV)/.installed-tests
+	$(BIN)/python benchmarks/master_recovery.py --events 100000
+	$(BIN)/python benchmarks/bus_throughput.py
+
+clean:
+	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
