@@ -1,0 +1,124 @@
+"""Render the event catalogue as Markdown (`docs/events.md` is this module's output).
+
+    python -m rove.control.eventdoc > docs/events.md
+
+The test suite regenerates it and fails when the checked-in file differs, so
+the document cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import typing
+
+import msgspec
+
+from rove.control import events as ev
+from rove.control import subjects
+
+_ENVELOPE = ("job", "id", "producer", "ts")
+
+_PLACEHOLDER = {str: "x", int: 0, float: 0.0, bytes: b""}
+
+
+def _subject(cls: type[ev.Event]) -> str:
+    """The subject pattern of `cls`, from `subjects.subject_for` on a placeholder event."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, object] = {}
+    for name, tp in hints.items():
+        if name in cls.__struct_fields__:
+            values[name] = _PLACEHOLDER.get(tp)
+    values.update(job="JOB", id="x", producer="x")
+    if "node" in cls.__struct_fields__:
+        values["node"] = "NODE"
+    if cls is ev.JobConfigured:
+        values["spec"] = ev.JobSpec()
+    if cls is ev.JobEnded:
+        values["phase"] = ev.JobPhase.STOPPED
+    event = cls(**{k: v for k, v in values.items() if v is not None})
+    subject = subjects.subject_for(event).replace("JOB", "<job>").replace("NODE", "<node>")
+    stream = subjects.HEARTBEAT_STREAM if subject.startswith("rove.hb") else subjects.EVENTS_STREAM
+    return f"`{subject}` (stream {stream})"
+
+
+def _type_name(tp: object) -> str:
+    text = str(tp).replace("typing.", "").replace("rove.control.events.", "")
+    text = text.replace("<class '", "").replace("'>", "")
+    return text
+
+
+def _fields(cls: type[ev.Event]) -> list[tuple[str, str, str]]:
+    hints = typing.get_type_hints(cls)
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    rows = []
+    for f in info.fields:
+        if f.name in _ENVELOPE or f.name == "epoch":
+            continue
+        if f.default is not msgspec.NODEFAULT:
+            default = repr(f.default)
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = repr(f.default_factory())
+        else:
+            default = "required"
+        rows.append((f.name, _type_name(hints[f.name]), default))
+    return rows
+
+
+def render() -> str:
+    out = [
+        "# Event catalogue",
+        "",
+        "Generated from `rove.control.events` by `python -m rove.control.eventdoc`;",
+        "a test fails when this file and the code disagree.",
+        "",
+        "Every event carries the envelope `job`, `id` (deterministic, sent as",
+        "`Nats-Msg-Id`), `producer` and `ts` (the producer's Unix time). Master",
+        "decisions also carry `epoch`, the leader-lease revision of the master that",
+        "made them. Events are msgpack-encoded tagged structs; the tag is in `type`.",
+        "",
+        "## Schema evolution",
+        "",
+        inspect.cleandoc(ev.__doc__ or "")
+        .split("Schema evolution (the rule every change to this file follows):")[1]
+        .strip(),
+        "",
+    ]
+    groups = [
+        ("Agent facts", [ev.NodeJoined, ev.NodeLeft, ev.Heartbeat]),
+        ("Operator commands", [ev.StopRequested]),
+        ("Master decisions", [c for c in ev.EVENT_TYPES.values() if issubclass(c, ev.Decision)]),
+    ]
+    listed = {c for _, cs in groups for c in cs}
+    assert listed == set(ev.EVENT_TYPES.values()), "every event type belongs to a group"
+    for title, classes in groups:
+        out += [f"## {title}", ""]
+        for cls in classes:
+            tag = ev.kind(cls)
+            subject = _subject(cls)
+            out += [
+                f"### `{tag}`",
+                "",
+                inspect.cleandoc(cls.__doc__ or ""),
+                "",
+                f"Subject: {subject}",
+                "",
+            ]
+            rows = _fields(cls)
+            if rows:
+                out += ["| field | type | default |", "| --- | --- | --- |"]
+                out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in rows]
+                out.append("")
+    out += ["## Values used inside events", ""]
+    for cls in (ev.JobSpec, ev.RankStat):
+        out += [f"### `{cls.__name__}`", "", inspect.cleandoc(cls.__doc__ or ""), ""]
+        out += ["| field | type | default |", "| --- | --- | --- |"]
+        out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in _fields(cls)]  # type: ignore[arg-type]
+        out.append("")
+    out += [f"`JobPhase`: {', '.join(f'`{p.value}`' for p in ev.JobPhase)}.", ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
