@@ -36,7 +36,9 @@ def _subject(cls: type[ev.Event]) -> str:
         values["spec"] = ev.JobSpec()
     if cls is ev.JobEnded:
         values["phase"] = ev.JobPhase.STOPPED
-    event = cls(**{k: v for k, v in values.items() if v is not None})
+    event = msgspec.convert(
+        {k: v for k, v in values.items() if v is not None}, cls, from_attributes=True
+    )
     subject = subjects.subject_for(event).replace("JOB", "<job>").replace("NODE", "<node>")
     stream = subjects.HEARTBEAT_STREAM if subject.startswith("rove.hb") else subjects.EVENTS_STREAM
     return f"`{subject}` (stream {stream})"
@@ -48,7 +50,7 @@ def _type_name(tp: object) -> str:
     return text
 
 
-def _fields(cls: type[ev.Event]) -> list[tuple[str, str, str]]:
+def _fields(cls: type[msgspec.Struct]) -> list[tuple[str, str, str]]:
     hints = typing.get_type_hints(cls)
     info = msgspec.inspect.type_info(cls)
     assert isinstance(info, msgspec.inspect.StructType)
@@ -85,7 +87,7 @@ def render() -> str:
         .strip(),
         "",
     ]
-    groups = [
+    groups: list[tuple[str, list[type[ev.Event]]]] = [
         ("Agent facts", [ev.NodeJoined, ev.NodeLeft, ev.Heartbeat]),
         ("Operator commands", [ev.StopRequested]),
         ("Master decisions", [c for c in ev.EVENT_TYPES.values() if issubclass(c, ev.Decision)]),
@@ -111,10 +113,10 @@ def render() -> str:
                 out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in rows]
                 out.append("")
     out += ["## Values used inside events", ""]
-    for cls in (ev.JobSpec, ev.RankStat):
-        out += [f"### `{cls.__name__}`", "", inspect.cleandoc(cls.__doc__ or ""), ""]
+    for value_cls in (ev.JobSpec, ev.RankStat):
+        out += [f"### `{value_cls.__name__}`", "", inspect.cleandoc(value_cls.__doc__ or ""), ""]
         out += ["| field | type | default |", "| --- | --- | --- |"]
-        out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in _fields(cls)]  # type: ignore[arg-type]
+        out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in _fields(value_cls)]
         out.append("")
     out += [f"`JobPhase`: {', '.join(f'`{p.value}`' for p in ev.JobPhase)}.", ""]
     return "\n".join(out)
