@@ -45,8 +45,8 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
+from rove.control import catchup, records, subjects
 from rove.control import events as ev
-from rove.control import records, subjects
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,
@@ -55,6 +55,7 @@ from rove.control.errors import (
     PublishDeadlineError,
     RoveError,
 )
+from rove.control.natsclient import RoveNatsClient, ack_position
 
 log = structlog.get_logger("rove.bus")
 
@@ -160,32 +161,6 @@ def _servers(url: str) -> list[str]:
     return servers
 
 
-_CRLF = b"\r\n"
-
-
-def parse_header_lines(raw: bytes) -> dict[str, str]:
-    """Same result as nats-py's `Client._parse_header_lines`, several times faster.
-
-    nats-py checks every character of every header name with a generator; on
-    the replay path (every stored event carries `Nats-Msg-Id`) that is a fifth
-    of the per-message cost. `tests/test_bus.py` checks both agree.
-    """
-    out: dict[str, str] = {}
-    for line in raw.split(_CRLF):
-        name, sep, value = line.partition(b":")
-        if not sep:
-            continue
-        name = name.strip()
-        if not name.isascii() or len(name.split()) != 1:
-            continue  # non-ASCII or whitespace inside the name: invalid, skipped
-        out[name.decode("ascii")] = value.strip().decode("utf-8", "replace")
-    return out
-
-
-class _Client(NatsClient):
-    _parse_header_lines = staticmethod(parse_header_lines)
-
-
 class Bus:
     """A connection to NATS JetStream with rove's streams, publishing and consumers."""
 
@@ -273,7 +248,7 @@ class Bus:
             kwargs["nkeys_seed"] = o.nkey_seed_file
         if o.inbox_prefix:
             kwargs["inbox_prefix"] = o.inbox_prefix
-        nc = _Client()
+        nc = RoveNatsClient()
         nc._rove_state = state  # type: ignore[attr-defined]  # read by _quiet_close
         try:
             # The first connection gets one pass over the servers: an
@@ -573,26 +548,15 @@ class Bus:
         (nats-py reports it through the error callback).
         """
         target = await self.last_seq(stream, subject_filter)
-        if start_seq is not None:
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
-            )
-        elif start_time is not None:
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start_time
-            )
-        elif last_per_subject:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
-        else:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         feed = Feed(sub=None, target_seq=target)
-        first = start_seq if start_seq is not None else 1
+        first = max(1, start_seq) if start_seq is not None else 1
         if target == 0 or (start_seq is not None and target < first):
             feed.caught_up.set()
 
-        async def on_msg(msg: Msg) -> None:
-            seq, pending = ack_position(msg.reply)
-            item = records.read(stream, seq, msg.subject, msg.data)
+        async def deliver(seq: int, subject: str, data: bytes, pending: int = -1) -> None:
+            if seq <= feed.last_seq:
+                return  # handed over from the bulk catch-up; already delivered
+            item = records.read(stream, seq, subject, data)
             try:
                 if type(item) is records.Recorded:
                     r = on_recorded(item)
@@ -602,7 +566,7 @@ class Bus:
                         "rejected a stored message",
                         stream=stream,
                         seq=seq,
-                        subject=msg.subject,
+                        subject=subject,
                         error=item.error,
                     )
                     r = on_rejected(item)
@@ -614,6 +578,27 @@ class Bus:
             if not feed.caught_up.is_set() and (seq >= target or pending == 0):
                 feed.caught_up.set()
 
+        async def on_msg(msg: Msg) -> None:
+            seq, pending = ack_position(msg.reply)
+            await deliver(seq, msg.subject, msg.data, pending)
+
+        from_time = start_time is not None or last_per_subject
+        if not from_time and target - first + 1 >= catchup.MIN_BACKLOG:
+            assert isinstance(self.nc, RoveNatsClient)
+            last = await catchup.catch_up(
+                self.nc, self.js, stream, subject_filter, first, target, deliver
+            )
+            first = last + 1
+        if start_time is not None:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start_time
+            )
+        elif last_per_subject:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        else:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first
+            )
         feed.sub = await self.js.subscribe(
             subject_filter,
             stream=stream,
@@ -622,20 +607,6 @@ class Bus:
             config=config,
         )
         return feed
-
-
-def ack_position(reply: str) -> tuple[int, int]:
-    """(stream sequence, messages pending) from a JetStream delivery's reply subject.
-
-    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or the
-    v2 form with domain and account hash (and a token) after `$JS.ACK`. Parsing
-    it directly is several times cheaper than nats-py's `Msg.metadata`, which
-    matters on the replay path.
-    """
-    tokens = reply.split(".")
-    if len(tokens) == 9:
-        return int(tokens[5]), int(tokens[8])
-    return int(tokens[7]), int(tokens[10])
 
 
 async def _quiet_close(nc: NatsClient) -> None:

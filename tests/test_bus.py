@@ -197,6 +197,6 @@ async def test_caught_up_is_set_for_an_empty_job_and_after_the_backlog(bus: Bus)
 def test_fast_header_parser_agrees_with_nats_py(raw: bytes) -> None:
     from nats.aio.client import Client
 
-    from rove.control.bus import parse_header_lines
+    from rove.control.natsclient import parse_header_lines
 
     assert parse_header_lines(raw) == Client._parse_header_lines(raw)

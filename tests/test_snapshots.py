@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import immutables
 import msgspec
 import pytest
 
@@ -43,7 +44,7 @@ async def test_a_large_snapshot_goes_to_the_object_store_and_loads_back(bus: Bus
         )
         for i in range(4000)
     }
-    state = msgspec.structs.replace(initial("j1"), nodes=nodes, applied_seq=7)
+    state = msgspec.structs.replace(initial("j1"), nodes=immutables.Map(nodes), applied_seq=7)
     snap = await snapshots.save(bus, state, master="t", now=1.0)
     assert snap.object_name is not None and snap.state is None
     assert snap.size > snapshots.INLINE_LIMIT

@@ -46,7 +46,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             return replace(
                 state,
                 applied_seq=seq,
-                nodes={**state.nodes, event.node: record},
+                nodes=state.nodes.set(event.node, record),
                 phase=phase,
                 counters=replace(counters, nodes_joined=counters.nodes_joined + 1),
             )
@@ -58,7 +58,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             return replace(
                 state,
                 applied_seq=seq,
-                nodes={**state.nodes, event.node: left},
+                nodes=state.nodes.set(event.node, left),
                 counters=replace(counters, nodes_left=counters.nodes_left + 1),
             )
         case ev.NodeLost():
@@ -77,7 +77,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             return replace(
                 state,
                 applied_seq=seq,
-                nodes={**state.nodes, event.node: lost},
+                nodes=state.nodes.set(event.node, lost),
                 counters=replace(counters, nodes_lost=counters.nodes_lost + 1),
             )
         case ev.MasterElected():

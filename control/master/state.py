@@ -2,13 +2,19 @@
 
 A `JobState` is the result of `fold(evolve, events)` over the job's event
 stream. It is immutable: `evolve` returns a new state that shares the parts it
-did not change. Snapshots are this struct encoded with msgpack.
+did not change. Collections keyed by node (and, later, by shard) are
+`immutables.Map`s, hash array mapped tries: updating one entry is O(log n)
+instead of copying a dict, which keeps replay fast for large jobs. Snapshots
+are this struct encoded with msgpack (maps as plain msgpack maps).
 """
 
 from __future__ import annotations
 
 import enum
+import typing
+from typing import Any
 
+import immutables
 import msgspec
 
 from rove.control.events import EventRejected, JobPhase, JobSpec
@@ -68,7 +74,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = 0
     elected_seq: int = 0
     leader_since: float = 0.0
-    nodes: dict[str, NodeRecord] = msgspec.field(default_factory=dict)
+    nodes: immutables.Map[str, NodeRecord] = msgspec.field(default_factory=immutables.Map)
     stop_requested: str | None = None
     end_reason: str = ""
     counters: Counters = msgspec.field(default_factory=Counters)
@@ -85,8 +91,21 @@ def active_nodes(state: JobState) -> list[NodeRecord]:
     return [n for n in state.nodes.values() if n.status is NodeStatus.ACTIVE]
 
 
-_state_encoder = msgspec.msgpack.Encoder()
-_state_decoder = msgspec.msgpack.Decoder(JobState)
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, immutables.Map):
+        return dict(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(tp: Any, obj: Any) -> Any:
+    if typing.get_origin(tp) is immutables.Map:
+        key, value = typing.get_args(tp)
+        return immutables.Map(msgspec.convert(obj, dict[key, value]))  # type: ignore[valid-type]
+    raise NotImplementedError(f"cannot decode {tp}")
+
+
+_state_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_state_decoder = msgspec.msgpack.Decoder(JobState, dec_hook=_dec_hook)
 
 
 def encode_state(state: JobState) -> bytes:
