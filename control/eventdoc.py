@@ -36,6 +36,11 @@ def _subject(cls: type[ev.Event]) -> str:
         values["spec"] = ev.JobSpec()
     if cls is ev.JobEnded:
         values["phase"] = ev.JobPhase.STOPPED
+    if cls is ev.WorkerExited:
+        values["kind"] = ev.FailureKind.UNKNOWN
+    for tuple_field in ("ranks", "pids", "members"):
+        if tuple_field in cls.__struct_fields__:
+            values[tuple_field] = ()
     event = msgspec.convert(
         {k: v for k, v in values.items() if v is not None}, cls, from_attributes=True
     )
@@ -88,7 +93,18 @@ def render() -> str:
         "",
     ]
     groups: list[tuple[str, list[type[ev.Event]]]] = [
-        ("Agent facts", [ev.NodeJoined, ev.NodeLeft, ev.Heartbeat]),
+        (
+            "Agent facts",
+            [
+                ev.NodeJoined,
+                ev.NodeLeft,
+                ev.Heartbeat,
+                ev.RdzvJoined,
+                ev.WorkersStarted,
+                ev.WorkerExited,
+                ev.WorkersSucceeded,
+            ],
+        ),
         ("Operator commands", [ev.StopRequested]),
         ("Master decisions", [c for c in ev.EVENT_TYPES.values() if issubclass(c, ev.Decision)]),
     ]
@@ -113,12 +129,13 @@ def render() -> str:
                 out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in rows]
                 out.append("")
     out += ["## Values used inside events", ""]
-    for value_cls in (ev.JobSpec, ev.RankStat):
+    for value_cls in (ev.JobSpec, ev.RdzvParams, ev.RoundMember, ev.RankStat):
         out += [f"### `{value_cls.__name__}`", "", inspect.cleandoc(value_cls.__doc__ or ""), ""]
         out += ["| field | type | default |", "| --- | --- | --- |"]
         out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in _fields(value_cls)]
         out.append("")
     out += [f"`JobPhase`: {', '.join(f'`{p.value}`' for p in ev.JobPhase)}.", ""]
+    out += [f"`FailureKind`: {', '.join(f'`{k.value}`' for k in ev.FailureKind)}.", ""]
     return "\n".join(out)
 
 

@@ -71,6 +71,44 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
     node_timeout_s: float = 30.0
 
 
+class FailureKind(enum.StrEnum):
+    """Why a worker process ended badly, as diagnosed by its agent.
+
+    `user_error` and `oom` are the user's to fix (a repeat fails the job fast);
+    `hardware` marks the node itself as faulty; the rest are worth a restart.
+    """
+
+    USER_ERROR = "user_error"
+    OOM = "oom"
+    KILLED = "killed"
+    SEGFAULT = "segfault"
+    COMMUNICATION = "communication"
+    HANG = "hang"
+    HARDWARE = "hardware"
+    UNKNOWN = "unknown"
+
+
+class RdzvParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Rendezvous settings, from `rove run`'s flags; the first joiner's are the job's."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_unit: int = 1
+    max_restarts: int = 3
+    last_call_s: float = 5.0
+    below_min_wait_s: float = 300.0
+
+
+class RoundMember(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's place in a rendezvous round: its group rank is its index."""
+
+    node: str
+    incarnation: str
+    addr: str
+    nproc: int
+    first_rank: int
+
+
 class RankStat(msgspec.Struct, frozen=True, kw_only=True):
     """One worker process's progress and resource use, inside a heartbeat."""
 
@@ -116,6 +154,52 @@ class Heartbeat(Event, tag="heartbeat", frozen=True, kw_only=True):
     mem_used_bytes: int = 0
     mem_total_bytes: int = 0
     ranks: tuple[RankStat, ...] = ()
+    round: int = 0
+    ports: tuple[int, ...] = ()
+
+
+class RdzvJoined(Event, tag="rdzv_joined", frozen=True, kw_only=True):
+    """`node` wants a place in the next rendezvous round."""
+
+    node: str
+    incarnation: str
+    addr: str
+    nproc_per_node: int
+    ports: tuple[int, ...] = ()
+    params: RdzvParams = msgspec.field(default_factory=RdzvParams)
+
+
+class WorkersStarted(Event, tag="workers_started", frozen=True, kw_only=True):
+    """`node` started its worker processes for `round`."""
+
+    node: str
+    incarnation: str
+    round: int
+    ranks: tuple[int, ...]
+    pids: tuple[int, ...]
+
+
+class WorkerExited(Event, tag="worker_exited", frozen=True, kw_only=True):
+    """A worker process of `round` ended with an error (diagnosed; log tail bounded)."""
+
+    node: str
+    incarnation: str
+    round: int
+    rank: int
+    local_rank: int
+    kind: FailureKind
+    reason: str
+    exit_code: int | None = None
+    signal: str | None = None
+    log_tail: str = ""
+
+
+class WorkersSucceeded(Event, tag="workers_succeeded", frozen=True, kw_only=True):
+    """Every worker of `node` in `round` exited with code 0."""
+
+    node: str
+    incarnation: str
+    round: int
 
 
 # --------------------------------------------------------------------------- operator commands
@@ -151,6 +235,26 @@ class NodeLost(Decision, tag="node_lost", frozen=True, kw_only=True):
     timeout_s: float
 
 
+class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True):
+    """A rendezvous round: these members, in rank order, start their workers now."""
+
+    round: int
+    members: tuple[RoundMember, ...]
+    world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int = 0
+    reason: str = ""
+
+
+class NodeExcluded(Decision, tag="node_excluded", frozen=True, kw_only=True):
+    """`node` is taken out of the job (faulty hardware, failed checks)."""
+
+    node: str
+    incarnation: str
+    reason: str
+
+
 class JobEnded(Decision, tag="job_ended", frozen=True, kw_only=True):
     """The job reached a terminal phase."""
 
@@ -173,6 +277,12 @@ AnyEvent = (
     NodeJoined
     | NodeLeft
     | Heartbeat
+    | RdzvJoined
+    | WorkersStarted
+    | WorkerExited
+    | WorkersSucceeded
+    | RoundCompleted
+    | NodeExcluded
     | StopRequested
     | MasterElected
     | JobConfigured
@@ -187,6 +297,12 @@ EVENT_TYPES: Final[dict[str, type[Event]]] = {
         NodeJoined,
         NodeLeft,
         Heartbeat,
+        RdzvJoined,
+        WorkersStarted,
+        WorkerExited,
+        WorkersSucceeded,
+        RoundCompleted,
+        NodeExcluded,
         StopRequested,
         MasterElected,
         JobConfigured,
@@ -198,6 +314,10 @@ EVENT_TYPES: Final[dict[str, type[Event]]] = {
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).
 PAYLOAD_HEAD_BYTES: Final = 256
+#: How much of a worker's log a `worker_exited` event carries.
+LOG_TAIL_BYTES: Final = 4096
+#: How long a failure reason may be.
+REASON_CHARS: Final = 500
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyEvent)

@@ -116,6 +116,10 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.Heartbeat: lambda e: heartbeat(e.job, e.node),
     ev.NodeJoined: lambda e: node_facts(e.job, e.node),
     ev.NodeLeft: lambda e: node_facts(e.job, e.node),
+    ev.RdzvJoined: lambda e: node_facts(e.job, e.node),
+    ev.WorkersStarted: lambda e: node_facts(e.job, e.node),
+    ev.WorkerExited: lambda e: node_facts(e.job, e.node),
+    ev.WorkersSucceeded: lambda e: node_facts(e.job, e.node),
     ev.StopRequested: lambda e: cmd(e.job),
 }
 

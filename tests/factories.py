@@ -121,7 +121,8 @@ def rejected(seq: int, epoch: int, *, job: str = JOB) -> ev.EventRejected:
     )
 
 
-def one_of_each() -> list[ev.Event]:
+def v1_events() -> list[ev.Event]:
+    """The events frozen in tests/data/events_v1.* (do not change)."""
     return [
         joined("n1"),
         left("n1"),
@@ -132,4 +133,132 @@ def one_of_each() -> list[ev.Event]:
         lost("n1", 7),
         ended(7),
         rejected(12, 7),
+    ]
+
+
+PARAMS = ev.RdzvParams(min_nodes=1, max_nodes=2, node_unit=1, max_restarts=3, last_call_s=2.0)
+
+
+def rdzv(
+    node: str,
+    *,
+    inc: str = "i1",
+    ts: float = 100.0,
+    nproc: int = 2,
+    params: ev.RdzvParams = PARAMS,
+    n: int = 0,
+    job: str = JOB,
+) -> ev.RdzvJoined:
+    return ev.RdzvJoined(
+        job=job,
+        id=ev.make_id(node, inc, "rdzv", n, ts),
+        producer=f"agent:{node}",
+        ts=ts,
+        node=node,
+        incarnation=inc,
+        addr=f"10.0.0.{node[-1]}",
+        nproc_per_node=nproc,
+        ports=(29500 + n,),
+        params=params,
+    )
+
+
+def started(
+    node: str, rnd: int, ranks: tuple[int, ...], *, inc: str = "i1", job: str = JOB
+) -> ev.WorkersStarted:
+    return ev.WorkersStarted(
+        job=job,
+        id=ev.make_id(node, inc, "started", rnd),
+        producer=f"agent:{node}",
+        ts=100.0,
+        node=node,
+        incarnation=inc,
+        round=rnd,
+        ranks=ranks,
+        pids=tuple(1000 + r for r in ranks),
+    )
+
+
+def exited(
+    node: str,
+    rnd: int,
+    *,
+    rank: int = 0,
+    kind: ev.FailureKind = ev.FailureKind.KILLED,
+    reason: str = "killed by SIGKILL",
+    inc: str = "i1",
+    ts: float = 100.0,
+    job: str = JOB,
+) -> ev.WorkerExited:
+    return ev.WorkerExited(
+        job=job,
+        id=ev.make_id(node, inc, "exited", rnd, rank),
+        producer=f"agent:{node}",
+        ts=ts,
+        node=node,
+        incarnation=inc,
+        round=rnd,
+        rank=rank,
+        local_rank=rank % 2,
+        kind=kind,
+        reason=reason,
+        exit_code=-9,
+        signal="SIGKILL",
+        log_tail="last words",
+    )
+
+
+def succeeded(node: str, rnd: int, *, inc: str = "i1", job: str = JOB) -> ev.WorkersSucceeded:
+    return ev.WorkersSucceeded(
+        job=job,
+        id=ev.make_id(node, inc, "succeeded", rnd),
+        producer=f"agent:{node}",
+        ts=100.0,
+        node=node,
+        incarnation=inc,
+        round=rnd,
+    )
+
+
+def round_completed(rnd: int, epoch: int, *nodes: str, job: str = JOB) -> ev.RoundCompleted:
+    members = tuple(
+        ev.RoundMember(node=n, incarnation="i1", addr="10.0.0.1", nproc=2, first_rank=2 * i)
+        for i, n in enumerate(nodes)
+    )
+    return ev.RoundCompleted(
+        job=job,
+        id=ev.make_id(job, epoch, "round", rnd),
+        producer="master:m1",
+        ts=100.0,
+        epoch=epoch,
+        round=rnd,
+        members=members,
+        world_size=2 * len(nodes),
+        master_addr="10.0.0.1",
+        master_port=29500,
+    )
+
+
+def excluded(node: str, epoch: int, *, inc: str = "i1", job: str = JOB) -> ev.NodeExcluded:
+    return ev.NodeExcluded(
+        job=job,
+        id=ev.make_id(job, epoch, "excluded", node, inc),
+        producer="master:m1",
+        ts=100.0,
+        epoch=epoch,
+        node=node,
+        incarnation=inc,
+        reason="hardware",
+    )
+
+
+def one_of_each() -> list[ev.Event]:
+    return [
+        *v1_events(),
+        rdzv("n1"),
+        started("n1", 1, (0, 1)),
+        exited("n1", 1),
+        succeeded("n1", 1),
+        round_completed(1, 7, "n1"),
+        excluded("n1", 7),
     ]
