@@ -35,6 +35,21 @@ any_event = st.one_of(
     st.builds(lambda e, p: factories.ended(e, p), epochs, st.sampled_from(list(ev.JobPhase))),
     st.builds(lambda s, e: factories.rejected(s, e), st.integers(1, 1000), epochs),
     st.builds(lambda n: factories.heartbeat(n), nodes),
+    st.builds(lambda n, i, t: factories.rdzv(n, inc=i, ts=t), nodes, incs, st.floats(0, 1e4)),
+    st.builds(
+        lambda n, r, k: factories.exited(n, r, kind=k),
+        nodes,
+        st.integers(0, 4),
+        st.sampled_from(list(ev.FailureKind)),
+    ),
+    st.builds(lambda n, r: factories.succeeded(n, r), nodes, st.integers(0, 4)),
+    st.builds(
+        lambda r, e, ns: factories.round_completed(r, e, *ns),
+        st.integers(1, 5),
+        epochs,
+        st.lists(nodes, min_size=1, max_size=3, unique=True),
+    ),
+    st.builds(lambda n, e: factories.excluded(n, e), nodes, epochs),
 )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from rove.control import events as ev
+from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import JobState, NodeStatus
 
 
@@ -26,6 +27,8 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
     decisions: list[ev.Decision] = []
     decisions.extend(_lost_nodes(state, liveness, now))
     decisions.extend(_stop(state, now))
+    if not decisions:
+        decisions.extend(_rendezvous(state, liveness, now))
     return decisions
 
 
@@ -67,6 +70,42 @@ def _lost_nodes(
                 )
             )
     return lost
+
+
+def _rendezvous(
+    state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float
+) -> list[ev.Decision]:
+    live = {n.node: n.incarnation for n in state.nodes.values() if n.status is NodeStatus.ACTIVE}
+    action = rdzv.decide(state.rdzv, rdzv.Alive(live), liveness, now)
+    if action is None:
+        return []
+    kind, fields = action
+    r = state.rdzv
+    match kind:
+        case "round":
+            return [
+                ev.RoundCompleted(
+                    **_common(state, now, "round", fields["round"]),  # type: ignore[arg-type]
+                    **fields,  # type: ignore[arg-type]
+                )
+            ]
+        case "exclude":
+            return [
+                ev.NodeExcluded(
+                    **_common(state, now, "excluded", fields["node"], fields["incarnation"]),  # type: ignore[arg-type]
+                    **fields,  # type: ignore[arg-type]
+                )
+            ]
+        case "finished" | "failed":
+            phase = ev.JobPhase.FINISHED if kind == "finished" else ev.JobPhase.FAILED
+            return [
+                ev.JobEnded(
+                    **_common(state, now, "job_ended", phase, r.round),  # type: ignore[arg-type]
+                    phase=phase,
+                    reason=str(fields["reason"]),
+                )
+            ]
+    raise AssertionError(f"unknown rendezvous action {kind}")
 
 
 def _stop(state: JobState, now: float) -> list[ev.Decision]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from rove.control import events as ev
+from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import (
     RECENT_REJECTIONS,
     Counters,
@@ -46,6 +47,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             return replace(
                 state,
                 applied_seq=seq,
+                rdzv=rdzv.on_node_joined(state.rdzv, event),
                 nodes=state.nodes.set(event.node, record),
                 phase=phase,
                 counters=replace(counters, nodes_joined=counters.nodes_joined + 1),
@@ -58,6 +60,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             return replace(
                 state,
                 applied_seq=seq,
+                rdzv=rdzv.on_node_gone(state.rdzv, event.node, event.ts),
                 nodes=state.nodes.set(event.node, left),
                 counters=replace(counters, nodes_left=counters.nodes_left + 1),
             )
@@ -77,6 +80,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
             return replace(
                 state,
                 applied_seq=seq,
+                rdzv=rdzv.on_node_gone(state.rdzv, event.node, event.ts),
                 nodes=state.nodes.set(event.node, lost),
                 counters=replace(counters, nodes_lost=counters.nodes_lost + 1),
             )
@@ -115,6 +119,46 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 applied_seq=seq,
                 recent_rejections=recent,
                 counters=replace(counters, rejected=counters.rejected + 1),
+            )
+        case ev.RdzvJoined():
+            return replace(
+                state,
+                rdzv=rdzv.on_rdzv_joined(state.rdzv, event),
+                counters=counters,
+                applied_seq=seq,
+            )
+        case ev.WorkerExited():
+            return replace(
+                state,
+                rdzv=rdzv.on_worker_exited(state.rdzv, event),
+                counters=replace(counters, worker_failures=counters.worker_failures + 1),
+                applied_seq=seq,
+            )
+        case ev.WorkersSucceeded():
+            return replace(
+                state,
+                rdzv=rdzv.on_workers_succeeded(state.rdzv, event),
+                counters=counters,
+                applied_seq=seq,
+            )
+        case ev.RoundCompleted():
+            return replace(
+                state,
+                rdzv=rdzv.on_round_completed(state.rdzv, event),
+                counters=replace(counters, rounds=counters.rounds + 1),
+                applied_seq=seq,
+            )
+        case ev.NodeExcluded():
+            node = state.nodes.get(event.node)
+            nodes = state.nodes
+            if node is not None and node.incarnation == event.incarnation:
+                nodes = nodes.set(event.node, replace(node, reason=f"excluded: {event.reason}"))
+            return replace(
+                state,
+                nodes=nodes,
+                rdzv=rdzv.on_excluded(state.rdzv, event),
+                counters=counters,
+                applied_seq=seq,
             )
         case _:
             # Heartbeats live in their own stream and never reach the fold;

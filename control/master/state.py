@@ -18,6 +18,7 @@ import immutables
 import msgspec
 
 from rove.control.events import EventRejected, JobPhase, JobSpec
+from rove.control.master.rendezvous import RdzvState
 
 #: How many dead letters the state keeps for `rove status` (the count is unbounded).
 RECENT_REJECTIONS = 20
@@ -56,6 +57,8 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     elections: int = 0
     rejected: int = 0
     stale_decisions: int = 0
+    rounds: int = 0
+    worker_failures: int = 0
 
 
 class JobState(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +82,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     end_reason: str = ""
     counters: Counters = msgspec.field(default_factory=Counters)
     recent_rejections: tuple[EventRejected, ...] = ()
+    rdzv: RdzvState = msgspec.field(default_factory=RdzvState)
     applied_seq: int = 0
 
 

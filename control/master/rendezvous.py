@@ -1,0 +1,377 @@
+"""Rendezvous rounds and the worker-failure policy (pure: no clock, no I/O).
+
+A round is a list of member nodes in rank order; its members start their
+workers when they see its `round_completed` decision.
+
+Forming a round (the pool is the alive members of a broken round, in their
+old order, then alive waiting nodes by arrival):
+  * at `max_nodes` at once; or, once `min_nodes` are there, after the last-call
+    wait (`last_call_s`) from the first arrival; a broken round is re-formed at
+    once with whoever is still alive;
+  * the size is the largest multiple of `node_unit` the pool allows (capped at
+    `max_nodes`); nodes left over wait for the next round;
+  * while a round runs and nodes are waiting, a bigger round is formed after the
+    last-call wait: that is how the job scales up;
+  * below `min_nodes` the job waits `below_min_wait_s` for nodes, then fails.
+
+A worker failure in the running round (the first one reported wins) leads to:
+  * a user-code error identical to the one that caused the previous restart:
+    the job fails fast, naming the error;
+  * `max_restarts` restarts already used: the job fails, naming the last failure;
+  * a hardware fault: the node is excluded (then the round is re-formed);
+  * anything else: a restart, i.e. a new round with the same members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import immutables
+import msgspec
+from msgspec.structs import replace
+
+from rove.control import events as ev
+
+
+class Waiter(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    incarnation: str
+    addr: str
+    nproc: int
+    ports: tuple[int, ...]
+    since: float
+
+
+class Failure(msgspec.Struct, frozen=True, kw_only=True):
+    round: int
+    node: str
+    incarnation: str
+    rank: int
+    kind: ev.FailureKind
+    reason: str
+
+    @property
+    def signature(self) -> str:
+        return f"{self.kind}:{self.reason}"
+
+
+class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
+    """The rendezvous part of the job state.
+
+    `active`: the current round's workers are supposed to be running. A round
+    whose membership changed (a member lost, left, excluded or restarted) is
+    *broken*: `active` is false and `broken_since` says since when.
+    """
+
+    params: ev.RdzvParams | None = None
+    round: int = 0
+    members: tuple[ev.RoundMember, ...] = ()
+    active: bool = False
+    waiting: immutables.Map[str, Waiter] = msgspec.field(default_factory=immutables.Map)
+    restarts: int = 0
+    failure: Failure | None = None
+    last_failure: Failure | None = None
+    succeeded: frozenset[str] = frozenset()
+    broken_since: float | None = None
+    excluded: immutables.Map[str, str] = msgspec.field(default_factory=immutables.Map)
+    master_port: int = 0
+    ports: immutables.Map[str, tuple[int, ...]] = msgspec.field(default_factory=immutables.Map)
+
+    def member(self, node: str) -> ev.RoundMember | None:
+        for m in self.members:
+            if m.node == node:
+                return m
+        return None
+
+
+# --------------------------------------------------------------------------- fold
+
+
+def _break(r: RdzvState, node: str, ts: float) -> RdzvState:
+    """`node` left the running round: the round is broken (if it was running)."""
+    waiting = r.waiting.delete(node) if node in r.waiting else r.waiting
+    if r.member(node) is None or not r.active:
+        return replace(r, waiting=waiting)
+    return replace(r, waiting=waiting, active=False, broken_since=ts, failure=None)
+
+
+def on_node_gone(r: RdzvState, node: str, ts: float) -> RdzvState:
+    """A node was lost or left."""
+    return _break(r, node, ts)
+
+
+def on_node_joined(r: RdzvState, event: ev.NodeJoined) -> RdzvState:
+    m = r.member(event.node)
+    if m is not None and m.incarnation != event.incarnation:
+        return _break(r, event.node, event.ts)  # its agent restarted: its workers are gone
+    return r
+
+
+def on_excluded(r: RdzvState, event: ev.NodeExcluded) -> RdzvState:
+    r = _break(r, event.node, event.ts)
+    return replace(r, excluded=r.excluded.set(event.node, event.reason))
+
+
+def on_rdzv_joined(r: RdzvState, e: ev.RdzvJoined) -> RdzvState:
+    if e.node in r.excluded:
+        return r
+    if r.params is None:
+        r = replace(r, params=e.params)
+    m = r.member(e.node)
+    if r.active and m is not None and m.incarnation == e.incarnation:
+        return r  # already in the running round
+    known = r.waiting.get(e.node)
+    since = known.since if known is not None and known.incarnation == e.incarnation else e.ts
+    waiter = Waiter(
+        node=e.node,
+        incarnation=e.incarnation,
+        addr=e.addr,
+        nproc=e.nproc_per_node,
+        ports=e.ports,
+        since=since,
+    )
+    return replace(r, waiting=r.waiting.set(e.node, waiter), ports=r.ports.set(e.node, e.ports))
+
+
+def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
+    m = r.member(e.node)
+    if not r.active or e.round != r.round or m is None or m.incarnation != e.incarnation:
+        return r  # a late report from an earlier round, or not a member
+    if r.failure is not None:
+        return r  # the first failure of a round decides
+    failure = Failure(
+        round=e.round,
+        node=e.node,
+        incarnation=e.incarnation,
+        rank=e.rank,
+        kind=e.kind,
+        reason=e.reason,
+    )
+    return replace(r, failure=failure)
+
+
+def on_workers_succeeded(r: RdzvState, e: ev.WorkersSucceeded) -> RdzvState:
+    m = r.member(e.node)
+    if not r.active or e.round != r.round or m is None or m.incarnation != e.incarnation:
+        return r
+    return replace(r, succeeded=r.succeeded | {e.node})
+
+
+def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
+    if e.round <= r.round:
+        return r
+    in_round = {m.node for m in e.members}
+    waiting = r.waiting
+    for node in in_round & set(waiting.keys()):
+        waiting = waiting.delete(node)
+    restarted = e.restart_count > r.restarts
+    return replace(
+        r,
+        round=e.round,
+        members=e.members,
+        active=True,
+        waiting=waiting,
+        restarts=e.restart_count,
+        last_failure=r.failure if restarted else None,
+        failure=None,
+        succeeded=frozenset(),
+        broken_since=None,
+        master_port=e.master_port,
+    )
+
+
+# --------------------------------------------------------------------------- decide
+
+
+class Alive:
+    """Which (node, incarnation) pairs are alive, from the node table."""
+
+    def __init__(self, live: Mapping[str, str]) -> None:
+        self._live = live
+
+    def __call__(self, node: str, incarnation: str) -> bool:
+        return self._live.get(node) == incarnation
+
+
+def decide(
+    r: RdzvState,
+    alive: Alive,
+    liveness: Mapping[str, ev.Heartbeat],
+    now: float,
+) -> tuple[str, dict[str, object]] | None:
+    """The one rendezvous action due now, as (kind, fields), or None.
+
+    kinds: "finished", "failed", "exclude", "round". The caller turns it into
+    a decision event with the envelope (`decide.py`).
+    """
+    p = r.params
+    if p is None:
+        return None
+    if r.active and r.members and r.succeeded >= {m.node for m in r.members}:
+        return ("finished", {"reason": f"all {len(r.members)} nodes finished their workers"})
+    if r.active and r.failure is not None:
+        return _on_failure(r, p, alive, liveness)
+    if r.active:
+        return _scale_up(r, p, alive, liveness, now)
+    return _form(r, p, alive, liveness, now)
+
+
+def _failure_text(f: Failure) -> str:
+    return f"rank {f.rank} on node {f.node}: {f.kind.value}: {f.reason}"
+
+
+def _on_failure(
+    r: RdzvState, p: ev.RdzvParams, alive: Alive, liveness: Mapping[str, ev.Heartbeat]
+) -> tuple[str, dict[str, object]] | None:
+    f = r.failure
+    assert f is not None
+    last = r.last_failure
+    if f.kind is ev.FailureKind.USER_ERROR and last is not None and last.signature == f.signature:
+        return (
+            "failed",
+            {"reason": f"the same user code error repeated after a restart: {_failure_text(f)}"},
+        )
+    if r.restarts >= p.max_restarts:
+        return (
+            "failed",
+            {
+                "reason": f"worker failed and all {p.max_restarts} restarts "
+                f"(--max-restarts) are used; last failure: {_failure_text(f)}"
+            },
+        )
+    if f.kind is ev.FailureKind.HARDWARE:
+        return (
+            "exclude",
+            {"node": f.node, "incarnation": f.incarnation, "reason": f"hardware fault: {f.reason}"},
+        )
+    members = [m for m in r.members if alive(m.node, m.incarnation)]
+    pool = [_as_waiter(m, r, liveness) for m in members]
+    return _round(
+        r,
+        pool,
+        liveness,
+        restart=True,
+        reason=f"restart {r.restarts + 1}/{p.max_restarts} after {_failure_text(f)}",
+    )
+
+
+def _as_waiter(m: ev.RoundMember, r: RdzvState, liveness: Mapping[str, ev.Heartbeat]) -> Waiter:
+    ports = r.ports.get(m.node, ())
+    return Waiter(
+        node=m.node, incarnation=m.incarnation, addr=m.addr, nproc=m.nproc, ports=ports, since=0.0
+    )
+
+
+def _waiting_alive(r: RdzvState, alive: Alive) -> list[Waiter]:
+    ws = [
+        w for w in r.waiting.values() if alive(w.node, w.incarnation) and w.node not in r.excluded
+    ]
+    return sorted(ws, key=lambda w: (w.since, w.node))
+
+
+def _size(n: int, p: ev.RdzvParams) -> int:
+    size = min(n, p.max_nodes)
+    return size - size % max(1, p.node_unit)
+
+
+def _scale_up(
+    r: RdzvState,
+    p: ev.RdzvParams,
+    alive: Alive,
+    liveness: Mapping[str, ev.Heartbeat],
+    now: float,
+) -> tuple[str, dict[str, object]] | None:
+    members = {m.node for m in r.members}
+    newcomers = [w for w in _waiting_alive(r, alive) if w.node not in members]
+    if not newcomers or len(r.members) >= p.max_nodes:
+        return None
+    size = _size(len(r.members) + len(newcomers), p)
+    if size <= len(r.members) or now - newcomers[0].since < p.last_call_s:
+        return None
+    pool = [_as_waiter(m, r, liveness) for m in r.members] + newcomers
+    return _round(
+        r,
+        pool[:size],
+        liveness,
+        restart=False,
+        reason=f"scale up from {len(r.members)} to {size} nodes",
+    )
+
+
+def _form(
+    r: RdzvState,
+    p: ev.RdzvParams,
+    alive: Alive,
+    liveness: Mapping[str, ev.Heartbeat],
+    now: float,
+) -> tuple[str, dict[str, object]] | None:
+    old = [
+        _as_waiter(m, r, liveness)
+        for m in r.members
+        if alive(m.node, m.incarnation) and m.node not in r.excluded
+    ]
+    old_nodes = {w.node for w in old}
+    pool = old + [w for w in _waiting_alive(r, alive) if w.node not in old_nodes]
+    size = _size(len(pool), p)
+    broken = r.broken_since is not None
+    if size >= p.min_nodes and size > 0:
+        first = min((w.since for w in pool if w.node not in old_nodes), default=now)
+        if len(pool) >= p.max_nodes or broken or now - first >= p.last_call_s:
+            why = (
+                f"re-formed with {size} nodes after a membership change"
+                if broken
+                else f"{size} of {p.min_nodes}-{p.max_nodes} nodes joined"
+            )
+            return _round(r, pool[:size], liveness, restart=False, reason=why)
+        return None
+    if broken and r.broken_since is not None and now - r.broken_since > p.below_min_wait_s:
+        return (
+            "failed",
+            {
+                "reason": f"only {len(pool)} nodes alive, fewer than the minimum "
+                f"{p.min_nodes}, for {p.below_min_wait_s:g}s"
+            },
+        )
+    return None
+
+
+def _port(w: Waiter, liveness: Mapping[str, ev.Heartbeat], previous: int) -> int:
+    hb = liveness.get(w.node)
+    ports = hb.ports if hb is not None and hb.incarnation == w.incarnation and hb.ports else w.ports
+    for port in ports:
+        if port != previous:
+            return port
+    return ports[0] if ports else 29500
+
+
+def _round(
+    r: RdzvState,
+    pool: list[Waiter],
+    liveness: Mapping[str, ev.Heartbeat],
+    *,
+    restart: bool,
+    reason: str,
+) -> tuple[str, dict[str, object]] | None:
+    if not pool:
+        return None
+    members = []
+    rank = 0
+    for w in pool:
+        members.append(
+            ev.RoundMember(
+                node=w.node, incarnation=w.incarnation, addr=w.addr, nproc=w.nproc, first_rank=rank
+            )
+        )
+        rank += w.nproc
+    return (
+        "round",
+        {
+            "round": r.round + 1,
+            "members": tuple(members),
+            "world_size": rank,
+            "master_addr": pool[0].addr,
+            "master_port": _port(pool[0], liveness, r.master_port),
+            "restart_count": r.restarts + 1 if restart else r.restarts,
+            "reason": reason,
+        },
+    )

@@ -1,0 +1,218 @@
+"""Rendezvous rounds and the failure policy, on a simulated cluster with an injected clock."""
+
+from __future__ import annotations
+
+from rove.control import events as ev
+from tests import factories
+from tests.sim import Sim
+
+FK = ev.FailureKind
+
+
+def params(**kw: object) -> ev.RdzvParams:
+    base = {
+        "min_nodes": 2,
+        "max_nodes": 2,
+        "max_restarts": 3,
+        "last_call_s": 5.0,
+        "below_min_wait_s": 60.0,
+    }
+    return ev.RdzvParams(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_round_completes_as_soon_as_max_nodes_have_joined() -> None:
+    sim = Sim(params())
+    sim.join("n1")
+    assert sim.wait(100, "n1") == []
+    sim.join("n2")
+    (rnd,) = sim.tick()
+    assert isinstance(rnd, ev.RoundCompleted)
+    assert [m.node for m in rnd.members] == ["n1", "n2"]
+    assert [m.first_rank for m in rnd.members] == [0, 2] and rnd.world_size == 4
+    assert rnd.master_addr == "10.0.0.1" and rnd.round == 1
+
+
+def test_at_min_nodes_the_round_waits_for_the_last_call() -> None:
+    sim = Sim(params(min_nodes=1, max_nodes=3))
+    sim.join("n1")
+    assert sim.tick(4.9) == []
+    (rnd,) = sim.tick(0.2)
+    assert [m.node for m in rnd.members] == ["n1"]  # type: ignore[attr-defined]
+
+
+def test_world_size_is_a_multiple_of_the_node_unit() -> None:
+    sim = Sim(params(min_nodes=2, max_nodes=4, node_unit=2))
+    for n in ("n1", "n2", "n3"):
+        sim.join(n)
+    (rnd,) = sim.tick(6)
+    assert [m.node for m in rnd.members] == ["n1", "n2"]  # type: ignore[attr-defined]
+    assert "n3" in sim.state.rdzv.waiting
+
+
+def test_a_late_node_joins_the_next_round_which_is_how_the_job_scales_up() -> None:
+    sim = Sim(params(min_nodes=1, max_nodes=2))
+    sim.join("n1")
+    sim.tick(6)
+    sim.join("n2")
+    assert sim.tick(4) == []  # last call for the newcomer
+    (rnd,) = sim.tick(2)
+    assert [m.node for m in rnd.members] == ["n1", "n2"]  # type: ignore[attr-defined]
+    assert rnd.restart_count == 0 and "scale up" in rnd.reason  # type: ignore[attr-defined]
+
+
+def test_ranks_keep_a_stable_order_across_rounds() -> None:
+    sim = Sim(params(min_nodes=1, max_nodes=3))
+    sim.join("zz")
+    sim.tick(6)
+    sim.join("aa")
+    sim.tick(6)
+    assert sim.members() == ["zz", "aa"]
+
+
+def test_a_lost_node_means_a_new_round_without_it_while_at_least_min_remain() -> None:
+    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    decisions = sim.wait(11, "n1")  # n2 silent past the timeout
+    kinds = [ev.kind(d) for d in decisions]
+    assert kinds == ["node_lost", "round_completed"]
+    assert sim.members() == ["n1"] and sim.state.rdzv.restarts == 0
+
+
+def test_below_min_nodes_the_job_waits_then_fails_with_a_reason() -> None:
+    sim = Sim(params(min_nodes=2, max_nodes=2, below_min_wait_s=60), node_timeout=10)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.wait(11, "n1")
+    assert not sim.state.rdzv.active
+    assert sim.wait(30, "n1") == []
+    (ended,) = sim.wait(31, "n1")
+    assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
+    assert "fewer than the minimum 2" in ended.reason
+
+
+def test_a_replacement_node_brings_a_waiting_job_back() -> None:
+    sim = Sim(params(min_nodes=2, max_nodes=2), node_timeout=10)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.wait(11, "n1")
+    sim.join("n3")
+    (rnd,) = sim.tick()
+    assert [m.node for m in rnd.members] == ["n1", "n3"]  # type: ignore[attr-defined]
+
+
+def test_a_worker_failure_restarts_the_same_members_in_a_new_round() -> None:
+    sim = Sim(params())
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.exited("n2", 1, rank=3, kind=FK.KILLED))
+    (rnd,) = sim.tick()
+    assert isinstance(rnd, ev.RoundCompleted)
+    assert rnd.round == 2 and rnd.restart_count == 1
+    assert [m.node for m in rnd.members] == ["n1", "n2"]
+    assert "rank 3 on node n2" in rnd.reason
+
+
+def test_a_round_gets_a_fresh_store_port() -> None:
+    sim = Sim(params())
+    sim.join("n1")
+    sim.join("n2")
+    sim.liveness["n1"] = factories.heartbeat("n1", ts=sim.now)
+    sim.liveness["n1"] = sim.liveness["n1"].__class__(
+        **{
+            **{f: getattr(sim.liveness["n1"], f) for f in sim.liveness["n1"].__struct_fields__},
+            "ports": (30001, 30002),
+        }
+    )
+    (first,) = sim.tick()
+    sim.apply(factories.exited("n1", 1))
+    (second,) = sim.tick()
+    assert first.master_port == 30001  # type: ignore[attr-defined]
+    assert second.master_port == 30002  # type: ignore[attr-defined]
+
+
+def test_a_repeated_user_code_error_fails_the_job_fast_naming_the_exception() -> None:
+    sim = Sim(params(max_restarts=10))
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    boom = "ValueError: bad config in train.py line 3"
+    sim.apply(factories.exited("n1", 1, kind=FK.USER_ERROR, reason=boom))
+    sim.tick()
+    sim.apply(factories.exited("n1", 2, kind=FK.USER_ERROR, reason=boom))
+    (ended,) = sim.tick()
+    assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
+    assert "repeated after a restart" in ended.reason and boom in ended.reason
+    assert sim.state.rdzv.restarts == 1
+
+
+def test_different_failures_are_retried_until_max_restarts() -> None:
+    sim = Sim(params(max_restarts=2))
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    for rnd in (1, 2):
+        sim.apply(factories.exited("n1", rnd, kind=FK.KILLED))
+        (d,) = sim.tick()
+        assert isinstance(d, ev.RoundCompleted)
+    sim.apply(factories.exited("n2", 3, kind=FK.SEGFAULT, reason="SIGSEGV"))
+    (ended,) = sim.tick()
+    assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
+    assert "--max-restarts" in ended.reason and "segfault" in ended.reason
+
+
+def test_a_hardware_fault_excludes_the_node_and_the_rest_go_on() -> None:
+    sim = Sim(params(min_nodes=1, max_nodes=2))
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.exited("n2", 1, kind=FK.HARDWARE, reason="Xid 79: GPU fell off the bus"))
+    decisions = sim.tick()
+    assert [ev.kind(d) for d in decisions] == ["node_excluded", "round_completed"]
+    assert sim.members() == ["n1"]
+    sim.apply(factories.rdzv("n2", ts=sim.now, n=5))
+    assert "n2" not in sim.state.rdzv.waiting, "an excluded node does not come back"
+
+
+def test_a_late_report_from_an_earlier_round_is_ignored() -> None:
+    sim = Sim(params())
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.exited("n1", 1))
+    sim.tick()
+    sim.apply(factories.exited("n2", 1, rank=2))  # round 1 is over
+    assert sim.tick() == []
+
+
+def test_the_job_finishes_when_every_member_succeeded() -> None:
+    sim = Sim(params())
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.succeeded("n1", 1))
+    assert sim.tick() == []
+    sim.apply(factories.succeeded("n2", 1))
+    (ended,) = sim.tick()
+    assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FINISHED
+
+
+def test_an_agent_restart_breaks_the_round_and_it_is_re_formed() -> None:
+    sim = Sim(params())
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.join("n2", inc="i2")  # the agent on n2 restarted: new incarnation
+    (rnd,) = sim.tick()
+    assert [(m.node, m.incarnation) for m in rnd.members] == [("n1", "i1"), ("n2", "i2")]  # type: ignore[attr-defined]
+
+
+def test_the_first_joiner_fixes_the_rendezvous_settings() -> None:
+    sim = Sim(params(max_nodes=2))
+    sim.join("n1")
+    sim.apply(factories.rdzv("n2", ts=sim.now, params=params(max_nodes=7)))
+    assert sim.state.rdzv.params is not None and sim.state.rdzv.params.max_nodes == 2
