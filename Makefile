@@ -19,11 +19,11 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e .
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[torch]'
 	touch $@
 
 $(VENV)/.installed-tests: $(VENV)/.installed
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[tests]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[torch,tests]'
 	touch $@
 
 demo: $(VENV)/.installed

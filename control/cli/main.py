@@ -25,12 +25,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default=None, help="debug, info, warning, error (env ROVE_LOG_LEVEL)"
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub.add_parser("run", help="run a training job (torchrun's flags, plus rove's)", add_help=False)
     for module in (master_cmd, events_cmd, status_cmd, stop_cmd):
         module.add_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        # `rove run` has torchrun's parser (torch's own), so it parses its own arguments.
+        from rove.agent.launcher import main as run_main
+
+        return run_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.configure(args.log_level)

@@ -1,0 +1,140 @@
+"""Failure diagnosis: why did a worker process end badly? (pure functions)
+
+The agent classifies every failed worker from its exit code or signal, the
+error file that torch's `@record` writes, and the tail of its log:
+
+    user_error     a Python exception in the training script (type and message kept)
+    oom            host or CUDA out of memory
+    killed         SIGKILL / SIGTERM from outside (OOM killer, an operator, a preemption)
+    segfault       SIGSEGV, SIGBUS, SIGILL, SIGFPE, or SIGABRT without a known cause
+    communication  NCCL / gloo / c10d store errors and collective timeouts
+    hang           no step progress for the hang timeout (decided by the agent, not here)
+    hardware       GPU or driver faults (Xid, ECC, "GPU is lost")
+    unknown        a non-zero exit code with nothing else to go on
+
+Signals and exception types are matched before log patterns; the log patterns
+are checked from the most specific (hardware) to the most generic.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal as signal_module
+from typing import Any, NamedTuple
+
+from rove.control.events import LOG_TAIL_BYTES, REASON_CHARS, FailureKind
+
+_HARDWARE = re.compile(
+    r"\bXid\b|uncorrectable ECC|ECC error|GPU is lost|NVML_ERROR_GPU_IS_LOST|fallen off the bus"
+    r"|cudaErrorECCUncorrectable|CUDA error: unspecified launch failure",
+    re.IGNORECASE,
+)
+_OOM = re.compile(
+    r"CUDA out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory"
+    r"|std::bad_alloc|HIP out of memory",
+)
+_COMMUNICATION = re.compile(
+    r"NCCL error|ncclSystemError|ncclInternalError|ncclRemoteError|ProcessGroupNCCL"
+    r"|Watchdog caught collective operation timeout|gloo/transport|\[gloo\]|Gloo connectFullMesh"
+    r"|Connection reset by peer|Connection closed by peer|DistNetworkError|DistStoreError"
+    r"|Socket Timeout|Timed out .* (store|rendezvous)|Broken pipe",
+    re.IGNORECASE,
+)
+_EXCEPTION_LINE = re.compile(
+    r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)?): ?(.*)$"
+)
+_TRACEBACK = "Traceback (most recent call last):"
+
+_SEGFAULT_SIGNALS = {"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"}
+_KILL_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
+
+
+class Diagnosis(NamedTuple):
+    kind: FailureKind
+    reason: str
+
+
+def signal_name(exit_code: int | None) -> str | None:
+    """The signal behind an exit code: negative (Popen) or 128+N (shells)."""
+    if exit_code is None:
+        return None
+    number = -exit_code if exit_code < 0 else exit_code - 128 if exit_code > 128 else None
+    if number is None:
+        return None
+    try:
+        return signal_module.Signals(number).name
+    except ValueError:
+        return None
+
+
+def error_file_message(data: Any) -> str | None:
+    """The exception line from torch's `@record` error file contents, if any."""
+    if not data:
+        return None
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError:
+            return data.strip().splitlines()[-1] if data.strip() else None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    if isinstance(message, str) and message.strip():
+        return message.strip().splitlines()[-1]
+    return None
+
+
+def last_exception(log_tail: str) -> str | None:
+    """`ValueError: bad config` from the last Python traceback in the log tail."""
+    if _TRACEBACK not in log_tail:
+        return None
+    after = log_tail[log_tail.rindex(_TRACEBACK) :].splitlines()
+    for line in reversed(after):
+        text = re.sub(r"^\[[\w.-]+\]:", "", line).strip()  # torch's "[default0]:" prefix
+        if text and not text.startswith(("File ", "^", "~")) and _EXCEPTION_LINE.match(text):
+            return text
+    return None
+
+
+def _clip(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "…"
+
+
+def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") -> Diagnosis:
+    """Classify one failed worker."""
+    sig = signal_name(exit_code)
+    exception = error_file_message(error_data) or last_exception(log_tail)
+    text = "\n".join(x for x in (exception or "", log_tail) if x)
+    if _HARDWARE.search(text):
+        line = next((x for x in text.splitlines() if _HARDWARE.search(x)), "hardware fault")
+        return Diagnosis(FailureKind.HARDWARE, _clip(line))
+    if _OOM.search(text):
+        return Diagnosis(FailureKind.OOM, _clip(exception or "out of memory"))
+    if sig in _KILL_SIGNALS:
+        return Diagnosis(FailureKind.KILLED, f"killed by {sig}")
+    if _COMMUNICATION.search(text):
+        line = next((x for x in text.splitlines() if _COMMUNICATION.search(x)), "")
+        return Diagnosis(FailureKind.COMMUNICATION, _clip(exception or line))
+    if sig in _SEGFAULT_SIGNALS:
+        return Diagnosis(FailureKind.SEGFAULT, f"crashed with {sig}")
+    if exception:
+        return Diagnosis(FailureKind.USER_ERROR, _clip(exception))
+    if sig is not None:
+        return Diagnosis(FailureKind.KILLED, f"killed by {sig}")
+    return Diagnosis(FailureKind.UNKNOWN, f"exited with code {exit_code}")
+
+
+def read_tail(path: str | None, limit: int = LOG_TAIL_BYTES) -> str:
+    """The last `limit` bytes of a log file (empty if there is none)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - limit))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

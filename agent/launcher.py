@@ -1,0 +1,281 @@
+"""`rove run`: a drop-in for `torchrun` whose jobs survive failures.
+
+It accepts torchrun's flags (torch's own parser, extended with rove's) and gives
+workers the environment torchrun gives them. Rendezvous, restarts and failure
+handling go through rove's event-sourced master instead of a c10d store.
+
+    rove run --standalone --nproc-per-node 2 train.py          # one machine, one command
+    rove run --nats nats://h:4222 --job j1 --nnodes 1:4 --node-id n1 --nproc-per-node 8 train.py
+
+`--standalone` starts an embedded NATS server and a master in this process.
+Otherwise masters run separately (`rove master --job J --nats URL`, as many as
+you like) and every node's `rove run` points at the same NATS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.run import config_from_args, get_args_parser
+
+from rove.agent.agent import Agent, AgentConfig
+from rove.control import aio, embedded, logs, subjects
+from rove.control import events as ev
+from rove.control.bus import Bus
+from rove.control.cli import common
+from rove.control.errors import BusUnavailableError, ConfigError, RoveError
+from rove.control.master.runner import MasterRunner
+
+log = structlog.get_logger("rove.run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = get_args_parser()
+    p.prog = "rove run"
+    p.description = __doc__.split("\n\n")[0] if __doc__ else None
+    g = p.add_argument_group("rove")
+    g.add_argument(
+        "--job",
+        default=os.environ.get("ROVE_JOB"),
+        help="job name (env ROVE_JOB); default: --rdzv-id, else <script>-<random>",
+    )
+    g.add_argument(
+        "--node-id",
+        default=os.environ.get("ROVE_NODE_ID"),
+        help="this node's id (env ROVE_NODE_ID; default: the host name). Several "
+        "`rove run` on one machine need distinct ids",
+    )
+    g.add_argument(
+        "--node-unit",
+        type=int,
+        default=1,
+        help="the number of nodes in a round is a multiple of this",
+    )
+    g.add_argument(
+        "--network-check",
+        action="store_true",
+        help="time a matmul and an allreduce in node pairs before training",
+    )
+    g.add_argument(
+        "--exclude-straggler",
+        action="store_true",
+        help="with --network-check, exclude nodes slower than 2x the median",
+    )
+    g.add_argument(
+        "--save-at-breakpoint",
+        action="store_true",
+        help="persist the newest in-memory checkpoint when a worker fails",
+    )
+    g.add_argument(
+        "--auto-config",
+        action="store_true",
+        help="nnodes from $NODE_NUM, nproc-per-node from the accelerators found",
+    )
+    g.add_argument(
+        "--accelerator",
+        default="auto",
+        choices=["auto", "cpu", "nvidia.com/gpu"],
+        help="what the workers run on (default: detected)",
+    )
+    g.add_argument(
+        "--hang-timeout",
+        type=common.positive,
+        default=None,
+        metavar="SECONDS",
+        help="a worker with no step progress (rove.agent.progress.report) for this "
+        "long is hung and restarted (default: off)",
+    )
+    g.add_argument(
+        "--last-call-timeout",
+        type=common.positive,
+        default=5.0,
+        metavar="SECONDS",
+        help="once --nnodes MIN nodes are there, wait this long for more (default 5)",
+    )
+    g.add_argument(
+        "--below-min-timeout",
+        type=common.positive,
+        default=300.0,
+        metavar="SECONDS",
+        help="below MIN nodes, wait this long for nodes before failing (default 300)",
+    )
+    g.add_argument(
+        "--node-timeout",
+        type=common.positive,
+        default=30.0,
+        metavar="SECONDS",
+        help="standalone master: a node silent this long is lost (default 30)",
+    )
+    g.add_argument(
+        "--heartbeat-interval",
+        type=common.positive,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between heartbeats (default 1)",
+    )
+    common.add_nats_args(p)
+    return p
+
+
+def _job_name(args: argparse.Namespace) -> str:
+    if args.job:
+        return subjects.check_name("job", args.job)
+    if args.rdzv_id and args.rdzv_id != "none":
+        return subjects.check_name("job", args.rdzv_id)
+    stem = Path(args.training_script).stem.replace(".", "-")[:40] or "job"
+    return subjects.check_name("job", f"{stem}-{uuid.uuid4().hex[:6]}")
+
+
+def _addr(args: argparse.Namespace, standalone: bool) -> str:
+    if args.local_addr:
+        return str(args.local_addr)
+    if standalone:
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _auto_config(args: argparse.Namespace) -> None:
+    if not args.auto_config:
+        return
+    if os.environ.get("NODE_NUM"):
+        args.nnodes = os.environ["NODE_NUM"]
+    import torch
+
+    gpus = torch.cuda.device_count()
+    args.nproc_per_node = str(gpus) if gpus else args.nproc_per_node
+    max_nodes = int(str(args.nnodes).split(":")[-1])
+    if max_nodes >= 4:
+        args.network_check = True
+
+
+def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
+    """The agent's configuration from parsed arguments; raises ConfigError for bad ones."""
+    _auto_config(args)
+    if args.node_unit < 1:
+        raise ConfigError(f"--node-unit must be at least 1, got {args.node_unit}")
+    standalone = bool(args.standalone)
+    if standalone:
+        args.nnodes = "1"
+    launch, cmd, cmd_args = config_from_args(args)
+    if launch.min_nodes > launch.max_nodes:
+        raise ConfigError(f"--nnodes {args.nnodes}: MIN is larger than MAX")
+    if launch.max_nodes < args.node_unit:
+        raise ConfigError(f"--nnodes max {launch.max_nodes} is smaller than --node-unit")
+    job = _job_name(args)
+    node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])
+    logs_specs = launch.logs_specs
+    if args.redirects in (None, "0") and args.tee in (None, "0"):
+        # Keep stderr on the console (with torch's [rank] prefix) and in a file,
+        # so a failure can be diagnosed from its last lines.
+        logs_specs = DefaultLogsSpecs(
+            log_dir=args.log_dir,
+            redirects=Std.NONE,
+            tee=Std.ERR,
+            local_ranks_filter=getattr(logs_specs, "_local_ranks_filter", None),
+        )
+    params = ev.RdzvParams(
+        min_nodes=launch.min_nodes,
+        max_nodes=launch.max_nodes,
+        node_unit=args.node_unit,
+        max_restarts=launch.max_restarts,
+        last_call_s=args.last_call_timeout,
+        below_min_wait_s=args.below_min_timeout,
+    )
+    cfg = AgentConfig(
+        job=job,
+        node=node,
+        addr=_addr(args, standalone),
+        nproc=launch.nproc_per_node,
+        params=params,
+        entrypoint=str(cmd),
+        args=[str(a) for a in cmd_args],
+        logs_specs=logs_specs,
+        state_dir=embedded.job_dir(job) / "agents" / node,
+        max_restarts=launch.max_restarts,
+        role=launch.role,
+        heartbeat_s=args.heartbeat_interval,
+        hang_timeout_s=args.hang_timeout or 0.0,
+        start_method=launch.start_method,
+    )
+    return cfg, standalone
+
+
+async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> int:
+    if not args.nats and not standalone:
+        raise ConfigError(
+            "rove run needs a NATS server: pass --nats URL (or ROVE_NATS_URL), "
+            "or --standalone for a one-machine job with its own server and master"
+        )
+    options = common.bus_options(
+        args,
+        name=f"rove-agent-{cfg.node}",
+        job=cfg.job,
+        daemon=True,
+        allow_embedded=standalone,
+    )
+    bus = await Bus.connect(options)
+    master_task = None
+    runner = None
+    try:
+        if bus.server is not None:
+            embedded.url_file(cfg.job).write_text(bus.url + "\n")
+        if standalone:
+            runner = MasterRunner(
+                bus, cfg.job, f"{cfg.node}-master", ev.JobSpec(node_timeout_s=args.node_timeout)
+            )
+            master_task = asyncio.create_task(runner.run(), name="master")
+        print(
+            f"rove: job {cfg.job}, node {cfg.node}, NATS {bus.url}; "
+            f"watch it with: rove status --job {cfg.job}",
+            file=sys.stderr,
+            flush=True,
+        )
+        agent = Agent(bus, cfg)
+        code = await agent.run()
+        print(f"rove: {agent.status.end_reason}", file=sys.stderr, flush=True)
+        return code
+    finally:
+        if runner is not None and master_task is not None:
+            await asyncio.sleep(0.3)  # let the master fold the agent's last facts
+            runner.stop()
+            await asyncio.gather(master_task, return_exceptions=True)
+        if bus.server is not None:
+            embedded.url_file(cfg.job).unlink(missing_ok=True)
+        await bus.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    logs.configure()
+    try:
+        cfg, standalone = agent_config(args)
+        return aio.run(_run(args, cfg, standalone))
+    except ConfigError as exc:
+        print(f"rove run: {exc}", file=sys.stderr)
+        return common.EXIT_USAGE
+    except BusUnavailableError as exc:
+        print(f"rove run: {exc}", file=sys.stderr)
+        return common.EXIT_UNREACHABLE
+    except RoveError as exc:
+        print(f"rove run: {exc}", file=sys.stderr)
+        return common.EXIT_FAILED
+    except ValueError as exc:  # torch's config_from_args on bad --nnodes / --nproc-per-node
+        print(f"rove run: {exc}", file=sys.stderr)
+        return common.EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Resource use of a node and of its worker processes: psutil, and pynvml on GPUs."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import psutil
+import structlog
+
+log = structlog.get_logger("rove.metrics")
+
+
+class Sampler:
+    """Samples CPU and memory of the node and of given pids; GPU memory and use per device."""
+
+    def __init__(self) -> None:
+        self._procs: dict[int, psutil.Process] = {}
+        psutil.cpu_percent(None)
+        self._nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self.gpus = pynvml.nvmlDeviceGetCount()
+        except Exception:  # noqa: BLE001 - no driver, no library, no GPU: all mean "no GPU metrics"
+            self.gpus = 0
+
+    def node(self) -> tuple[float, int, int]:
+        mem = psutil.virtual_memory()
+        return psutil.cpu_percent(None), int(mem.total - mem.available), int(mem.total)
+
+    def process(self, pid: int) -> tuple[float, int]:
+        """(cpu percent since the last call, resident bytes), zeros once it is gone."""
+        proc = self._procs.get(pid)
+        try:
+            if proc is None:
+                proc = self._procs[pid] = psutil.Process(pid)
+                proc.cpu_percent(None)
+            return proc.cpu_percent(None), int(proc.memory_info().rss)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            self._procs.pop(pid, None)
+            return 0.0, 0
+
+    def gpu(self, index: int) -> tuple[int | None, float | None]:
+        """(memory used in bytes, utilization percent) of GPU `index`, or Nones."""
+        if self._nvml is None or index >= self.gpus:
+            return None, None
+        with contextlib.suppress(Exception):
+            handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            util = self._nvml.nvmlDeviceGetUtilizationRates(handle)
+            return int(mem.used), float(util.gpu)
+        return None, None
+
+    def forget(self, keep: set[int]) -> None:
+        for pid in list(self._procs):
+            if pid not in keep:
+                del self._procs[pid]

@@ -1,0 +1,74 @@
+"""Step progress from training processes to their agent, through a tiny shared file.
+
+In the training script (a no-op when not run under `rove run`):
+
+    from rove.agent.progress import report
+    report(step, samples=batch_size)      # once per step
+
+The agent gives each worker a file (`ROVE_PROGRESS_FILE`) holding three
+numbers: the last step, the samples seen so far, and when the step ended.
+It reads them for heartbeats (step, throughput) and for hang detection: a
+worker alive but without progress for `--hang-timeout` seconds is hung.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+_LAYOUT = struct.Struct("<qdd")  # step, samples, unix time of the report
+ENV = "ROVE_PROGRESS_FILE"
+
+
+class Progress(NamedTuple):
+    step: int
+    samples: float
+    at: float
+
+
+class _Writer:
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, _LAYOUT.size)
+        finally:
+            os.close(fd)
+        self.samples = 0.0
+
+
+_writer: _Writer | None = None
+_checked = False
+
+
+def report(step: int, samples: float = 0.0) -> None:
+    """Record that `step` finished after `samples` more samples (cheap: one memory write)."""
+    global _writer, _checked
+    if not _checked:
+        _checked = True
+        path = os.environ.get(ENV)
+        if path and Path(path).exists():
+            _writer = _Writer(path)
+    if _writer is None:
+        return
+    _writer.samples += samples
+    _LAYOUT.pack_into(_writer.map, 0, int(step), _writer.samples, time.time())
+
+
+def create(path: Path) -> None:
+    """Agent side: a zeroed progress file for one worker."""
+    path.write_bytes(b"\0" * _LAYOUT.size)
+
+
+def read(path: Path) -> Progress | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) < _LAYOUT.size:
+        return None
+    step, samples, at = _LAYOUT.unpack_from(data)
+    return Progress(step, samples, at) if at > 0 else None

@@ -1,0 +1,57 @@
+"""The environment each worker process gets, the same variables torchrun sets (pure)."""
+
+from __future__ import annotations
+
+import os
+
+from rove.control.events import RoundCompleted, RoundMember
+
+
+def member_of(
+    round_: RoundCompleted, node: str, incarnation: str
+) -> tuple[int, RoundMember] | None:
+    for group_rank, m in enumerate(round_.members):
+        if m.node == node and m.incarnation == incarnation:
+            return group_rank, m
+    return None
+
+
+def worker_envs(
+    round_: RoundCompleted,
+    group_rank: int,
+    member: RoundMember,
+    *,
+    job: str,
+    max_restarts: int,
+    role: str = "default",
+    extra: dict[str, str] | None = None,
+) -> dict[int, dict[str, str]]:
+    """local_rank -> environment, as torchrun's LocalElasticAgent builds it."""
+    envs: dict[int, dict[str, str]] = {}
+    for local_rank in range(member.nproc):
+        rank = member.first_rank + local_rank
+        env = {
+            "LOCAL_RANK": str(local_rank),
+            "RANK": str(rank),
+            "GROUP_RANK": str(group_rank),
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": role,
+            "LOCAL_WORLD_SIZE": str(member.nproc),
+            "WORLD_SIZE": str(round_.world_size),
+            "GROUP_WORLD_SIZE": str(len(round_.members)),
+            "ROLE_WORLD_SIZE": str(round_.world_size),
+            "MASTER_ADDR": round_.master_addr,
+            "MASTER_PORT": str(round_.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(round_.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+            "TORCHELASTIC_RUN_ID": job,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "ROVE_JOB": job,
+            "ROVE_ROUND": str(round_.round),
+        }
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        env.update(extra or {})
+        envs[local_rank] = env
+    return envs

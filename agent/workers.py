@@ -1,0 +1,136 @@
+"""The worker processes of one node, started with torch's own machinery.
+
+`torch.distributed.elastic.multiprocessing.start_processes` gives rove the
+same process handling as torchrun: log redirection and tee (`--redirects`,
+`--tee`, `--log-dir`), the `TORCHELASTIC_ERROR_FILE` that `@record` writes,
+and teardown of the other local workers when one fails.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import (
+    DefaultLogsSpecs,
+    LogsSpecs,
+    PContext,
+    RunProcsResult,
+    start_processes,
+)
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.utils.api import macros
+
+from rove.agent import progress
+from rove.agent.diagnosis import Diagnosis, classify, read_tail
+
+
+@dataclass(frozen=True)
+class RootFailure:
+    """The failure that started a teardown (not the SIGTERMs the teardown sent)."""
+
+    local_rank: int
+    pid: int
+    exit_code: int
+    diagnosis: Diagnosis
+    log_tail: str
+
+
+class WorkerGroup:
+    """Start, poll and stop one round's worker processes on this node."""
+
+    def __init__(
+        self,
+        entrypoint: str,
+        args: list[str],
+        logs_specs: LogsSpecs | None,
+        progress_dir: Path,
+        *,
+        start_method: str = "spawn",
+        name: str = "default",
+    ) -> None:
+        self.name = name
+        self.entrypoint = entrypoint
+        self.args = list(args)
+        self.logs_specs = logs_specs or DefaultLogsSpecs()
+        self.progress_dir = progress_dir
+        self.start_method = start_method
+        self.pcontext: PContext | None = None
+        self.round = 0
+        self.progress_files: dict[int, Path] = {}
+
+    @property
+    def running(self) -> bool:
+        return self.pcontext is not None
+
+    def start(self, round_: int, envs: dict[int, dict[str, str]]) -> dict[int, int]:
+        """Start one process per local rank; returns local_rank -> pid."""
+        self.progress_dir.mkdir(parents=True, exist_ok=True)
+        self.progress_files = {}
+        full_envs = {}
+        for local_rank, env in envs.items():
+            path = self.progress_dir / f"round{round_}-local{local_rank}"
+            progress.create(path)
+            self.progress_files[local_rank] = path
+            full_envs[local_rank] = {**env, progress.ENV: str(path)}
+        args = {lr: tuple(macros.substitute(self.args, str(lr))) for lr in envs}
+        self.pcontext = start_processes(
+            name=self.name,
+            entrypoint=self.entrypoint,
+            args=args,
+            envs=full_envs,
+            logs_specs=self.logs_specs,
+            start_method=self.start_method,
+        )
+        self.round = round_
+        return dict(self.pcontext.pids())
+
+    def pids(self) -> dict[int, int]:
+        return dict(self.pcontext.pids()) if self.pcontext else {}
+
+    def poll(self) -> RunProcsResult | None:
+        """None while all run; else the result (the others are torn down first). Blocking."""
+        if self.pcontext is None:
+            return None
+        result = self.pcontext.wait(timeout=0)
+        if result is not None:
+            self.pcontext = None
+        return result
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 10.0) -> None:
+        """Stop every worker (SIGTERM, then SIGKILL after `timeout`). Blocking."""
+        if self.pcontext is not None:
+            self.pcontext.close(death_sig=sig, timeout=int(max(1, timeout)))
+            self.pcontext = None
+
+    def progress(self) -> dict[int, progress.Progress]:
+        out = {}
+        for local_rank, path in self.progress_files.items():
+            p = progress.read(path)
+            if p is not None:
+                out[local_rank] = p
+        return out
+
+
+def root_failure(result: RunProcsResult) -> RootFailure | None:
+    """The failure that started the teardown.
+
+    torch records failures in the order it saw them, the real one before the
+    SIGTERMs of its own teardown; like torch, take the earliest, first seen.
+    """
+    failures: list[ProcessFailure] = list(result.failures.values())
+    if not failures:
+        return None
+    first = min(failures, key=lambda f: f.timestamp)
+    tail = read_tail(result.stderrs.get(first.local_rank)) or read_tail(
+        result.stdouts.get(first.local_rank)
+    )
+    data = first.error_file_data if first.error_file_data else None
+    return RootFailure(
+        local_rank=first.local_rank,
+        pid=first.pid,
+        exit_code=first.exitcode,
+        diagnosis=classify(first.exitcode, data, tail),
+        log_tail=tail,
+    )
