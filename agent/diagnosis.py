@@ -42,7 +42,7 @@ _COMMUNICATION = re.compile(
     re.IGNORECASE,
 )
 _EXCEPTION_LINE = re.compile(
-    r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)?): ?(.*)$"
+    r"^[A-Za-z_][\w.]*: .*$|^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)$"
 )
 _TRACEBACK = "Traceback (most recent call last):"
 
@@ -111,7 +111,8 @@ def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") 
         line = next((x for x in text.splitlines() if _HARDWARE.search(x)), "hardware fault")
         return Diagnosis(FailureKind.HARDWARE, _clip(line))
     if _OOM.search(text):
-        return Diagnosis(FailureKind.OOM, _clip(exception or "out of memory"))
+        line = next((x for x in text.splitlines() if _OOM.search(x)), "out of memory")
+        return Diagnosis(FailureKind.OOM, _clip(exception or line))
     if sig in _KILL_SIGNALS:
         return Diagnosis(FailureKind.KILLED, f"killed by {sig}")
     if _COMMUNICATION.search(text):

@@ -1,0 +1,80 @@
+"""Failure diagnosis from exit codes, signals, torch's error file and log tails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rove.agent.diagnosis import classify, last_exception, read_tail, signal_name
+from rove.control.events import REASON_CHARS, FailureKind
+
+TRACEBACK = """[default0]:Traceback (most recent call last):
+[default0]:  File "train.py", line 3, in <module>
+[default0]:    main()
+[default0]:  File "train.py", line 2, in main
+[default0]:    raise ValueError("learning rate must be positive, got -1")
+[default0]:ValueError: learning rate must be positive, got -1
+"""
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "data", "tail", "kind", "reason_part"),
+    [
+        (1, None, TRACEBACK, FailureKind.USER_ERROR, "ValueError: learning rate must be positive"),
+        (1, {"message": {"message": "KeyError: 'lr'", "extraInfo": {}}}, "", FailureKind.USER_ERROR,
+         "KeyError: 'lr'"),
+        (-9, None, "", FailureKind.KILLED, "SIGKILL"),
+        (137, None, "", FailureKind.KILLED, "SIGKILL"),
+        (-15, None, "", FailureKind.KILLED, "SIGTERM"),
+        (-11, None, "", FailureKind.SEGFAULT, "SIGSEGV"),
+        (1, None, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+         FailureKind.OOM, "CUDA out of memory"),
+        (1, None, "Traceback (most recent call last):\nMemoryError\n", FailureKind.OOM, "MemoryError"),
+        (1, None, "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                  "Connection closed by peer [127.0.0.1]:1234", FailureKind.COMMUNICATION, "gloo"),
+        (-6, None, "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
+         FailureKind.COMMUNICATION, "NCCL error"),
+        (1, None, "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
+         FailureKind.HARDWARE, "Xid"),
+        (-6, None, "", FailureKind.SEGFAULT, "SIGABRT"),
+        (3, None, "", FailureKind.UNKNOWN, "exited with code 3"),
+    ],
+)
+def test_classify(exit_code: int, data: object, tail: str, kind: FailureKind, reason_part: str) -> None:
+    d = classify(exit_code, data, tail)
+    assert d.kind is kind
+    assert reason_part in d.reason
+
+
+def test_a_kill_is_not_mistaken_for_the_user_error_its_log_happens_to_contain() -> None:
+    assert classify(-9, None, TRACEBACK).kind is FailureKind.KILLED
+
+
+def test_the_reason_is_bounded_even_for_huge_messages() -> None:
+    huge = "ValueError: " + "x" * 100_000
+    d = classify(1, {"message": {"message": huge}}, "")
+    assert len(d.reason) <= REASON_CHARS
+
+
+def test_error_file_as_json_text() -> None:
+    data = json.dumps({"message": {"message": "RuntimeError: boom\n"}})
+    assert classify(1, data, "").reason == "RuntimeError: boom"
+
+
+def test_last_exception_takes_the_last_traceback() -> None:
+    tail = TRACEBACK + "Traceback (most recent call last):\n  File x\nTypeError: second\n"
+    assert last_exception(tail) == "TypeError: second"
+
+
+def test_signal_names() -> None:
+    assert signal_name(-9) == "SIGKILL" and signal_name(139) == "SIGSEGV"
+    assert signal_name(1) is None and signal_name(None) is None
+
+
+def test_read_tail_is_bounded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = tmp_path / "stderr.log"
+    log.write_text("a" * 10_000 + "END")
+    tail = read_tail(str(log), limit=100)
+    assert len(tail) == 100 and tail.endswith("END")
+    assert read_tail(str(tmp_path / "missing")) == ""
