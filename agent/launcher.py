@@ -199,8 +199,9 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         addr=_addr(args, standalone),
         nproc=launch.nproc_per_node,
         params=params,
-        entrypoint=str(cmd),
-        args=[str(a) for a in cmd_args],
+        # Through rove.agent.child, so workers die with their agent (see there).
+        entrypoint=sys.executable,
+        args=["-m", "rove.agent.child", str(cmd), *(str(a) for a in cmd_args)],
         logs_specs=logs_specs,
         state_dir=embedded.job_dir(job) / "agents" / node,
         max_restarts=launch.max_restarts,

@@ -224,3 +224,58 @@ def fold_records(recs: list[Any], job: str = "j1", upto: int | None = None) -> A
             break
         state = evolve(state, r.event, r.seq)
     return state
+
+
+ROOT = Path(__file__).parent.parent
+TRAIN = ROOT / "examples" / "train.py"
+
+
+class RunProc:
+    """A `rove run` subprocess (one node), its output captured to a file."""
+
+    def __init__(self, log_dir: Path, name: str, *args: str, env: dict[str, str] | None = None):
+        self.log_path = log_dir / f"run-{name}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rove.control.cli.main", "run", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float = 180) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def trace_rows(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -22,26 +22,60 @@ TRACEBACK = """[default0]:Traceback (most recent call last):
     ("exit_code", "data", "tail", "kind", "reason_part"),
     [
         (1, None, TRACEBACK, FailureKind.USER_ERROR, "ValueError: learning rate must be positive"),
-        (1, {"message": {"message": "KeyError: 'lr'", "extraInfo": {}}}, "", FailureKind.USER_ERROR,
-         "KeyError: 'lr'"),
+        (
+            1,
+            {"message": {"message": "KeyError: 'lr'", "extraInfo": {}}},
+            "",
+            FailureKind.USER_ERROR,
+            "KeyError: 'lr'",
+        ),
         (-9, None, "", FailureKind.KILLED, "SIGKILL"),
         (137, None, "", FailureKind.KILLED, "SIGKILL"),
         (-15, None, "", FailureKind.KILLED, "SIGTERM"),
         (-11, None, "", FailureKind.SEGFAULT, "SIGSEGV"),
-        (1, None, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
-         FailureKind.OOM, "CUDA out of memory"),
-        (1, None, "Traceback (most recent call last):\nMemoryError\n", FailureKind.OOM, "MemoryError"),
-        (1, None, "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
-                  "Connection closed by peer [127.0.0.1]:1234", FailureKind.COMMUNICATION, "gloo"),
-        (-6, None, "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
-         FailureKind.COMMUNICATION, "NCCL error"),
-        (1, None, "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
-         FailureKind.HARDWARE, "Xid"),
+        (
+            1,
+            None,
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+            FailureKind.OOM,
+            "CUDA out of memory",
+        ),
+        (
+            1,
+            None,
+            "Traceback (most recent call last):\nMemoryError\n",
+            FailureKind.OOM,
+            "MemoryError",
+        ),
+        (
+            1,
+            None,
+            "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+            "Connection closed by peer [127.0.0.1]:1234",
+            FailureKind.COMMUNICATION,
+            "gloo",
+        ),
+        (
+            -6,
+            None,
+            "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
+            FailureKind.COMMUNICATION,
+            "NCCL error",
+        ),
+        (
+            1,
+            None,
+            "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
+            FailureKind.HARDWARE,
+            "Xid",
+        ),
         (-6, None, "", FailureKind.SEGFAULT, "SIGABRT"),
         (3, None, "", FailureKind.UNKNOWN, "exited with code 3"),
     ],
 )
-def test_classify(exit_code: int, data: object, tail: str, kind: FailureKind, reason_part: str) -> None:
+def test_classify(
+    exit_code: int, data: object, tail: str, kind: FailureKind, reason_part: str
+) -> None:
     d = classify(exit_code, data, tail)
     assert d.kind is kind
     assert reason_part in d.reason

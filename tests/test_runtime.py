@@ -1,0 +1,365 @@
+"""rove run with real processes: torch over gloo, nats-server, rove masters and agents.
+
+Several `rove run` processes on one machine, each with its own node id, form a
+multi-node job against one NATS server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rove.control import events as ev
+from rove.control.bus import Bus
+from tests.support import (
+    TRAIN,
+    MasterProc,
+    RunProc,
+    eventually,
+    pid_alive,
+    stored_events,
+    trace_rows,
+)
+
+pytestmark = pytest.mark.slow
+
+JOB = "j1"
+
+
+def node_args(bus: Bus, node: str, *extra: str) -> list[str]:
+    return [
+        "--nats",
+        bus.url,
+        "--job",
+        JOB,
+        "--node-id",
+        node,
+        "--local-addr",
+        "127.0.0.1",
+        "--heartbeat-interval",
+        "0.5",
+        *extra,
+    ]
+
+
+def train_args(tmp_path: Path, steps: int, sleep: float = 0.15) -> list[str]:
+    return [
+        str(TRAIN),
+        "--steps",
+        str(steps),
+        "--step-sleep",
+        str(sleep),
+        "--ckpt-every",
+        "5",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
+        "--log-every",
+        "10",
+    ]
+
+
+async def events_of(bus: Bus, kind: type[ev.Event]) -> list[ev.Event]:
+    return [r.event for r in await stored_events(bus, JOB) if isinstance(r.event, kind)]
+
+
+async def worker_pids(bus: Bus, node: str, rnd: int) -> tuple[int, ...]:
+    for e in await events_of(bus, ev.WorkersStarted):
+        assert isinstance(e, ev.WorkersStarted)
+        if e.node == node and e.round == rnd:
+            return e.pids
+    return ()
+
+
+def steps_done(tmp_path: Path, restart: int | None = None) -> int:
+    rows = [
+        r
+        for r in trace_rows(tmp_path / "trace.jsonl")
+        if restart is None or r["restart"] == restart
+    ]
+    return max((r["step"] for r in rows), default=0)
+
+
+async def test_kill_9_of_a_worker_restarts_all_workers_in_a_new_round_and_the_job_finishes(
+    bus: Bus, tmp_path: Path
+) -> None:
+    master = MasterProc(bus.url, JOB, "m1", tmp_path, "--node-timeout", "15")
+    nodes = {
+        n: RunProc(
+            tmp_path,
+            n,
+            *node_args(bus, n, "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "3"),
+            *train_args(tmp_path, steps=50),
+        )
+        for n in ("na", "nb")
+    }
+    try:
+        await eventually(lambda: steps_done(tmp_path) >= 15, timeout=120)
+        victim = (await worker_pids(bus, "nb", 1))[1]
+        os.kill(victim, signal.SIGKILL)
+        codes = {n: await asyncio.to_thread(p.wait, 180) for n, p in nodes.items()}
+        assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
+
+        rounds = [e for e in await events_of(bus, ev.RoundCompleted)]
+        assert [r.round for r in rounds] == [1, 2]  # type: ignore[attr-defined]
+        assert rounds[1].restart_count == 1  # type: ignore[attr-defined]
+        (failure,) = await events_of(bus, ev.WorkerExited)
+        assert failure.node == "nb" and failure.kind is ev.FailureKind.KILLED  # type: ignore[attr-defined]
+        assert "SIGKILL" in failure.reason  # type: ignore[attr-defined]
+        started = await events_of(bus, ev.WorkersStarted)
+        assert sorted((e.node, e.round) for e in started) == [  # type: ignore[attr-defined]
+            ("na", 1),
+            ("na", 2),
+            ("nb", 1),
+            ("nb", 2),
+        ], "every worker restarted"
+
+        rows = trace_rows(tmp_path / "trace.jsonl")
+        after = [r for r in rows if r["restart"] == 1]
+        resumed_at = min(r["step"] for r in after)
+        killed_at = max(r["step"] for r in rows if r["restart"] == 0)
+        assert killed_at - 5 <= resumed_at - 1 <= killed_at, "resumed from the last checkpoint"
+        assert {r["rank"] for r in after} == {0, 1, 2, 3}
+        assert max(r["step"] for r in after) == 50, "the job trained every step"
+        ended = await events_of(bus, ev.JobEnded)
+        assert ended[-1].phase is ev.JobPhase.FINISHED  # type: ignore[attr-defined]
+    finally:
+        for p in nodes.values():
+            p.stop()
+        master.stop()
+
+
+async def test_kill_9_of_an_agent_the_other_continues_alone_then_the_node_comes_back(
+    bus: Bus, tmp_path: Path
+) -> None:
+    master = MasterProc(bus.url, JOB, "m1", tmp_path, "--node-timeout", "3")
+    common = (
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "5",
+        "--last-call-timeout",
+        "1",
+    )
+    a = RunProc(tmp_path, "na", *node_args(bus, "na", *common), *train_args(tmp_path, 400, 0.1))
+    b = RunProc(tmp_path, "nb", *node_args(bus, "nb", *common), *train_args(tmp_path, 400, 0.1))
+    b2 = None
+    try:
+
+        async def round_with(n: int) -> ev.RoundCompleted | None:
+            rs = [r for r in await events_of(bus, ev.RoundCompleted) if len(r.members) == n]  # type: ignore[attr-defined]
+            return rs[-1] if rs else None  # type: ignore[return-value]
+
+        two = await eventually(lambda: round_with(2), timeout=60)
+        b_workers = await eventually(lambda: worker_pids(bus, "nb", two.round), timeout=60)
+        await eventually(lambda: steps_done(tmp_path) >= 5, timeout=120)
+        b.kill()  # the whole node: its agent with -9
+
+        lost = await eventually(lambda: events_of(bus, ev.NodeLost), timeout=30)
+        assert lost[0].node == "nb"  # type: ignore[attr-defined]
+        alone = await eventually(lambda: _round_after(bus, two.round, ["na"]), timeout=30)
+        assert alone.restart_count == two.restart_count, "a lost node is not a failed restart"
+        await eventually(lambda: not any(pid_alive(p) for p in b_workers), timeout=15)
+        at = steps_done(tmp_path)
+        await eventually(lambda: steps_done(tmp_path) >= at + 5, timeout=60)  # trains alone
+
+        b2 = RunProc(
+            tmp_path, "nb2", *node_args(bus, "nb", *common), *train_args(tmp_path, 400, 0.1)
+        )
+        back = await eventually(lambda: _round_after(bus, alone.round, ["na", "nb"]), timeout=60)
+        assert "scale up" in back.reason
+    finally:
+        for p in (a, b, b2):
+            if p is not None:
+                p.stop()
+        master.stop()
+
+
+async def _round_after(bus: Bus, after: int, nodes: list[str]) -> ev.RoundCompleted | None:
+    for r in await events_of(bus, ev.RoundCompleted):
+        assert isinstance(r, ev.RoundCompleted)
+        if r.round > after and [m.node for m in r.members] == nodes:
+            return r
+    return None
+
+
+async def test_kill_9_of_the_leading_master_does_not_interrupt_training(
+    bus: Bus, tmp_path: Path
+) -> None:
+    masters = {
+        m: MasterProc(bus.url, JOB, m, tmp_path, "--node-timeout", "5") for m in ("ma", "mb")
+    }
+    node = RunProc(
+        tmp_path,
+        "na",
+        *node_args(bus, "na", "--nproc-per-node", "2", "--max-restarts", "3"),
+        *train_args(tmp_path, steps=80, sleep=0.1),
+    )
+    try:
+        await eventually(lambda: steps_done(tmp_path) >= 10, timeout=120)
+        (first,) = await events_of(bus, ev.MasterElected)
+        assert isinstance(first, ev.MasterElected)
+        masters[first.master].kill()
+        assert await asyncio.to_thread(node.wait, 180) == 0, node.log()[-3000:]
+
+        elected = await events_of(bus, ev.MasterElected)
+        assert len(elected) == 2 and elected[1].epoch > first.epoch  # type: ignore[attr-defined]
+        assert [r.round for r in await events_of(bus, ev.RoundCompleted)] == [1], "no restart"  # type: ignore[attr-defined]
+        assert await events_of(bus, ev.WorkerExited) == []
+        rows = trace_rows(tmp_path / "trace.jsonl")
+        assert {r["restart"] for r in rows} == {0} and steps_done(tmp_path) == 80
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rove.control.cli.main",
+                "events",
+                "--job",
+                JOB,
+                "--nats",
+                bus.url,
+                "--type",
+                "master_elected",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert f"epoch={elected[1].epoch}" in out.stdout  # type: ignore[attr-defined]
+    finally:
+        node.stop()
+        for m in masters.values():
+            m.stop()
+
+
+async def test_a_script_that_raises_on_start_fails_after_the_first_restart_naming_the_error(
+    bus: Bus, tmp_path: Path
+) -> None:
+    script = Path(__file__).parent / "scripts" / "crash_on_start.py"
+    node = RunProc(
+        tmp_path,
+        "na",
+        "--standalone",
+        "--job",
+        JOB,
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "10",
+        str(script),
+    )
+    code = await asyncio.to_thread(node.wait, 120)
+    log = node.log()
+    assert code == 1, log[-3000:]
+    assert "the same user code error repeated after a restart" in log
+    assert "ValueError: learning rate must be positive, got -0.1" in log
+    assert log.count("round 2: started") == 1 and "round 3: started" not in log, "one restart"
+
+
+async def test_sigterm_to_rove_run_stops_every_worker_and_leaves_no_orphans(
+    bus: Bus, tmp_path: Path
+) -> None:
+    master = MasterProc(bus.url, JOB, "m1", tmp_path)
+    node = RunProc(
+        tmp_path,
+        "na",
+        *node_args(bus, "na", "--nproc-per-node", "2"),
+        *train_args(tmp_path, steps=1000, sleep=0.1),
+    )
+    try:
+        pids = await eventually(lambda: worker_pids(bus, "na", 1), timeout=120)
+        await eventually(lambda: steps_done(tmp_path) >= 2, timeout=120)
+        node.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(node.wait, 60) == 128 + signal.SIGTERM
+        assert not any(pid_alive(p) for p in pids), "no orphan workers"
+        left = await events_of(bus, ev.NodeLeft)
+        assert left and "SIGTERM" in left[-1].reason  # type: ignore[attr-defined]
+    finally:
+        node.stop()
+        master.stop()
+
+
+async def test_a_hung_worker_is_detected_within_the_hang_timeout_and_restarted(
+    bus: Bus, tmp_path: Path
+) -> None:
+    master = MasterProc(bus.url, JOB, "m1", tmp_path)
+    node = RunProc(
+        tmp_path,
+        "na",
+        *node_args(
+            bus, "na", "--nproc-per-node", "2", "--max-restarts", "3", "--hang-timeout", "4"
+        ),
+        *train_args(tmp_path, steps=60, sleep=0.1),
+    )
+    try:
+        pids = await eventually(lambda: worker_pids(bus, "na", 1), timeout=120)
+        await eventually(lambda: steps_done(tmp_path) >= 5, timeout=120)
+        os.kill(pids[0], signal.SIGSTOP)
+        (hang,) = await eventually(lambda: events_of(bus, ev.WorkerExited), timeout=30)
+        assert hang.kind is ev.FailureKind.HANG  # type: ignore[attr-defined]
+        assert "no step progress" in hang.reason  # type: ignore[attr-defined]
+        assert await asyncio.to_thread(node.wait, 180) == 0, node.log()[-3000:]
+        assert [r.round for r in await events_of(bus, ev.RoundCompleted)] == [1, 2]  # type: ignore[attr-defined]
+        assert not pid_alive(pids[0])
+    finally:
+        node.stop()
+        master.stop()
+
+
+def _envs(out: Path) -> dict[str, dict[str, str]]:
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    return {r["RANK"]: r for r in rows}
+
+
+def test_workers_get_the_same_environment_as_under_torchrun(tmp_path: Path) -> None:
+    script = str(Path(__file__).parent / "scripts" / "print_env.py")
+    flags = ["--nproc-per-node", "2", "--max-restarts", "2"]
+    runs = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+        "rove": [
+            sys.executable,
+            "-m",
+            "rove.control.cli.main",
+            "run",
+            "--standalone",
+            "--job",
+            "envjob",
+        ],
+    }
+    for name, launcher in runs.items():
+        out = subprocess.run(
+            [*launcher, *flags, script, str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+    t, r = _envs(tmp_path / "torchrun"), _envs(tmp_path / "rove")
+    assert sorted(t) == sorted(r) == ["0", "1"]
+    # Where the store lives and what the run is called differ by design.
+    differ = {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+    }
+    for rank in ("0", "1"):
+        assert set(t[rank]) == set(r[rank])
+        assert {k: v for k, v in t[rank].items() if k not in differ} == {
+            k: v for k, v in r[rank].items() if k not in differ
+        }
+        for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
+            assert r[rank][key], f"{key} is set"
+    assert r["0"]["TORCHELASTIC_RUN_ID"] == "envjob"
