@@ -208,8 +208,7 @@ class Agent:
             self._on_rejected,
             last_per_subject=True,
         )
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._inbox.put_nowait, _Signal(sig))
+        self._install_signal_handlers()
         tasks = [
             asyncio.create_task(self._actor(), name="actor"),
             asyncio.create_task(self._monitor(), name="monitor"),
@@ -239,6 +238,11 @@ class Agent:
                 )
             await self.outbox.stop()
         return code
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._inbox.put_nowait, _Signal(sig))
 
     def _finish(self, code: int, reason: str) -> None:
         self.status.end_reason = reason
@@ -312,8 +316,10 @@ class Agent:
             role=self.cfg.role,
         )
         async with self._workers_lock:
-            # On this thread: torch installs its signal handlers only from the main thread.
             pids = self.workers.start(r.round, envs)
+        # torch's start_processes installs signal handlers of its own (they raise
+        # inside the event loop); the agent stops workers itself, so take them back.
+        self._install_signal_handlers()
         self.status.waiting = False
         self.status.starts += 1
         self.status.rates = {}

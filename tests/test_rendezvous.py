@@ -216,3 +216,33 @@ def test_the_first_joiner_fixes_the_rendezvous_settings() -> None:
     sim.join("n1")
     sim.apply(factories.rdzv("n2", ts=sim.now, params=params(max_nodes=7)))
     assert sim.state.rdzv.params is not None and sim.state.rdzv.params.max_nodes == 2
+
+
+def test_a_communication_failure_waits_for_proof_that_every_member_is_alive() -> None:
+    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(
+        factories.exited(
+            "n1", 1, kind=FK.COMMUNICATION, reason="gloo: connection closed", ts=sim.now
+        )
+    )
+    assert sim.tick() == [], "n2 might be dead: wait"
+    (rnd,) = sim.wait(1, "n1", "n2")
+    assert isinstance(rnd, ev.RoundCompleted) and rnd.restart_count == 1
+
+
+def test_a_communication_failure_caused_by_a_dead_peer_costs_no_restart() -> None:
+    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(
+        factories.exited(
+            "n1", 1, kind=FK.COMMUNICATION, reason="gloo: connection closed", ts=sim.now
+        )
+    )
+    decisions = sim.wait(11, "n1")  # n2 never heard from again
+    assert [ev.kind(d) for d in decisions] == ["node_lost", "round_completed"]
+    assert sim.members() == ["n1"] and sim.state.rdzv.restarts == 0

@@ -14,7 +14,10 @@ old order, then alive waiting nodes by arrival):
     last-call wait: that is how the job scales up;
   * below `min_nodes` the job waits `below_min_wait_s` for nodes, then fails.
 
-A worker failure in the running round (the first one reported wins) leads to:
+A worker failure in the running round (the first one reported wins) leads to
+the decisions below; a communication failure is acted on only once every member
+has sent a heartbeat after it (a peer's death shows up as one, and is handled
+as a lost node instead, without spending a restart):
   * a user-code error identical to the one that caused the previous restart:
     the job fails fast, naming the error;
   * `max_restarts` restarts already used: the job fails, naming the last failure;
@@ -44,6 +47,7 @@ class Waiter(msgspec.Struct, frozen=True, kw_only=True):
 
 class Failure(msgspec.Struct, frozen=True, kw_only=True):
     round: int
+    ts: float = 0.0
     node: str
     incarnation: str
     rank: int
@@ -141,6 +145,7 @@ def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
         return r  # the first failure of a round decides
     failure = Failure(
         round=e.round,
+        ts=e.ts,
         node=e.node,
         incarnation=e.incarnation,
         rank=e.rank,
@@ -239,6 +244,11 @@ def _on_failure(
                 f"(--max-restarts) are used; last failure: {_failure_text(f)}"
             },
         )
+    if f.kind is ev.FailureKind.COMMUNICATION and not _all_heard_since(r, f.ts, liveness):
+        # A broken connection is often the symptom of a peer that died: wait until
+        # every member has proven alive after it (then restart), or a member is
+        # declared lost (then the round is re-formed without spending a restart).
+        return None
     if f.kind is ev.FailureKind.HARDWARE:
         return (
             "exclude",
@@ -253,6 +263,14 @@ def _on_failure(
         restart=True,
         reason=f"restart {r.restarts + 1}/{p.max_restarts} after {_failure_text(f)}",
     )
+
+
+def _all_heard_since(r: RdzvState, ts: float, liveness: Mapping[str, ev.Heartbeat]) -> bool:
+    for m in r.members:
+        hb = liveness.get(m.node)
+        if hb is None or hb.incarnation != m.incarnation or hb.ts <= ts:
+            return False
+    return True
 
 
 def _as_waiter(m: ev.RoundMember, r: RdzvState, liveness: Mapping[str, ev.Heartbeat]) -> Waiter:
