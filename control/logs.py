@@ -15,7 +15,7 @@ import structlog
 
 
 def configure(level: str | None = None, fmt: str | None = None) -> None:
-    level_name = (level or os.environ.get("ROVE_LOG_LEVEL") or "info").upper()
+    level_name = (os.environ.get("ROVE_LOG_LEVEL") or level or "info").upper()
     fmt = fmt or os.environ.get("ROVE_LOG_FORMAT") or "console"
     renderer: structlog.typing.Processor
     if fmt == "json":

@@ -40,7 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    logs.configure(args.log_level)
+    # Daemons tell what they do; one-shot commands print their answer and only warnings.
+    logs.configure(args.log_level or ("info" if args.command == "master" else "warning"))
     try:
         code: int = args.func(args)
         return code

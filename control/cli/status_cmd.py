@@ -77,9 +77,30 @@ def status_view(
                 "mem_used_bytes": hb.mem_used_bytes if fresh and hb else None,
             }
         )
+    r = state.rdzv
+    failure = r.failure or r.last_failure
     return {
         "job": state.job,
         "phase": state.phase.value,
+        "round": r.round,
+        "round_active": r.active,
+        "world_size": sum(m.nproc for m in r.members) if r.active else 0,
+        "members": [m.node for m in r.members] if r.active else [],
+        "waiting": sorted(r.waiting.keys()),
+        "restarts": r.restarts,
+        "max_restarts": r.params.max_restarts if r.params else None,
+        "last_failure": (
+            {
+                "node": failure.node,
+                "rank": failure.rank,
+                "kind": failure.kind.value,
+                "reason": failure.reason,
+                "round": failure.round,
+            }
+            if failure
+            else None
+        ),
+        "excluded": dict(r.excluded.items()),
         "end_reason": state.end_reason or None,
         "leader": state.leader or None,
         "epoch": state.epoch,
@@ -107,6 +128,22 @@ def _mib(v: int | None) -> str:
     return "-" if v is None else f"{v / 2**20:.0f}MiB"
 
 
+def _round_line(view: dict[str, Any]) -> str:
+    restarts = f"{view['restarts']} of {view['max_restarts']} restarts used"
+    if view["round_active"]:
+        text = (
+            f"round {view['round']}: {len(view['members'])} nodes, world size "
+            f"{view['world_size']}; {restarts}"
+        )
+    elif view["round"]:
+        text = f"round {view['round']} broken, re-forming; {restarts}"
+    else:
+        text = "no round yet"
+    if view["waiting"]:
+        text += f"; waiting: {', '.join(view['waiting'])}"
+    return text
+
+
 _NO_HOLDER = "nobody (failover in progress, or no master running)"
 
 
@@ -118,8 +155,17 @@ def render(view: dict[str, Any]) -> str:
         f"lease held by {view['lease_holder'] or _NO_HOLDER}",
         f"{view['counters']['events']} events folded (stream seq {view['applied_seq']}), "
         f"{view['counters']['rejected']} rejected",
-        "",
+        _round_line(view),
     ]
+    if view["last_failure"]:
+        f = view["last_failure"]
+        lines.append(
+            f"last failure: rank {f['rank']} on {f['node']} in round {f['round']}: "
+            f"{f['kind']}: {f['reason']}"
+        )
+    for node, why in view["excluded"].items():
+        lines.append(f"excluded: {node}: {why}")
+    lines.append("")
     header = [
         "NODE",
         "STATUS",
