@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint format bench typecheck-view clean
+.PHONY: demo demo-control-plane test test-fast lint format bench typecheck-view clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,19 @@ $(VENV)/.installed-tests: $(VENV)/.installed
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[torch,tests]'
 	touch $@
 
+DEMO_DIR ?= .rove-demo
+DEMO_STEPS ?= 600
+
+# The main job: a small transformer trained by 2 workers under `rove run --standalone`
+# (its own NATS server and master). Kill a worker while it trains to watch it recover.
 demo: $(VENV)/.installed
+	rm -rf $(DEMO_DIR)
+	ROVE_HOME=$(DEMO_DIR)/home $(BIN)/rove run --standalone --job demo --nproc-per-node 2 \
+		--max-restarts 3 examples/train.py --steps $(DEMO_STEPS) --step-sleep 0.03 \
+		--ckpt-dir $(DEMO_DIR)/ckpt
+
+# The control plane alone: two masters, simulated agents, a master killed with SIGKILL.
+demo-control-plane: $(VENV)/.installed
 	$(BIN)/python examples/control_plane_demo.py
 
 test: lint

@@ -150,6 +150,7 @@ class Agent:
         self._hb_seq = 0
         self._workers_lock = asyncio.Lock()
         self._round_event: ev.RoundCompleted | None = None
+        self._started_at = clock()
 
     # ------------------------------------------------------------------ facts
 
@@ -288,6 +289,13 @@ class Agent:
                 self._finish(EXIT_FAILED, f"node {node} was excluded: {item.reason}")
             case ev.JobEnded(phase=phase, reason=reason):
                 await self._stop_workers()
+                if self.status.starts == 0 and item.ts < self._started_at:
+                    self._finish(
+                        EXIT_FAILED,
+                        f"job {self.cfg.job} already ended earlier "
+                        f"({phase.value}: {reason}); start a new job with another --job",
+                    )
+                    return
                 code = EXIT_FINISHED if phase is ev.JobPhase.FINISHED else EXIT_FAILED
                 self._finish(code, f"job {self.cfg.job} {phase.value}: {reason}")
             case _:

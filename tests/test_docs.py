@@ -43,7 +43,14 @@ def test_every_rove_command_in_the_docs_parses() -> None:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     commands = [c for d in docs for c in _code_commands(d)]
     assert len(commands) >= 8
+    from rove.agent.launcher import build_parser as run_parser
+
     parser = build_parser()
     for command in commands:
-        args = parser.parse_args(shlex.split(command)[1:])
-        assert args.func is not None, command
+        words = shlex.split(command)[1:]
+        if words[0] == "run":
+            args = run_parser().parse_args(words[1:])
+            assert args.training_script, command
+        else:
+            args = parser.parse_args(words)
+            assert args.func is not None, command
