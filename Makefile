@@ -63,6 +63,7 @@ format: $(VENV)/.installed-tests
 bench: $(VENV)/.installed-tests
 	$(BIN)/python benchmarks/master_recovery.py --events 100000
 	$(BIN)/python benchmarks/bus_throughput.py
+	$(BIN)/python benchmarks/recovery.py
 
 clean:
 	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

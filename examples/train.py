@@ -131,6 +131,7 @@ def main() -> None:
                             "rank": rank,
                             "step": step,
                             "world": world,
+                            "pid": os.getpid(),
                             "restart": int(restart),
                             "t": time.time(),
                         }
