@@ -363,3 +363,55 @@ def test_workers_get_the_same_environment_as_under_torchrun(tmp_path: Path) -> N
         for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
             assert r[rank][key], f"{key} is set"
     assert r["0"]["TORCHELASTIC_RUN_ID"] == "envjob"
+
+
+async def test_workers_keep_training_while_nats_is_down_and_buffered_facts_arrive_later(
+    tmp_path: Path,
+) -> None:
+    from rove.control.bus import BusOptions
+    from rove.control.embedded import EmbeddedServer
+    from tests.support import free_port
+
+    port = free_port()
+    server = EmbeddedServer(tmp_path / "nats", port=port)
+    server.start()
+    url = server.url
+    assert url
+    master = MasterProc(url, JOB, "m1", tmp_path, "--node-timeout", "30")
+    node = RunProc(
+        tmp_path,
+        "na",
+        "--nats",
+        url,
+        "--job",
+        JOB,
+        "--node-id",
+        "na",
+        "--local-addr",
+        "127.0.0.1",
+        "--nproc-per-node",
+        "2",
+        *train_args(tmp_path, steps=60, sleep=0.1),
+    )
+    try:
+        await eventually(lambda: steps_done(tmp_path) >= 10, timeout=120)
+        server.kill()
+        down_at = steps_done(tmp_path)
+        await eventually(lambda: steps_done(tmp_path) == 60, timeout=60)  # finished offline
+        assert node.proc.poll() is None, "the agent waits for the bus, it does not give up"
+        await asyncio.sleep(2)
+        server.start()
+        assert await asyncio.to_thread(node.wait, 120) == 0, node.log()[-3000:]
+        assert steps_done(tmp_path) - down_at >= 40, "training went on without the bus"
+        bus = await Bus.connect(BusOptions(url=url))
+        try:
+            done = await events_of(bus, ev.WorkersSucceeded)
+            assert len(done) == 1, "the fact from the outage was sent once, after it"
+            ended = await events_of(bus, ev.JobEnded)
+            assert ended[-1].phase is ev.JobPhase.FINISHED  # type: ignore[attr-defined]
+        finally:
+            await bus.close()
+    finally:
+        node.stop()
+        master.stop()
+        server.stop()

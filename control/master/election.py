@@ -57,7 +57,13 @@ class Lease:
         """
         try:
             rev = await self.kv.create(self.key, self.master.encode())
-        except nats.js.errors.KeyWrongLastSequenceError:
+        except (
+            nats.js.errors.KeyWrongLastSequenceError,
+            # nats-py re-reads the key after a failed create to look for a delete
+            # marker; if the holder's key expired in between, that read fails too.
+            nats.js.errors.KeyNotFoundError,
+            nats.js.errors.KeyDeletedError,
+        ):
             return None
         except _TRANSIENT as exc:
             log.debug("lease acquire attempt failed", error=type(exc).__name__)
