@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -80,6 +82,16 @@ class _Hang:
     local_rank: int
     step: int
     silent_s: float
+
+
+@dataclass(frozen=True)
+class _CheckDone:
+    check_round: int
+    ok: bool
+    elapsed_s: float
+    matmul_s: float
+    allreduce_s: float
+    error: str
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,8 @@ class Agent:
         self._workers_lock = asyncio.Lock()
         self._round_event: ev.RoundCompleted | None = None
         self._started_at = clock()
+        self._checks_run: set[int] = set()
+        self._check_tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ facts
 
@@ -280,6 +294,22 @@ class Agent:
                 self.log.info("ignoring a decision of a deposed master", epoch=epoch)
             case ev.RoundCompleted():
                 await self._round(item)
+            case ev.NetworkCheckAssigned():
+                self._network_check(item)
+            case _CheckDone():
+                self._emit(
+                    ev.NetworkCheckReported(
+                        **self._envelope(),
+                        node=self.cfg.node,
+                        incarnation=self.incarnation,
+                        check_round=item.check_round,
+                        ok=item.ok,
+                        elapsed_s=item.elapsed_s,
+                        matmul_s=item.matmul_s,
+                        allreduce_s=item.allreduce_s,
+                        error=item.error,
+                    )
+                )
             case ev.NodeLost(node=node, incarnation=inc) if (node, inc) == me:
                 self.log.warning("the master lost sight of this node; joining again")
                 await self._stop_workers()
@@ -350,6 +380,69 @@ class Agent:
                 round=r.round,
                 ranks=ranks,
                 pids=tuple(pids[lr] for lr in sorted(pids)),
+            )
+        )
+
+    def _network_check(self, a: ev.NetworkCheckAssigned) -> None:
+        if self.status.round > 0 or a.check_round in self._checks_run:
+            return  # checks are for a job's first round only; each round runs once
+        for group in a.groups:
+            pairs = list(zip(group.nodes, group.incarnations, strict=True))
+            if (self.cfg.node, self.incarnation) in pairs:
+                self._checks_run.add(a.check_round)
+                rank = pairs.index((self.cfg.node, self.incarnation))
+                task = asyncio.create_task(self._run_check(a, group, rank))
+                self._check_tasks.add(task)
+                task.add_done_callback(self._check_tasks.discard)
+                return
+
+    async def _run_check(self, a: ev.NetworkCheckAssigned, group: ev.CheckGroup, rank: int) -> None:
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(len(group.nodes)),
+            "MASTER_ADDR": group.master_addr,
+            "MASTER_PORT": str(group.master_port),
+            "ROVE_NETCHECK_TIMEOUT": str(a.timeout_s),
+        }
+        self.log.info(f"network check round {a.check_round} with {', '.join(group.nodes)}")
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "rove.agent.child",
+            sys.executable,
+            "-m",
+            "rove.agent.netcheck",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), a.timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            out, err = b"", f"timed out after {a.timeout_s:g}s".encode()
+        elapsed = time.monotonic() - started
+        result: dict[str, Any] = {}
+        with contextlib.suppress(ValueError):
+            result = json.loads(out.decode().strip().splitlines()[-1]) if out.strip() else {}
+        ok = proc.returncode == 0 and bool(result.get("ok"))
+        error = "" if ok else (err.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
+        self.log.info(
+            f"network check round {a.check_round}: " + ("ok" if ok else f"failed: {error}"),
+            elapsed_s=round(elapsed, 3),
+        )
+        self._inbox.put_nowait(
+            _CheckDone(
+                a.check_round,
+                ok,
+                round(elapsed, 4),
+                float(result.get("matmul_s", 0.0)),
+                float(result.get("allreduce_s", 0.0)),
+                error[: ev.REASON_CHARS],
             )
         )
 

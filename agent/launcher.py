@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="time a matmul and an allreduce in node pairs before training",
     )
     g.add_argument(
+        "--network-check-timeout",
+        type=common.positive,
+        default=120.0,
+        metavar="SECONDS",
+        help="a network-check group that takes longer has failed (default 120)",
+    )
+    g.add_argument(
         "--exclude-straggler",
         action="store_true",
         help="with --network-check, exclude nodes slower than 2x the median",
@@ -192,6 +199,9 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         max_restarts=launch.max_restarts,
         last_call_s=args.last_call_timeout,
         below_min_wait_s=args.below_min_timeout,
+        network_check=bool(args.network_check),
+        exclude_stragglers=bool(args.exclude_straggler),
+        network_check_timeout_s=args.network_check_timeout,
     )
     cfg = AgentConfig(
         job=job,

@@ -38,7 +38,7 @@ def _subject(cls: type[ev.Event]) -> str:
         values["phase"] = ev.JobPhase.STOPPED
     if cls is ev.WorkerExited:
         values["kind"] = ev.FailureKind.UNKNOWN
-    for tuple_field in ("ranks", "pids", "members"):
+    for tuple_field in ("ranks", "pids", "members", "groups", "results", "faulty", "stragglers"):
         if tuple_field in cls.__struct_fields__:
             values[tuple_field] = ()
     event = msgspec.convert(
@@ -103,6 +103,7 @@ def render() -> str:
                 ev.WorkersStarted,
                 ev.WorkerExited,
                 ev.WorkersSucceeded,
+                ev.NetworkCheckReported,
             ],
         ),
         ("Operator commands", [ev.StopRequested]),
@@ -129,7 +130,14 @@ def render() -> str:
                 out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in rows]
                 out.append("")
     out += ["## Values used inside events", ""]
-    for value_cls in (ev.JobSpec, ev.RdzvParams, ev.RoundMember, ev.RankStat):
+    for value_cls in (
+        ev.JobSpec,
+        ev.RdzvParams,
+        ev.RoundMember,
+        ev.CheckGroup,
+        ev.NodeCheck,
+        ev.RankStat,
+    ):
         out += [f"### `{value_cls.__name__}`", "", inspect.cleandoc(value_cls.__doc__ or ""), ""]
         out += ["| field | type | default |", "| --- | --- | --- |"]
         out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in _fields(value_cls)]

@@ -97,6 +97,26 @@ class RdzvParams(msgspec.Struct, frozen=True, kw_only=True):
     max_restarts: int = 3
     last_call_s: float = 5.0
     below_min_wait_s: float = 300.0
+    network_check: bool = False
+    exclude_stragglers: bool = False
+    network_check_timeout_s: float = 120.0
+
+
+class CheckGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """Nodes that run the network check together; the first one hosts the store."""
+
+    nodes: tuple[str, ...]
+    incarnations: tuple[str, ...]
+    master_addr: str
+    master_port: int
+
+
+class NodeCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's network-check result over the check rounds."""
+
+    node: str
+    failures: int
+    best_s: float | None
 
 
 class RoundMember(msgspec.Struct, frozen=True, kw_only=True):
@@ -194,6 +214,19 @@ class WorkerExited(Event, tag="worker_exited", frozen=True, kw_only=True):
     log_tail: str = ""
 
 
+class NetworkCheckReported(Event, tag="network_check_reported", frozen=True, kw_only=True):
+    """`node`'s result in network-check round `check_round`."""
+
+    node: str
+    incarnation: str
+    check_round: int
+    ok: bool
+    elapsed_s: float
+    matmul_s: float = 0.0
+    allreduce_s: float = 0.0
+    error: str = ""
+
+
 class WorkersSucceeded(Event, tag="workers_succeeded", frozen=True, kw_only=True):
     """Every worker of `node` in `round` exited with code 0."""
 
@@ -247,6 +280,23 @@ class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True)
     reason: str = ""
 
 
+class NetworkCheckAssigned(Decision, tag="network_check_assigned", frozen=True, kw_only=True):
+    """Check round `check_round` (0, then 1): each group times a matmul and an allreduce."""
+
+    check_round: int
+    groups: tuple[CheckGroup, ...]
+    timeout_s: float
+
+
+class NetworkCheckCompleted(Decision, tag="network_check_completed", frozen=True, kw_only=True):
+    """Verdict of the network check: faulty nodes failed both rounds; stragglers are
+    slower than twice the median."""
+
+    results: tuple[NodeCheck, ...]
+    faulty: tuple[str, ...]
+    stragglers: tuple[str, ...]
+
+
 class NodeExcluded(Decision, tag="node_excluded", frozen=True, kw_only=True):
     """`node` is taken out of the job (faulty hardware, failed checks)."""
 
@@ -283,6 +333,9 @@ AnyEvent = (
     | WorkersSucceeded
     | RoundCompleted
     | NodeExcluded
+    | NetworkCheckCompleted
+    | NetworkCheckAssigned
+    | NetworkCheckReported
     | StopRequested
     | MasterElected
     | JobConfigured
@@ -303,6 +356,9 @@ EVENT_TYPES: Final[dict[str, type[Event]]] = {
         WorkersSucceeded,
         RoundCompleted,
         NodeExcluded,
+        NetworkCheckCompleted,
+        NetworkCheckAssigned,
+        NetworkCheckReported,
         StopRequested,
         MasterElected,
         JobConfigured,

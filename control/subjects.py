@@ -120,6 +120,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.WorkersStarted: lambda e: node_facts(e.job, e.node),
     ev.WorkerExited: lambda e: node_facts(e.job, e.node),
     ev.WorkersSucceeded: lambda e: node_facts(e.job, e.node),
+    ev.NetworkCheckReported: lambda e: node_facts(e.job, e.node),
     ev.StopRequested: lambda e: cmd(e.job),
 }
 

@@ -262,3 +262,66 @@ def one_of_each() -> list[ev.Event]:
         round_completed(1, 7, "n1"),
         excluded("n1", 7),
     ]
+
+
+def check_reported(
+    node: str,
+    check_round: int,
+    *,
+    ok: bool = True,
+    elapsed: float = 1.0,
+    inc: str = "i1",
+    job: str = JOB,
+) -> ev.NetworkCheckReported:
+    return ev.NetworkCheckReported(
+        job=job,
+        id=ev.make_id(node, inc, "check", check_round),
+        producer=f"agent:{node}",
+        ts=100.0,
+        node=node,
+        incarnation=inc,
+        check_round=check_round,
+        ok=ok,
+        elapsed_s=elapsed,
+        error="" if ok else "connection refused",
+    )
+
+
+def check_assigned(
+    check_round: int, epoch: int, *groups: tuple[str, ...], job: str = JOB
+) -> ev.NetworkCheckAssigned:
+    return ev.NetworkCheckAssigned(
+        job=job,
+        id=ev.make_id(job, epoch, "netcheck", check_round),
+        producer="master:m1",
+        ts=100.0,
+        epoch=epoch,
+        check_round=check_round,
+        timeout_s=60.0,
+        groups=tuple(
+            ev.CheckGroup(nodes=g, incarnations=("i1",) * len(g), master_addr="h", master_port=1)
+            for g in groups
+        ),
+    )
+
+
+def check_completed(epoch: int, *, job: str = JOB) -> ev.NetworkCheckCompleted:
+    return ev.NetworkCheckCompleted(
+        job=job,
+        id=ev.make_id(job, epoch, "netcheck_done"),
+        producer="master:m1",
+        ts=100.0,
+        epoch=epoch,
+        results=(ev.NodeCheck(node="n1", failures=0, best_s=1.0),),
+        faulty=(),
+        stragglers=(),
+    )
+
+
+def every_event() -> list[ev.Event]:
+    return [
+        *one_of_each(),
+        check_reported("n1", 0),
+        check_assigned(0, 7, ("n1", "n2")),
+        check_completed(7),
+    ]

@@ -50,6 +50,18 @@ any_event = st.one_of(
         st.lists(nodes, min_size=1, max_size=3, unique=True),
     ),
     st.builds(lambda n, e: factories.excluded(n, e), nodes, epochs),
+    st.builds(
+        lambda n, r, ok: factories.check_reported(n, r, ok=ok),
+        nodes,
+        st.integers(0, 1),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda r, e: factories.check_assigned(r, e, ("n1", "n2"), ("n3",)),
+        st.integers(0, 1),
+        epochs,
+    ),
+    st.builds(lambda e: factories.check_completed(e), epochs),
 )
 
 

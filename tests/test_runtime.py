@@ -415,3 +415,64 @@ async def test_workers_keep_training_while_nats_is_down_and_buffered_facts_arriv
         node.stop()
         master.stop()
         server.stop()
+
+
+async def test_the_network_check_finds_the_node_with_a_broken_network_and_excludes_it(
+    bus: Bus, tmp_path: Path
+) -> None:
+    master = MasterProc(bus.url, JOB, "m1", tmp_path, "--node-timeout", "30")
+    common = (
+        "--nnodes",
+        "3:4",
+        "--nproc-per-node",
+        "1",
+        "--network-check",
+        "--network-check-timeout",
+        "8",
+        "--last-call-timeout",
+        "3",
+    )
+    nodes = {}
+    for n in ("na", "nb", "nc", "nd"):
+        # nd's gloo cannot find its network interface: a real misconfiguration.
+        env = {"GLOO_SOCKET_IFNAME": "bogus0"} if n == "nd" else None
+        nodes[n] = RunProc(
+            tmp_path,
+            n,
+            *node_args(bus, n, *common),
+            *train_args(tmp_path, steps=10, sleep=0.0),
+            env=env,
+        )
+    try:
+        codes = {n: await asyncio.to_thread(p.wait, 240) for n, p in nodes.items()}
+        assert codes == {"na": 0, "nb": 0, "nc": 0, "nd": 1}, {
+            n: p.log()[-2000:] for n, p in nodes.items()
+        }
+        (done,) = await events_of(bus, ev.NetworkCheckCompleted)
+        assert done.faulty == ("nd",)  # type: ignore[attr-defined]
+        excluded = await events_of(bus, ev.NodeExcluded)
+        assert [e.node for e in excluded] == ["nd"]  # type: ignore[attr-defined]
+        assert "network-check" in excluded[0].reason  # type: ignore[attr-defined]
+        (rnd,) = await events_of(bus, ev.RoundCompleted)
+        assert sorted(m.node for m in rnd.members) == ["na", "nb", "nc"]  # type: ignore[attr-defined]
+        assert "excluded" in nodes["nd"].log()
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rove.control.cli.main",
+                "status",
+                "--job",
+                JOB,
+                "--nats",
+                bus.url,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "network check" in status.stdout and "nd" in status.stdout
+    finally:
+        for p in nodes.values():
+            p.stop()
+        master.stop()

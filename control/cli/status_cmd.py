@@ -101,6 +101,17 @@ def status_view(
             else None
         ),
         "excluded": dict(r.excluded.items()),
+        "network_check": (
+            {
+                "done": r.check.done,
+                "check_round": r.check.check_round,
+                "faulty": list(r.check.faulty),
+                "stragglers": list(r.check.stragglers),
+                "results": [msgspec.to_builtins(x) for x in r.check.results],
+            }
+            if r.params is not None and r.params.network_check
+            else None
+        ),
         "end_reason": state.end_reason or None,
         "leader": state.leader or None,
         "epoch": state.epoch,
@@ -163,6 +174,21 @@ def render(view: dict[str, Any]) -> str:
             f"last failure: rank {f['rank']} on {f['node']} in round {f['round']}: "
             f"{f['kind']}: {f['reason']}"
         )
+    check = view["network_check"]
+    if check is not None:
+        if not check["done"]:
+            lines.append(f"network check: round {check['check_round']} running")
+        else:
+            times = ", ".join(
+                f"{x['node']} {x['best_s']:.2f}s"
+                if x["best_s"] is not None
+                else f"{x['node']} failed"
+                for x in check["results"]
+            )
+            lines.append(
+                f"network check: {times}; faulty: {', '.join(check['faulty']) or '-'}; "
+                f"stragglers: {', '.join(check['stragglers']) or '-'}"
+            )
     for node, why in view["excluded"].items():
         lines.append(f"excluded: {node}: {why}")
     lines.append("")

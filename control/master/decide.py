@@ -96,6 +96,20 @@ def _rendezvous(
                     **fields,  # type: ignore[arg-type]
                 )
             ]
+        case "netcheck":
+            return [
+                ev.NetworkCheckAssigned(
+                    **_common(state, now, "netcheck", fields["check_round"]),  # type: ignore[arg-type]
+                    **fields,  # type: ignore[arg-type]
+                )
+            ]
+        case "netcheck_done":
+            return [
+                ev.NetworkCheckCompleted(
+                    **_common(state, now, "netcheck_done"),  # type: ignore[arg-type]
+                    **fields,  # type: ignore[arg-type]
+                )
+            ]
         case "finished" | "failed":
             phase = ev.JobPhase.FINISHED if kind == "finished" else ev.JobPhase.FAILED
             return [

@@ -148,6 +148,27 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 counters=replace(counters, rounds=counters.rounds + 1),
                 applied_seq=seq,
             )
+        case ev.NetworkCheckAssigned():
+            return replace(
+                state,
+                rdzv=rdzv.on_check_assigned(state.rdzv, event),
+                counters=counters,
+                applied_seq=seq,
+            )
+        case ev.NetworkCheckReported():
+            return replace(
+                state,
+                rdzv=rdzv.on_check_reported(state.rdzv, event),
+                counters=counters,
+                applied_seq=seq,
+            )
+        case ev.NetworkCheckCompleted():
+            return replace(
+                state,
+                rdzv=rdzv.on_check_completed(state.rdzv, event),
+                counters=counters,
+                applied_seq=seq,
+            )
         case ev.NodeExcluded():
             node = state.nodes.get(event.node)
             nodes = state.nodes

@@ -34,6 +34,8 @@ import msgspec
 from msgspec.structs import replace
 
 from rove.control import events as ev
+from rove.control.master import netcheck
+from rove.control.master.netcheck import CheckState
 
 
 class Waiter(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +82,7 @@ class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
     excluded: immutables.Map[str, str] = msgspec.field(default_factory=immutables.Map)
     master_port: int = 0
     ports: immutables.Map[str, tuple[int, ...]] = msgspec.field(default_factory=immutables.Map)
+    check: CheckState = msgspec.field(default_factory=CheckState)
 
     def member(self, node: str) -> ev.RoundMember | None:
         for m in self.members:
@@ -183,6 +186,18 @@ def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
         broken_since=None,
         master_port=e.master_port,
     )
+
+
+def on_check_assigned(r: RdzvState, e: ev.NetworkCheckAssigned) -> RdzvState:
+    return replace(r, check=netcheck.on_assigned(r.check, e))
+
+
+def on_check_reported(r: RdzvState, e: ev.NetworkCheckReported) -> RdzvState:
+    return replace(r, check=netcheck.on_reported(r.check, e))
+
+
+def on_check_completed(r: RdzvState, e: ev.NetworkCheckCompleted) -> RdzvState:
+    return replace(r, check=netcheck.on_completed(r.check, e))
 
 
 # --------------------------------------------------------------------------- decide
@@ -332,16 +347,23 @@ def _form(
     pool = old + [w for w in _waiting_alive(r, alive) if w.node not in old_nodes]
     size = _size(len(pool), p)
     broken = r.broken_since is not None
-    if size >= p.min_nodes and size > 0:
-        first = min((w.since for w in pool if w.node not in old_nodes), default=now)
-        if len(pool) >= p.max_nodes or broken or now - first >= p.last_call_s:
-            why = (
-                f"re-formed with {size} nodes after a membership change"
-                if broken
-                else f"{size} of {p.min_nodes}-{p.max_nodes} nodes joined"
-            )
-            return _round(r, pool[:size], liveness, restart=False, reason=why)
-        return None
+    first = min((w.since for w in pool if w.node not in old_nodes), default=now)
+    ready = (
+        size >= p.min_nodes
+        and size > 0
+        and (len(pool) >= p.max_nodes or broken or now - first >= p.last_call_s)
+    )
+    if p.network_check and r.round == 0:
+        checked = _network_check(r, p, pool, liveness, now, ready)
+        if checked is not None:
+            return checked if checked[0] != "wait" else None
+    if ready:
+        why = (
+            f"re-formed with {size} nodes after a membership change"
+            if broken
+            else f"{size} of {p.min_nodes}-{p.max_nodes} nodes joined"
+        )
+        return _round(r, pool[:size], liveness, restart=False, reason=why)
     if broken and r.broken_since is not None and now - r.broken_since > p.below_min_wait_s:
         return (
             "failed",
@@ -351,6 +373,42 @@ def _form(
             },
         )
     return None
+
+
+def _network_check(
+    r: RdzvState,
+    p: ev.RdzvParams,
+    pool: list[Waiter],
+    liveness: Mapping[str, ev.Heartbeat],
+    now: float,
+    ready: bool,
+) -> tuple[str, dict[str, object]] | None:
+    """The check's next step before the first round, ("wait", {}) to hold, None when done."""
+    c = r.check
+    if not c.done:
+        if c.check_round >= 0:
+            checked = set(c.nodes())
+            pool = [w for w in pool if w.node in checked]
+        members = [(w.node, w.incarnation, w.addr, _port(w, liveness, 0)) for w in pool]
+        action = netcheck.next_action(c, members, now, ready)
+        if action is None:
+            return ("wait", {})
+        kind, fields = action
+        if kind == "netcheck":
+            fields["timeout_s"] = p.network_check_timeout_s
+        return kind, fields
+    node = netcheck.to_exclude(c, p.exclude_stragglers, lambda n: n in r.excluded)
+    if node is None:
+        return None
+    incarnation = next((w.incarnation for w in pool if w.node == node), "")
+    if not incarnation and node in r.waiting:
+        incarnation = r.waiting[node].incarnation
+    why = (
+        "failed both network-check rounds"
+        if node in c.faulty
+        else (f"straggler: network check more than {netcheck.STRAGGLER_FACTOR:g}x the median")
+    )
+    return ("exclude", {"node": node, "incarnation": incarnation, "reason": why})
 
 
 def _port(w: Waiter, liveness: Mapping[str, ev.Heartbeat], previous: int) -> int:

@@ -1,0 +1,201 @@
+"""The pre-training network check (pure: no clock, no I/O).
+
+With `--network-check`, the first training round waits for two check rounds:
+
+* round 0 pairs the nodes in arrival order ({0,1}, {2,3}, ...; an odd node
+  out joins the last pair, a single node checks alone);
+* round 1 pairs the slowest of round 0 with the fastest, so a slow or broken
+  link is told apart from a slow or broken node.
+
+Each group times a matmul and an allreduce (`rove.agent.netcheck`). A group that
+has not reported within the timeout counts as failed. A node that failed both
+rounds is **faulty** and is excluded; a node whose best time is more than twice
+the median is a **straggler**, excluded with `--exclude-straggler`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import immutables
+import msgspec
+from msgspec.structs import replace
+
+from rove.control import events as ev
+
+CHECK_ROUNDS = 2
+STRAGGLER_FACTOR = 2.0
+
+
+class CheckState(msgspec.Struct, frozen=True, kw_only=True):
+    check_round: int = -1
+    groups: tuple[ev.CheckGroup, ...] = ()
+    assigned_at: float = 0.0
+    timeout_s: float = 120.0
+    #: this round's results: node -> elapsed seconds, or None when it failed
+    reports: immutables.Map[str, float | None] = msgspec.field(default_factory=immutables.Map)
+    #: earlier rounds' results per node
+    history: immutables.Map[str, tuple[float | None, ...]] = msgspec.field(
+        default_factory=immutables.Map
+    )
+    done: bool = False
+    faulty: tuple[str, ...] = ()
+    stragglers: tuple[str, ...] = ()
+    results: tuple[ev.NodeCheck, ...] = ()
+
+    def nodes(self) -> list[str]:
+        return [n for g in self.groups for n in g.nodes]
+
+
+def _closed(c: CheckState) -> immutables.Map[str, tuple[float | None, ...]]:
+    """History including the current round (nodes that did not report failed)."""
+    history = c.history
+    for node in c.nodes():
+        history = history.set(node, (*history.get(node, ()), c.reports.get(node)))
+    return history
+
+
+# --------------------------------------------------------------------------- fold
+
+
+def on_assigned(c: CheckState, e: ev.NetworkCheckAssigned) -> CheckState:
+    if e.check_round <= c.check_round or c.done:
+        return c
+    history = _closed(c) if c.check_round >= 0 else c.history
+    return replace(
+        c,
+        check_round=e.check_round,
+        groups=e.groups,
+        assigned_at=e.ts,
+        timeout_s=e.timeout_s,
+        reports=immutables.Map(),
+        history=history,
+    )
+
+
+def on_reported(c: CheckState, e: ev.NetworkCheckReported) -> CheckState:
+    if c.done or e.check_round != c.check_round or e.node in c.reports:
+        return c
+    for g in c.groups:
+        if (e.node, e.incarnation) in zip(g.nodes, g.incarnations, strict=True):
+            return replace(c, reports=c.reports.set(e.node, e.elapsed_s if e.ok else None))
+    return c
+
+
+def on_completed(c: CheckState, e: ev.NetworkCheckCompleted) -> CheckState:
+    if c.done:
+        return c
+    return replace(
+        c,
+        done=True,
+        history=_closed(c),
+        faulty=e.faulty,
+        stragglers=e.stragglers,
+        results=e.results,
+        reports=immutables.Map(),
+    )
+
+
+# --------------------------------------------------------------------------- decide
+
+
+Member = tuple[str, str, str, int]  # node, incarnation, addr, store port
+
+
+def _group(members: Sequence[Member]) -> ev.CheckGroup:
+    return ev.CheckGroup(
+        nodes=tuple(m[0] for m in members),
+        incarnations=tuple(m[1] for m in members),
+        master_addr=members[0][2],
+        master_port=members[0][3],
+    )
+
+
+def _pairs(ordered: Sequence[Member]) -> list[list[Member]]:
+    groups = [list(ordered[i : i + 2]) for i in range(0, len(ordered) - len(ordered) % 2, 2)]
+    if len(ordered) % 2:
+        if groups:
+            groups[-1].append(ordered[-1])
+        else:
+            groups.append([ordered[-1]])
+    return groups
+
+
+def first_groups(pool: Sequence[Member]) -> tuple[ev.CheckGroup, ...]:
+    return tuple(_group(g) for g in _pairs(pool))
+
+
+def second_groups(c: CheckState, pool: Sequence[Member]) -> tuple[ev.CheckGroup, ...]:
+    """Slowest with fastest (a failure counts as the slowest)."""
+    history = _closed(c)
+
+    def speed(m: Member) -> float:
+        t = history.get(m[0], (None,))[-1]
+        return float("inf") if t is None else t
+
+    by_speed = sorted(pool, key=speed)
+    ordered: list[Member] = []
+    lo, hi = 0, len(by_speed) - 1
+    while lo <= hi:
+        ordered.append(by_speed[hi])
+        if lo != hi:
+            ordered.append(by_speed[lo])
+        lo, hi = lo + 1, hi - 1
+    return tuple(_group(g) for g in _pairs(ordered))
+
+
+def round_over(c: CheckState, now: float) -> bool:
+    return all(n in c.reports for n in c.nodes()) or now - c.assigned_at > c.timeout_s
+
+
+def verdict(c: CheckState) -> tuple[tuple[ev.NodeCheck, ...], tuple[str, ...], tuple[str, ...]]:
+    history = _closed(c)
+    results = []
+    for node in sorted(history.keys()):
+        times = history[node]
+        ok = [t for t in times if t is not None]
+        results.append(
+            ev.NodeCheck(node=node, failures=len(times) - len(ok), best_s=min(ok) if ok else None)
+        )
+    faulty = tuple(r.node for r in results if r.best_s is None and r.failures >= CHECK_ROUNDS)
+    best = [r.best_s for r in results if r.best_s is not None]
+    stragglers: tuple[str, ...] = ()
+    if len(best) >= 2:
+        median = statistics.median(best)
+        stragglers = tuple(
+            r.node for r in results if r.best_s is not None and r.best_s > STRAGGLER_FACTOR * median
+        )
+    return tuple(results), faulty, stragglers
+
+
+def next_action(
+    c: CheckState,
+    pool: Sequence[Member],
+    now: float,
+    ready: bool,
+) -> tuple[str, dict[str, object]] | None:
+    """The check's next decision while it is not done; None means wait.
+
+    `ready`: the job could form its first round now (the check starts then).
+    """
+    if c.check_round < 0:
+        if not ready:
+            return None
+        return ("netcheck", {"check_round": 0, "groups": first_groups(pool)})
+    if not round_over(c, now):
+        return None
+    if c.check_round + 1 < CHECK_ROUNDS:
+        return ("netcheck", {"check_round": c.check_round + 1, "groups": second_groups(c, pool)})
+    results, faulty, stragglers = verdict(c)
+    return ("netcheck_done", {"results": results, "faulty": faulty, "stragglers": stragglers})
+
+
+def to_exclude(
+    c: CheckState, exclude_stragglers: bool, excluded: Callable[[str], bool]
+) -> str | None:
+    """The next node the check's verdict excludes, if any is left."""
+    for node in (*c.faulty, *(c.stragglers if exclude_stragglers else ())):
+        if not excluded(node):
+            return node
+    return None

@@ -1,0 +1,116 @@
+"""The pre-training network check, on a simulated cluster with an injected clock."""
+
+from __future__ import annotations
+
+from rove.control import events as ev
+from tests import factories
+from tests.sim import Sim
+
+
+def params(**kw: object) -> ev.RdzvParams:
+    base = {
+        "min_nodes": 1,
+        "max_nodes": 4,
+        "last_call_s": 1.0,
+        "network_check": True,
+        "network_check_timeout_s": 30.0,
+    }
+    return ev.RdzvParams(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def assigned(decisions: list[ev.Decision]) -> ev.NetworkCheckAssigned:
+    (a,) = [d for d in decisions if isinstance(d, ev.NetworkCheckAssigned)]
+    return a
+
+
+def report_all(sim: Sim, a: ev.NetworkCheckAssigned, times: dict[str, float | None]) -> None:
+    for g in a.groups:
+        for node in g.nodes:
+            t = times[node]
+            sim.apply(
+                factories.check_reported(node, a.check_round, ok=t is not None, elapsed=t or 0.0)
+            )
+
+
+def start(sim: Sim, nodes: list[str]) -> ev.NetworkCheckAssigned:
+    for n in nodes:
+        sim.join(n)
+    return assigned(sim.wait(1.5, *nodes))
+
+
+def test_the_check_runs_before_the_first_round_in_pairs() -> None:
+    sim = Sim(params())
+    first = start(sim, ["n1", "n2", "n3", "n4"])
+    assert [g.nodes for g in first.groups] == [("n1", "n2"), ("n3", "n4")]
+    assert first.check_round == 0 and not sim.rounds()
+    assert first.groups[0].master_addr == "10.0.0.1"
+
+
+def test_an_odd_node_joins_the_last_group_and_a_single_node_checks_alone() -> None:
+    sim = Sim(params())
+    assert [g.nodes for g in start(sim, ["n1", "n2", "n3"]).groups] == [("n1", "n2", "n3")]
+    solo = Sim(params())
+    assert [g.nodes for g in start(solo, ["n1"]).groups] == [("n1",)]
+
+
+def test_the_second_round_pairs_the_slowest_with_the_fastest() -> None:
+    sim = Sim(params())
+    first = start(sim, ["n1", "n2", "n3", "n4"])
+    report_all(sim, first, {"n1": 1.0, "n2": 4.0, "n3": 2.0, "n4": 3.0})
+    second = assigned(sim.wait(0.1, "n1", "n2", "n3", "n4"))
+    assert second.check_round == 1
+    assert [set(g.nodes) for g in second.groups] == [{"n2", "n1"}, {"n4", "n3"}]
+
+
+def test_a_node_failing_both_rounds_is_faulty_and_excluded_and_the_rest_train() -> None:
+    sim = Sim(params())
+    nodes = ["n1", "n2", "n3", "n4"]
+    first = start(sim, nodes)
+    report_all(sim, first, {"n1": 1.0, "n2": None, "n3": 1.1, "n4": 1.2})
+    second = assigned(sim.wait(0.1, *nodes))
+    report_all(sim, second, {"n1": 1.0, "n2": None, "n3": 1.1, "n4": 1.3})
+    decisions = sim.wait(0.1, *nodes)
+    kinds = [ev.kind(d) for d in decisions]
+    assert kinds == ["network_check_completed", "node_excluded", "round_completed"]
+    done = decisions[0]
+    assert isinstance(done, ev.NetworkCheckCompleted) and done.faulty == ("n2",)
+    assert sim.members() == ["n1", "n3", "n4"]
+
+
+def test_a_node_that_fails_only_once_is_not_faulty() -> None:
+    sim = Sim(params())
+    nodes = ["n1", "n2", "n3", "n4"]
+    first = start(sim, nodes)
+    report_all(sim, first, {"n1": None, "n2": None, "n3": 1.1, "n4": 1.2})  # a bad link
+    second = assigned(sim.wait(0.1, *nodes))
+    report_all(sim, second, {"n1": 1.0, "n2": 1.0, "n3": 1.1, "n4": 1.3})
+    decisions = sim.wait(0.1, *nodes)
+    assert [ev.kind(d) for d in decisions] == ["network_check_completed", "round_completed"]
+    assert len(sim.members()) == 4
+
+
+def test_a_straggler_is_excluded_only_with_exclude_straggler() -> None:
+    times = {"n1": 1.0, "n2": 1.1, "n3": 1.2, "n4": 9.0}
+    for exclude, expected in ((False, 4), (True, 3)):
+        sim = Sim(params(exclude_stragglers=exclude))
+        nodes = list(times)
+        first = start(sim, nodes)
+        report_all(sim, first, times)
+        report_all(sim, assigned(sim.wait(0.1, *nodes)), times)
+        decisions = sim.wait(0.1, *nodes)
+        done = next(d for d in decisions if isinstance(d, ev.NetworkCheckCompleted))
+        assert done.stragglers == ("n4",)
+        assert len(sim.members()) == expected
+
+
+def test_a_group_that_never_reports_fails_after_the_timeout() -> None:
+    sim = Sim(params(network_check_timeout_s=30.0))
+    nodes = ["n1", "n2"]
+    start(sim, nodes)
+    assert sim.wait(29, *nodes) == []
+    second = assigned(sim.wait(2, *nodes))
+    assert second.check_round == 1
+    assert sim.wait(29, *nodes) == []
+    decisions = sim.wait(2, *nodes)
+    done = decisions[0]
+    assert isinstance(done, ev.NetworkCheckCompleted) and set(done.faulty) == {"n1", "n2"}
