@@ -19,7 +19,7 @@ from rove.control import subjects
 
 _ENVELOPE = ("job", "id", "producer", "ts")
 
-_PLACEHOLDER = {str: "x", int: 0, float: 0.0, bytes: b""}
+_PLACEHOLDER = {str: "x", int: 0, float: 0.0, bytes: b"", bool: False}
 
 
 def _subject(cls: type[ev.Event]) -> str:
