@@ -32,7 +32,7 @@ from rove.control import aio, embedded, logs, subjects
 from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.cli import common
-from rove.control.errors import BusUnavailableError, ConfigError, RoveError
+from rove.control.errors import ConfigError
 from rove.control.master.runner import MasterRunner
 
 log = structlog.get_logger("rove.run")
@@ -271,21 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     logs.configure()
-    try:
-        cfg, standalone = agent_config(args)
+
+    def run() -> int:
+        try:
+            cfg, standalone = agent_config(args)
+        except ValueError as exc:  # torch's config_from_args: bad --nnodes / --nproc-per-node
+            raise ConfigError(str(exc)) from exc
         return aio.run(_run(args, cfg, standalone))
-    except ConfigError as exc:
-        print(f"rove run: {exc}", file=sys.stderr)
-        return common.EXIT_USAGE
-    except BusUnavailableError as exc:
-        print(f"rove run: {exc}", file=sys.stderr)
-        return common.EXIT_UNREACHABLE
-    except RoveError as exc:
-        print(f"rove run: {exc}", file=sys.stderr)
-        return common.EXIT_FAILED
-    except ValueError as exc:  # torch's config_from_args on bad --nnodes / --nproc-per-node
-        print(f"rove run: {exc}", file=sys.stderr)
-        return common.EXIT_USAGE
+
+    return common.run_reporting("rove run", run)
 
 
 if __name__ == "__main__":

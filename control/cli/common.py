@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rove.control import embedded
 from rove.control.bus import BusOptions
-from rove.control.errors import ConfigError
+from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
 
 # Exit codes of the CLI.
 EXIT_OK = 0
@@ -18,6 +20,25 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_UNKNOWN_JOB = 4
 EXIT_INTERRUPTED = 130
+
+
+_EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
+    (ConfigError, EXIT_USAGE),
+    (BusUnavailableError, EXIT_UNREACHABLE),
+    (UnknownJobError, EXIT_UNKNOWN_JOB),
+    (RoveError, EXIT_FAILED),
+)
+
+
+def run_reporting(command: str, fn: Callable[[], int]) -> int:
+    """Run a command; a user-facing error becomes one line on stderr and its exit code."""
+    try:
+        return fn()
+    except RoveError as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return next(code for kind, code in _EXIT_CODES if isinstance(exc, kind))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
 
 
 def add_nats_args(p: argparse.ArgumentParser) -> None:

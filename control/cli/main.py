@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 from rove.control import logs
 from rove.control.cli import common, events_cmd, master_cmd, status_cmd, stop_cmd
-from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,23 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Daemons tell what they do; one-shot commands print their answer and only warnings.
     logs.configure(args.log_level or ("info" if args.command == "master" else "warning"))
-    try:
-        code: int = args.func(args)
-        return code
-    except ConfigError as exc:
-        print(f"rove {args.command}: {exc}", file=sys.stderr)
-        return common.EXIT_USAGE
-    except BusUnavailableError as exc:
-        print(f"rove {args.command}: {exc}", file=sys.stderr)
-        return common.EXIT_UNREACHABLE
-    except UnknownJobError as exc:
-        print(f"rove {args.command}: {exc}", file=sys.stderr)
-        return common.EXIT_UNKNOWN_JOB
-    except RoveError as exc:
-        print(f"rove {args.command}: {exc}", file=sys.stderr)
-        return common.EXIT_FAILED
-    except KeyboardInterrupt:
-        return common.EXIT_INTERRUPTED
+    return common.run_reporting(f"rove {args.command}", lambda: int(args.func(args)))
 
 
 if __name__ == "__main__":

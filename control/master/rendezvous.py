@@ -140,10 +140,15 @@ def on_rdzv_joined(r: RdzvState, e: ev.RdzvJoined) -> RdzvState:
     return replace(r, waiting=r.waiting.set(e.node, waiter), ports=r.ports.set(e.node, e.ports))
 
 
-def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
+def _reports_on_current_round(r: RdzvState, e: ev.WorkerExited | ev.WorkersSucceeded) -> bool:
+    """False for a late report from an earlier round, or from a node not in this one."""
     m = r.member(e.node)
-    if not r.active or e.round != r.round or m is None or m.incarnation != e.incarnation:
-        return r  # a late report from an earlier round, or not a member
+    return r.active and e.round == r.round and m is not None and m.incarnation == e.incarnation
+
+
+def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
+    if not _reports_on_current_round(r, e):
+        return r
     if r.failure is not None:
         return r  # the first failure of a round decides
     failure = Failure(
@@ -159,8 +164,7 @@ def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
 
 
 def on_workers_succeeded(r: RdzvState, e: ev.WorkersSucceeded) -> RdzvState:
-    m = r.member(e.node)
-    if not r.active or e.round != r.round or m is None or m.incarnation != e.incarnation:
+    if not _reports_on_current_round(r, e):
         return r
     return replace(r, succeeded=r.succeeded | {e.node})
 
