@@ -25,7 +25,7 @@ from pathlib import Path
 
 import structlog
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.run import config_from_args, get_args_parser
+from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from rove.agent.agent import Agent, AgentConfig
 from rove.control import aio, embedded, logs, subjects
@@ -175,6 +175,15 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     standalone = bool(args.standalone)
     if standalone:
         args.nnodes = "1"
+    try:
+        lo, hi = parse_min_max_nnodes(str(args.nnodes))
+    except ValueError as exc:
+        raise ConfigError(f"--nnodes {args.nnodes}: use N or MIN:MAX ({exc})") from exc
+    if not 0 < lo <= hi:
+        raise ConfigError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+    script = Path(args.training_script)
+    if not (args.module or args.no_python) and not script.is_file():
+        raise ConfigError(f"training script {args.training_script} not found")
     launch, cmd, cmd_args = config_from_args(args)
     if launch.min_nodes > launch.max_nodes:
         raise ConfigError(f"--nnodes {args.nnodes}: MIN is larger than MAX")

@@ -165,6 +165,14 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
             "no such file",
         ),
         (["frobnicate"], common.EXIT_USAGE, "invalid choice"),
+        (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
+        (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
+        (["run", "examples/train.py"], common.EXIT_USAGE, "needs a NATS server"),
+        (
+            ["run", "--node-unit", "0", "--standalone", "examples/train.py"],
+            common.EXIT_USAGE,
+            "--node-unit",
+        ),
     ],
 )
 def test_user_mistakes_get_one_clear_line_and_an_exit_code(
