@@ -553,13 +553,32 @@ class Bus:
         if target == 0 or (start_seq is not None and target < first):
             feed.caught_up.set()
 
-        async def deliver(seq: int, subject: str, data: bytes, pending: int = -1) -> None:
+        def mark(seq: int, pending: int) -> None:
+            feed.last_seq = seq
+            if not feed.caught_up.is_set() and (seq >= target or pending == 0):
+                feed.caught_up.set()
+
+        async def finish(result: Awaitable[None], seq: int, pending: int) -> None:
+            try:
+                await result
+            except RoveError:
+                log.exception("handler failed on a stored message; skipped", stream=stream, seq=seq)
+            mark(seq, pending)
+
+        def deliver(
+            seq: int, subject: str, data: bytes, pending: int = -1
+        ) -> Awaitable[None] | None:
+            """Hand one stored message to its handler; an awaitable if the handler is async.
+
+            Synchronous (no coroutine per message) when the handlers are: this is
+            the replay hot path.
+            """
             if seq <= feed.last_seq:
-                return  # handed over from the bulk catch-up; already delivered
+                return None  # handed over from the bulk catch-up; already delivered
             item = records.read(stream, seq, subject, data)
             try:
                 if type(item) is records.Recorded:
-                    r = on_recorded(item)
+                    result = on_recorded(item)
                 else:
                     assert isinstance(item, records.Rejection)
                     log.warning(
@@ -569,18 +588,20 @@ class Bus:
                         subject=subject,
                         error=item.error,
                     )
-                    r = on_rejected(item)
-                if r is not None:
-                    await r
+                    result = on_rejected(item)
             except RoveError:
                 log.exception("handler failed on a stored message; skipped", stream=stream, seq=seq)
-            feed.last_seq = seq
-            if not feed.caught_up.is_set() and (seq >= target or pending == 0):
-                feed.caught_up.set()
+                result = None
+            if result is not None:
+                return finish(result, seq, pending)
+            mark(seq, pending)
+            return None
 
         async def on_msg(msg: Msg) -> None:
             seq, pending = ack_position(msg.reply)
-            await deliver(seq, msg.subject, msg.data, pending)
+            result = deliver(seq, msg.subject, msg.data, pending)
+            if result is not None:
+                await result
 
         from_time = start_time is not None or last_per_subject
         if not from_time and target - first + 1 >= catchup.MIN_BACKLOG:

@@ -23,15 +23,16 @@ from rove.control.master.state import (
 
 
 def evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
-    counters = replace(state.counters, events=state.counters.events + 1)
+    c = state.counters
     if isinstance(event, ev.Decision) and event.epoch < state.epoch:
-        counters = replace(counters, stale_decisions=counters.stale_decisions + 1)
+        counters = replace(c, events=c.events + 1, stale_decisions=c.stale_decisions + 1)
         return replace(state, counters=counters, applied_seq=seq)
-    return _apply(state, event, seq, counters)
+    return _apply(state, event, seq, c)
 
 
-def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> JobState:
-    """The new state; every branch sets `applied_seq=seq` in its one `replace`."""
+def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
+    """The new state; every branch sets `applied_seq=seq` and counts the event in its one
+    `replace` of the state (and one of the counters)."""
     match event:
         case ev.NodeJoined():
             record = NodeRecord(
@@ -50,19 +51,19 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 rdzv=rdzv.on_node_joined(state.rdzv, event),
                 nodes=state.nodes.set(event.node, record),
                 phase=phase,
-                counters=replace(counters, nodes_joined=counters.nodes_joined + 1),
+                counters=replace(c, events=c.events + 1, nodes_joined=c.nodes_joined + 1),
             )
         case ev.NodeLeft():
             node = state.nodes.get(event.node)
             if node is None or node.incarnation != event.incarnation:
-                return replace(state, counters=counters, applied_seq=seq)
+                return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
             left = replace(node, status=NodeStatus.LEFT, reason=event.reason)
             return replace(
                 state,
                 applied_seq=seq,
                 rdzv=rdzv.on_node_gone(state.rdzv, event.node, event.ts),
                 nodes=state.nodes.set(event.node, left),
-                counters=replace(counters, nodes_left=counters.nodes_left + 1),
+                counters=replace(c, events=c.events + 1, nodes_left=c.nodes_left + 1),
             )
         case ev.NodeLost():
             node = state.nodes.get(event.node)
@@ -71,7 +72,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 or node.status is not NodeStatus.ACTIVE
                 or node.incarnation != event.incarnation
             ):
-                return replace(state, counters=counters, applied_seq=seq)
+                return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
             lost = replace(
                 node,
                 status=NodeStatus.LOST,
@@ -82,7 +83,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 applied_seq=seq,
                 rdzv=rdzv.on_node_gone(state.rdzv, event.node, event.ts),
                 nodes=state.nodes.set(event.node, lost),
-                counters=replace(counters, nodes_lost=counters.nodes_lost + 1),
+                counters=replace(c, events=c.events + 1, nodes_lost=c.nodes_lost + 1),
             )
         case ev.MasterElected():
             return replace(
@@ -92,24 +93,31 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 epoch=event.epoch,
                 elected_seq=seq,
                 leader_since=event.ts,
-                counters=replace(counters, elections=counters.elections + 1),
+                counters=replace(c, events=c.events + 1, elections=c.elections + 1),
             )
         case ev.JobConfigured():
             if state.spec is not None:
-                return replace(state, counters=counters, applied_seq=seq)
-            return replace(state, spec=event.spec, counters=counters, applied_seq=seq)
+                return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
+            return replace(
+                state, spec=event.spec, counters=replace(c, events=c.events + 1), applied_seq=seq
+            )
         case ev.StopRequested():
             if state.stop_requested is not None or state.phase.terminal:
-                return replace(state, counters=counters, applied_seq=seq)
-            return replace(state, stop_requested=event.reason, counters=counters, applied_seq=seq)
+                return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
+            return replace(
+                state,
+                stop_requested=event.reason,
+                counters=replace(c, events=c.events + 1),
+                applied_seq=seq,
+            )
         case ev.JobEnded():
             if state.phase.terminal:
-                return replace(state, counters=counters, applied_seq=seq)
+                return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
             return replace(
                 state,
                 phase=event.phase,
                 end_reason=event.reason,
-                counters=counters,
+                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case ev.EventRejected():
@@ -118,55 +126,55 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 state,
                 applied_seq=seq,
                 recent_rejections=recent,
-                counters=replace(counters, rejected=counters.rejected + 1),
+                counters=replace(c, events=c.events + 1, rejected=c.rejected + 1),
             )
         case ev.RdzvJoined():
             return replace(
                 state,
                 rdzv=rdzv.on_rdzv_joined(state.rdzv, event),
-                counters=counters,
+                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case ev.WorkerExited():
             return replace(
                 state,
                 rdzv=rdzv.on_worker_exited(state.rdzv, event),
-                counters=replace(counters, worker_failures=counters.worker_failures + 1),
+                counters=replace(c, events=c.events + 1, worker_failures=c.worker_failures + 1),
                 applied_seq=seq,
             )
         case ev.WorkersSucceeded():
             return replace(
                 state,
                 rdzv=rdzv.on_workers_succeeded(state.rdzv, event),
-                counters=counters,
+                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case ev.RoundCompleted():
             return replace(
                 state,
                 rdzv=rdzv.on_round_completed(state.rdzv, event),
-                counters=replace(counters, rounds=counters.rounds + 1),
+                counters=replace(c, events=c.events + 1, rounds=c.rounds + 1),
                 applied_seq=seq,
             )
         case ev.NetworkCheckAssigned():
             return replace(
                 state,
                 rdzv=rdzv.on_check_assigned(state.rdzv, event),
-                counters=counters,
+                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case ev.NetworkCheckReported():
             return replace(
                 state,
                 rdzv=rdzv.on_check_reported(state.rdzv, event),
-                counters=counters,
+                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case ev.NetworkCheckCompleted():
             return replace(
                 state,
                 rdzv=rdzv.on_check_completed(state.rdzv, event),
-                counters=counters,
+                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case ev.NodeExcluded():
@@ -178,10 +186,10 @@ def _apply(state: JobState, event: ev.Event, seq: int, counters: Counters) -> Jo
                 state,
                 nodes=nodes,
                 rdzv=rdzv.on_excluded(state.rdzv, event),
-                counters=counters,
+                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case _:
             # Heartbeats live in their own stream and never reach the fold;
             # any other event type is folded by the features that add it.
-            return replace(state, counters=counters, applied_seq=seq)
+            return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)

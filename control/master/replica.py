@@ -93,7 +93,9 @@ class Replica:
             self.state = evolve(self.state, rec.event, rec.seq)
             if self._on_applied is not None:
                 self._on_applied(rec)
-        self._seen(rec.seq)
+        self.seen_seq = rec.seq
+        if self._waiters:
+            self._seen(rec.seq)
 
     def _seen(self, seq: int) -> None:
         self.seen_seq = seq
