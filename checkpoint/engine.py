@@ -1,0 +1,190 @@
+"""The flash-checkpoint engine of one rank: save to shared memory, load it back.
+
+    engine = FlashEngine(job="j1", rank=0)
+    engine.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+    step, state = engine.load()          # the newest complete, valid step
+
+Two slots per rank: a save writes the slot that does not hold the newest
+complete step, then marks it complete, so a crash in the middle of a save
+always leaves the previous step intact. Saving blocks only for the copy into
+memory (device-to-host for GPU tensors). `seal()` computes an xxh3 checksum of
+a complete slot (the agent's saver does this off the training path, before it
+persists); `load()` verifies it when present and refuses torn or corrupted
+slots, falling back to the other one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from rove.checkpoint import layout
+from rove.checkpoint.shm import COMPLETE, HEADER_SIZE, WRITING, Header, Segment
+
+
+class CheckpointError(RuntimeError):
+    """Nothing valid to load, or a slot failed its checks (the message says which)."""
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    step: int
+    slot: int
+    bytes: int
+    blocking_s: float
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    slot: int
+    step: int
+    sealed: bool
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("ROVE_SHM_DIR", "/dev/shm"))
+
+
+class FlashEngine:
+    def __init__(
+        self, job: str, rank: int, *, directory: Path | None = None, slots: int = 2
+    ) -> None:
+        self.directory = directory or default_dir()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.segments = [
+            Segment(self.directory / f"rove-ckpt-{job}-r{rank}-s{i}") for i in range(slots)
+        ]
+
+    # ------------------------------------------------------------------ save
+
+    def _target(self) -> int:
+        """The slot to write: never the one holding the newest complete step."""
+        newest = self.newest()
+        if newest is None:
+            return 0
+        return (newest.slot + 1) % len(self.segments)
+
+    def save(self, step: int, state: Any) -> SaveStats:
+        started = time.perf_counter()
+        p = layout.plan(step, state)
+        meta = layout.encode_meta(p.meta)
+        data_offset = layout._aligned(HEADER_SIZE + len(meta) + 4096)
+        index = self._target()
+        seg = self.segments[index]
+        seg.ensure(data_offset + p.meta.data_len)
+        old = seg.header()
+        generation = (old.generation if old else 0) + 1
+        seg.write_header(Header(WRITING, generation, step, 0, 0, 0, 0, False))
+        seg.view(HEADER_SIZE, len(meta))[:] = meta
+        data = seg.view(data_offset, p.meta.data_len)
+        for entry, src in zip(p.meta.tensors, p.sources, strict=True):
+            if entry.nbytes == 0:
+                continue
+            dst = torch.frombuffer(data, dtype=src.dtype, count=src.numel(), offset=entry.offset)
+            dst.view(src.shape).copy_(src)
+        del data
+        seg.write_header(
+            Header(
+                COMPLETE, generation + 1, step, len(meta), data_offset, p.meta.data_len, 0, False
+            )
+        )
+        return SaveStats(step, index, p.meta.data_len, time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ inspect
+
+    def slots(self) -> list[SlotInfo]:
+        """Complete slots, newest step first."""
+        out = []
+        for i, seg in enumerate(self.segments):
+            if seg.map is None and seg.path.exists():
+                seg._open()
+            h = seg.header()
+            if h is not None and h.state == COMPLETE:
+                out.append(SlotInfo(i, h.step, h.sealed))
+        return sorted(out, key=lambda s: -s.step)
+
+    def newest(self) -> SlotInfo | None:
+        slots = self.slots()
+        return slots[0] if slots else None
+
+    def seal(self, slot: int) -> int:
+        """Checksum a complete slot (off the training path) and record it in its header."""
+        seg = self.segments[slot]
+        h = seg.header()
+        if h is None or h.state != COMPLETE:
+            raise CheckpointError(f"slot {slot} holds no complete checkpoint to seal")
+        digest = _digest(seg, h)
+        after = seg.header()
+        if after is None or after.generation != h.generation:
+            raise CheckpointError(f"slot {slot} was overwritten while it was being sealed")
+        seg.write_header(
+            Header(
+                h.state, h.generation, h.step, h.meta_len, h.data_offset, h.data_len, digest, True
+            )
+        )
+        return digest
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, step: int | None = None) -> tuple[int, Any]:
+        """The newest valid step (or exactly `step`): (step, state), tensors copied out.
+
+        Raises:
+            CheckpointError: no complete slot, or every candidate is torn or corrupted.
+        """
+        problems = []
+        for info in self.slots():
+            if step is not None and info.step != step:
+                continue
+            try:
+                return info.step, self._read(info.slot)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        wanted = f"step {step}" if step is not None else "any step"
+        detail = "; ".join(problems) or "no complete checkpoint in shared memory"
+        raise CheckpointError(f"cannot load {wanted} from memory: {detail}")
+
+    def _read(self, slot: int) -> Any:
+        seg = self.segments[slot]
+        h = seg.header()
+        if h is None or h.state != COMPLETE:
+            raise CheckpointError(f"slot {slot} is not complete")
+        if h.sealed and _digest(seg, h) != h.checksum:
+            raise CheckpointError(f"slot {slot} (step {h.step}) failed its checksum")
+        meta = layout.decode_meta(bytes(seg.view(HEADER_SIZE, h.meta_len)))
+        data = seg.view(h.data_offset, h.data_len)
+
+        def tensor(_index: int, e: layout.TensorEntry) -> torch.Tensor:
+            dtype = layout.dtype_of(e.dtype)
+            count = e.nbytes // torch.empty((), dtype=dtype).element_size()
+            if count == 0:
+                return torch.empty(e.shape, dtype=dtype)
+            view = torch.frombuffer(data, dtype=dtype, count=count, offset=e.offset)
+            return view.view(e.shape).clone()
+
+        state = layout.rebuild(meta, tensor)
+        after = seg.header()
+        if after is None or after.generation != h.generation or after.state != COMPLETE:
+            raise CheckpointError(f"slot {slot} was overwritten while it was read")
+        return state
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.close()
+
+    def unlink(self) -> None:
+        for seg in self.segments:
+            seg.unlink()
+
+
+def _digest(seg: Segment, h: Header) -> int:
+    hasher = xxhash.xxh3_64()
+    hasher.update(seg.view(HEADER_SIZE, h.meta_len))
+    hasher.update(seg.view(h.data_offset, h.data_len))
+    return int(hasher.intdigest())

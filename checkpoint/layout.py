@@ -1,0 +1,134 @@
+"""How a state dict is laid out in a checkpoint slot (pure, no I/O).
+
+A state dict is a tree of dicts, lists and tuples whose leaves are tensors or
+plain values (numbers, strings, bytes, None, numpy arrays, which become
+tensors). `plan()` splits it into
+
+* a *skeleton*: the tree with every tensor replaced by a reference, encoded with
+  msgpack (tensor references and tuples are msgpack extension types, so tuples
+  stay tuples and random-generator states round-trip);
+* a list of tensor entries (dtype, shape, byte offset, byte size), each at an
+  offset aligned to `ALIGN` bytes in the data region.
+
+`rebuild()` turns a skeleton and the tensors read back into the same tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+
+ALIGN = 64
+_TENSOR = 1
+_TUPLE = 2
+
+
+class CheckpointLayoutError(ValueError):
+    """A value in the state dict cannot be stored (its path says where)."""
+
+
+class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class Meta(msgspec.Struct, frozen=True, kw_only=True):
+    """What a slot holds besides the tensor bytes."""
+
+    step: int
+    skeleton: bytes
+    tensors: tuple[TensorEntry, ...]
+    data_len: int
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    meta: Meta
+    sources: tuple[torch.Tensor, ...]
+
+
+_meta_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(Meta)
+
+
+def encode_meta(meta: Meta) -> bytes:
+    return _meta_encoder.encode(meta)
+
+
+def decode_meta(data: bytes) -> Meta:
+    return _meta_decoder.decode(data)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan(step: int, state: Any) -> Plan:
+    """The layout of `state`. Raises CheckpointLayoutError for unstorable values."""
+    sources: list[torch.Tensor] = []
+    entries: list[TensorEntry] = []
+    offset = 0
+
+    def tensor_ref(t: torch.Tensor) -> msgspec.msgpack.Ext:
+        nonlocal offset
+        nbytes = t.numel() * t.element_size()
+        entries.append(
+            TensorEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes)
+        )
+        sources.append(t)
+        offset = _aligned(offset + nbytes)
+        return msgspec.msgpack.Ext(_TENSOR, (len(entries) - 1).to_bytes(4, "little"))
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return tensor_ref(value.detach())
+        if isinstance(value, dict):
+            return {k: walk(v, f"{path}.{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            items = [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
+            return msgspec.msgpack.Ext(_TUPLE, _skeleton_encoder.encode(items))
+        if value is None or isinstance(value, bool | int | float | str | bytes):
+            return value
+        if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+            import numpy as np
+
+            return tensor_ref(torch.from_numpy(np.ascontiguousarray(value)))
+        raise CheckpointLayoutError(
+            f"cannot checkpoint {type(value).__name__} at {path or 'the root'}: use tensors, "
+            "numbers, strings, bytes, None, or dicts/lists/tuples of them"
+        )
+
+    skeleton = _skeleton_encoder.encode(walk(state, ""))
+    meta = Meta(step=step, skeleton=skeleton, tensors=tuple(entries), data_len=offset)
+    return Plan(meta=meta, sources=tuple(sources))
+
+
+_skeleton_encoder = msgspec.msgpack.Encoder()
+
+
+def rebuild(meta: Meta, tensor: Callable[[int, TensorEntry], torch.Tensor]) -> Any:
+    """The state tree of `meta`, with `tensor(index, entry)` supplying each tensor."""
+
+    def ext_hook(code: int, data: memoryview) -> Any:
+        if code == _TENSOR:
+            index = int.from_bytes(data, "little")
+            return tensor(index, meta.tensors[index])
+        if code == _TUPLE:
+            return tuple(decoder.decode(data))
+        raise CheckpointLayoutError(f"unknown extension type {code} in a checkpoint")
+
+    decoder = msgspec.msgpack.Decoder(ext_hook=ext_hook)
+    return decoder.decode(meta.skeleton)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointLayoutError(f"unknown dtype {name} in a checkpoint")
+    return dtype

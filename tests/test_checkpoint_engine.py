@@ -1,0 +1,177 @@
+"""Flash-checkpoint engine: shared-memory slots, bitwise round trips, torn and corrupted data."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.layout import CheckpointLayoutError
+from rove.checkpoint.shm import WRITING
+
+
+def trained_state() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "py_rng": random.getstate(),
+        "step": 3,
+        "epoch": 0,
+        "tag": "run-7",
+        "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "empty": torch.empty(0),
+        "nested": [1, (2, "three"), {"k": None}],
+    }
+
+
+def assert_same(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        raw_a = a.contiguous().reshape(-1).view(torch.uint8)
+        raw_b = b.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(raw_a, raw_b), "bitwise equal"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_model_optimizer_and_plain_state_round_trip_bitwise(tmp_path: Path) -> None:
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    state = trained_state()
+    engine.save(3, state)
+    step, back = engine.load()
+    assert step == 3
+    assert_same(state, back)
+    random.setstate(back["py_rng"])  # tuples stay tuples
+
+
+def test_saves_alternate_slots_and_the_newest_complete_step_loads(tmp_path: Path) -> None:
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    slots = [engine.save(s, {"w": torch.full((4,), float(s))}).slot for s in (1, 2, 3)]
+    assert slots == [0, 1, 0]
+    step, state = engine.load()
+    assert step == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
+    assert engine.load(step=2)[0] == 2
+    with pytest.raises(CheckpointError, match="step 1"):
+        engine.load(step=1)
+
+
+def test_a_restarted_process_finds_the_state_in_memory(tmp_path: Path) -> None:
+    FlashEngine("j1", 0, directory=tmp_path).save(9, {"w": torch.ones(3)})
+    fresh = FlashEngine("j1", 0, directory=tmp_path)  # a new process attaching by name
+    assert fresh.load()[0] == 9
+
+
+def test_corrupted_memory_is_refused_and_the_previous_step_is_used(tmp_path: Path) -> None:
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    engine.save(1, {"w": torch.ones(1000)})
+    newest = engine.save(2, {"w": torch.full((1000,), 2.0)})
+    engine.seal(0)
+    engine.seal(newest.slot)
+    seg = engine.segments[newest.slot]
+    header = seg.header()
+    assert header is not None
+    seg.view(header.data_offset + 100, 1)[0] ^= 0xFF  # one flipped byte
+    step, state = engine.load()
+    assert step == 1 and torch.equal(state["w"], torch.ones(1000))
+    with pytest.raises(CheckpointError, match="failed its checksum"):
+        engine.load(step=2)
+
+
+def test_every_slot_corrupted_is_a_clear_error(tmp_path: Path) -> None:
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    engine.save(1, {"w": torch.ones(10)})
+    engine.seal(0)
+    h = engine.segments[0].header()
+    assert h is not None
+    engine.segments[0].view(h.data_offset, 1)[0] ^= 1
+    with pytest.raises(CheckpointError, match="checksum"):
+        engine.load()
+
+
+def test_nothing_saved_yet_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        FlashEngine("j1", 0, directory=tmp_path).load()
+
+
+def test_a_value_that_cannot_be_stored_names_its_path(tmp_path: Path) -> None:
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    with pytest.raises(CheckpointLayoutError, match=r"object at \.extra\.fn"):
+        engine.save(1, {"extra": {"fn": object()}})
+
+
+def test_segments_are_reused_and_grow_only_when_the_state_grows(tmp_path: Path) -> None:
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    engine.save(1, {"w": torch.zeros(1000)})
+    engine.save(2, {"w": torch.zeros(1000)})
+    sizes = [s.size for s in engine.segments]
+    inode = engine.segments[0].path.stat().st_ino
+    engine.save(3, {"w": torch.zeros(1000)})
+    assert [s.size for s in engine.segments] == sizes
+    assert engine.segments[0].path.stat().st_ino == inode, "same segment, not a new one"
+    engine.save(4, {"w": torch.zeros(10_000_000)})
+    assert engine.segments[1].size > sizes[1]
+    assert engine.load()[0] == 4
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from rove.checkpoint.engine import FlashEngine
+    e = FlashEngine("j1", 0, directory=Path(sys.argv[1]))
+    step = 0
+    while True:
+        step += 1
+        e.save(step, {"w": torch.full((25_000_000,), float(step)), "step": step})
+""")
+
+
+def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_step_intact(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            engine = FlashEngine("j1", 0, directory=tmp_path)
+            headers = [s.header() for s in engine.segments]
+            completes = [h for h in headers if h is not None and h.state != WRITING]
+            if any(h is not None and h.state == WRITING for h in headers) and completes:
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.001)
+        else:
+            pytest.fail("never caught a save in progress")
+    finally:
+        proc.kill()
+        proc.wait()
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    assert any(s.header().state == WRITING for s in engine.segments if s.header()), (
+        "the kill landed mid-save"
+    )
+    step, state = engine.load()
+    assert state["step"] == step
+    assert torch.equal(state["w"], torch.full((25_000_000,), float(step))), "intact"
