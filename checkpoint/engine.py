@@ -132,8 +132,12 @@ class FlashEngine:
 
     # ------------------------------------------------------------------ load
 
-    def load(self, step: int | None = None) -> tuple[int, Any]:
-        """The newest valid step (or exactly `step`): (step, state), tensors copied out.
+    def load(self, step: int | None = None, *, copy: bool = True) -> tuple[int, Any]:
+        """The newest valid step (or exactly `step`): (step, state).
+
+        With `copy=False` the tensors are views into shared memory, valid until
+        this rank saves again: the fast path when they are copied right away
+        into existing tensors (`model.load_state_dict(state)`).
 
         Raises:
             CheckpointError: no complete slot, or every candidate is torn or corrupted.
@@ -143,14 +147,14 @@ class FlashEngine:
             if step is not None and info.step != step:
                 continue
             try:
-                return info.step, self._read(info.slot)
+                return info.step, self._read(info.slot, copy)
             except CheckpointError as exc:
                 problems.append(str(exc))
         wanted = f"step {step}" if step is not None else "any step"
         detail = "; ".join(problems) or "no complete checkpoint in shared memory"
         raise CheckpointError(f"cannot load {wanted} from memory: {detail}")
 
-    def _read(self, slot: int) -> Any:
+    def _read(self, slot: int, copy: bool = True) -> Any:
         seg = self.segments[slot]
         h = seg.header()
         if h is None or h.state != COMPLETE:
@@ -166,7 +170,7 @@ class FlashEngine:
             if count == 0:
                 return torch.empty(e.shape, dtype=dtype)
             view = torch.frombuffer(data, dtype=dtype, count=count, offset=e.offset)
-            return view.view(e.shape).clone()
+            return view.view(e.shape).clone() if copy else view.view(e.shape)
 
         state = layout.rebuild(meta, tensor)
         after = seg.header()

@@ -175,3 +175,13 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_step_intact(tmp_path
     step, state = engine.load()
     assert state["step"] == step
     assert torch.equal(state["w"], torch.full((25_000_000,), float(step))), "intact"
+
+
+def test_load_without_copy_gives_views_a_model_can_load_from(tmp_path: Path) -> None:
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    model = torch.nn.Linear(4, 4)
+    engine.save(1, {"model": model.state_dict()})
+    _, state = engine.load(copy=False)
+    fresh = torch.nn.Linear(4, 4)
+    fresh.load_state_dict(state["model"])
+    assert torch.equal(fresh.weight, model.weight)
