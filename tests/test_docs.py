@@ -54,3 +54,34 @@ def test_every_rove_command_in_the_docs_parses() -> None:
         else:
             args = parser.parse_args(words)
             assert args.func is not None, command
+
+
+def _python_blocks(path: Path) -> list[str]:
+    blocks, current, inside = [], [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("```python"):
+            inside, current = True, []
+        elif line.startswith("```") and inside:
+            inside = False
+            blocks.append("\n".join(current))
+        elif inside:
+            current.append(line)
+    return blocks
+
+
+def test_python_in_the_docs_runs(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    monkeypatch.setenv("ROVE_SHM_DIR", str(tmp_path))
+    blocks = [(d.name, b) for d in sorted((ROOT / "docs").glob("*.md")) for b in _python_blocks(d)]
+    assert len(blocks) >= 2
+    for name, code in blocks:
+        model = torch.nn.Linear(2, 2)
+        namespace = {
+            "torch": torch,
+            "model": model,
+            "step": 1,
+            "batch_size": 4,
+            "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+        }
+        exec(compile(code, name, "exec"), namespace)  # noqa: S102 - our own docs
