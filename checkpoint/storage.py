@@ -1,0 +1,211 @@
+"""Persistent checkpoint storage: where the agent's saver writes complete slots.
+
+`Storage` is the port; `FileStorage` implements it on a local or shared
+filesystem path. An object store can implement the same port later.
+
+Layout under the root:
+
+    step-00000120/rank-00003.ckpt        the slot's description and tensor bytes
+    step-00000120/rank-00003.json        manifest: sizes and the xxh3 checksum
+    committed                            tracker: the newest committed step
+
+A rank's files are written under a temporary name, fsynced, then renamed, so a
+reader sees either nothing or a whole file. A step is *committed* only when the
+caller (the master's `ckpt_committed` decision, through an agent) says every
+rank has persisted it; nothing half-written is ever marked committed.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import xxhash
+
+from rove.checkpoint import layout
+from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.shm import COMPLETE, HEADER_SIZE
+
+
+class StorageError(CheckpointError):
+    """Persisting failed (disk full, unwritable path); the message says what to do."""
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    step: int
+    rank: int
+    meta_len: int
+    data_len: int
+    checksum: int
+
+
+class Storage(abc.ABC):
+    """Where checkpoints are persisted.
+
+    `persist` writes one rank's complete slot; `commit` marks a step whose every
+    rank has been persisted; `load` reads one rank's state of a step back,
+    verifying it. Implementations never expose a partially written rank file.
+    """
+
+    @abc.abstractmethod
+    def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
+        """Persist a complete slot.
+
+        Raises:
+            StorageError: the write failed; nothing of it is left behind.
+            CheckpointError: the slot changed or is not complete.
+        """
+
+    @abc.abstractmethod
+    def persisted_ranks(self, step: int) -> set[int]: ...
+
+    @abc.abstractmethod
+    def commit(self, step: int, keep: int) -> None:
+        """Record `step` as committed and drop all but the `keep` newest committed steps."""
+
+    @abc.abstractmethod
+    def committed(self) -> int | None: ...
+
+    @abc.abstractmethod
+    def load(self, step: int, rank: int) -> Any:
+        """Raises CheckpointError when the files are missing, torn or corrupted."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, chunks: list[memoryview | bytes]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class FileStorage(Storage):
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def _step_dir(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
+        seg = engine.segments[slot]
+        h = seg.header()
+        if h is None or h.state != COMPLETE:
+            raise CheckpointError(f"slot {slot} holds no complete checkpoint to persist")
+        checksum = h.checksum if h.sealed else engine.seal(slot)
+        manifest = Manifest(
+            step=h.step, rank=rank, meta_len=h.meta_len, data_len=h.data_len, checksum=checksum
+        )
+        directory = self._step_dir(h.step)
+        data = self.root / directory.name / f"rank-{rank:05d}.ckpt"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            _write_atomic(
+                data, [seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)]
+            )
+            _write_atomic(directory / f"rank-{rank:05d}.json", [msgspec.json.encode(manifest)])
+            _fsync_dir(directory)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                data.unlink(missing_ok=True)
+            reason = {
+                errno.ENOSPC: "the disk is full",
+                errno.EFBIG: "the file is too large",
+                errno.EROFS: "the file system is read-only",
+                errno.EACCES: "permission denied",
+            }.get(exc.errno or 0, str(exc))
+            raise StorageError(
+                f"could not persist step {h.step} of rank {rank} to {self.root}: {reason}; "
+                "training goes on with in-memory checkpoints; free space or fix the path"
+            ) from exc
+        after = seg.header()
+        if after is None or after.generation != h.generation:
+            raise CheckpointError(f"slot {slot} was overwritten while it was persisted")
+        return manifest
+
+    def persisted_ranks(self, step: int) -> set[int]:
+        directory = self._step_dir(step)
+        if not directory.is_dir():
+            return set()
+        ranks = set()
+        for manifest in directory.glob("rank-*.json"):
+            ckpt = manifest.with_suffix(".ckpt")
+            if ckpt.exists():
+                ranks.add(int(manifest.stem.removeprefix("rank-")))
+        return ranks
+
+    def commit(self, step: int, keep: int) -> None:
+        if not self._step_dir(step).is_dir():
+            raise CheckpointError(f"step {step} was never persisted; it cannot be committed")
+        try:
+            _write_atomic(self.root / "committed", [json.dumps({"step": step}).encode()])
+            _fsync_dir(self.root)
+        except OSError as exc:
+            raise StorageError(
+                f"could not mark step {step} committed in {self.root}: {exc}"
+            ) from exc
+        steps = sorted(int(p.name.removeprefix("step-")) for p in self.root.glob("step-*"))
+        committed_or_older = [s for s in steps if s <= step]
+        for old in committed_or_older[: max(0, len(committed_or_older) - keep)]:
+            shutil.rmtree(self._step_dir(old), ignore_errors=True)
+
+    def committed(self) -> int | None:
+        try:
+            return int(json.loads((self.root / "committed").read_text())["step"])
+        except (OSError, ValueError, KeyError):
+            return None  # nothing committed yet, or no readable tracker
+
+    def load(self, step: int, rank: int) -> Any:
+        directory = self._step_dir(step)
+        try:
+            manifest = msgspec.json.decode(
+                (directory / f"rank-{rank:05d}.json").read_bytes(), type=Manifest
+            )
+            path = directory / f"rank-{rank:05d}.ckpt"
+            raw = bytearray(path.stat().st_size)  # writable: tensors can view it
+            with open(path, "rb") as f:
+                f.readinto(raw)
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"step {step} of rank {rank} is not in {self.root}") from exc
+        except msgspec.DecodeError as exc:
+            raise CheckpointError(f"the manifest of step {step} rank {rank} is unreadable") from exc
+        if len(raw) != manifest.meta_len + manifest.data_len:
+            raise CheckpointError(f"step {step} rank {rank}: the file is truncated")
+        if xxhash.xxh3_64_intdigest(raw) != manifest.checksum:
+            raise CheckpointError(f"step {step} rank {rank}: the file failed its checksum")
+        meta = layout.decode_meta(bytes(raw[: manifest.meta_len]))
+        data = memoryview(raw)[manifest.meta_len :]
+
+        def tensor(_index: int, e: layout.TensorEntry) -> torch.Tensor:
+            dtype = layout.dtype_of(e.dtype)
+            count = e.nbytes // torch.empty((), dtype=dtype).element_size()
+            if count == 0:
+                return torch.empty(e.shape, dtype=dtype)
+            return (
+                torch.frombuffer(data, dtype=dtype, count=count, offset=e.offset)
+                .view(e.shape)
+                .clone()
+            )
+
+        return layout.rebuild(meta, tensor)

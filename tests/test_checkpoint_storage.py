@@ -1,0 +1,109 @@
+"""Persisting checkpoints to files: atomic writes, manifests, commits, retention, bad disks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.storage import FileStorage, StorageError
+
+
+def saved(tmp_path: Path, step: int, rank: int = 0, n: int = 1000) -> tuple[FlashEngine, int]:
+    engine = FlashEngine("j1", rank, directory=tmp_path / "shm")
+    stats = engine.save(step, {"w": torch.full((n,), float(step)), "step": step, "t": (1, 2)})
+    return engine, stats.slot
+
+
+def test_a_persisted_step_loads_back_bitwise(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path / "ckpt")
+    engine, slot = saved(tmp_path, 7, rank=3)
+    manifest = storage.persist(engine, slot, rank=3)
+    assert (manifest.step, manifest.rank) == (7, 3)
+    assert storage.persisted_ranks(7) == {3}
+    state = storage.load(7, 3)
+    assert state["step"] == 7 and state["t"] == (1, 2)
+    assert torch.equal(state["w"], torch.full((1000,), 7.0))
+    assert not list((tmp_path / "ckpt").rglob(".*tmp*")), "no temporary files left"
+
+
+def test_commit_marks_the_step_and_keeps_the_last_k(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path / "ckpt")
+    assert storage.committed() is None
+    for step in (1, 2, 3, 4):
+        engine, slot = saved(tmp_path, step)
+        storage.persist(engine, slot, rank=0)
+        storage.commit(step, keep=2)
+    assert storage.committed() == 4
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == [
+        "step-00000003",
+        "step-00000004",
+    ]
+
+
+def test_a_step_never_persisted_cannot_be_committed(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="never persisted"):
+        FileStorage(tmp_path / "ckpt").commit(5, keep=2)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_file_is_refused(tmp_path: Path, damage: str) -> None:
+    storage = FileStorage(tmp_path / "ckpt")
+    engine, slot = saved(tmp_path, 2)
+    storage.persist(engine, slot, rank=0)
+    path = tmp_path / "ckpt" / "step-00000002" / "rank-00000.ckpt"
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-10] ^= 0xFF
+    else:
+        raw = raw[:-100]
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum" if damage == "flip" else "truncated"):
+        storage.load(2, 0)
+
+
+def test_an_unwritable_path_is_a_clear_error_and_nothing_is_committed(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    storage = FileStorage(blocker / "ckpt")
+    engine, slot = saved(tmp_path, 1)
+    with pytest.raises(StorageError, match="could not persist step 1"):
+        storage.persist(engine, slot, rank=0)
+    assert storage.committed() is None
+
+
+DISK_FULL = textwrap.dedent("""
+    import resource, signal, sys
+    from pathlib import Path
+    from rove.checkpoint.engine import FlashEngine
+    from rove.checkpoint.storage import FileStorage, StorageError
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # a failed write, not a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+    engine = FlashEngine("j1", 0, directory=Path(sys.argv[1]))
+    try:
+        FileStorage(Path(sys.argv[2])).persist(engine, engine.newest().slot, rank=0)
+    except StorageError as exc:
+        print("STORAGE-ERROR", exc)
+""")
+
+
+def test_a_full_disk_leaves_no_half_written_file_and_training_state_intact(tmp_path: Path) -> None:
+    engine, _ = saved(tmp_path, 9, n=2_000_000)  # 8 MB, over the 1 MB file-size limit
+    out = subprocess.run(
+        [sys.executable, "-c", DISK_FULL, str(tmp_path / "shm"), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "STORAGE-ERROR" in out.stdout and "too large" in out.stdout
+    assert "training goes on with in-memory checkpoints" in out.stdout
+    storage = FileStorage(tmp_path / "ckpt")
+    assert storage.persisted_ranks(9) == set()
+    assert not [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()], "nothing left"
+    assert engine.load()[0] == 9, "the in-memory checkpoint is untouched"
