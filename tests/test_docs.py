@@ -82,6 +82,7 @@ def test_python_in_the_docs_runs(tmp_path: Path, monkeypatch) -> None:  # type: 
             "model": model,
             "step": 1,
             "batch_size": 4,
+            "tmp_dir": tmp_path / "ckpt",
             "opt": torch.optim.SGD(model.parameters(), lr=0.1),
         }
         exec(compile(code, name, "exec"), namespace)
