@@ -73,16 +73,17 @@ def test_python_in_the_docs_runs(tmp_path: Path, monkeypatch) -> None:  # type: 
     import torch
 
     monkeypatch.setenv("ROVE_SHM_DIR", str(tmp_path))
-    blocks = [(d.name, b) for d in sorted((ROOT / "docs").glob("*.md")) for b in _python_blocks(d)]
-    assert len(blocks) >= 2
-    for name, code in blocks:
+    docs = [d for d in sorted((ROOT / "docs").glob("*.md")) if _python_blocks(d)]
+    assert len(docs) >= 2
+    for doc in docs:  # a document's snippets run in order, sharing their names
         model = torch.nn.Linear(2, 2)
         namespace = {
             "torch": torch,
             "model": model,
             "step": 1,
             "batch_size": 4,
-            "tmp_dir": tmp_path / "ckpt",
+            "tmp_dir": tmp_path / doc.stem,
             "opt": torch.optim.SGD(model.parameters(), lr=0.1),
         }
-        exec(compile(code, name, "exec"), namespace)
+        for code in _python_blocks(doc):
+            exec(compile(code, doc.name, "exec"), namespace)
