@@ -227,6 +227,35 @@ class NetworkCheckReported(Event, tag="network_check_reported", frozen=True, kw_
     error: str = ""
 
 
+class CkptInMemory(Event, tag="ckpt_in_memory", frozen=True, kw_only=True):
+    """Every local rank of `node` holds `step` in shared memory."""
+
+    node: str
+    incarnation: str
+    step: int
+    ranks: tuple[int, ...]
+
+
+class CkptPersisted(Event, tag="ckpt_persisted", frozen=True, kw_only=True):
+    """`node` persisted `step` of these ranks to storage (files renamed into place)."""
+
+    node: str
+    incarnation: str
+    step: int
+    ranks: tuple[int, ...]
+    world_size: int
+    location: str = ""
+
+
+class CkptFailed(Event, tag="ckpt_failed", frozen=True, kw_only=True):
+    """Persisting `step` failed on `node` (disk full, unwritable path, ...)."""
+
+    node: str
+    incarnation: str
+    step: int
+    error: str
+
+
 class WorkersSucceeded(Event, tag="workers_succeeded", frozen=True, kw_only=True):
     """Every worker of `node` in `round` exited with code 0."""
 
@@ -297,6 +326,13 @@ class NetworkCheckCompleted(Decision, tag="network_check_completed", frozen=True
     stragglers: tuple[str, ...]
 
 
+class CkptCommitted(Decision, tag="ckpt_committed", frozen=True, kw_only=True):
+    """Every rank of the world persisted `step`: it is the job's restore point on storage."""
+
+    step: int
+    world_size: int
+
+
 class NodeExcluded(Decision, tag="node_excluded", frozen=True, kw_only=True):
     """`node` is taken out of the job (faulty hardware, failed checks)."""
 
@@ -333,6 +369,10 @@ AnyEvent = (
     | WorkersSucceeded
     | RoundCompleted
     | NodeExcluded
+    | CkptCommitted
+    | CkptFailed
+    | CkptPersisted
+    | CkptInMemory
     | NetworkCheckCompleted
     | NetworkCheckAssigned
     | NetworkCheckReported
@@ -356,6 +396,10 @@ EVENT_TYPES: Final[dict[str, type[Event]]] = {
         WorkersSucceeded,
         RoundCompleted,
         NodeExcluded,
+        CkptCommitted,
+        CkptFailed,
+        CkptPersisted,
+        CkptInMemory,
         NetworkCheckCompleted,
         NetworkCheckAssigned,
         NetworkCheckReported,

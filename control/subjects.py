@@ -121,6 +121,9 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.WorkerExited: lambda e: node_facts(e.job, e.node),
     ev.WorkersSucceeded: lambda e: node_facts(e.job, e.node),
     ev.NetworkCheckReported: lambda e: node_facts(e.job, e.node),
+    ev.CkptInMemory: lambda e: node_facts(e.job, e.node),
+    ev.CkptPersisted: lambda e: node_facts(e.job, e.node),
+    ev.CkptFailed: lambda e: node_facts(e.job, e.node),
     ev.StopRequested: lambda e: cmd(e.job),
 }
 

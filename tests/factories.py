@@ -325,3 +325,70 @@ def every_event() -> list[ev.Event]:
         check_assigned(0, 7, ("n1", "n2")),
         check_completed(7),
     ]
+
+
+def in_memory(
+    node: str, step: int, ranks: tuple[int, ...], *, inc: str = "i1", job: str = JOB
+) -> ev.CkptInMemory:
+    return ev.CkptInMemory(
+        job=job,
+        id=ev.make_id(node, inc, "mem", step),
+        producer=f"agent:{node}",
+        ts=100.0,
+        node=node,
+        incarnation=inc,
+        step=step,
+        ranks=ranks,
+    )
+
+
+def persisted(
+    node: str, step: int, ranks: tuple[int, ...], world: int = 4, *, inc: str = "i1", job: str = JOB
+) -> ev.CkptPersisted:
+    return ev.CkptPersisted(
+        job=job,
+        id=ev.make_id(node, inc, "persisted", step),
+        producer=f"agent:{node}",
+        ts=100.0,
+        node=node,
+        incarnation=inc,
+        step=step,
+        ranks=ranks,
+        world_size=world,
+        location="/ckpt",
+    )
+
+
+def ckpt_failed(node: str, step: int, *, inc: str = "i1", job: str = JOB) -> ev.CkptFailed:
+    return ev.CkptFailed(
+        job=job,
+        id=ev.make_id(node, inc, "ckpt_failed", step),
+        producer=f"agent:{node}",
+        ts=100.0,
+        node=node,
+        incarnation=inc,
+        step=step,
+        error="the disk is full",
+    )
+
+
+def committed(step: int, epoch: int, world: int = 4, *, job: str = JOB) -> ev.CkptCommitted:
+    return ev.CkptCommitted(
+        job=job,
+        id=ev.make_id(job, epoch, "ckpt_committed", step),
+        producer="master:m1",
+        ts=100.0,
+        epoch=epoch,
+        step=step,
+        world_size=world,
+    )
+
+
+def all_events() -> list[ev.Event]:
+    return [
+        *every_event(),
+        in_memory("n1", 5, (0, 1)),
+        persisted("n1", 5, (0, 1)),
+        ckpt_failed("n1", 6),
+        committed(5, 7),
+    ]

@@ -15,7 +15,7 @@ DATA = Path(__file__).parent / "data"
 
 
 def test_every_event_type_round_trips_through_msgpack() -> None:
-    samples = factories.every_event()
+    samples = factories.all_events()
     assert {ev.kind(e) for e in samples} == set(ev.EVENT_TYPES), "a sample per event type"
     for event in samples:
         assert ev.decode(ev.encode(event)) == event
@@ -70,7 +70,7 @@ def test_tags_are_unique_and_events_are_frozen() -> None:
 
 
 def test_decisions_carry_the_master_epoch() -> None:
-    for event in factories.every_event():
+    for event in factories.all_events():
         is_decision = isinstance(event, ev.Decision)
         assert is_decision == ("epoch" in event.__struct_fields__)
 

@@ -62,6 +62,20 @@ any_event = st.one_of(
         epochs,
     ),
     st.builds(lambda e: factories.check_completed(e), epochs),
+    st.builds(
+        lambda n, s, r: factories.in_memory(n, s, r),
+        nodes,
+        st.integers(0, 9),
+        st.sampled_from([(0, 1), (2, 3)]),
+    ),
+    st.builds(
+        lambda n, s, r: factories.persisted(n, s, r),
+        nodes,
+        st.integers(0, 9),
+        st.sampled_from([(0, 1), (2, 3)]),
+    ),
+    st.builds(lambda n, s: factories.ckpt_failed(n, s), nodes, st.integers(0, 9)),
+    st.builds(lambda s, e: factories.committed(s, e), st.integers(0, 9), epochs),
 )
 
 

@@ -101,6 +101,12 @@ def status_view(
             else None
         ),
         "excluded": dict(r.excluded.items()),
+        "checkpoints": {
+            "committed_step": state.ckpt.committed,
+            "in_memory": {node: step for node, (step, _ranks) in state.ckpt.memory.items()},
+            "persist_failures": state.ckpt.failures,
+            "last_error": state.ckpt.last_error or None,
+        },
         "network_check": (
             {
                 "done": r.check.done,
@@ -174,6 +180,18 @@ def render(view: dict[str, Any]) -> str:
             f"last failure: rank {f['rank']} on {f['node']} in round {f['round']}: "
             f"{f['kind']}: {f['reason']}"
         )
+    ck = view["checkpoints"]
+    if ck["in_memory"] or ck["committed_step"] is not None:
+        memory = ", ".join(f"{n} step {s}" for n, s in sorted(ck["in_memory"].items()))
+        committed = (
+            f"committed step {ck['committed_step']}"
+            if ck["committed_step"] is not None
+            else "nothing persisted yet: losing a node loses its in-memory steps"
+        )
+        line = f"checkpoints: {committed}; in memory: {memory or '-'}"
+        if ck["persist_failures"]:
+            line += f"; {ck['persist_failures']} persist failures (last: {ck['last_error']})"
+        lines.append(line)
     check = view["network_check"]
     if check is not None:
         if not check["done"]:

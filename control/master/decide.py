@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from rove.control import events as ev
+from rove.control.master import checkpoints as ckpt
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import JobState, NodeStatus
 
@@ -29,7 +30,22 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
     decisions.extend(_stop(state, now))
     if not decisions:
         decisions.extend(_rendezvous(state, liveness, now))
+    decisions.extend(_commit(state, now))
     return decisions
+
+
+def _commit(state: JobState, now: float) -> list[ev.Decision]:
+    due = ckpt.to_commit(state.ckpt)
+    if due is None:
+        return []
+    step, world = due
+    return [
+        ev.CkptCommitted(
+            **_common(state, now, "ckpt_committed", step),  # type: ignore[arg-type]
+            step=step,
+            world_size=world,
+        )
+    ]
 
 
 def _common(state: JobState, now: float, *id_parts: object) -> dict[str, object]:

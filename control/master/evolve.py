@@ -12,6 +12,7 @@ from __future__ import annotations
 from msgspec.structs import replace
 
 from rove.control import events as ev
+from rove.control.master import checkpoints as ckpt
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import (
     RECENT_REJECTIONS,
@@ -174,6 +175,34 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
             return replace(
                 state,
                 rdzv=rdzv.on_check_completed(state.rdzv, event),
+                counters=replace(c, events=c.events + 1),
+                applied_seq=seq,
+            )
+        case ev.CkptInMemory():
+            return replace(
+                state,
+                ckpt=ckpt.on_in_memory(state.ckpt, event),
+                counters=replace(c, events=c.events + 1),
+                applied_seq=seq,
+            )
+        case ev.CkptPersisted():
+            return replace(
+                state,
+                ckpt=ckpt.on_persisted(state.ckpt, event),
+                counters=replace(c, events=c.events + 1),
+                applied_seq=seq,
+            )
+        case ev.CkptFailed():
+            return replace(
+                state,
+                ckpt=ckpt.on_failed(state.ckpt, event),
+                counters=replace(c, events=c.events + 1),
+                applied_seq=seq,
+            )
+        case ev.CkptCommitted():
+            return replace(
+                state,
+                ckpt=ckpt.on_committed(state.ckpt, event),
                 counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )

@@ -18,6 +18,7 @@ import immutables
 import msgspec
 
 from rove.control.events import EventRejected, JobPhase, JobSpec
+from rove.control.master.checkpoints import CkptState
 from rove.control.master.rendezvous import RdzvState
 
 #: How many dead letters the state keeps for `rove status` (the count is unbounded).
@@ -83,6 +84,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     counters: Counters = msgspec.field(default_factory=Counters)
     recent_rejections: tuple[EventRejected, ...] = ()
     rdzv: RdzvState = msgspec.field(default_factory=RdzvState)
+    ckpt: CkptState = msgspec.field(default_factory=CkptState)
     applied_seq: int = 0
 
 
@@ -104,7 +106,9 @@ def _enc_hook(obj: Any) -> Any:
 def _dec_hook(tp: Any, obj: Any) -> Any:
     if typing.get_origin(tp) is immutables.Map:
         key, value = typing.get_args(tp)
-        return immutables.Map(msgspec.convert(obj, dict[key, value]))  # type: ignore[valid-type]
+        return immutables.Map(
+            msgspec.convert(obj, dict[key, value], strict=False)  # type: ignore[valid-type]
+        )
     raise NotImplementedError(f"cannot decode {tp}")
 
 

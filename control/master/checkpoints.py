@@ -1,0 +1,72 @@
+"""What the master knows about checkpoints, and when a step is committed (pure).
+
+Agents report the steps their ranks hold in memory (`ckpt_in_memory`) and the
+steps they persisted (`ckpt_persisted`). A step is committed, by one
+`ckpt_committed` decision, once the ranks persisted for it cover the whole
+world it was saved in; only the newest such step is committed, and a
+committed step never goes back. Steps at or below the committed one are
+forgotten, so the state stays small however long the job runs.
+"""
+
+from __future__ import annotations
+
+import immutables
+import msgspec
+from msgspec.structs import replace
+
+from rove.control import events as ev
+
+
+class CkptState(msgspec.Struct, frozen=True, kw_only=True):
+    committed: int | None = None
+    #: step -> (world size, ranks persisted so far)
+    persisted: immutables.Map[int, tuple[int, frozenset[int]]] = msgspec.field(
+        default_factory=immutables.Map
+    )
+    #: node -> (newest step in memory, its ranks)
+    memory: immutables.Map[str, tuple[int, tuple[int, ...]]] = msgspec.field(
+        default_factory=immutables.Map
+    )
+    failures: int = 0
+    last_error: str = ""
+
+
+def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
+    known = c.memory.get(e.node)
+    if known is not None and known[0] >= e.step:
+        return c
+    return replace(c, memory=c.memory.set(e.node, (e.step, e.ranks)))
+
+
+def on_persisted(c: CkptState, e: ev.CkptPersisted) -> CkptState:
+    if c.committed is not None and e.step <= c.committed:
+        return c
+    world, ranks = c.persisted.get(e.step, (e.world_size, frozenset()))
+    return replace(c, persisted=c.persisted.set(e.step, (world, ranks | set(e.ranks))))
+
+
+def on_failed(c: CkptState, e: ev.CkptFailed) -> CkptState:
+    return replace(
+        c,
+        failures=c.failures + 1,
+        last_error=f"step {e.step} on {e.node}: {e.error}"[: ev.REASON_CHARS],
+    )
+
+
+def on_committed(c: CkptState, e: ev.CkptCommitted) -> CkptState:
+    if c.committed is not None and e.step <= c.committed:
+        return c
+    persisted = c.persisted
+    for step in [s for s in persisted if s <= e.step]:
+        persisted = persisted.delete(step)
+    return replace(c, committed=e.step, persisted=persisted)
+
+
+def to_commit(c: CkptState) -> tuple[int, int] | None:
+    """(step, world size) of the newest fully persisted step not yet committed."""
+    complete = [
+        (step, world)
+        for step, (world, ranks) in c.persisted.items()
+        if ranks >= set(range(world)) and (c.committed is None or step > c.committed)
+    ]
+    return max(complete) if complete else None

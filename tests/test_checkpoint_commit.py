@@ -1,0 +1,81 @@
+"""The master commits a checkpoint step once every rank of the world persisted it."""
+
+from __future__ import annotations
+
+from rove.control import events as ev
+from rove.control.master.decide import decide
+from tests import factories
+from tests.sim import Sim
+
+
+def sim() -> Sim:
+    return Sim(ev.RdzvParams(min_nodes=2, max_nodes=2))
+
+
+def commits(s: Sim) -> list[int]:
+    return [d.step for d in s.decisions if isinstance(d, ev.CkptCommitted)]
+
+
+def test_a_step_is_committed_only_when_every_rank_persisted_it() -> None:
+    s = sim()
+    s.apply(factories.persisted("n1", 10, (0, 1)))
+    s.tick()
+    assert commits(s) == []
+    s.apply(factories.persisted("n2", 10, (2, 3)))
+    s.tick()
+    assert commits(s) == [10]
+    assert s.state.ckpt.committed == 10 and 10 not in s.state.ckpt.persisted
+
+
+def test_the_newest_complete_step_is_committed_and_never_an_older_one_after() -> None:
+    s = sim()
+    for step in (10, 20):
+        s.apply(factories.persisted("n1", step, (0, 1)))
+        s.apply(factories.persisted("n2", step, (2, 3)))
+    s.tick()
+    assert commits(s) == [20]
+    s.apply(factories.persisted("n1", 15, (0, 1)))
+    s.apply(factories.persisted("n2", 15, (2, 3)))
+    s.tick()
+    assert commits(s) == [20], "an older step never replaces a committed one"
+
+
+def test_a_partially_persisted_step_is_never_committed() -> None:
+    s = sim()
+    s.apply(factories.persisted("n1", 30, (0, 1)))
+    s.apply(factories.ckpt_failed("n2", 30))
+    s.tick(100)
+    assert commits(s) == []
+    assert "disk is full" in s.state.ckpt.last_error
+
+
+def test_in_memory_reports_keep_the_newest_step_per_node() -> None:
+    s = sim()
+    s.apply(factories.in_memory("n1", 7, (0, 1)))
+    s.apply(factories.in_memory("n1", 5, (0, 1)))
+    assert s.state.ckpt.memory["n1"] == (7, (0, 1))
+
+
+def test_commit_decisions_have_stable_ids() -> None:
+    s = sim()
+    s.apply(factories.persisted("n1", 10, (0, 1)))
+    s.apply(factories.persisted("n2", 10, (2, 3)))
+    a = [d.id for d in decide(s.state, {}, 1.0) if isinstance(d, ev.CkptCommitted)]
+    b = [d.id for d in decide(s.state, {}, 2.0) if isinstance(d, ev.CkptCommitted)]
+    assert a == b and len(a) == 1
+
+
+def test_status_says_when_nothing_was_ever_persisted() -> None:
+    from rove.control.cli.status_cmd import render, status_view
+
+    s = sim()
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    s.apply(factories.in_memory("n1", 7, (0, 1)))
+    text = render(status_view(s.state, s.liveness, None, s.now))
+    assert "nothing persisted yet" in text and "n1 step 7" in text
+    s.apply(factories.persisted("n1", 7, (0, 1)))
+    s.apply(factories.persisted("n2", 7, (2, 3)))
+    s.tick()
+    assert "committed step 7" in render(status_view(s.state, s.liveness, None, s.now))
