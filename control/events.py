@@ -307,6 +307,8 @@ class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True)
     master_port: int
     restart_count: int = 0
     reason: str = ""
+    restore_step: int | None = None
+    restore_source: str = ""
 
 
 class NetworkCheckAssigned(Decision, tag="network_check_assigned", frozen=True, kw_only=True):

@@ -79,3 +79,51 @@ def test_status_says_when_nothing_was_ever_persisted() -> None:
     s.apply(factories.persisted("n2", 7, (2, 3)))
     s.tick()
     assert "committed step 7" in render(status_view(s.state, s.liveness, None, s.now))
+
+
+def rounds(s: Sim) -> list[ev.RoundCompleted]:
+    return [d for d in s.decisions if isinstance(d, ev.RoundCompleted)]
+
+
+def test_a_restart_restores_the_newest_step_every_rank_holds_in_memory() -> None:
+    s = sim()
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    assert rounds(s)[0].restore_step is None, "a fresh job starts from nothing"
+    s.apply(factories.in_memory("n1", 12, (0, 1)))
+    s.apply(factories.in_memory("n2", 11, (2, 3)))  # n2 lags one save behind
+    s.apply(factories.exited("n1", 1))
+    s.tick()
+    last = rounds(s)[-1]
+    assert (last.restore_step, last.restore_source) == (11, "memory")
+
+
+def test_without_memory_for_every_rank_the_committed_step_is_restored() -> None:
+    s = sim()
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    s.apply(factories.persisted("n1", 10, (0, 1)))
+    s.apply(factories.persisted("n2", 10, (2, 3)))
+    s.tick()
+    s.apply(factories.in_memory("n1", 12, (0, 1)))  # n2 holds nothing in memory
+    s.apply(factories.exited("n1", 1))
+    s.tick()
+    last = rounds(s)[-1]
+    assert (last.restore_step, last.restore_source) == (10, "storage")
+
+
+def test_memory_older_than_the_committed_step_is_not_used() -> None:
+    s = sim()
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    s.apply(factories.in_memory("n1", 5, (0, 1)))
+    s.apply(factories.in_memory("n2", 5, (2, 3)))
+    s.apply(factories.persisted("n1", 10, (0, 1)))
+    s.apply(factories.persisted("n2", 10, (2, 3)))
+    s.tick()
+    s.apply(factories.exited("n1", 1))
+    s.tick()
+    assert rounds(s)[-1].restore_source == "storage"

@@ -70,3 +70,27 @@ def to_commit(c: CkptState) -> tuple[int, int] | None:
         if ranks >= set(range(world)) and (c.committed is None or step > c.committed)
     ]
     return max(complete) if complete else None
+
+
+def restore_point(
+    c: CkptState, members: list[tuple[str, tuple[int, ...]]]
+) -> tuple[int | None, str]:
+    """(step, "memory" | "storage" | "") every rank of a new round should load.
+
+    `members` are (node, the ranks it will run). Memory wins when every member
+    reported a step in memory for exactly those ranks: the newest step they all
+    hold (each keeps its two newest, so the oldest of their newest is there).
+    Otherwise the committed step on storage; otherwise nothing (a fresh start).
+    """
+    steps: list[int] = []
+    for node, ranks in members:
+        held = c.memory.get(node)
+        if held is None or tuple(held[1]) != tuple(ranks):
+            steps = []
+            break
+        steps.append(held[0])
+    if steps and (c.committed is None or min(steps) >= c.committed):
+        return min(steps), "memory"
+    if c.committed is not None:
+        return c.committed, "storage"
+    return None, ""

@@ -99,10 +99,18 @@ def _rendezvous(
     r = state.rdzv
     match kind:
         case "round":
+            members = fields["members"]
+            assert isinstance(members, tuple)
+            step, source = ckpt.restore_point(
+                state.ckpt,
+                [(m.node, tuple(range(m.first_rank, m.first_rank + m.nproc))) for m in members],
+            )
             return [
                 ev.RoundCompleted(
                     **_common(state, now, "round", fields["round"]),  # type: ignore[arg-type]
                     **fields,  # type: ignore[arg-type]
+                    restore_step=step,
+                    restore_source=source,
                 )
             ]
         case "exclude":
