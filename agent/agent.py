@@ -37,8 +37,10 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs, RunProcsResult
 from rove.agent.diagnosis import signal_name
 from rove.agent.metrics import Sampler
 from rove.agent.outbox import Outbox
+from rove.agent.saver import Saver
 from rove.agent.worker_env import member_of, worker_envs
 from rove.agent.workers import WorkerGroup, root_failure
+from rove.checkpoint.engine import CheckpointError
 from rove.control import events as ev
 from rove.control import records, subjects
 from rove.control.bus import Bus, Feed
@@ -68,6 +70,9 @@ class AgentConfig:
     hang_timeout_s: float = 0.0
     stop_timeout_s: float = 10.0
     start_method: str = "spawn"
+    checkpoint_dir: Path | None = None
+    save_at_breakpoint: bool = False
+    keep_checkpoints: int = 3
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,9 @@ class Agent:
         self._workers_lock = asyncio.Lock()
         self._round_event: ev.RoundCompleted | None = None
         self._started_at = clock()
+        self.saver = Saver(cfg.job, cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+        self._persisting: asyncio.Task[None] | None = None
+        self._group_rank: int | None = None
         self._checks_run: set[int] = set()
         self._check_tasks: set[asyncio.Task[None]] = set()
 
@@ -283,8 +291,12 @@ class Agent:
             case _Signal(signum=signum):
                 name = signal.Signals(signum).name
                 self.log.info(f"received {name}; stopping workers and leaving the job")
+                await self._stop_workers()
+                await self._breakpoint()
                 self._finish(128 + signum, f"agent received {name}")
             case _WorkersDone(round=rnd, result=result) if rnd == self.status.round:
+                if result.is_failed():
+                    await self._breakpoint()
                 self._workers_done(rnd, result)
             case _Hang(round=rnd) if rnd == self.status.round:
                 await self._hung(item)
@@ -296,6 +308,8 @@ class Agent:
                 await self._round(item)
             case ev.NetworkCheckAssigned():
                 self._network_check(item)
+            case ev.CkptCommitted(step=step):
+                await self._commit(step)
             case _CheckDone():
                 self._emit(
                     ev.NetworkCheckReported(
@@ -327,6 +341,8 @@ class Agent:
                     )
                     return
                 code = EXIT_FINISHED if phase is ev.JobPhase.FINISHED else EXIT_FAILED
+                if phase is ev.JobPhase.FINISHED:
+                    self.saver.unlink()  # the job is done: free its shared memory
                 self._finish(code, f"job {self.cfg.job} {phase.value}: {reason}")
             case _:
                 pass
@@ -352,7 +368,10 @@ class Agent:
             job=self.cfg.job,
             max_restarts=self.cfg.max_restarts,
             role=self.cfg.role,
+            extra=self._restore_env(r),
         )
+        self.saver.ranks(tuple(range(member.first_rank, member.first_rank + member.nproc)))
+        self._group_rank = group_rank
         async with self._workers_lock:
             pids = self.workers.start(r.round, envs)
         # torch's start_processes installs signal handlers of its own (they raise
@@ -446,6 +465,89 @@ class Agent:
             )
         )
 
+    def _restore_env(self, r: ev.RoundCompleted) -> dict[str, str]:
+        env = {
+            "ROVE_RESTORE_STEP": "" if r.restore_step is None else str(r.restore_step),
+            "ROVE_RESTORE_SOURCE": r.restore_source,
+        }
+        if self.cfg.checkpoint_dir is not None:
+            env["ROVE_CKPT_DIR"] = str(self.cfg.checkpoint_dir)
+        return env
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _report_in_memory(self) -> int | None:
+        step = self.saver.new_in_memory()
+        if step is not None:
+            self._emit(
+                ev.CkptInMemory(
+                    **self._envelope(),
+                    node=self.cfg.node,
+                    incarnation=self.incarnation,
+                    step=step,
+                    ranks=tuple(sorted(self.saver.engines)),
+                )
+            )
+        return step
+
+    async def _persist(self, step: int) -> None:
+        try:
+            done = await asyncio.to_thread(self.saver.persist, step)
+        except CheckpointError as exc:
+            self.log.warning(f"could not persist checkpoint step {step}: {exc}")
+            self._emit(
+                ev.CkptFailed(
+                    **self._envelope(),
+                    node=self.cfg.node,
+                    incarnation=self.incarnation,
+                    step=step,
+                    error=str(exc)[: ev.REASON_CHARS],
+                )
+            )
+            return
+        world = self._round_event.world_size if self._round_event else len(done.ranks)
+        self._emit(
+            ev.CkptPersisted(
+                **self._envelope(),
+                node=self.cfg.node,
+                incarnation=self.incarnation,
+                step=step,
+                ranks=done.ranks,
+                world_size=world,
+                location=done.location,
+            )
+        )
+
+    def _saver_tick(self) -> None:
+        step = self._report_in_memory()
+        busy = self._persisting is not None and not self._persisting.done()
+        if step is not None and self.saver.storage is not None and not busy:
+            self._persisting = asyncio.create_task(self._persist(step))
+
+    async def _breakpoint(self) -> None:
+        """Before a failure or a signal is acted on: report, and persist if asked."""
+        self._report_in_memory()
+        if self._persisting is not None:
+            await asyncio.gather(self._persisting, return_exceptions=True)
+        step = self.saver.common_step()
+        if (
+            self.cfg.save_at_breakpoint
+            and self.saver.storage is not None
+            and step is not None
+            and step > self.saver.persisted_step
+        ):
+            self.log.info(f"saving at breakpoint: persisting step {step} from memory")
+            await self._persist(step)
+
+    async def _commit(self, step: int) -> None:
+        if self._group_rank != 0 or self.saver.storage is None:
+            return
+        try:
+            await asyncio.to_thread(self.saver.commit, step)
+            self.log.debug(f"checkpoint step {step} committed")
+        except CheckpointError as exc:
+            self.log.warning(f"could not record the commit of step {step}: {exc}")
+
     def _first_rank(self) -> int:
         r = self._round_event
         place = member_of(r, self.cfg.node, self.incarnation) if r else None
@@ -522,6 +624,7 @@ class Agent:
             if result is not None:
                 self._inbox.put_nowait(_WorkersDone(rnd, result))
                 continue
+            self._saver_tick()
             if self.cfg.hang_timeout_s > 0:
                 now = self.clock()
                 for local_rank, p in self.workers.progress().items():

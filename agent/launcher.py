@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --network-check, exclude nodes slower than 2x the median",
     )
     g.add_argument(
+        "--checkpoint-dir",
+        default=os.environ.get("ROVE_CKPT_DIR"),
+        help="persist flash checkpoints here (env ROVE_CKPT_DIR); without it they stay in memory",
+    )
+    g.add_argument(
+        "--keep-checkpoints", type=int, default=3, help="committed steps kept on storage (3)"
+    )
+    g.add_argument(
         "--save-at-breakpoint",
         action="store_true",
         help="persist the newest in-memory checkpoint when a worker fails",
@@ -228,6 +236,9 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         heartbeat_s=args.heartbeat_interval,
         hang_timeout_s=args.hang_timeout or 0.0,
         start_method=launch.start_method,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        save_at_breakpoint=bool(args.save_at_breakpoint),
+        keep_checkpoints=args.keep_checkpoints,
     )
     return cfg, standalone
 

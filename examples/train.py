@@ -77,6 +77,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ckpt-dir", default=os.environ.get("TRAIN_CKPT_DIR", "checkpoints/reverser"))
     p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument(
+        "--flash",
+        action="store_true",
+        help="flash checkpoints (rove.checkpoint) instead of torch.save",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument(
@@ -95,17 +100,31 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = Path(args.ckpt_dir) / "ckpt.pt"
     start = 0
-    if ckpt.exists():
+    source = "none"
+    flash = None
+    if args.flash:
+        from rove.checkpoint.api import FlashCheckpointer
+
+        flash = FlashCheckpointer(os.environ.get("ROVE_CKPT_DIR"))
+        restored = flash.load()
+        if restored is not None:
+            start, state = restored
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            source = flash.restored_from
+    elif ckpt.exists():
         state = torch.load(ckpt, map_location=device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
+        source = "file"
     ddp = DistributedDataParallel(model)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if rank == 0:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         print(
-            f"training from step {start} to {args.steps} on {world} workers (restart {restart})",
+            f"training from step {start} to {args.steps} on {world} workers "
+            f"(restart {restart}, restored from {source})",
             flush=True,
         )
     per_rank = max(1, args.batch_size // world)
@@ -133,12 +152,15 @@ def main() -> None:
                             "world": world,
                             "pid": os.getpid(),
                             "restart": int(restart),
+                            "source": source,
                             "t": time.time(),
                         }
                     )
                     + "\n"
                 )
-        if rank == 0 and step % args.ckpt_every == 0:
+        if flash is not None and step % args.ckpt_every == 0:
+            flash.save(step, {"model": model.state_dict(), "opt": opt.state_dict()})
+        elif rank == 0 and step % args.ckpt_every == 0:
             save(ckpt, model, opt, step)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             rate = (step - start) * per_rank * world / max(1e-9, time.time() - began)
@@ -147,7 +169,7 @@ def main() -> None:
                 f"{rate:.0f} samples/s  world {world}",
                 flush=True,
             )
-    if rank == 0:
+    if rank == 0 and flash is None:
         save(ckpt, model, opt, args.steps)
     dist.barrier()
     dist.destroy_process_group()

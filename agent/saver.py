@@ -1,0 +1,85 @@
+"""The agent's checkpoint saver: report steps in memory, persist them, commit them.
+
+It watches the shared-memory slots of this node's ranks (no IPC with the
+workers: the slot headers say which steps are complete). When every local rank
+holds a new step it reports `ckpt_in_memory`; with a checkpoint directory it
+then persists that step off the training path (thread) and reports
+`ckpt_persisted`, or `ckpt_failed` with the reason. The node of group rank 0
+writes the commit tracker when the master decides `ckpt_committed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.storage import FileStorage
+
+log = structlog.get_logger("rove.saver")
+
+
+@dataclass(frozen=True)
+class Persisted:
+    step: int
+    ranks: tuple[int, ...]
+    location: str
+
+
+class Saver:
+    def __init__(self, job: str, checkpoint_dir: Path | None, *, keep: int = 3) -> None:
+        self.job = job
+        self.storage = FileStorage(checkpoint_dir) if checkpoint_dir else None
+        self.keep = keep
+        self.engines: dict[int, FlashEngine] = {}
+        self.reported_step = -1
+        self.persisted_step = -1
+
+    def ranks(self, ranks: tuple[int, ...]) -> None:
+        """The global ranks this node runs now (a new round may change them)."""
+        self.engines = {r: self.engines.get(r) or FlashEngine(self.job, r) for r in ranks}
+
+    def common_step(self) -> int | None:
+        """The newest step every local rank holds complete in memory."""
+        if not self.engines:
+            return None
+        per_rank = []
+        for engine in self.engines.values():
+            steps = {s.step for s in engine.slots()}
+            if not steps:
+                return None
+            per_rank.append(steps)
+        common = set.intersection(*per_rank)
+        return max(common) if common else None
+
+    def new_in_memory(self) -> int | None:
+        step = self.common_step()
+        if step is None or step <= self.reported_step:
+            return None
+        self.reported_step = step
+        return step
+
+    def persist(self, step: int) -> Persisted:
+        """Persist `step` of every local rank (blocking: run it in a thread).
+
+        Raises:
+            StorageError / CheckpointError: with the reason; nothing is committed.
+        """
+        assert self.storage is not None
+        for rank, engine in sorted(self.engines.items()):
+            slot = next((s.slot for s in engine.slots() if s.step == step), None)
+            if slot is None:
+                raise CheckpointError(f"step {step} of rank {rank} is no longer in memory")
+            self.storage.persist(engine, slot, rank)
+        self.persisted_step = max(self.persisted_step, step)
+        return Persisted(step, tuple(sorted(self.engines)), str(self.storage.root))
+
+    def commit(self, step: int) -> None:
+        if self.storage is not None:
+            self.storage.commit(step, self.keep)
+
+    def unlink(self) -> None:
+        for engine in self.engines.values():
+            engine.unlink()
