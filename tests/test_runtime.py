@@ -476,3 +476,51 @@ async def test_the_network_check_finds_the_node_with_a_broken_network_and_exclud
         for p in nodes.values():
             p.stop()
         master.stop()
+
+
+async def test_after_a_worker_kill_every_rank_restores_from_memory_losing_at_most_one_step(
+    tmp_path: Path,
+) -> None:
+    job = "flashjob"
+    ckpt = tmp_path / "committed"
+    node = RunProc(
+        tmp_path,
+        "na",
+        "--standalone",
+        "--job",
+        job,
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--save-at-breakpoint",
+        str(TRAIN),
+        "--flash",
+        "--ckpt-every",
+        "1",
+        "--steps",
+        "60",
+        "--step-sleep",
+        "0.1",
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
+    )
+    try:
+        await eventually(lambda: steps_done(tmp_path) >= 15, timeout=120)
+        victim = next(r for r in trace_rows(tmp_path / "trace.jsonl") if r["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert await asyncio.to_thread(node.wait, 180) == 0, node.log()[-3000:]
+    finally:
+        node.stop()
+    rows = trace_rows(tmp_path / "trace.jsonl")
+    killed_at = max(r["step"] for r in rows if r["restart"] == 0)
+    after = [r for r in rows if r["restart"] == 1]
+    assert {r["source"] for r in after} == {"memory"}, "restored from memory, not from disk"
+    assert min(r["step"] for r in after) >= killed_at, "at most one step of work lost"
+    assert max(r["step"] for r in after) == 60
+    log = node.log()
+    assert "saving at breakpoint: persisting step" in log
+    assert json.loads((ckpt / "committed").read_text())["step"] == 60
+    assert not list(Path("/dev/shm").glob(f"rove-ckpt-{job}-*")), "shared memory freed"
