@@ -171,6 +171,7 @@ class Agent:
         self.saver = Saver(cfg.job, cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
         self._persisting: asyncio.Task[None] | None = None
         self._group_rank: int | None = None
+        self._hang_round = -1
         self._checks_run: set[int] = set()
         self._check_tasks: set[asyncio.Task[None]] = set()
 
@@ -298,7 +299,7 @@ class Agent:
                 if result.is_failed():
                     await self._breakpoint()
                 self._workers_done(rnd, result)
-            case _Hang(round=rnd) if rnd == self.status.round:
+            case _Hang(round=rnd) if rnd == self.status.round and self.workers.running:
                 await self._hung(item)
             case ev.MasterElected(epoch=epoch):
                 self.status.max_epoch = max(self.status.max_epoch, epoch)
@@ -625,11 +626,13 @@ class Agent:
                 self._inbox.put_nowait(_WorkersDone(rnd, result))
                 continue
             self._saver_tick()
-            if self.cfg.hang_timeout_s > 0:
+            if self.cfg.hang_timeout_s > 0 and self._hang_round != rnd:
                 now = self.clock()
                 for local_rank, p in self.workers.progress().items():
                     silent = now - p.at
                     if silent > self.cfg.hang_timeout_s:
+                        # Once per round: the other ranks stall too, waiting on this one.
+                        self._hang_round = rnd
                         self._inbox.put_nowait(_Hang(rnd, local_rank, p.step, silent))
                         break
 
