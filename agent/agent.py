@@ -73,6 +73,7 @@ class AgentConfig:
     checkpoint_dir: Path | None = None
     save_at_breakpoint: bool = False
     keep_checkpoints: int = 3
+    persist_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -522,7 +523,10 @@ class Agent:
     def _saver_tick(self) -> None:
         step = self._report_in_memory()
         busy = self._persisting is not None and not self._persisting.done()
-        if step is not None and self.saver.storage is not None and not busy:
+        due = (
+            step is not None and step - max(0, self.saver.persisted_step) >= self.cfg.persist_every
+        )
+        if due and step is not None and self.saver.storage is not None and not busy:
             self._persisting = asyncio.create_task(self._persist(step))
 
     async def _breakpoint(self) -> None:

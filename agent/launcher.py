@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="persist flash checkpoints here (env ROVE_CKPT_DIR); without it they stay in memory",
     )
     g.add_argument(
+        "--persist-every",
+        type=int,
+        default=1,
+        metavar="STEPS",
+        help="persist every STEPS-th in-memory step to --checkpoint-dir (default 1: each one); "
+        "memory still holds every save, and --save-at-breakpoint persists the newest on failure",
+    )
+    g.add_argument(
         "--keep-checkpoints", type=int, default=3, help="committed steps kept on storage (3)"
     )
     g.add_argument(
@@ -239,6 +247,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         save_at_breakpoint=bool(args.save_at_breakpoint),
         keep_checkpoints=args.keep_checkpoints,
+        persist_every=args.persist_every,
     )
     return cfg, standalone
 
