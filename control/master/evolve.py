@@ -9,6 +9,9 @@ apply (a node lost twice), so replaying duplicates is harmless.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from msgspec.structs import replace
 
 from rove.control import events as ev
@@ -22,12 +25,34 @@ from rove.control.master.state import (
     NodeStatus,
 )
 
+#: Events that only change one part of the state: (the part, its fold).
+_PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
+    ev.RdzvJoined: ("rdzv", rdzv.on_rdzv_joined),
+    ev.WorkersSucceeded: ("rdzv", rdzv.on_workers_succeeded),
+    ev.NetworkCheckAssigned: ("rdzv", rdzv.on_check_assigned),
+    ev.NetworkCheckReported: ("rdzv", rdzv.on_check_reported),
+    ev.NetworkCheckCompleted: ("rdzv", rdzv.on_check_completed),
+    ev.CkptInMemory: ("ckpt", ckpt.on_in_memory),
+    ev.CkptPersisted: ("ckpt", ckpt.on_persisted),
+    ev.CkptFailed: ("ckpt", ckpt.on_failed),
+    ev.CkptCommitted: ("ckpt", ckpt.on_committed),
+}
+
 
 def evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
     c = state.counters
     if isinstance(event, ev.Decision) and event.epoch < state.epoch:
         counters = replace(c, events=c.events + 1, stale_decisions=c.stale_decisions + 1)
         return replace(state, counters=counters, applied_seq=seq)
+    part = _PART_FOLDS.get(type(event))
+    if part is not None:
+        name, fold = part
+        return replace(
+            state,
+            **{name: fold(getattr(state, name), event)},
+            counters=replace(c, events=c.events + 1),
+            applied_seq=seq,
+        )
     return _apply(state, event, seq, c)
 
 
@@ -129,13 +154,6 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 recent_rejections=recent,
                 counters=replace(c, events=c.events + 1, rejected=c.rejected + 1),
             )
-        case ev.RdzvJoined():
-            return replace(
-                state,
-                rdzv=rdzv.on_rdzv_joined(state.rdzv, event),
-                counters=replace(c, events=c.events + 1),
-                applied_seq=seq,
-            )
         case ev.WorkerExited():
             return replace(
                 state,
@@ -143,67 +161,11 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 counters=replace(c, events=c.events + 1, worker_failures=c.worker_failures + 1),
                 applied_seq=seq,
             )
-        case ev.WorkersSucceeded():
-            return replace(
-                state,
-                rdzv=rdzv.on_workers_succeeded(state.rdzv, event),
-                counters=replace(c, events=c.events + 1),
-                applied_seq=seq,
-            )
         case ev.RoundCompleted():
             return replace(
                 state,
                 rdzv=rdzv.on_round_completed(state.rdzv, event),
                 counters=replace(c, events=c.events + 1, rounds=c.rounds + 1),
-                applied_seq=seq,
-            )
-        case ev.NetworkCheckAssigned():
-            return replace(
-                state,
-                rdzv=rdzv.on_check_assigned(state.rdzv, event),
-                counters=replace(c, events=c.events + 1),
-                applied_seq=seq,
-            )
-        case ev.NetworkCheckReported():
-            return replace(
-                state,
-                rdzv=rdzv.on_check_reported(state.rdzv, event),
-                counters=replace(c, events=c.events + 1),
-                applied_seq=seq,
-            )
-        case ev.NetworkCheckCompleted():
-            return replace(
-                state,
-                rdzv=rdzv.on_check_completed(state.rdzv, event),
-                counters=replace(c, events=c.events + 1),
-                applied_seq=seq,
-            )
-        case ev.CkptInMemory():
-            return replace(
-                state,
-                ckpt=ckpt.on_in_memory(state.ckpt, event),
-                counters=replace(c, events=c.events + 1),
-                applied_seq=seq,
-            )
-        case ev.CkptPersisted():
-            return replace(
-                state,
-                ckpt=ckpt.on_persisted(state.ckpt, event),
-                counters=replace(c, events=c.events + 1),
-                applied_seq=seq,
-            )
-        case ev.CkptFailed():
-            return replace(
-                state,
-                ckpt=ckpt.on_failed(state.ckpt, event),
-                counters=replace(c, events=c.events + 1),
-                applied_seq=seq,
-            )
-        case ev.CkptCommitted():
-            return replace(
-                state,
-                ckpt=ckpt.on_committed(state.ckpt, event),
-                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case ev.NodeExcluded():
