@@ -170,11 +170,19 @@ def run_torchrun(work: Path, a: argparse.Namespace, nodes: int) -> dict[str, Any
     return kill_and_measure(procs, work / "trace.jsonl", a.kill_step, a.timeout, a.recover_timeout)
 
 
-def run_rove(work: Path, url: str, a: argparse.Namespace, nodes: int) -> dict[str, Any]:
-    """`nodes` rove agents and a rove master; with 1, rove run --standalone."""
+def run_rove(
+    work: Path, url: str, a: argparse.Namespace, nodes: int, flash: bool = False
+) -> dict[str, Any]:
+    """`nodes` rove agents and a rove master; with 1, rove run --standalone.
+
+    `flash`: flash checkpoints every step (restore from memory) instead of torch.save.
+    """
     rove = [sys.executable, "-m", "rove.control.cli.main"]
+    job = f"bench-{work.name.replace('_', '-')}"
     env = {**os.environ, "ROVE_HOME": str(work / "home")}
-    train = train_args(work, a.steps, a.ckpt_every, a.step_sleep)
+    train = train_args(work, a.steps, 1 if flash else a.ckpt_every, a.step_sleep)
+    if flash:
+        train.append("--flash")
     master = None
     procs = []
     try:
@@ -186,7 +194,7 @@ def run_rove(work: Path, url: str, a: argparse.Namespace, nodes: int) -> dict[st
                         "run",
                         "--standalone",
                         "--job",
-                        "bench",
+                        job,
                         "--nproc-per-node",
                         "4",
                         "--max-restarts",
@@ -200,7 +208,7 @@ def run_rove(work: Path, url: str, a: argparse.Namespace, nodes: int) -> dict[st
             )
         else:
             master = subprocess.Popen(
-                [*rove, "master", "--job", "bench", "--nats", url],
+                [*rove, "master", "--job", job, "--nats", url],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 env=env,
@@ -214,7 +222,7 @@ def run_rove(work: Path, url: str, a: argparse.Namespace, nodes: int) -> dict[st
                             "--nats",
                             url,
                             "--job",
-                            "bench",
+                            job,
                             "--node-id",
                             f"n{node}",
                             "--local-addr",
@@ -290,7 +298,7 @@ def main() -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--kill-step", type=int, default=40)
+    p.add_argument("--kill-step", type=int, default=45)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument(
@@ -308,16 +316,18 @@ def main() -> dict[str, Any]:
         url = server.start()
         results: dict[str, dict[str, Any]] = {}
         try:
-            for name, fn, nodes in (
-                ("torchrun", run_torchrun, 2),
-                ("rove", run_rove, 2),
-                ("torchrun_1x4", run_torchrun, 1),
-                ("rove_1x4", run_rove, 1),
-            ):
+            runs: list[tuple[str, bool, int, bool]] = [  # name, rove?, nodes, flash?
+                ("torchrun", False, 2, False),
+                ("rove", True, 2, False),
+                ("rove_flash", True, 2, True),
+                ("torchrun_1x4", False, 1, False),
+                ("rove_1x4", True, 1, False),
+            ]
+            for name, is_rove, nodes, flash in runs:
                 work = root / name
                 work.mkdir()
-                if fn is run_rove:
-                    results[name] = run_rove(work, url, a, nodes)
+                if is_rove:
+                    results[name] = run_rove(work, url, a, nodes, flash)
                 else:
                     results[name] = run_torchrun(work, a, nodes)
             failover = run_async(master_failover(url))
@@ -342,6 +352,9 @@ def main() -> dict[str, Any]:
         "ratio": ratio(r, t),
         "torchrun_lost_steps": t["lost_steps"],
         "rove_lost_steps": r["lost_steps"],
+        "rove_flash_recovery_s": results["rove_flash"]["recovery_s"],
+        "rove_flash_lost_steps": results["rove_flash"]["lost_steps"],
+        "ratio_flash": ratio(results["rove_flash"], t),
         "torchrun_final_step": t["final_step"],
         "rove_final_step": r["final_step"],
         # 1 node x 4 workers (--standalone), where torchrun does recover
