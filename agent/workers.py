@@ -24,6 +24,7 @@ from torch.distributed.elastic.utils.api import macros
 
 from rove.agent import progress
 from rove.agent.diagnosis import Diagnosis, classify, read_tail
+from rove.control.events import FailureKind
 
 
 @dataclass(frozen=True)
@@ -113,24 +114,42 @@ class WorkerGroup:
         return out
 
 
+def _symptom_rank(failure: ProcessFailure, diagnosis: Diagnosis) -> int:
+    """0 for a likely cause, 1 for a likely symptom of another worker's death."""
+    if diagnosis.kind is FailureKind.COMMUNICATION:
+        return 1  # a broken connection: usually a peer that died
+    if failure.exitcode == -signal.SIGTERM:
+        return 2  # usually torch's own teardown of the survivors
+    return 0
+
+
 def root_failure(result: RunProcsResult) -> RootFailure | None:
     """The failure that started the teardown.
 
-    torch records failures in the order it saw them, the real one before the
-    SIGTERMs of its own teardown; like torch, take the earliest, first seen.
+    torch records failures with one-second timestamps, the real one before the
+    SIGTERMs of its own teardown. Among the earliest, a cause wins over a
+    symptom: a worker killed by a signal beats the peer whose collective then
+    broke, which may have been seen first.
     """
     failures: list[ProcessFailure] = list(result.failures.values())
     if not failures:
         return None
-    first = min(failures, key=lambda f: f.timestamp)
-    tail = read_tail(result.stderrs.get(first.local_rank)) or read_tail(
-        result.stdouts.get(first.local_rank)
-    )
-    data = first.error_file_data if first.error_file_data else None
+    earliest = min(f.timestamp for f in failures)
+    candidates = []
+    for f in failures:
+        if f.timestamp > earliest:
+            continue
+        tail = read_tail(result.stderrs.get(f.local_rank)) or read_tail(
+            result.stdouts.get(f.local_rank)
+        )
+        data = f.error_file_data if f.error_file_data else None
+        diagnosis = classify(f.exitcode, data, tail)
+        candidates.append((_symptom_rank(f, diagnosis), f, diagnosis, tail))
+    _, first, diagnosis, tail = min(candidates, key=lambda c: c[0])
     return RootFailure(
         local_rank=first.local_rank,
         pid=first.pid,
         exit_code=first.exitcode,
-        diagnosis=classify(first.exitcode, data, tail),
+        diagnosis=diagnosis,
         log_tail=tail,
     )

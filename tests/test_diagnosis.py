@@ -112,3 +112,28 @@ def test_read_tail_is_bounded(tmp_path) -> None:  # type: ignore[no-untyped-def]
     tail = read_tail(str(log), limit=100)
     assert len(tail) == 100 and tail.endswith("END")
     assert read_tail(str(tmp_path / "missing")) == ""
+
+
+def test_the_root_failure_is_the_cause_not_the_peer_whose_collective_broke(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.elastic.multiprocessing import RunProcsResult
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from rove.agent.workers import root_failure
+
+    peer_log = tmp_path / "0.err"
+    peer_log.write_text(
+        "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer\n"
+        "terminate called without an active exception\n"
+    )
+    killed_log = tmp_path / "1.err"
+    killed_log.write_text("")
+    # torch lists local rank 0 first, and both fail within the same second.
+    peer = ProcessFailure(local_rank=0, pid=100, exitcode=-6, error_file="<N/A>")
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>")
+    killed.timestamp = peer.timestamp
+    result = RunProcsResult(
+        failures={0: peer, 1: killed}, stderrs={0: str(peer_log), 1: str(killed_log)}
+    )
+    root = root_failure(result)
+    assert root is not None and root.local_rank == 1
+    assert root.diagnosis.kind is FailureKind.KILLED and "SIGKILL" in root.diagnosis.reason
