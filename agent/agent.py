@@ -587,7 +587,7 @@ class Agent:
                 kind=root.diagnosis.kind,
                 reason=root.diagnosis.reason,
                 exit_code=root.exit_code,
-                signal=_signal_of(root.exit_code),
+                signal=signal_name(root.exit_code),
                 log_tail=root.log_tail[-ev.LOG_TAIL_BYTES :],
             )
         )
@@ -695,10 +695,6 @@ class Agent:
             round=self.status.round,
             ports=free_ports(self.cfg.addr),
         )
-
-
-def _signal_of(exit_code: int) -> str | None:
-    return signal_name(exit_code)
 
 
 async def _stop_feed(feed: Feed) -> None:

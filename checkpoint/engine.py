@@ -74,7 +74,7 @@ class FlashEngine:
         started = time.perf_counter()
         p = layout.plan(step, state)
         meta = layout.encode_meta(p.meta)
-        data_offset = layout._aligned(HEADER_SIZE + len(meta) + 4096)
+        data_offset = layout.aligned(HEADER_SIZE + len(meta) + 4096)
         index = self._target()
         seg = self.segments[index]
         seg.ensure(data_offset + p.meta.data_len)
@@ -164,15 +164,7 @@ class FlashEngine:
         meta = layout.decode_meta(bytes(seg.view(HEADER_SIZE, h.meta_len)))
         data = seg.view(h.data_offset, h.data_len)
 
-        def tensor(_index: int, e: layout.TensorEntry) -> torch.Tensor:
-            dtype = layout.dtype_of(e.dtype)
-            count = e.nbytes // torch.empty((), dtype=dtype).element_size()
-            if count == 0:
-                return torch.empty(e.shape, dtype=dtype)
-            view = torch.frombuffer(data, dtype=dtype, count=count, offset=e.offset)
-            return view.view(e.shape).clone() if copy else view.view(e.shape)
-
-        state = layout.rebuild(meta, tensor)
+        state = layout.rebuild(meta, lambda _i, e: layout.tensor_at(data, e, copy=copy))
         after = seg.header()
         if after is None or after.generation != h.generation or after.state != COMPLETE:
             raise CheckpointError(f"slot {slot} was overwritten while it was read")

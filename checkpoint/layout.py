@@ -63,7 +63,7 @@ def decode_meta(data: bytes) -> Meta:
     return _meta_decoder.decode(data)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -80,7 +80,7 @@ def plan(step: int, state: Any) -> Plan:
             TensorEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes)
         )
         sources.append(t)
-        offset = _aligned(offset + nbytes)
+        offset = aligned(offset + nbytes)
         return msgspec.msgpack.Ext(_TENSOR, (len(entries) - 1).to_bytes(4, "little"))
 
     def walk(value: Any, path: str) -> Any:
@@ -132,3 +132,16 @@ def dtype_of(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CheckpointLayoutError(f"unknown dtype {name} in a checkpoint")
     return dtype
+
+
+def tensor_at(buffer: Any, entry: TensorEntry, *, copy: bool = True) -> torch.Tensor:
+    """The tensor `entry` describes, read from `buffer` (the data region).
+
+    `copy=False` returns a view into `buffer`, valid as long as the buffer is.
+    """
+    dtype = dtype_of(entry.dtype)
+    count = entry.nbytes // torch.empty((), dtype=dtype).element_size()
+    if count == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    view = torch.frombuffer(buffer, dtype=dtype, count=count, offset=entry.offset)
+    return view.view(entry.shape).clone() if copy else view.view(entry.shape)

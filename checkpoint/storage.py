@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 import xxhash
 
 from rove.checkpoint import layout
@@ -197,15 +196,4 @@ class FileStorage(Storage):
         meta = layout.decode_meta(bytes(raw[: manifest.meta_len]))
         data = memoryview(raw)[manifest.meta_len :]
 
-        def tensor(_index: int, e: layout.TensorEntry) -> torch.Tensor:
-            dtype = layout.dtype_of(e.dtype)
-            count = e.nbytes // torch.empty((), dtype=dtype).element_size()
-            if count == 0:
-                return torch.empty(e.shape, dtype=dtype)
-            return (
-                torch.frombuffer(data, dtype=dtype, count=count, offset=e.offset)
-                .view(e.shape)
-                .clone()
-            )
-
-        return layout.rebuild(meta, tensor)
+        return layout.rebuild(meta, lambda _i, e: layout.tensor_at(data, e))
