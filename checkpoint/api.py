@@ -16,8 +16,12 @@ rank-0-only save works too, with the other ranks loading rank 0's copy via
 `source_rank=0`). Under `rove run` the agent tells each worker which step to
 restore (`ROVE_RESTORE_STEP`, `ROVE_RESTORE_SOURCE`): the newest step every
 rank holds in memory, else the committed step on storage (`ROVE_CKPT_DIR`),
-so every rank loads the same step. Elsewhere, `load()` takes the newest step
-in this machine's memory, else the committed step of `checkpoint_dir`.
+so every rank loads the same step. Elsewhere the ranks agree on the newest
+step all of them hold in memory, else the committed step of `checkpoint_dir`.
+When the chosen step cannot be read on some rank, every rank moves to the next
+older step on storage together (see `rove.checkpoint.restore`).
+
+For FSDP and other sharded state, use `rove.checkpoint.dcp`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats
+from rove.checkpoint.restore import agree, restore_target, storage_fallbacks
 from rove.checkpoint.storage import FileStorage
+
+log = structlog.get_logger("rove.checkpoint")
 
 
 class FlashCheckpointer:
@@ -52,27 +61,35 @@ class FlashCheckpointer:
         """Copy `state` into shared memory (blocks only for the copy)."""
         return self.engine.save(step, state)
 
-    def load(self) -> tuple[int, Any] | None:
+    def load(self, process_group: Any = None) -> tuple[int, Any] | None:
         """(step, state) to resume from, or None for a fresh start.
 
+        Call it after `init_process_group` when there is one: the ranks then
+        agree on the step, and if it cannot be read on some rank (corrupted,
+        truncated, missing), they all move to the next older step on storage.
+
         Raises:
-            CheckpointError: the step the agent asked for is neither in memory
-                nor on storage (the message says what was tried).
+            CheckpointError: no step could be loaded (the message says what was tried).
         """
-        step_text = os.environ.get("ROVE_RESTORE_STEP", "")
-        source = os.environ.get("ROVE_RESTORE_SOURCE", "")
-        if step_text:
-            return self._load_step(int(step_text), source)
-        if "ROVE_RESTORE_STEP" in os.environ:
-            return None  # the agent says: a fresh start
-        engine = self._reader()
-        if engine.newest() is not None:
-            self.restored_from = "memory"
-            return engine.load()
-        if self.storage is not None and (committed := self.storage.committed()) is not None:
-            self.restored_from = "storage"
-            return committed, self.storage.load(committed, self._read_rank())
-        return None
+        target = restore_target(self._reader(), self.storage, process_group)
+        if target is None:
+            return None
+        step, source = target
+        candidates = [(step, source)]
+        candidates += [(s, "storage") for s in storage_fallbacks(self.storage, step, process_group)]
+        tried: list[str] = []
+        for candidate, where in candidates:
+            loaded = self._try_step(candidate, where, tried)
+            if agree(loaded is not None, process_group):
+                assert loaded is not None
+                if candidate != step:
+                    log.warning(
+                        "restored an older step", wanted=step, step=candidate, problems=tried
+                    )
+                return candidate, loaded
+            if loaded is not None:
+                tried.append(f"step {candidate}: another rank could not read it")
+        raise CheckpointError(f"cannot restore step {step} or any older one: {'; '.join(tried)}")
 
     def _read_rank(self) -> int:
         return self.rank if self.source_rank is None else self.source_rank
@@ -82,22 +99,22 @@ class FlashCheckpointer:
             return self.engine
         return FlashEngine(self.job, self.source_rank)
 
-    def _load_step(self, step: int, source: str) -> tuple[int, Any]:
-        tried = []
+    def _try_step(self, step: int, source: str, tried: list[str]) -> Any | None:
+        """The state of `step` (memory first when `source` says so), or None."""
         if source == "memory":
             try:
-                loaded = self._reader().load(step=step)
+                _, state = self._reader().load(step=step)
                 self.restored_from = "memory"
-                return loaded
+                return state
             except CheckpointError as exc:
                 tried.append(str(exc))
-        if self.storage is not None:
-            try:
-                state = self.storage.load(step, self._read_rank())
-                self.restored_from = "storage"
-                return step, state
-            except CheckpointError as exc:
-                tried.append(str(exc))
-        else:
-            tried.append("no checkpoint directory (ROVE_CKPT_DIR) to fall back on")
-        raise CheckpointError(f"cannot restore step {step}: {'; '.join(tried)}")
+        if self.storage is None:
+            tried.append(f"step {step}: no checkpoint directory (ROVE_CKPT_DIR) to fall back on")
+            return None
+        try:
+            state = self.storage.load(step, self._read_rank())
+        except CheckpointError as exc:
+            tried.append(str(exc))
+            return None
+        self.restored_from = "storage"
+        return state

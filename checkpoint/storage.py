@@ -67,6 +67,10 @@ class Storage(abc.ABC):
     def persisted_ranks(self, step: int) -> set[int]: ...
 
     @abc.abstractmethod
+    def steps(self) -> list[int]:
+        """Steps with at least one rank persisted, oldest first."""
+
+    @abc.abstractmethod
     def commit(self, step: int, keep: int) -> None:
         """Record `step` as committed and drop all but the `keep` newest committed steps."""
 
@@ -154,6 +158,13 @@ class FileStorage(Storage):
                 ranks.add(int(manifest.stem.removeprefix("rank-")))
         return ranks
 
+    def steps(self) -> list[int]:
+        found = []
+        for path in self.root.glob("step-*"):
+            with contextlib.suppress(ValueError):
+                found.append(int(path.name.removeprefix("step-")))
+        return sorted(found)
+
     def commit(self, step: int, keep: int) -> None:
         if not self._step_dir(step).is_dir():
             raise CheckpointError(f"step {step} was never persisted; it cannot be committed")
@@ -164,8 +175,7 @@ class FileStorage(Storage):
             raise StorageError(
                 f"could not mark step {step} committed in {self.root}: {exc}"
             ) from exc
-        steps = sorted(int(p.name.removeprefix("step-")) for p in self.root.glob("step-*"))
-        committed_or_older = [s for s in steps if s <= step]
+        committed_or_older = [s for s in self.steps() if s <= step]
         for old in committed_or_older[: max(0, len(committed_or_older) - keep)]:
             shutil.rmtree(self._step_dir(old), ignore_errors=True)
 

@@ -59,6 +59,27 @@ def _worker(rank: int, world: int, port: int, shm: str, out: str) -> None:
     for a, b in zip(fresh.parameters(), model.module.parameters(), strict=True):
         assert torch.equal(a, b), "DDP replicas are identical, so rank 0's copy restores any rank"
     dist.barrier()
+
+    # The agent asks for step 5 from storage; rank 1's file of it is corrupted:
+    # both ranks move to step 4 together, never one rank on each.
+    from rove.checkpoint.storage import FileStorage
+
+    storage = FileStorage(Path(out) / "ckpt")
+    for step in (4, 5):
+        ckpt.save(step, {**state, "step": step})
+        storage.persist(ckpt.engine, ckpt.engine.newest().slot, rank)  # type: ignore[union-attr]
+    dist.barrier()
+    if rank == 1:
+        path = storage.root / "step-00000005" / "rank-00001.ckpt"
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    dist.barrier()
+    os.environ.update(ROVE_RESTORE_STEP="5", ROVE_RESTORE_SOURCE="storage")
+    restorer = FlashCheckpointer(storage.root)
+    step, back = restorer.load()
+    assert step == 4 and back["step"] == 4 and restorer.restored_from == "storage"
+    dist.barrier()
     Path(out, f"ok-{rank}").write_text("ok")
     dist.destroy_process_group()
 

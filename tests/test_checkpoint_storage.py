@@ -107,3 +107,28 @@ def test_a_full_disk_leaves_no_half_written_file_and_training_state_intact(tmp_p
     assert storage.persisted_ranks(9) == set()
     assert not [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()], "nothing left"
     assert engine.load()[0] == 9, "the in-memory checkpoint is untouched"
+
+
+def test_a_corrupted_committed_step_falls_back_to_the_older_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rove.checkpoint.api import FlashCheckpointer
+
+    monkeypatch.setenv("ROVE_SHM_DIR", str(tmp_path / "other-shm"))
+    storage = FileStorage(tmp_path / "ckpt")
+    for step in (3, 4):
+        engine, slot = saved(tmp_path, step)
+        storage.persist(engine, slot, rank=0)
+        storage.commit(step, keep=3)
+    path = tmp_path / "ckpt" / "step-00000004" / "rank-00000.ckpt"
+    path.write_bytes(path.read_bytes()[:-10])  # truncated
+    monkeypatch.setenv("ROVE_RESTORE_STEP", "4")
+    monkeypatch.setenv("ROVE_RESTORE_SOURCE", "storage")
+    ckpt = FlashCheckpointer(tmp_path / "ckpt", job="j1", rank=0)
+    step, state = ckpt.load()  # type: ignore[misc]
+    assert step == 3 and state["step"] == 3 and ckpt.restored_from == "storage"
+
+    path.unlink()
+    (tmp_path / "ckpt" / "step-00000003" / "rank-00000.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"step 4 or any older one.*manifest of step 3"):
+        FlashCheckpointer(tmp_path / "ckpt", job="j1", rank=0).load()
