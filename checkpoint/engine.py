@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from rove.checkpoint import layout
-from rove.checkpoint.shm import COMPLETE, HEADER_SIZE, WRITING, Header, Segment
+from rove.checkpoint.shm import COMPLETE, HEADER_SIZE, WRITING, Header, Segment, ShmFullError
 
 
 class CheckpointError(RuntimeError):
@@ -77,7 +77,10 @@ class FlashEngine:
         data_offset = layout.aligned(HEADER_SIZE + len(meta) + 4096)
         index = self._target()
         seg = self.segments[index]
-        seg.ensure(data_offset + p.meta.data_len)
+        try:
+            seg.ensure(data_offset + p.meta.data_len)
+        except ShmFullError as exc:
+            raise CheckpointError(exc.strerror) from exc
         old = seg.header()
         generation = (old.generation if old else 0) + 1
         seg.write_header(Header(WRITING, generation, step, 0, 0, 0, 0, False))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,20 @@ HEADER_SIZE = 4096
 _HEADER = struct.Struct("<8sIIQqQQQQI")
 
 EMPTY, WRITING, COMPLETE = 0, 1, 2
+
+
+class ShmFullError(OSError):
+    """A checkpoint slot does not fit in shared memory; the message says what to do."""
+
+    def __init__(self, directory: Path, size: int, cause: OSError) -> None:
+        free = shutil.disk_usage(directory).free if directory.exists() else 0
+        super().__init__(
+            cause.errno,
+            f"cannot reserve {size / 2**20:.1f} MiB of shared memory in {directory} "
+            f"({cause.strerror}; {free / 2**20:.1f} MiB free): enlarge it (docker --shm-size, "
+            "a Kubernetes emptyDir with medium Memory and a sizeLimit) or point ROVE_SHM_DIR "
+            "at a larger tmpfs; the previous checkpoint is intact",
+        )
 
 
 @dataclass(frozen=True)
@@ -71,8 +86,13 @@ class Segment:
         tmp = self.path.with_suffix(".new")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: on a full tmpfs this fails with ENOSPC, where
+            # touching pages of a sparse mapping would kill the process with SIGBUS.
+            os.posix_fallocate(fd, 0, size)
             new = mmap.mmap(fd, size)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ShmFullError(self.path.parent, size, exc) from exc
         finally:
             os.close(fd)
         torch.frombuffer(new, dtype=torch.uint8).zero_()  # touch every page now, not in a save

@@ -233,7 +233,14 @@ TRAIN = ROOT / "examples" / "train.py"
 class RunProc:
     """A `rove run` subprocess (one node), its output captured to a file."""
 
-    def __init__(self, log_dir: Path, name: str, *args: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        log_dir: Path,
+        name: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+    ):
         self.log_path = log_dir / f"run-{name}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with self.log_path.open("wb") as out:
@@ -242,6 +249,7 @@ class RunProc:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=full_env,
+                preexec_fn=preexec,
             )
 
     def log(self) -> str:

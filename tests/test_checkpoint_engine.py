@@ -185,3 +185,39 @@ def test_load_without_copy_gives_views_a_model_can_load_from(tmp_path: Path) -> 
     fresh = torch.nn.Linear(4, 4)
     fresh.load_state_dict(state["model"])
     assert torch.equal(fresh.weight, model.weight)
+
+
+SHM_FULL = textwrap.dedent(
+    """
+    import resource, signal, sys, torch
+    from pathlib import Path
+    from rove.checkpoint.engine import CheckpointError, FlashEngine
+
+    engine = FlashEngine("full", 0, directory=Path(sys.argv[1]))
+    engine.save(1, {"w": torch.ones(1000)})
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # as a full tmpfs
+    try:
+        engine.save(2, {"w": torch.ones(1 << 20)})
+    except CheckpointError as exc:
+        print("REFUSED", exc)
+    step, state = engine.load()
+    print("LOADED", step, int(state["w"].sum()))
+    """
+)
+
+
+def test_full_shared_memory_is_a_clear_error_and_the_previous_step_survives(
+    tmp_path: Path,
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", SHM_FULL, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "REFUSED cannot reserve 4.0 MiB of shared memory" in out.stdout, out.stdout + out.stderr
+    assert "--shm-size" in out.stdout
+    assert "LOADED 1 1000" in out.stdout
+    assert not list(tmp_path.glob("*.new")), "no half-allocated segment left"

@@ -529,3 +529,81 @@ async def test_after_a_worker_kill_every_rank_restores_from_memory_losing_at_mos
         "the breakpoint save was persisted by every rank and committed"
     )
     assert not list(Path("/dev/shm").glob(f"rove-ckpt-{job}-*")), "shared memory freed"
+
+
+def _full_disk() -> None:
+    """In the `rove run` process: any file over 256 KiB fails with EFBIG, as on a full disk.
+
+    SIGXFSZ is ignored so the write fails instead of killing the process; both
+    settings are inherited by the workers, which lift the soft limit again
+    (`tests/scripts/without_file_limit.py`) for their shared-memory slots.
+    """
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
+
+
+async def test_a_full_disk_is_a_clear_event_training_goes_on_and_nothing_is_committed(
+    bus: Bus, tmp_path: Path
+) -> None:
+    master = MasterProc(bus.url, JOB, "m1", tmp_path)
+    ckpt = tmp_path / "committed"
+    node = RunProc(
+        tmp_path,
+        "na",
+        *node_args(bus, "na", "--nnodes", "1", "--nproc-per-node", "2"),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--persist-every",
+        "5",
+        str(Path(__file__).parent / "scripts" / "without_file_limit.py"),
+        str(TRAIN),
+        "--flash",
+        "--ckpt-every",
+        "1",
+        "--steps",
+        "25",
+        "--step-sleep",
+        "0.05",
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
+        preexec=_full_disk,
+    )
+    try:
+        assert await asyncio.to_thread(node.wait, 180) == 0, node.log()[-3000:]
+    finally:
+        node.stop()
+    try:
+        assert steps_done(tmp_path) == 25, "training went on to the end"
+        failed = await events_of(bus, ev.CkptFailed)
+        assert failed, "every failed persist is an event"
+        assert all("file is too large" in e.error for e in failed)  # type: ignore[attr-defined]
+        assert all("training goes on with in-memory checkpoints" in e.error for e in failed)  # type: ignore[attr-defined]
+        in_memory = [e.step for e in await events_of(bus, ev.CkptInMemory)]  # type: ignore[attr-defined]
+        assert in_memory and max(in_memory) >= 20, "memory checkpoints kept coming"
+        assert not await events_of(bus, ev.CkptPersisted)
+        assert not await events_of(bus, ev.CkptCommitted)
+        assert not (ckpt / "committed").exists()
+        assert not list(ckpt.rglob("*.ckpt")) and not list(ckpt.rglob(".*tmp*")), (
+            "nothing half-written is left"
+        )
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rove.control.cli.main",
+                "status",
+                "--job",
+                JOB,
+                "--nats",
+                bus.url,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "nothing persisted yet" in status.stdout
+        assert "persist failures (last: step" in status.stdout
+    finally:
+        master.stop()
