@@ -264,6 +264,86 @@ class WorkersSucceeded(Event, tag="workers_succeeded", frozen=True, kw_only=True
     round: int
 
 
+# --------------------------------------------------------------------------- data shards
+
+
+class DatasetSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A dataset of `size` indexed samples, split into shards of `shard_size` indices.
+
+    Each epoch visits the shards in an order shuffled from `seed` and `epoch`
+    (when `shuffle`), so every master and client computes the same shards.
+    A lease not renewed within `lease_s` goes back to todo.
+    """
+
+    size: int
+    shard_size: int
+    epochs: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    lease_s: float = 600.0
+
+
+class ShardRef(msgspec.Struct, frozen=True, array_like=True):
+    """Shard `key` (epoch * shards-per-epoch + position in the epoch's order), from `offset`.
+
+    `offset` > 0 is the remainder of a shard partly trained before a restore.
+    """
+
+    key: int
+    offset: int = 0
+
+
+class DataPosition(msgspec.Struct, frozen=True, kw_only=True):
+    """What the lineage of a checkpoint has trained of a dataset.
+
+    `done`: inclusive ranges of shard keys fully trained; `partial`: shards
+    trained up to an offset. Everything else is still to train.
+    """
+
+    done: tuple[tuple[int, int], ...] = ()
+    partial: tuple[ShardRef, ...] = ()
+
+
+class DatasetRegistered(Event, tag="dataset_registered", frozen=True, kw_only=True):
+    """A trainer declares `dataset` (idempotent; a different spec is rejected)."""
+
+    dataset: str
+    spec: DatasetSpec
+    client: str
+    node: str = ""
+    rank: int = 0
+
+
+class ShardRequested(Event, tag="shard_requested", frozen=True, kw_only=True):
+    """`client` asks for `count` more shards and renews the leases it `held`.
+
+    Its first request in a round carries where the restored checkpoint stood
+    (`restore`, None for a fresh start): the dataset is rolled back to it.
+    """
+
+    dataset: str
+    client: str
+    request: int
+    count: int
+    node: str = ""
+    rank: int = 0
+    round: int = 0
+    held: tuple[int, ...] = ()
+    restore: DataPosition | None = None
+    restore_step: int | None = None
+
+
+class ShardDone(Event, tag="shard_done", frozen=True, kw_only=True):
+    """`client` trained every sample of `shard` (from its offset)."""
+
+    dataset: str
+    client: str
+    shard: ShardRef
+    node: str = ""
+    rank: int = 0
+    round: int = 0
+
+
 # --------------------------------------------------------------------------- operator commands
 
 
@@ -343,6 +423,50 @@ class NodeExcluded(Decision, tag="node_excluded", frozen=True, kw_only=True):
     reason: str
 
 
+class ShardLeased(Decision, tag="shard_leased", frozen=True, kw_only=True):
+    """Answer to `client`'s `request`: `shards` are its until `deadline` (renewed by requests).
+
+    No shards and `exhausted`: every shard of every epoch is done or leased.
+    """
+
+    dataset: str
+    client: str
+    request: int
+    shards: tuple[ShardRef, ...]
+    deadline: float
+    node: str = ""
+    rank: int = 0
+    exhausted: bool = False
+
+
+class ShardRequeued(Decision, tag="shard_requeued", frozen=True, kw_only=True):
+    """Leased shards back to todo: `reason` is lease_expired, node_lost or round_restarted."""
+
+    dataset: str
+    shards: tuple[ShardRef, ...]
+    reason: str
+    client: str = ""
+
+
+class DataRestored(Decision, tag="data_restored", frozen=True, kw_only=True):
+    """`dataset` follows the lineage of round `round`, restored from `step` (None: fresh)."""
+
+    dataset: str
+    round: int
+    step: int | None
+    done_shards: int
+    partial_shards: int
+
+
+class DataRejected(Decision, tag="data_rejected", frozen=True, kw_only=True):
+    """A data request or acknowledgement refused; nothing in the dataset changed."""
+
+    dataset: str
+    client: str
+    event_id: str
+    reason: str
+
+
 class JobEnded(Decision, tag="job_ended", frozen=True, kw_only=True):
     """The job reached a terminal phase."""
 
@@ -362,7 +486,14 @@ class EventRejected(Decision, tag="event_rejected", frozen=True, kw_only=True):
 
 
 AnyEvent = (
-    NodeJoined
+    DatasetRegistered
+    | ShardRequested
+    | ShardDone
+    | ShardLeased
+    | ShardRequeued
+    | DataRestored
+    | DataRejected
+    | NodeJoined
     | NodeLeft
     | Heartbeat
     | RdzvJoined
@@ -389,6 +520,13 @@ AnyEvent = (
 EVENT_TYPES: Final[dict[str, type[Event]]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
     for cls in (
+        DatasetRegistered,
+        ShardRequested,
+        ShardDone,
+        ShardLeased,
+        ShardRequeued,
+        DataRestored,
+        DataRejected,
         NodeJoined,
         NodeLeft,
         Heartbeat,

@@ -7,6 +7,7 @@ which also validate the names that become subject tokens.
     rove.ev.<job>.master             master decisions (no kind)
     rove.ev.<job>.master.<kind>      master decisions, one subject per kind
     rove.ev.<job>.data.<dataset>     shard requests / acknowledgements
+    rove.ev.<job>.data.<dataset>.<client>   the master's answers to one data client
     rove.ev.<job>.plan               scale plans
     rove.ev.<job>.scaler             plan outcomes
     rove.ev.<job>.cmd                operator commands
@@ -78,6 +79,11 @@ def data(job: str, dataset: str) -> str:
     return f"{EVENTS_ROOT}.{check_name('job', job)}.data.{check_name('dataset', dataset)}"
 
 
+def data_answer(job: str, dataset: str, client: str) -> str:
+    """Where the master answers one data client (leases, rejections): only it listens."""
+    return f"{data(job, dataset)}.{check_name('client', client)}"
+
+
 def plan(job: str) -> str:
     return f"{EVENTS_ROOT}.{check_name('job', job)}.plan"
 
@@ -125,6 +131,11 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.CkptPersisted: lambda e: node_facts(e.job, e.node),
     ev.CkptFailed: lambda e: node_facts(e.job, e.node),
     ev.StopRequested: lambda e: cmd(e.job),
+    ev.DatasetRegistered: lambda e: data(e.job, e.dataset),
+    ev.ShardRequested: lambda e: data(e.job, e.dataset),
+    ev.ShardDone: lambda e: data(e.job, e.dataset),
+    ev.ShardLeased: lambda e: data_answer(e.job, e.dataset, e.client),
+    ev.DataRejected: lambda e: data_answer(e.job, e.dataset, e.client),
 }
 
 

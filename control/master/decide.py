@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from rove.control import events as ev
 from rove.control.master import checkpoints as ckpt
+from rove.control.master import data
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import JobState, NodeStatus
 
@@ -31,7 +32,23 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
     if not decisions:
         decisions.extend(_rendezvous(state, liveness, now))
     decisions.extend(_commit(state, now))
+    decisions.extend(_data(state, now))
     return decisions
+
+
+_DATA_DECISIONS: dict[str, type[ev.Decision]] = {
+    ev.kind(t): t for t in (ev.ShardLeased, ev.ShardRequeued, ev.DataRestored, ev.DataRejected)
+}
+
+
+def _data(state: JobState, now: float) -> list[ev.Decision]:
+    if not state.data.datasets and not state.data.rejections:
+        return []
+    lost = frozenset(n.node for n in state.nodes.values() if n.status is not NodeStatus.ACTIVE)
+    return [
+        _DATA_DECISIONS[kind](**_common(state, now, kind, *id_parts), **fields)  # type: ignore[arg-type]
+        for kind, fields, id_parts in data.due(state.data, state.rdzv.round, lost, now)
+    ]
 
 
 def _commit(state: JobState, now: float) -> list[ev.Decision]:

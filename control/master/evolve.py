@@ -16,6 +16,7 @@ from msgspec.structs import replace
 
 from rove.control import events as ev
 from rove.control.master import checkpoints as ckpt
+from rove.control.master import data
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import (
     RECENT_REJECTIONS,
@@ -36,6 +37,13 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.CkptPersisted: ("ckpt", ckpt.on_persisted),
     ev.CkptFailed: ("ckpt", ckpt.on_failed),
     ev.CkptCommitted: ("ckpt", ckpt.on_committed),
+    ev.DatasetRegistered: ("data", data.on_registered),
+    ev.ShardRequested: ("data", data.on_requested),
+    ev.ShardDone: ("data", data.on_done),
+    ev.ShardLeased: ("data", data.on_leased),
+    ev.ShardRequeued: ("data", data.on_requeued),
+    ev.DataRestored: ("data", data.on_restored),
+    ev.DataRejected: ("data", data.on_rejected),
 }
 
 

@@ -19,6 +19,7 @@ import msgspec
 
 from rove.control.events import EventRejected, JobPhase, JobSpec
 from rove.control.master.checkpoints import CkptState
+from rove.control.master.data import DataState
 from rove.control.master.rendezvous import RdzvState
 
 #: How many dead letters the state keeps for `rove status` (the count is unbounded).
@@ -85,6 +86,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     recent_rejections: tuple[EventRejected, ...] = ()
     rdzv: RdzvState = msgspec.field(default_factory=RdzvState)
     ckpt: CkptState = msgspec.field(default_factory=CkptState)
+    data: DataState = msgspec.field(default_factory=DataState)
     applied_seq: int = 0
 
 

@@ -1,0 +1,378 @@
+"""Datasets, shard leases and the data lineage, as the master folds them (pure).
+
+Each registered dataset holds todo / leased / done shards. A request is
+allocated the moment it is folded: the oldest requeued shards first, then
+the next untouched keys (`cursor`). Because allocation is a function of the
+folded events, every master that replays the stream allocates the same
+shards, and the leader's `shard_leased` only announces what the fold decided
+(re-announcing is deduplicated by its id).
+
+Rollback: the first request of a new round carries where the checkpoint that
+round restored stood (`DataPosition`, None for a fresh start). The dataset is
+reset to it: shards done in that lineage stay done, partly trained shards
+become remainders from their offset, everything else (leased or done after
+the checkpoint) goes back to todo. Acknowledgements from an older round are
+refused, so nothing trained outside the lineage counts.
+
+Bad input (unknown dataset, a key out of range, an acknowledgement of a shard
+the client does not hold, a duplicate, a conflicting registration) changes
+nothing but a pending `data_rejected` answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import immutables
+import msgspec
+from msgspec.structs import replace
+
+from rove.control import events as ev
+from rove.control import shards
+
+#: The most shards one request may ask for.
+MAX_REQUEST = 1024
+
+
+class Lease(msgspec.Struct, frozen=True, array_like=True):
+    client: str
+    node: str
+    rank: int
+    round: int
+    offset: int
+    deadline: float
+
+
+class Grant(msgspec.Struct, frozen=True, array_like=True):
+    """An allocated request, to announce as `shard_leased`."""
+
+    client: str
+    request: int
+    node: str
+    rank: int
+    shards: tuple[ev.ShardRef, ...]
+    deadline: float
+    exhausted: bool
+
+
+class NodeData(msgspec.Struct, frozen=True, array_like=True):
+    """Per node: shards and samples acknowledged, and when (for throughput)."""
+
+    shards: int = 0
+    samples: int = 0
+    first_ts: float = 0.0
+    last_ts: float = 0.0
+
+
+class Rejection(msgspec.Struct, frozen=True, array_like=True):
+    dataset: str
+    client: str
+    event_id: str
+    reason: str
+
+
+class Dataset(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    spec: ev.DatasetSpec
+    round: int = 0
+    step: int | None = None
+    announce_restore: bool = False
+    restored_done: int = 0
+    restored_partial: int = 0
+    cursor: int = 0
+    requeued: tuple[ev.ShardRef, ...] = ()
+    leases: immutables.Map[int, Lease] = msgspec.field(default_factory=immutables.Map)
+    done: immutables.Map[int, bool] = msgspec.field(default_factory=immutables.Map)
+    grants: immutables.Map[str, Grant] = msgspec.field(default_factory=immutables.Map)
+    bad_clients: frozenset[str] = frozenset()
+    nodes: immutables.Map[str, NodeData] = msgspec.field(default_factory=immutables.Map)
+    requeued_total: int = 0
+    restores: int = 0
+
+
+class DataState(msgspec.Struct, frozen=True, kw_only=True):
+    datasets: immutables.Map[str, Dataset] = msgspec.field(default_factory=immutables.Map)
+    rejections: tuple[Rejection, ...] = ()
+    rejected_total: int = 0
+
+
+def _reject(d: DataState, dataset: str, client: str, event_id: str, reason: str) -> DataState:
+    return replace(
+        d,
+        rejections=(*d.rejections, Rejection(dataset, client, event_id, reason)),
+        rejected_total=d.rejected_total + 1,
+    )
+
+
+def _put(d: DataState, ds: Dataset) -> DataState:
+    return replace(d, datasets=d.datasets.set(ds.name, ds))
+
+
+# --------------------------------------------------------------------------- folds
+
+
+def on_registered(d: DataState, e: ev.DatasetRegistered) -> DataState:
+    problem = shards.spec_problem(e.spec)
+    if problem:
+        return _reject(d, e.dataset, e.client, e.id, f"dataset {e.dataset}: {problem}")
+    known = d.datasets.get(e.dataset)
+    if known is None:
+        return _put(d, Dataset(name=e.dataset, spec=e.spec))
+    if known.spec == e.spec:
+        return d  # idempotent: every rank of every round registers
+    reason = (
+        f"dataset {e.dataset} is registered with {_describe(known.spec)}, but client "
+        f"{e.client} registers {_describe(e.spec)}: use the same parameters, or a new "
+        "dataset name for different data"
+    )
+    d = _put(d, replace(known, bad_clients=known.bad_clients | {e.client}))
+    return _reject(d, e.dataset, e.client, e.id, reason)
+
+
+def _describe(spec: ev.DatasetSpec) -> str:
+    return (
+        f"size={spec.size} shard_size={spec.shard_size} epochs={spec.epochs} "
+        f"seed={spec.seed} shuffle={spec.shuffle}"
+    )
+
+
+def on_requested(d: DataState, e: ev.ShardRequested) -> DataState:
+    ds = d.datasets.get(e.dataset)
+    if ds is None:
+        return _reject(
+            d, e.dataset, e.client, e.id, f"unknown dataset {e.dataset}: register it first"
+        )
+    if e.client in ds.bad_clients:
+        return _reject(d, e.dataset, e.client, e.id, "this client's registration was refused")
+    if not 0 <= e.count <= MAX_REQUEST:
+        reason = f"count must be between 0 and {MAX_REQUEST}, not {e.count}"
+        return _reject(d, e.dataset, e.client, e.id, reason)
+    if e.round < ds.round:
+        reason = (
+            f"request from round {e.round}, but dataset {e.dataset} follows round {ds.round}: "
+            "a worker of a finished round"
+        )
+        return _reject(d, e.dataset, e.client, e.id, reason)
+    if e.round > ds.round:
+        ds = restore(ds, e.round, e.restore_step, e.restore)
+    deadline = e.ts + ds.spec.lease_s
+    leases = ds.leases
+    for key in e.held:
+        lease = leases.get(key)
+        if lease is not None and lease.client == e.client:
+            leases = leases.set(key, replace(lease, deadline=deadline))
+    ds = replace(ds, leases=leases)
+    if e.count == 0:
+        return _put(d, ds)
+    ds, granted = _allocate(ds, e.count)
+    leases = ds.leases
+    for ref in granted:
+        leases = leases.set(ref.key, Lease(e.client, e.node, e.rank, e.round, ref.offset, deadline))
+    exhausted = not granted and not ds.requeued and ds.cursor >= shards.total(ds.spec)
+    grant = Grant(e.client, e.request, e.node, e.rank, granted, deadline, exhausted)
+    grants = ds.grants.set(f"{e.client}/{e.request}", grant)
+    return _put(d, replace(ds, leases=leases, grants=grants))
+
+
+def _allocate(ds: Dataset, count: int) -> tuple[Dataset, tuple[ev.ShardRef, ...]]:
+    taken = list(ds.requeued[:count])
+    requeued = ds.requeued[len(taken) :]
+    cursor = ds.cursor
+    end = shards.total(ds.spec)
+    while len(taken) < count and cursor < end:
+        taken.append(ev.ShardRef(cursor, 0))
+        cursor += 1
+    return replace(ds, requeued=requeued, cursor=cursor), tuple(taken)
+
+
+def restore(ds: Dataset, round_: int, step: int | None, pos: ev.DataPosition | None) -> Dataset:
+    """`ds` rolled back to the lineage of a checkpoint (or to nothing trained)."""
+    end = shards.total(ds.spec)
+    done_keys = [k for k in shards.from_ranges(pos.done) if 0 <= k < end] if pos else []
+    partial = {r.key: r.offset for r in pos.partial if 0 <= r.key < end} if pos else {}
+    top = max([*done_keys, *partial, -1]) + 1
+    done = immutables.Map({k: True for k in done_keys})
+    requeued = tuple(ev.ShardRef(k, partial.get(k, 0)) for k in range(top) if k not in done)
+    return replace(
+        ds,
+        round=round_,
+        step=step,
+        announce_restore=True,
+        restored_done=len(done),
+        restored_partial=sum(1 for o in partial.values() if o),
+        cursor=top,
+        requeued=requeued,
+        leases=immutables.Map(),
+        done=done,
+        grants=immutables.Map(),
+        restores=ds.restores + 1,
+    )
+
+
+def on_leased(d: DataState, e: ev.ShardLeased) -> DataState:
+    ds = d.datasets.get(e.dataset)
+    if ds is None:
+        return d
+    return _put(d, replace(ds, grants=ds.grants.delete(f"{e.client}/{e.request}")))
+
+
+def on_done(d: DataState, e: ev.ShardDone) -> DataState:
+    ds = d.datasets.get(e.dataset)
+    if ds is None:
+        return _reject(d, e.dataset, e.client, e.id, f"unknown dataset {e.dataset}")
+    key = e.shard.key
+    end = shards.total(ds.spec)
+    lease = ds.leases.get(key)
+    problem = None
+    if not 0 <= key < end:
+        problem = f"shard {key} is out of range: dataset {e.dataset} has shards 0..{end - 1}"
+    elif e.round < ds.round:
+        problem = f"acknowledgement from round {e.round}; the dataset follows round {ds.round}"
+    elif lease is None:
+        problem = (
+            f"duplicate acknowledgement of shard {key}"
+            if key in ds.done
+            else f"shard {key} is not leased to anyone"
+        )
+    elif lease.client != e.client:
+        problem = f"shard {key} is leased to {lease.client}, not to {e.client}"
+    if problem is not None:
+        return _reject(d, e.dataset, e.client, e.id, problem)
+    assert lease is not None
+    samples = shards.shard_len(ds.spec, key) - lease.offset
+    node = ds.nodes.get(lease.node, NodeData())
+    node = NodeData(
+        node.shards + 1, node.samples + samples, node.first_ts or e.ts, max(node.last_ts, e.ts)
+    )
+    return _put(
+        d,
+        replace(
+            ds,
+            leases=ds.leases.delete(key),
+            done=ds.done.set(key, True),
+            nodes=ds.nodes.set(lease.node, node),
+        ),
+    )
+
+
+def on_requeued(d: DataState, e: ev.ShardRequeued) -> DataState:
+    ds = d.datasets.get(e.dataset)
+    if ds is None:
+        return d
+    leases = ds.leases
+    back = []
+    for ref in e.shards:
+        lease = leases.get(ref.key)
+        if lease is not None and (not e.client or lease.client == e.client):
+            leases = leases.delete(ref.key)
+            back.append(ev.ShardRef(ref.key, lease.offset))
+    if not back:
+        return d
+    requeued = tuple(sorted((*ds.requeued, *back), key=lambda r: r.key))
+    return _put(
+        d,
+        replace(ds, leases=leases, requeued=requeued, requeued_total=ds.requeued_total + len(back)),
+    )
+
+
+def on_restored(d: DataState, e: ev.DataRestored) -> DataState:
+    ds = d.datasets.get(e.dataset)
+    if ds is None or ds.round != e.round:
+        return d
+    return _put(d, replace(ds, announce_restore=False))
+
+
+def on_rejected(d: DataState, e: ev.DataRejected) -> DataState:
+    left = tuple(r for r in d.rejections if (r.event_id, r.client) != (e.event_id, e.client))
+    return replace(d, rejections=left)
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+Announcement = tuple[str, dict[str, object], tuple[object, ...]]
+
+
+def due(
+    d: DataState, current_round: int, lost_nodes: frozenset[str], now: float
+) -> list[Announcement]:
+    """What to announce now: (event kind, fields, id parts), for `decide` to wrap."""
+    out: list[Announcement] = []
+    for r in d.rejections:
+        out.append(
+            (
+                "data_rejected",
+                {
+                    "dataset": r.dataset,
+                    "client": r.client,
+                    "event_id": r.event_id,
+                    "reason": r.reason,
+                },
+                (r.event_id, r.client),
+            )
+        )
+    for ds in d.datasets.values():
+        if ds.announce_restore:
+            out.append(
+                (
+                    "data_restored",
+                    {
+                        "dataset": ds.name,
+                        "round": ds.round,
+                        "step": ds.step,
+                        "done_shards": ds.restored_done,
+                        "partial_shards": ds.restored_partial,
+                    },
+                    (ds.name, ds.round),
+                )
+            )
+        for g in ds.grants.values():
+            out.append(
+                (
+                    "shard_leased",
+                    {
+                        "dataset": ds.name,
+                        "client": g.client,
+                        "request": g.request,
+                        "node": g.node,
+                        "rank": g.rank,
+                        "shards": g.shards,
+                        "deadline": g.deadline,
+                        "exhausted": g.exhausted,
+                    },
+                    (ds.name, g.client, g.request),
+                )
+            )
+        out.extend(_requeues(ds, current_round, lost_nodes, now))
+    return out
+
+
+def _requeues(
+    ds: Dataset, current_round: int, lost_nodes: frozenset[str], now: float
+) -> list[Announcement]:
+    groups: dict[tuple[str, str], list[tuple[int, Lease]]] = {}
+    for key, lease in ds.leases.items():
+        if lease.node in lost_nodes:
+            reason = "node_lost"
+        elif 0 < lease.round < current_round:
+            reason = "round_restarted"
+        elif lease.deadline < now:
+            reason = "lease_expired"
+        else:
+            continue
+        groups.setdefault((lease.client, reason), []).append((key, lease))
+    out: list[Announcement] = []
+    for (client, reason), leases in sorted(groups.items()):
+        leases.sort(key=lambda kl: kl[0])
+        # the id names these very leases (a shard leased again later is a new requeue)
+        text = ",".join(f"{k}/{lease.offset}/{lease.deadline}" for k, lease in leases)
+        digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        refs = tuple(ev.ShardRef(k, lease.offset) for k, lease in leases)
+        fields: dict[str, object] = {
+            "dataset": ds.name,
+            "client": client,
+            "reason": reason,
+            "shards": refs,
+        }
+        out.append(("shard_requeued", fields, (ds.name, client, reason, digest)))
+    return out

@@ -1,0 +1,114 @@
+"""Shard arithmetic shared by the master and the data clients (pure).
+
+A dataset of `size` samples has `per_epoch = ceil(size / shard_size)` shards
+per epoch. Shard *ids* are contiguous index ranges `[id * shard_size, ...)`.
+Each epoch visits them in an order shuffled from `(seed, epoch)`; a shard's
+*key* is `epoch * per_epoch + position in that order`, so keys are handed out
+in increasing order and a run of done shards compresses into a few ranges.
+Inside a shard the indices are shuffled too, from `(seed, epoch, id)`.
+Everything here is a function of the `DatasetSpec`: every master and every
+client computes the same shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Iterable, Iterator
+
+from rove.control.events import DataPosition, DatasetSpec, ShardRef
+
+#: The most shards a dataset may have over all its epochs (keeps the state bounded).
+MAX_SHARDS = 10_000_000
+
+
+def spec_problem(spec: DatasetSpec) -> str | None:
+    """Why `spec` is unusable, or None."""
+    if spec.size < 1:
+        return f"size must be at least 1, not {spec.size}"
+    if spec.shard_size < 1:
+        return f"shard_size must be at least 1, not {spec.shard_size}"
+    if spec.epochs < 1:
+        return f"epochs must be at least 1, not {spec.epochs}"
+    if spec.lease_s <= 0:
+        return f"lease_s must be positive, not {spec.lease_s}"
+    if total(spec) > MAX_SHARDS:
+        return (
+            f"{total(spec)} shards over all epochs is more than {MAX_SHARDS}: "
+            "use a larger shard_size"
+        )
+    return None
+
+
+def per_epoch(spec: DatasetSpec) -> int:
+    return -(-spec.size // spec.shard_size)
+
+
+def total(spec: DatasetSpec) -> int:
+    return per_epoch(spec) * spec.epochs
+
+
+def epoch_of(spec: DatasetSpec, key: int) -> int:
+    return key // per_epoch(spec)
+
+
+@functools.lru_cache(maxsize=16)
+def _order(size: int, shard_size: int, seed: int, shuffle: bool, epoch: int) -> tuple[int, ...]:
+    ids = list(range(-(-size // shard_size)))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(ids)
+    return tuple(ids)
+
+
+def shard_id(spec: DatasetSpec, key: int) -> int:
+    n = per_epoch(spec)
+    return _order(spec.size, spec.shard_size, spec.seed, spec.shuffle, key // n)[key % n]
+
+
+def shard_len(spec: DatasetSpec, key: int) -> int:
+    start = shard_id(spec, key) * spec.shard_size
+    return min(spec.size, start + spec.shard_size) - start
+
+
+def indices(spec: DatasetSpec, ref: ShardRef) -> list[int]:
+    """The sample indices of `ref`, in training order, from its offset on."""
+    sid = shard_id(spec, ref.key)
+    start = sid * spec.shard_size
+    out = list(range(start, min(spec.size, start + spec.shard_size)))
+    if spec.shuffle:
+        random.Random((spec.seed * 1_000_003 + epoch_of(spec, ref.key)) * 7_919 + sid).shuffle(out)
+    return out[ref.offset :]
+
+
+def to_ranges(keys: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted, merged inclusive ranges of `keys`."""
+    ranges: list[list[int]] = []
+    for k in sorted(set(keys)):
+        if ranges and ranges[-1][1] == k - 1:
+            ranges[-1][1] = k
+        else:
+            ranges.append([k, k])
+    return tuple((a, b) for a, b in ranges)
+
+
+def from_ranges(ranges: Iterable[tuple[int, int]]) -> Iterator[int]:
+    for first, last in ranges:
+        yield from range(first, last + 1)
+
+
+def merge(positions: Iterable[DataPosition]) -> DataPosition:
+    """One position from the positions of several ranks (of one world, one step).
+
+    Done shards are the union. A shard partly trained on one rank and done on
+    none stays partial, at the largest offset any rank reports.
+    """
+    done: set[int] = set()
+    partial: dict[int, int] = {}
+    for p in positions:
+        done.update(from_ranges(p.done))
+        for ref in p.partial:
+            partial[ref.key] = max(partial.get(ref.key, 0), ref.offset)
+    return DataPosition(
+        done=to_ranges(done),
+        partial=tuple(ShardRef(k, o) for k, o in sorted(partial.items()) if k not in done),
+    )

@@ -1,0 +1,258 @@
+"""Datasets and shard leases in the master's fold (pure): allocation, acknowledgement,
+requeue, rollback to a checkpoint's position, and refused input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rove.control import events as ev
+from rove.control import shards
+from rove.control.master.state import JobState
+from shard_service.tracker import Tracker
+from tests.sim import Sim
+
+SPEC = ev.DatasetSpec(size=100, shard_size=10, epochs=2, seed=3, lease_s=30.0)
+
+
+class Data:
+    """A simulated master plus data clients publishing facts with a clock."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.n = 0
+
+    def _env(self, client: str) -> dict[str, object]:
+        self.n += 1
+        return {"job": "j1", "id": f"{client}:{self.n}", "producer": client, "ts": self.sim.now}
+
+    def register(self, client: str, spec: ev.DatasetSpec = SPEC, name: str = "d") -> None:
+        self.sim.apply(
+            ev.DatasetRegistered(**self._env(client), dataset=name, spec=spec, client=client)
+        )  # type: ignore[arg-type]
+
+    def request(self, client: str, count: int, **kw: object) -> ev.ShardLeased | ev.DataRejected:
+        req = ev.ShardRequested(
+            **self._env(client),  # type: ignore[arg-type]
+            dataset=kw.pop("dataset", "d"),  # type: ignore[arg-type]
+            client=client,
+            request=self.n,
+            count=count,
+            node=kw.pop("node", "na"),  # type: ignore[arg-type]
+            **kw,  # type: ignore[arg-type]
+        )
+        self.sim.apply(req)
+        answers = [
+            d
+            for d in self.sim.tick()
+            if isinstance(d, ev.ShardLeased | ev.DataRejected) and d.client == client
+        ]
+        assert len(answers) == 1, answers
+        return answers[0]
+
+    def done(self, client: str, ref: ev.ShardRef, **kw: object) -> list[ev.Decision]:
+        self.sim.apply(
+            ev.ShardDone(**self._env(client), dataset="d", client=client, shard=ref, **kw)  # type: ignore[arg-type]
+        )
+        return self.sim.tick()
+
+    @property
+    def state(self) -> JobState:
+        return self.sim.state
+
+
+@pytest.fixture
+def data() -> Data:
+    d = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    d.register("c1")
+    return d
+
+
+def test_shards_are_handed_out_in_order_and_cover_every_index_once_per_epoch() -> None:
+    per = shards.per_epoch(SPEC)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for key in range(shards.total(SPEC)):
+        seen[shards.epoch_of(SPEC, key)].extend(shards.indices(SPEC, ev.ShardRef(key)))
+    assert per == 10
+    assert sorted(seen[0]) == list(range(100)) == sorted(seen[1])
+    assert seen[0] != seen[1], "each epoch has its own order"
+    assert seen[0] != list(range(100)), "shuffled"
+    assert shards.indices(SPEC, ev.ShardRef(3, 4)) == shards.indices(SPEC, ev.ShardRef(3))[4:]
+
+
+def test_requests_get_distinct_shards_and_exhaustion_is_said(data: Data) -> None:
+    a = data.request("c1", 3)
+    data.register("c2")
+    b = data.request("c2", 20, node="nb")
+    assert isinstance(a, ev.ShardLeased) and isinstance(b, ev.ShardLeased)
+    assert [r.key for r in a.shards] == [0, 1, 2]
+    assert [r.key for r in b.shards] == list(range(3, 20))
+    assert not b.exhausted
+    last = data.request("c2", 1, node="nb")
+    assert isinstance(last, ev.ShardLeased) and last.shards == () and last.exhausted
+    assert len(data.state.data.datasets["d"].grants) == 0, "every grant was announced and folded"
+
+
+def test_done_counts_per_node_and_bad_acknowledgements_are_refused(data: Data) -> None:
+    a = data.request("c1", 2)
+    assert isinstance(a, ev.ShardLeased)
+    data.done("c1", a.shards[0])
+    before = data.state.data.datasets["d"]
+    assert before.nodes["na"].shards == 1 and before.nodes["na"].samples == 10
+    data.register("c2")
+    cases = {
+        "duplicate acknowledgement of shard 0": ("c1", ev.ShardRef(0)),
+        "shard 1 is leased to c1, not to c2": ("c2", ev.ShardRef(1)),
+        "shard 7 is not leased to anyone": ("c1", ev.ShardRef(7)),
+        "shard 99 is out of range": ("c1", ev.ShardRef(99)),
+    }
+    for reason, (client, ref) in cases.items():
+        out = data.done(client, ref)
+        (rejected,) = [d for d in out if isinstance(d, ev.DataRejected)]
+        assert reason in rejected.reason and rejected.client == client
+        after = data.state.data.datasets["d"]
+        assert (after.leases, after.done, after.nodes) == (before.leases, before.done, before.nodes)
+    assert data.state.data.rejections == (), "every rejection was announced"
+
+
+def test_unknown_dataset_conflicting_and_invalid_registrations_are_refused(data: Data) -> None:
+    out = data.request("c1", 1, dataset="nope")
+    assert isinstance(out, ev.DataRejected) and "unknown dataset nope" in out.reason
+    data.register("c1")  # the same spec again: idempotent
+    data.register("c9", ev.DatasetSpec(size=101, shard_size=10, epochs=2, seed=3, lease_s=30.0))
+    (rej,) = [d for d in data.sim.tick() if isinstance(d, ev.DataRejected)]
+    assert "registered with size=100" in rej.reason and "registers size=101" in rej.reason
+    assert data.state.data.datasets["d"].spec == SPEC
+    refused = data.request("c9", 1)
+    assert isinstance(refused, ev.DataRejected) and "registration was refused" in refused.reason
+    data.register("c1", ev.DatasetSpec(size=0, shard_size=1), name="bad")
+    (rej,) = [d for d in data.sim.tick() if isinstance(d, ev.DataRejected)]
+    assert "size must be at least 1" in rej.reason and "bad" not in data.state.data.datasets
+
+
+def test_expired_leases_and_leases_of_lost_nodes_go_back_to_todo_first() -> None:
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2), node_timeout=5))
+    data.register("c1")
+    data.sim.join("na")
+    data.sim.join("nb")
+    a = data.request("c1", 2)
+    assert isinstance(a, ev.ShardLeased)
+    data.sim.wait(4, "na", "nb")
+    data.sim.wait(4, "na", "nb")
+    data.sim.apply(
+        ev.ShardRequested(
+            **data._env("c1"), dataset="d", client="c1", request=99, count=0, node="na", held=(0,)
+        )  # type: ignore[arg-type]
+    )  # renews shard 0 only; a renewal gets no answer
+    for _ in range(6):  # shard 1's lease (30 s) expires, shard 0's was renewed
+        data.sim.wait(4, "na", "nb")
+    (requeued,) = [d for d in data.sim.decisions if isinstance(d, ev.ShardRequeued)]
+    assert requeued.reason == "lease_expired" and [r.key for r in requeued.shards] == [1]
+    data.register("c2")
+    again = data.request("c2", 1, node="nb")
+    assert isinstance(again, ev.ShardLeased) and [r.key for r in again.shards] == [1]
+
+    data.sim.wait(6, "na")  # nb stops heartbeating: lost
+    lost = [
+        d for d in data.sim.decisions if isinstance(d, ev.ShardRequeued) and d.reason == "node_lost"
+    ]
+    assert [r.key for d in lost for r in d.shards] == [1]
+
+
+def test_a_new_round_rolls_the_dataset_back_to_the_restored_position(data: Data) -> None:
+    a = data.request("c1", 4, round=1)
+    assert isinstance(a, ev.ShardLeased)
+    for ref in a.shards[:3]:
+        data.done("c1", ref, round=1)
+    # the checkpoint had shards 0 and 1 done and shard 2 trained up to 4
+    pos = ev.DataPosition(done=((0, 1),), partial=(ev.ShardRef(2, 4),))
+    b = data.request("c1", 3, round=2, restore=pos, restore_step=17)
+    fresh, restored = [d for d in data.sim.decisions if isinstance(d, ev.DataRestored)]
+    assert (fresh.round, fresh.step) == (1, None)
+    assert (restored.round, restored.step, restored.done_shards, restored.partial_shards) == (
+        2,
+        17,
+        2,
+        1,
+    )
+    assert isinstance(b, ev.ShardLeased)
+    assert b.shards == (ev.ShardRef(2, 4), ev.ShardRef(3, 0), ev.ShardRef(4, 0))
+    old = data.done("c1", ev.ShardRef(3), round=1)
+    assert any(isinstance(d, ev.DataRejected) and "round 1" in d.reason for d in old)
+    stale = data.request("c1", 1, round=1)
+    assert isinstance(stale, ev.DataRejected) and "finished round" in stale.reason
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31), st.integers(2, 4))
+def test_exactly_once_in_the_lineage_across_random_failures(seed: int, ranks: int) -> None:
+    """Ranks train batches in lockstep, checkpoint, and crash at random; every
+    restore rolls back to the newest checkpoint. Replaying the lineage of the
+    final model, every index of every epoch is trained exactly once."""
+    rnd = random.Random(seed)
+    spec = ev.DatasetSpec(
+        size=rnd.randint(20, 120), shard_size=rnd.randint(1, 9), epochs=2, seed=seed
+    )
+    d = Data(Sim(ev.RdzvParams()))
+    round_, step = 1, 0
+    checkpoint: tuple[int, ev.DataPosition] | None = None
+    lineage: dict[int, list[tuple[int, int]]] = {}  # step -> (epoch, index) trained
+    restore: ev.DataPosition | None = None
+
+    for _ in range(400):
+        world = rnd.randint(1, ranks)
+        trackers = [Tracker(spec) for _ in range(world)]
+        clients = [f"r{round_}-{i}" for i in range(world)]
+        for c in clients:
+            d.register(c, spec)
+        for t in trackers:
+            if restore is not None:
+                t.restore(restore)
+        first = {c: True for c in clients}
+        exhausted = {c: False for c in clients}
+        crash_at = step + rnd.randint(1, 12)
+        while step < crash_at:
+            step += 1
+            trained: list[tuple[int, int]] = []
+            for c, t in zip(clients, trackers, strict=True):
+                batch: list[tuple[int, int]] = []
+                while len(batch) < 3 and not exhausted[c]:
+                    if t.untaken() == 0:
+                        extra = (
+                            {"restore": restore, "restore_step": checkpoint and checkpoint[0]}
+                            if first[c]
+                            else {}
+                        )
+                        first[c] = False
+                        ans = d.request(
+                            c, rnd.randint(1, 2), round=round_, held=tuple(t.held), **extra
+                        )
+                        assert isinstance(ans, ev.ShardLeased), ans
+                        t.add(ans.shards)
+                        exhausted[c] = ans.exhausted
+                        continue
+                    batch += t.take(3 - len(batch))
+                if batch:
+                    while t.inflight:
+                        for ref in t.delivered():
+                            d.done(c, ref, round=round_)
+                trained += [(shards.epoch_of(spec, k), i) for k, i in batch]
+            lineage[step] = trained
+            if all(exhausted.values()) and all(t.untaken() == 0 for t in trackers):
+                break
+            if rnd.random() < 0.5:  # checkpoint: the position of every rank, merged
+                checkpoint = (step, shards.merge(t.position() for t in trackers))
+        if all(exhausted.values()) and all(t.untaken() == 0 for t in trackers):
+            break
+        # crash: restore the newest checkpoint (or start over) in a new round
+        round_ += 1
+        restored = checkpoint[0] if checkpoint else 0
+        restore = checkpoint[1] if checkpoint else None
+        lineage = {s: v for s, v in lineage.items() if s <= restored}
+        step = restored
+    samples = sorted(x for v in lineage.values() for x in v)
+    expected = sorted((e, i) for e in range(spec.epochs) for i in range(spec.size))
+    assert samples == expected
