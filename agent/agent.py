@@ -471,6 +471,9 @@ class Agent:
         env = {
             "ROVE_RESTORE_STEP": "" if r.restore_step is None else str(r.restore_step),
             "ROVE_RESTORE_SOURCE": r.restore_source,
+            # for the data clients in the workers (rove.shard_service)
+            "ROVE_NATS_URL": self.bus.url,
+            "ROVE_NODE": self.cfg.node,
         }
         if self.cfg.checkpoint_dir is not None:
             env["ROVE_CKPT_DIR"] = str(self.cfg.checkpoint_dir)

@@ -71,6 +71,8 @@ class FlashEngine:
         return (newest.slot + 1) % len(self.segments)
 
     def save(self, step: int, state: Any) -> SaveStats:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"a checkpoint step is a non-negative int, not {step!r}")
         started = time.perf_counter()
         p = layout.plan(step, state)
         meta = layout.encode_meta(p.meta)

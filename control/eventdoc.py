@@ -38,13 +38,32 @@ def _subject(cls: type[ev.Event]) -> str:
         values["phase"] = ev.JobPhase.STOPPED
     if cls is ev.WorkerExited:
         values["kind"] = ev.FailureKind.UNKNOWN
-    for tuple_field in ("ranks", "pids", "members", "groups", "results", "faulty", "stragglers"):
+    for tuple_field in (
+        "ranks",
+        "pids",
+        "members",
+        "groups",
+        "results",
+        "faulty",
+        "stragglers",
+        "shards",
+    ):
         if tuple_field in cls.__struct_fields__:
             values[tuple_field] = ()
+    if "dataset" in cls.__struct_fields__:
+        values["dataset"] = "DATASET"
+    if "client" in cls.__struct_fields__:
+        values["client"] = "CLIENT"
+    if cls is ev.DatasetRegistered:
+        values["spec"] = ev.DatasetSpec(size=1, shard_size=1)
+    if cls is ev.ShardDone:
+        values["shard"] = ev.ShardRef(0)
     event = msgspec.convert(
         {k: v for k, v in values.items() if v is not None}, cls, from_attributes=True
     )
-    subject = subjects.subject_for(event).replace("JOB", "<job>").replace("NODE", "<node>")
+    subject = subjects.subject_for(event)
+    for placeholder in ("JOB", "NODE", "DATASET", "CLIENT"):
+        subject = subject.replace(placeholder, f"<{placeholder.lower()}>")
     stream = subjects.HEARTBEAT_STREAM if subject.startswith("rove.hb") else subjects.EVENTS_STREAM
     return f"`{subject}` (stream {stream})"
 
@@ -109,6 +128,7 @@ def render() -> str:
                 ev.CkptFailed,
             ],
         ),
+        ("Data clients (trainers)", [ev.DatasetRegistered, ev.ShardRequested, ev.ShardDone]),
         ("Operator commands", [ev.StopRequested]),
         ("Master decisions", [c for c in ev.EVENT_TYPES.values() if issubclass(c, ev.Decision)]),
     ]

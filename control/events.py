@@ -453,9 +453,9 @@ class DataRestored(Decision, tag="data_restored", frozen=True, kw_only=True):
 
     dataset: str
     round: int
-    step: int | None
     done_shards: int
     partial_shards: int
+    step: int | None = None
 
 
 class DataRejected(Decision, tag="data_rejected", frozen=True, kw_only=True):

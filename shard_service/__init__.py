@@ -4,3 +4,16 @@ iterable dataset, a tf.data source, and streaming (Kafka) shards.
 Shards are requested, leased, acknowledged and requeued as events folded by
 the master (`rove.control`).
 """
+
+from typing import Any
+
+__all__ = ["DataError", "ShardSampler", "ShardedLoader"]
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported only when the torch sampler is used
+    if name in __all__:
+        from rove.shard_service import sampler
+
+        return getattr(sampler, name)
+    raise AttributeError(name)

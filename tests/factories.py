@@ -384,6 +384,48 @@ def committed(step: int, epoch: int, world: int = 4, *, job: str = JOB) -> ev.Ck
     )
 
 
+def data_events(job: str = JOB) -> list[ev.Event]:
+    """One of each data-shard event (facts from a client, then the master's answers)."""
+    fact = {"job": job, "producer": "data:c1", "ts": 100.0}
+    decision = {"job": job, "producer": "master:m1", "ts": 100.5, "epoch": 7}
+    spec = ev.DatasetSpec(size=1000, shard_size=100, epochs=2, seed=1)
+    return [
+        ev.DatasetRegistered(**fact, id="c1:1", dataset="ds", spec=spec, client="c1", node="n1"),
+        ev.ShardRequested(
+            **fact,
+            id="c1:2",
+            dataset="ds",
+            client="c1",
+            request=2,
+            count=2,
+            node="n1",
+            round=1,
+            restore=ev.DataPosition(done=((0, 3),), partial=(ev.ShardRef(4, 17),)),
+            restore_step=40,
+        ),
+        ev.ShardDone(**fact, id="c1:3", dataset="ds", client="c1", shard=ev.ShardRef(4, 17)),
+        ev.ShardLeased(
+            **decision,
+            id="l1",
+            dataset="ds",
+            client="c1",
+            request=2,
+            shards=(ev.ShardRef(4, 17), ev.ShardRef(5)),
+            deadline=700.0,
+            node="n1",
+        ),
+        ev.ShardRequeued(
+            **decision, id="q1", dataset="ds", shards=(ev.ShardRef(5),), reason="node_lost"
+        ),
+        ev.DataRestored(
+            **decision, id="r1", dataset="ds", round=1, step=40, done_shards=4, partial_shards=1
+        ),
+        ev.DataRejected(
+            **decision, id="x1", dataset="ds", client="c1", event_id="c1:9", reason="duplicate"
+        ),
+    ]
+
+
 def all_events() -> list[ev.Event]:
     return [
         *every_event(),
@@ -391,4 +433,5 @@ def all_events() -> list[ev.Event]:
         persisted("n1", 5, (0, 1)),
         ckpt_failed("n1", 6),
         committed(5, 7),
+        *data_events(),
     ]

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from rove.control import aio, subjects
+from rove.control import aio, shards, subjects
 from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.cli import common
@@ -107,6 +107,7 @@ def status_view(
             "persist_failures": state.ckpt.failures,
             "last_error": state.ckpt.last_error or None,
         },
+        "datasets": [_dataset_view(ds) for ds in state.data.datasets.values()],
         "network_check": (
             {
                 "done": r.check.done,
@@ -161,6 +162,51 @@ def _round_line(view: dict[str, Any]) -> str:
     return text
 
 
+def _dataset_view(ds: Any) -> dict[str, Any]:
+    total = shards.total(ds.spec)
+    return {
+        "name": ds.name,
+        "spec": msgspec.to_builtins(ds.spec),
+        "shards": total,
+        "done": len(ds.done),
+        "leased": len(ds.leases),
+        "todo": total - len(ds.done) - len(ds.leases),
+        "epoch": min(shards.epoch_of(ds.spec, min(ds.cursor, total - 1)), ds.spec.epochs - 1),
+        "round": ds.round,
+        "restored_step": ds.step,
+        "requeued_total": ds.requeued_total,
+        "nodes": {
+            node: {
+                "shards": n.shards,
+                "samples": n.samples,
+                "samples_per_s": (
+                    round(n.samples / (n.last_ts - n.first_ts), 1)
+                    if n.last_ts > n.first_ts
+                    else None
+                ),
+            }
+            for node, n in sorted(ds.nodes.items())
+        },
+    }
+
+
+def _dataset_line(ds: dict[str, Any]) -> str:
+    per_node = "; ".join(
+        f"{node or '(no node)'} {n['shards']} shards"
+        + (f" {n['samples_per_s']:.0f} samples/s" if n["samples_per_s"] else "")
+        for node, n in ds["nodes"].items()
+    )
+    restored = (
+        f", restored from step {ds['restored_step']}" if ds["restored_step"] is not None else ""
+    )
+    return (
+        f"dataset {ds['name']}: epoch {ds['epoch'] + 1}/{ds['spec']['epochs']}, "
+        f"{ds['done']}/{ds['shards']} shards done, {ds['leased']} leased, "
+        f"{ds['requeued_total']} requeued{restored}"
+        + (f"; by node: {per_node}" if per_node else "")
+    )
+
+
 _NO_HOLDER = "nobody (failover in progress, or no master running)"
 
 
@@ -192,6 +238,8 @@ def render(view: dict[str, Any]) -> str:
         if ck["persist_failures"]:
             line += f"; {ck['persist_failures']} persist failures (last: {ck['last_error']})"
         lines.append(line)
+    for ds in view["datasets"]:
+        lines.append(_dataset_line(ds))
     check = view["network_check"]
     if check is not None:
         if not check["done"]:

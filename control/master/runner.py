@@ -30,6 +30,10 @@ log = structlog.get_logger("rove.master")
 
 #: How long a published decision is not re-published while we wait to see it folded.
 INFLIGHT_S = 5.0
+#: Facts whose producer waits for an answer: the leader decides as soon as it folds one.
+_WAKE_ON = (ev.ShardRequested, ev.DatasetRegistered, ev.ShardDone)
+#: Answers to data clients: many at a time, independent of each other.
+_ANSWERS = (ev.ShardLeased, ev.DataRejected)
 
 
 class MasterRunner:
@@ -63,6 +67,7 @@ class MasterRunner:
         self._unrecorded: dict[tuple[str, int], records.Rejection] = {}
         self._recorded: set[tuple[str, int]] = set()
         self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
         self._last_snapshot_seq = 0
         self._last_snapshot_at = 0.0
         self.log = log.bind(job=job, master=master_id)
@@ -75,6 +80,8 @@ class MasterRunner:
 
     def _applied(self, rec: records.Recorded) -> None:
         self._inflight.pop(rec.event.id, None)
+        if type(rec.event) in _WAKE_ON:
+            self._wake.set()  # a data client waits for its answer: decide now
         if isinstance(rec.event, ev.EventRejected):
             key = (rec.event.stream, rec.event.stream_seq)
             self._recorded.add(key)
@@ -198,7 +205,18 @@ class MasterRunner:
                 if not await self.lease.renew():
                     raise FencedError("the leader lease expired or was taken")
                 next_renew = time.monotonic() + self.lease.renew_every_s
-            await self._sleep(self.tick_s)
+            await self._doze(self.tick_s)
+
+    async def _doze(self, seconds: float) -> None:
+        """Sleep until the next tick, or until an event someone waits on is folded."""
+        wake = asyncio.ensure_future(self._wake.wait())
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((wake, stop), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+            stop.cancel()
+        self._wake.clear()
 
     async def _election_fence(self, epoch: int) -> Fence:
         """Fence for our `master_elected`: the last message now on the election subject.
@@ -233,8 +251,14 @@ class MasterRunner:
                     self.job, rej, master=self.master_id, epoch=self.state.epoch, now=now
                 )
             )
+        answers = []
         for decision in decide(self.state, self.replica.liveness, now):
-            await self._publish(decision)
+            if isinstance(decision, _ANSWERS):
+                answers.append(self._publish(decision))  # independent: publish them together
+            else:
+                await self._publish(decision)
+        if answers:
+            await asyncio.gather(*answers)
         if self._snapshot_due(now):
             await self._write_snapshot()
 
@@ -249,7 +273,7 @@ class MasterRunner:
         except BaseException:
             self._inflight.pop(decision.id, None)
             raise
-        self.log.info(
+        (self.log.debug if isinstance(decision, _ANSWERS) else self.log.info)(
             f"decided {ev.kind(decision)}",
             seq=seq,
             **{k: v for k, v in _key_fields(decision).items()},

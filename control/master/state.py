@@ -109,7 +109,7 @@ def _dec_hook(tp: Any, obj: Any) -> Any:
     if typing.get_origin(tp) is immutables.Map:
         key, value = typing.get_args(tp)
         return immutables.Map(
-            msgspec.convert(obj, dict[key, value], strict=False)  # type: ignore[valid-type]
+            msgspec.convert(obj, dict[key, value], strict=False, dec_hook=_dec_hook)  # type: ignore[valid-type]
         )
     raise NotImplementedError(f"cannot decode {tp}")
 

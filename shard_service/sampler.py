@@ -1,0 +1,346 @@
+"""Leased shards as a torch batch sampler: exactly once in the lineage of the model.
+
+    from rove.shard_service import ShardSampler
+
+    sampler = ShardSampler("train", size=len(ds), batch_size=32, shard_size=256, epochs=2)
+    loader = sampler.loader(ds, num_workers=2)        # a torch DataLoader underneath
+    if restored:                                     # the flash checkpoint of the model
+        sampler.load_state_dict(state["data"])
+    for batch in loader:                             # every epoch, in one pass
+        if batch is None:                            # others still train: step with zero loss
+            ...
+        ...
+        ckpt.save(step, {"model": ..., "data": sampler.state_dict()})
+
+The sampler asks the master for shards (`prefetch` ahead, so a master
+failover does not stall training), hands their indices out in batches, and
+acknowledges a shard once every sample of it reached the training loop
+(`loader` tells it; a DataLoader prefetches batches it has not delivered).
+`state_dict()` is the data position of the lineage: save it with the model.
+After a restore, `load_state_dict()` makes the first request carry it, and
+the master rolls the dataset back to it: shards done by then stay done,
+partly trained shards resume at their offset, everything else is trained
+again. Faster ranks ask more often and so get more shards.
+
+Under `rove run` the job, NATS URL, node, rank and round come from the
+environment; elsewhere pass `nats=`, `job=`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from rove.control import events as ev
+from rove.control import shards
+from rove.shard_service.client import DataClient
+from rove.shard_service.tracker import Tracker
+
+log = structlog.get_logger("rove.data")
+
+STATE_VERSION = 1
+
+
+class DataError(RuntimeError):
+    """The master refused this client's registration or request (the reason says why)."""
+
+
+class ShardSampler(Sampler[list[int]]):
+    def __init__(
+        self,
+        dataset: str,
+        size: int,
+        *,
+        batch_size: int,
+        shard_size: int = 256,
+        epochs: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        lease_s: float = 600.0,
+        nats: str | None = None,
+        job: str | None = None,
+        node: str | None = None,
+        rank: int | None = None,
+        round: int | None = None,
+        answer_timeout_s: float = 60.0,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1 shard, not {prefetch}")
+        self.spec = ev.DatasetSpec(
+            size=size,
+            shard_size=shard_size,
+            epochs=epochs,
+            seed=seed,
+            shuffle=shuffle,
+            lease_s=lease_s,
+        )
+        problem = shards.spec_problem(self.spec)
+        if problem:
+            raise ValueError(f"dataset {dataset}: {problem}")
+        env = os.environ
+        self.name = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.prefetch = prefetch
+        self.url = nats or env.get("ROVE_NATS_URL", "")
+        self.job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID", "")
+        if not self.url or not self.job:
+            raise ValueError(
+                "the shard sampler needs a NATS URL and a job: run under `rove run`, or pass "
+                "nats='nats://host:4222' and job='name' (or set ROVE_NATS_URL and ROVE_JOB)"
+            )
+        self.node = node if node is not None else env.get("ROVE_NODE", "")
+        self.rank = rank if rank is not None else int(env.get("RANK", "0"))
+        self.round = round if round is not None else int(env.get("ROVE_ROUND", "0"))
+        self.answer_timeout_s = answer_timeout_s
+        self.tracker = Tracker(self.spec)
+        self._client: DataClient | None = None
+        self._restore: ev.DataPosition | None = None
+        self._restored = False
+        self._requested = False
+        self._outstanding: set[int] = set()
+        self._exhausted = False
+        self._last_request = 0.0
+        self._taken: deque[list[tuple[int, int]]] = deque()
+        self.last_delivered: list[tuple[int, int]] = []  # (epoch, index) of the last batch
+        self.shards_done = 0
+
+    # ------------------------------------------------------------------ bus
+
+    @property
+    def client(self) -> DataClient:
+        if self._client is None:
+            self._client = DataClient(
+                job=self.job, dataset=self.name, url=self.url, node=self.node, rank=self.rank
+            )
+            self._client.send(
+                ev.DatasetRegistered(
+                    **self._client.envelope(),
+                    dataset=self.name,
+                    spec=self.spec,
+                    client=self._client.client,
+                    node=self.node,
+                    rank=self.rank,
+                )
+            )
+        return self._client
+
+    def _request(self, count: int) -> None:
+        c = self.client
+        extra: dict[str, Any] = {}
+        if not self._requested:
+            step = os.environ.get("ROVE_RESTORE_STEP", "")
+            if step and not self._restored:
+                log.warning(
+                    "the model restores a checkpoint but the data position was not loaded: "
+                    "save sampler.state_dict() with the model and call load_state_dict()",
+                    step=step,
+                    dataset=self.name,
+                )
+            extra = {"restore": self._restore, "restore_step": int(step) if step else None}
+            self._requested = True
+        envelope = c.envelope()
+        c.send(
+            ev.ShardRequested(
+                **envelope,
+                dataset=self.name,
+                client=c.client,
+                request=c.seq,
+                count=count,
+                node=self.node,
+                rank=self.rank,
+                round=self.round,
+                held=tuple(self.tracker.held),
+                **extra,
+            )
+        )
+        if count:
+            self._outstanding.add(c.seq)
+        self._last_request = time.monotonic()
+
+    def _take_answer(self, answer: ev.ShardLeased | ev.DataRejected) -> None:
+        if isinstance(answer, ev.DataRejected):
+            raise DataError(f"dataset {self.name}: {answer.reason}")
+        self._outstanding.discard(answer.request)
+        self.tracker.add(answer.shards)
+        self._exhausted = answer.exhausted and not answer.shards
+
+    def _poll(self, wait: bool) -> None:
+        c = self.client
+        try:
+            self._take_answer(
+                c.answers.get(timeout=self.answer_timeout_s) if wait else c.answers.get_nowait()
+            )
+        except queue.Empty:
+            if wait:
+                log.warning(
+                    "no answer from the master yet; still waiting (is a rove master running?)",
+                    dataset=self.name,
+                    job=self.job,
+                    waited_s=self.answer_timeout_s,
+                )
+            return
+        while True:
+            try:
+                self._take_answer(c.answers.get_nowait())
+            except queue.Empty:
+                return
+
+    def _top_up(self) -> None:
+        missing = self.prefetch - self.tracker.untaken_shards()
+        short = self.batch_size - self.tracker.untaken()
+        if short > 0:  # enough shards for a full batch, however small they are
+            missing = max(missing, -(-short // self.spec.shard_size))
+        if missing > 0 and not self._outstanding and not self._exhausted:
+            self._request(missing)
+        elif time.monotonic() - self._last_request > self.spec.lease_s / 3:
+            self._request(0)  # renew the leases held
+
+    # ------------------------------------------------------------------ torch Sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._exhausted = False
+        while True:
+            self._poll(wait=False)
+            self._top_up()
+            enough = self.tracker.untaken() >= self.batch_size
+            if not enough and (self._outstanding or not self._exhausted):
+                self._poll(wait=True)
+                continue
+            batch = self.tracker.take(self.batch_size)
+            if not batch:
+                return
+            if len(batch) < self.batch_size and self.drop_last:
+                self.tracker.untrain()
+                return
+            self._taken.append(batch)
+            yield [i for _, i in batch]
+
+    def delivered(self) -> None:
+        """The oldest batch handed out reached the training loop."""
+        if not self._taken:
+            return
+        batch = self._taken.popleft()
+        self.last_delivered = [(shards.epoch_of(self.spec, k), i) for k, i in batch]
+        for ref in self.tracker.delivered():
+            self.shards_done += 1
+            c = self.client
+            c.send(
+                ev.ShardDone(
+                    **c.envelope(),
+                    dataset=self.name,
+                    client=c.client,
+                    shard=ref,
+                    node=self.node,
+                    rank=self.rank,
+                    round=self.round,
+                )
+            )
+
+    def abandon(self) -> None:
+        """Batches handed out but never delivered go back (the loader stopped early)."""
+        self._taken.clear()
+        self.tracker.untrain()
+
+    def loader(
+        self, dataset: Dataset[Any], *, lockstep: bool | None = None, **kwargs: Any
+    ) -> ShardedLoader:
+        """A DataLoader over `dataset` fed by this sampler, that reports deliveries."""
+        return ShardedLoader(self, dataset, lockstep=lockstep, **kwargs)
+
+    # ------------------------------------------------------------------ position
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position of the lineage (collective when a process group is up)."""
+        position = self.tracker.position()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, msgspec.msgpack.encode(position))
+            position = shards.merge(
+                msgspec.msgpack.decode(g, type=ev.DataPosition) for g in gathered
+            )
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.name,
+            "spec": msgspec.to_builtins(self.spec),
+            "position": msgspec.to_builtins(position),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a saved position (before iterating)."""
+        if self._requested:
+            raise RuntimeError("load_state_dict() must be called before the first batch is drawn")
+        if state.get("dataset") != self.name:
+            raise ValueError(
+                f"this data position is for dataset {state.get('dataset')!r}, not {self.name!r}"
+            )
+        spec = msgspec.convert(state["spec"], ev.DatasetSpec)
+        if spec != self.spec:
+            raise ValueError(
+                f"the data position of {self.name} was saved with {spec}, but the sampler has "
+                f"{self.spec}: positions only carry over to the same dataset parameters"
+            )
+        position = msgspec.convert(state["position"], ev.DataPosition)
+        self.tracker.restore(position)
+        self._restore = position
+        self._restored = True
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class ShardedLoader:
+    """A DataLoader over a `ShardSampler` that tells the sampler what was delivered.
+
+    With `lockstep` (the default when a process group of several ranks is
+    up), the ranks agree each step whether anyone still has data: a rank that
+    ran out gets `None` batches (step with a zero loss so collectives stay in
+    step) until every rank is done, so no rank leaves leased data untrained.
+    """
+
+    def __init__(
+        self, sampler: ShardSampler, dataset: Dataset[Any], *, lockstep: bool | None, **kwargs: Any
+    ) -> None:
+        self.sampler = sampler
+        self.loader = DataLoader(dataset, batch_sampler=sampler, **kwargs)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.lockstep = distributed if lockstep is None else lockstep
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        try:
+            while True:
+                batch = next(it, None)
+                if batch is not None:
+                    self.sampler.delivered()
+                if self.lockstep:
+                    if not _anyone(batch is not None):
+                        return
+                elif batch is None:
+                    return
+                yield batch
+        finally:
+            self.sampler.abandon()
+
+
+def _anyone(mine: bool) -> bool:
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if mine else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

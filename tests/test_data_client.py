@@ -1,0 +1,138 @@
+"""The shard sampler against a real nats-server and a real `rove master` process."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from rove.control import events as ev
+from rove.control.bus import Bus
+from rove.shard_service import DataError, ShardSampler
+from tests.support import MasterProc, stored_events
+
+JOB = "dj"
+
+
+class Indexed(Dataset[torch.Tensor]):
+    """Sample i is the tensor [i]: a batch says which indices it holds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+@pytest.fixture
+def master(bus: Bus, tmp_path: Path) -> Any:
+    m = MasterProc(bus.url, JOB, "m1", tmp_path)
+    yield m
+    m.stop()
+
+
+def sampler(bus: Bus, node: str, rank: int, **kw: Any) -> ShardSampler:
+    params: dict[str, Any] = {"batch_size": 8, "shard_size": 16, "epochs": 2, "seed": 5}
+    params.update(kw)
+    return ShardSampler("ds", 500, nats=bus.url, job=JOB, node=node, rank=rank, **params)
+
+
+async def test_two_samplers_see_every_index_once_per_epoch(bus: Bus, master: Any) -> None:
+    a, b = sampler(bus, "na", 0), sampler(bus, "nb", 1, prefetch=3)
+    seen: list[tuple[int, int]] = []
+
+    def consume() -> None:
+        # a with worker processes, b in-process; the two alternate batches
+        la = iter(a.loader(Indexed(500), num_workers=2))
+        lb = iter(b.loader(Indexed(500)))
+        live = {"a": la, "b": lb}
+        samplers = {"a": a, "b": b}
+        while live:
+            for name in list(live):
+                batch = next(live[name], None)
+                if batch is None:
+                    del live[name]
+                    continue
+                got = samplers[name].last_delivered
+                assert [i for _, i in got] == batch.flatten().tolist()
+                seen.extend(got)
+
+    await asyncio.to_thread(consume)
+    count = collections.Counter(seen)
+    assert sorted(count) == [(e, i) for e in range(2) for i in range(500)]
+    assert set(count.values()) == {1}, "no index twice in an epoch"
+    total_shards = 2 * 32  # ceil(500 / 16) per epoch
+    assert a.shards_done + b.shards_done == total_shards
+    done = []
+    for _ in range(100):
+        done = [r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.ShardDone)]
+        if len(done) == total_shards:
+            break
+        await asyncio.sleep(0.1)
+    assert len(done) == total_shards
+    status = subprocess.run(
+        [sys.executable, "-m", "rove.control.cli.main", "status", "--job", JOB, "--nats", bus.url],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "dataset ds" in status.stdout and "na" in status.stdout and "nb" in status.stdout
+    a.close()
+    b.close()
+
+
+async def test_a_conflicting_registration_is_a_clear_error(bus: Bus, master: Any) -> None:
+    first = sampler(bus, "na", 0)
+    it = iter(first)
+    await asyncio.to_thread(next, it)
+    other = ShardSampler(
+        "ds", 501, batch_size=8, shard_size=16, epochs=2, seed=5, nats=bus.url, job=JOB
+    )
+    with pytest.raises(DataError, match=r"registered with size=500.*registers size=501"):
+        await asyncio.to_thread(next, iter(other))
+    first.close()
+    other.close()
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="needs a NATS URL and a job"):
+        ShardSampler("ds", 10, batch_size=2, nats="", job="")
+    with pytest.raises(ValueError, match="shard_size must be at least 1"):
+        ShardSampler("ds", 10, batch_size=2, shard_size=0, nats="nats://x:1", job="j")
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        ShardSampler("ds", 10, batch_size=0, nats="nats://x:1", job="j")
+
+
+async def test_a_slower_worker_gets_fewer_shards(bus: Bus, master: Any) -> None:
+    fast, slow = sampler(bus, "fast", 0, epochs=1), sampler(bus, "slow", 1, epochs=1)
+    got: dict[str, int] = {}
+
+    def run(name: str, s: ShardSampler, pause: float) -> None:
+        for _ in s.loader(Indexed(500)):
+            time.sleep(pause)
+        got[name] = s.shards_done
+
+    threads = [
+        threading.Thread(target=run, args=("fast", fast, 0.0)),
+        threading.Thread(target=run, args=("slow", slow, 0.02)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        await asyncio.to_thread(t.join, 120)
+    assert got["fast"] + got["slow"] == 32
+    assert got["slow"] < got["fast"] / 2, got
+    fast.close()
+    slow.close()
