@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -170,6 +171,7 @@ class Agent:
         self._round_event: ev.RoundCompleted | None = None
         self._started_at = clock()
         self.saver = Saver(cfg.job, cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+        self.job_run = ""
         self._persisting: asyncio.Task[None] | None = None
         self._group_rank: int | None = None
         self._hang_round = -1
@@ -304,6 +306,11 @@ class Agent:
                 await self._hung(item)
             case ev.MasterElected(epoch=epoch):
                 self.status.max_epoch = max(self.status.max_epoch, epoch)
+            case ev.JobConfigured(ts=ts):
+                # which run of the job this is: names its shared-memory slots
+                self.job_run = hashlib.blake2b(
+                    f"{item.id}:{ts}".encode(), digest_size=4
+                ).hexdigest()
             case ev.Decision(epoch=epoch) if epoch < self.status.max_epoch:
                 self.log.info("ignoring a decision of a deposed master", epoch=epoch)
             case ev.RoundCompleted():
@@ -372,7 +379,8 @@ class Agent:
             role=self.cfg.role,
             extra=self._restore_env(r),
         )
-        self.saver.ranks(tuple(range(member.first_rank, member.first_rank + member.nproc)))
+        ranks = tuple(range(member.first_rank, member.first_rank + member.nproc))
+        self.saver.ranks(ranks, self.job_run)
         self._group_rank = group_rank
         async with self._workers_lock:
             pids = self.workers.start(r.round, envs)
@@ -474,6 +482,7 @@ class Agent:
             # for the data clients in the workers (rove.shard_service)
             "ROVE_NATS_URL": self.bus.url,
             "ROVE_NODE": self.cfg.node,
+            "ROVE_JOB_RUN": self.job_run,
         }
         if self.cfg.checkpoint_dir is not None:
             env["ROVE_CKPT_DIR"] = str(self.cfg.checkpoint_dir)

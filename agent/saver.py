@@ -15,7 +15,7 @@ from pathlib import Path
 
 import structlog
 
-from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.engine import CheckpointError, FlashEngine, default_dir, namespace
 from rove.checkpoint.storage import FileStorage
 
 log = structlog.get_logger("rove.saver")
@@ -31,15 +31,29 @@ class Persisted:
 class Saver:
     def __init__(self, job: str, checkpoint_dir: Path | None, *, keep: int = 3) -> None:
         self.job = job
+        self.name = job
         self.storage = FileStorage(checkpoint_dir) if checkpoint_dir else None
         self.keep = keep
         self.engines: dict[int, FlashEngine] = {}
         self.reported_step = -1
         self.persisted_step = -1
 
-    def ranks(self, ranks: tuple[int, ...]) -> None:
-        """The global ranks this node runs now (a new round may change them)."""
-        self.engines = {r: self.engines.get(r) or FlashEngine(self.job, r) for r in ranks}
+    def ranks(self, ranks: tuple[int, ...], run: str = "") -> None:
+        """The global ranks this node runs now (a new round may change them), in `run`
+        of the job (see `rove.checkpoint.engine.namespace`)."""
+        name = namespace(self.job, run)
+        if name != self.name:
+            self.engines = {}
+            self.name = name
+            self.forget_other_runs()
+        self.engines = {r: self.engines.get(r) or FlashEngine(name, r) for r in ranks}
+
+    def forget_other_runs(self) -> None:
+        """Remove the slots an earlier, killed run of a job by this name left behind."""
+        for path in default_dir().glob(f"rove-ckpt-{self.job}.*"):
+            if not path.name.startswith(f"rove-ckpt-{self.name}-"):
+                log.info("removing shared memory of an earlier run of the job", path=str(path))
+                path.unlink(missing_ok=True)
 
     def common_step(self) -> int | None:
         """The newest step every local rank holds complete in memory."""

@@ -21,7 +21,10 @@ step all of them hold in memory, else the committed step of `checkpoint_dir`.
 When the chosen step cannot be read on some rank, every rank moves to the next
 older step on storage together (see `rove.checkpoint.restore`).
 
-For FSDP and other sharded state, use `rove.checkpoint.dcp`.
+The state is taken to be replicated (plain or DDP training): a rank with no
+copy of its own of the step (the world grew since it was saved) loads the
+lowest saved rank's copy. For FSDP and other sharded state, use
+`rove.checkpoint.dcp`, which reshards.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats
+from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
 from rove.checkpoint.restore import agree, restore_target, storage_fallbacks
 from rove.checkpoint.storage import FileStorage
 
@@ -51,7 +54,7 @@ class FlashCheckpointer:
         env = os.environ
         self.job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID") or "local"
         self.rank = int(env.get("RANK", "0")) if rank is None else rank
-        self.engine = FlashEngine(self.job, self.rank)
+        self.engine = FlashEngine(namespace(self.job), self.rank)
         directory = checkpoint_dir or env.get("ROVE_CKPT_DIR")
         self.storage = FileStorage(Path(directory)) if directory else None
         self.source_rank = source_rank
@@ -97,7 +100,7 @@ class FlashCheckpointer:
     def _reader(self) -> FlashEngine:
         if self.source_rank is None or self.source_rank == self.rank:
             return self.engine
-        return FlashEngine(self.job, self.source_rank)
+        return FlashEngine(namespace(self.job), self.source_rank)
 
     def _try_step(self, step: int, source: str, tried: list[str]) -> Any | None:
         """The state of `step` (memory first when `source` says so), or None."""
@@ -111,8 +114,21 @@ class FlashCheckpointer:
         if self.storage is None:
             tried.append(f"step {step}: no checkpoint directory (ROVE_CKPT_DIR) to fall back on")
             return None
+        rank = self._read_rank()
+        persisted = self.storage.persisted_ranks(step)
+        if rank not in persisted and persisted:
+            # The world grew since this step was saved: this rank has no copy. The
+            # state of a FlashCheckpointer is replicated (plain or DDP training), so
+            # the lowest rank's copy is this rank's state too.
+            log.warning(
+                "this rank has no copy of the step; loading another rank's (replicated state)",
+                step=step,
+                rank=rank,
+                copy_of=min(persisted),
+            )
+            rank = min(persisted)
         try:
-            state = self.storage.load(step, self._read_rank())
+            state = self.storage.load(step, rank)
         except CheckpointError as exc:
             tried.append(str(exc))
             return None

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats
+from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
 from rove.checkpoint.restore import restore_target, storage_fallbacks
 from rove.checkpoint.storage import FileStorage, Storage
 
@@ -154,7 +154,7 @@ class FlashStorageReader(StorageReader):
             return self._states[rank]
         tried = []
         if self.memory:
-            engine = FlashEngine(self.job, rank)
+            engine = FlashEngine(namespace(self.job), rank)
             try:
                 _, state = engine.load(step=self.step, copy=False)
                 self._engines.append(engine)
@@ -249,7 +249,7 @@ class DistributedCheckpointer:
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else int(env.get("RANK", "0"))
         self.rank = rank
-        self.engine = FlashEngine(self.job, rank)
+        self.engine = FlashEngine(namespace(self.job), rank)
         directory = checkpoint_dir or env.get("ROVE_CKPT_DIR")
         self.storage: Storage | None = FileStorage(Path(directory)) if directory else None
         self.restored_from = ""

@@ -51,6 +51,17 @@ def default_dir() -> Path:
     return Path(os.environ.get("ROVE_SHM_DIR", "/dev/shm"))
 
 
+def namespace(job: str, run: str | None = None) -> str:
+    """The name a job's slots go by: the job, and the run of it when known.
+
+    `rove run` tells workers which run of the job this is (`ROVE_JOB_RUN`, from
+    the job's `job_configured` event), so a new job that reuses a name never
+    loads the memory a killed earlier run left behind.
+    """
+    run = os.environ.get("ROVE_JOB_RUN", "") if run is None else run
+    return f"{job}.{run}" if run else job
+
+
 class FlashEngine:
     def __init__(
         self, job: str, rank: int, *, directory: Path | None = None, slots: int = 2

@@ -83,7 +83,7 @@ class Segment:
             return
         self.close()
         size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        tmp = self.path.with_suffix(".new")
+        tmp = self.path.with_name(self.path.name + ".new")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             # Reserve the pages now: on a full tmpfs this fails with ENOSPC, where

@@ -132,3 +132,20 @@ def test_a_corrupted_committed_step_falls_back_to_the_older_one(
     (tmp_path / "ckpt" / "step-00000003" / "rank-00000.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"step 4 or any older one.*manifest of step 3"):
         FlashCheckpointer(tmp_path / "ckpt", job="j1", rank=0).load()
+
+
+def test_a_rank_the_step_was_not_saved_by_loads_the_lowest_ranks_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The world grew from 2 to 4 ranks: ranks 2 and 3 have no copy of step 5."""
+    from rove.checkpoint.api import FlashCheckpointer
+
+    monkeypatch.setenv("ROVE_SHM_DIR", str(tmp_path / "other-shm"))
+    storage = FileStorage(tmp_path / "ckpt")
+    for rank in (0, 1):
+        engine, slot = saved(tmp_path, 5, rank=rank)
+        storage.persist(engine, slot, rank=rank)
+    monkeypatch.setenv("ROVE_RESTORE_STEP", "5")
+    monkeypatch.setenv("ROVE_RESTORE_SOURCE", "storage")
+    step, state = FlashCheckpointer(tmp_path / "ckpt", job="j1", rank=3).load()  # type: ignore[misc]
+    assert step == 5 and torch.equal(state["w"], torch.full((1000,), 5.0))

@@ -1,0 +1,151 @@
+"""Exactly-once data across failures, with real processes.
+
+A 2 nodes x 2 workers DDP job (examples/train_sharded.py) trains 2 epochs of
+generated samples drawn from leased shards, with a flash checkpoint every
+step. While it runs, the chaos kills (kill -9) a random worker, the leading
+master (a standby takes over), and a whole agent (its workers die with it; the
+job continues on one node, then the agent comes back and the job grows to two
+nodes again), in an order and at times drawn from the seed. Every rank logs
+the (epoch, index) of each sample it trained, with the step. Rebuilding the
+lineage of the final model (a restored round discards the steps after the
+step it restored), every index of every epoch must appear exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rove.control import events as ev
+from rove.control.bus import Bus
+from tests.support import ROOT, MasterProc, RunProc, eventually, pid_alive, stored_events
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = ROOT / "examples" / "train_sharded.py"
+SAMPLES, EPOCHS = 1500, 2
+JOB = "chaos"
+
+
+def rows(trace: Path) -> list[dict[str, Any]]:
+    out = []
+    if trace.exists():
+        for line in trace.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by kill -9
+    return out
+
+
+def lineage(trace: Path) -> list[tuple[int, int]]:
+    """(epoch, index) of every sample trained in the lineage of the final model."""
+    by_round: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+    for row in rows(trace):
+        by_round[row["round"]].append(row)
+    steps: dict[int, list[tuple[int, int]]] = {}
+    for rnd in sorted(by_round):
+        starts = {r["restored"] for r in by_round[rnd] if "restored" in r}
+        assert len(starts) == 1, f"round {rnd}: ranks restored different steps {starts}"
+        restored = starts.pop()
+        steps = {s: v for s, v in steps.items() if s <= restored}
+        for r in by_round[rnd]:
+            if "step" in r:
+                steps.setdefault(r["step"], []).extend(tuple(x) for x in r["samples"])
+    return [x for s in sorted(steps) for x in steps[s]]
+
+
+def progress(trace: Path) -> int:
+    return sum(1 for r in rows(trace) if "step" in r)
+
+
+async def leader(bus: Bus) -> str:
+    elected = [
+        r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.MasterElected)
+    ]
+    return elected[-1].master if elected else ""
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+async def test_every_sample_once_per_epoch_through_worker_agent_and_master_kills(
+    bus: Bus, tmp_path: Path, seed: int
+) -> None:
+    rnd = random.Random(seed)
+    trace = tmp_path / "trace.jsonl"
+    masters = {
+        m: MasterProc(bus.url, JOB, m, tmp_path, "--node-timeout", "4") for m in ("m1", "m2")
+    }
+    await eventually(lambda: leader(bus), timeout=30)
+
+    def agent(node: str, name: str) -> RunProc:
+        return RunProc(
+            tmp_path,
+            name,
+            *("--nats", bus.url, "--job", JOB, "--node-id", node, "--local-addr", "127.0.0.1"),
+            *("--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "30"),
+            *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
+            *("--checkpoint-dir", str(tmp_path / "ckpt")),
+            str(SCRIPT),
+            *("--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--step-sleep", "0.12"),
+            *("--seed", str(seed), "--trace", str(trace)),
+            env={"ROVE_SHM_DIR": str(tmp_path / "shm")},  # killed agents leave slots behind
+        )
+
+    nodes = {"na": agent("na", "na-1"), "nb": agent("nb", "nb-1")}
+    everyone = list(nodes.values())
+    actions = ["worker", "master", "agent"]
+    rnd.shuffle(actions)
+    total_steps = SAMPLES * EPOCHS // (4 * 8)  # about, at 4 ranks
+    at = sorted(rnd.sample(range(total_steps // 6, total_steps * 4 // 5), 3))
+    done_actions = []
+    try:
+        for action, when in zip(actions, at, strict=True):
+            await eventually(lambda w=when: progress(trace) >= w * 2, timeout=240)
+            latest = max(r["round"] for r in rows(trace))
+            if action == "worker":
+                pids = sorted({r["pid"] for r in rows(trace) if r["round"] == latest})
+                victim = rnd.choice([p for p in pids if pid_alive(p)] or pids)
+                os.kill(victim, signal.SIGKILL)
+            elif action == "master":
+                name = await leader(bus)
+                masters[name].kill()
+                fresh = f"m{len(masters) + 1}"
+                masters[fresh] = MasterProc(bus.url, JOB, fresh, tmp_path, "--node-timeout", "4")
+            else:
+                node = rnd.choice(sorted(nodes))
+                nodes[node].kill()
+                # the job goes on with one node; then the node comes back
+                await eventually(
+                    lambda seen=latest: max(r["round"] for r in rows(trace)) > seen, timeout=120
+                )
+                nodes[node] = agent(node, f"{node}-2")
+                everyone.append(nodes[node])
+            done_actions.append(action)
+        codes = {n: await asyncio.to_thread(p.wait, 300) for n, p in nodes.items()}
+        assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
+    finally:
+        for p in everyone:
+            p.stop()
+        for m in masters.values():
+            m.stop()
+
+    assert done_actions == actions
+    trained = collections.Counter(lineage(trace))
+    expected = {(e, i) for e in range(EPOCHS) for i in range(SAMPLES)}
+    assert set(trained) == expected, f"missing: {sorted(expected - set(trained))[:10]}"
+    repeated = {k: n for k, n in trained.items() if n > 1}
+    assert not repeated, f"trained more than once in the lineage: {list(repeated.items())[:10]}"
+    rounds = {r["round"] for r in rows(trace)}
+    assert len(rounds) >= 4, "the worker kill and the agent kill and return each made a round"
+    restored = [
+        r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DataRestored)
+    ]
+    assert any(e.step for e in restored), "a round resumed the data from a checkpoint"
