@@ -65,6 +65,7 @@ bench: $(VENV)/.installed-tests
 	$(BIN)/python benchmarks/bus_throughput.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/checkpoint.py --size-mb 1024
+	$(BIN)/python benchmarks/shards.py
 
 clean:
 	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -115,8 +115,8 @@ class ShardSampler(Sampler[list[int]]):
         self._outstanding: set[int] = set()
         self._exhausted = False
         self._last_request = 0.0
-        self._taken: deque[list[tuple[int, int]]] = deque()
-        self.last_delivered: list[tuple[int, int]] = []  # (epoch, index) of the last batch
+        self._taken: deque[tuple[list[int], list[tuple[int, int]]]] = deque()
+        self._last: tuple[list[int], list[tuple[int, int]]] = ([], [])
         self.shards_done = 0
 
     # ------------------------------------------------------------------ bus
@@ -138,6 +138,10 @@ class ShardSampler(Sampler[list[int]]):
                 )
             )
         return self._client
+
+    def connect(self) -> None:
+        """Connect and register now, instead of at the first batch."""
+        _ = self.client
 
     def _request(self, count: int) -> None:
         c = self.client
@@ -227,15 +231,14 @@ class ShardSampler(Sampler[list[int]]):
             if len(batch) < self.batch_size and self.drop_last:
                 self.tracker.untrain()
                 return
-            self._taken.append(batch)
-            yield [i for _, i in batch]
+            self._taken.append((batch, self.tracker.inflight[-1]))
+            yield batch
 
     def delivered(self) -> None:
         """The oldest batch handed out reached the training loop."""
         if not self._taken:
             return
-        batch = self._taken.popleft()
-        self.last_delivered = [(shards.epoch_of(self.spec, k), i) for k, i in batch]
+        self._last = self._taken.popleft()
         for ref in self.tracker.delivered():
             self.shards_done += 1
             c = self.client
@@ -250,6 +253,13 @@ class ShardSampler(Sampler[list[int]]):
                     round=self.round,
                 )
             )
+
+    @property
+    def last_delivered(self) -> list[tuple[int, int]]:
+        """(epoch, index) of every sample of the last batch delivered."""
+        indices, composition = self._last
+        epochs = [shards.epoch_of(self.spec, key) for key, k in composition for _ in range(k)]
+        return list(zip(epochs, indices, strict=True))
 
     def abandon(self) -> None:
         """Batches handed out but never delivered go back (the loader stopped early)."""

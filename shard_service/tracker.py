@@ -51,17 +51,17 @@ class Tracker:
     def untaken_shards(self) -> int:
         return sum(1 for h in self.held.values() if h.taken < len(h.indices))
 
-    def take(self, n: int) -> list[tuple[int, int]]:
-        """Up to `n` next samples as (shard key, index); remembered as one batch."""
-        out: list[tuple[int, int]] = []
+    def take(self, n: int) -> list[int]:
+        """Up to `n` next sample indices; remembered as one batch (see `inflight`)."""
+        out: list[int] = []
         composition: list[tuple[int, int]] = []
         for key, h in self.held.items():
-            if len(out) == n:
-                break
             k = min(n - len(out), len(h.indices) - h.taken)
             if k <= 0:
+                if len(out) == n:
+                    break
                 continue
-            out.extend((key, i) for i in h.indices[h.taken : h.taken + k])
+            out += h.indices[h.taken : h.taken + k]
             h.taken += k
             composition.append((key, k))
         if composition:

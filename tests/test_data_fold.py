@@ -234,12 +234,14 @@ def test_exactly_once_in_the_lineage_across_random_failures(seed: int, ranks: in
                         t.add(ans.shards)
                         exhausted[c] = ans.exhausted
                         continue
-                    batch += t.take(3 - len(batch))
+                    got = t.take(3 - len(batch))
+                    keys = [k for k, n in t.inflight[-1] for _ in range(n)] if got else []
+                    batch += [(shards.epoch_of(spec, k), i) for k, i in zip(keys, got, strict=True)]
                 if batch:
                     while t.inflight:
                         for ref in t.delivered():
                             d.done(c, ref, round=round_)
-                trained += [(shards.epoch_of(spec, k), i) for k, i in batch]
+                trained += batch
             lineage[step] = trained
             if all(exhausted.values()) and all(t.untaken() == 0 for t in trackers):
                 break

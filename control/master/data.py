@@ -239,7 +239,9 @@ def on_done(d: DataState, e: ev.ShardDone) -> DataState:
     if problem is not None:
         return _reject(d, e.dataset, e.client, e.id, problem)
     assert lease is not None
-    samples = shards.shard_len(ds.spec, key) - lease.offset
+    # for the status only: the master never computes an epoch's shard order (a
+    # shuffle of every shard id), so the one short shard of an epoch counts as full
+    samples = max(0, min(ds.spec.shard_size, ds.spec.size) - lease.offset)
     node = ds.nodes.get(lease.node, NodeData())
     node = NodeData(
         node.shards + 1, node.samples + samples, node.first_ts or e.ts, max(node.last_ts, e.ts)

@@ -1,0 +1,227 @@
+"""Shard lease throughput and latency against one master, and the sampler's overhead.
+
+1. Leases: 1, 4 and 16 concurrent clients each loop for `--seconds`:
+   request one shard, wait for the lease, acknowledge it. Latency is from
+   publishing the request to receiving the lease. A real `rove master`
+   process and a real nats-server do the work; the clients share one
+   connection in this process.
+2. Sampler overhead: the same small training loop over generated data, one
+   epoch fed by a `DistributedSampler`, one fed by `ShardSampler` (leases
+   from the master, acknowledgements, position tracking), alternating, the
+   median of `--repeats`. The ratio is sharded time / plain time.
+
+Prints one JSON line: `runs` (clients, leases_per_s, p50_ms, p99_ms),
+`sampler_overhead_ratio`, and the times it came from.
+
+    python benchmarks/shards.py [--seconds 5] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from rove.control import events as ev
+from rove.control import logs, subjects
+from rove.control.aio import run as run_async
+from rove.control.bus import Bus, BusOptions
+from rove.control.embedded import EmbeddedServer
+
+JOB = "bench"
+
+
+async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dict[str, float]:
+    spec = ev.DatasetSpec(size=5_000_000, shard_size=1)
+    latencies: list[float] = []
+    answers: dict[str, asyncio.Queue[ev.ShardLeased]] = {}
+    feeds = []
+    for c in range(clients):
+        name = f"c{c}"
+        answers[name] = asyncio.Queue()
+
+        def on(rec, q=answers[name]):  # type: ignore[no-untyped-def]
+            if isinstance(rec.event, ev.ShardLeased):
+                q.put_nowait(rec.event)
+
+        feeds.append(
+            await bus.subscribe(
+                subjects.EVENTS_STREAM,
+                subjects.data_answer(JOB, dataset, name),
+                on,
+                lambda rej: None,
+            )
+        )
+
+    def env(client: str, n: int) -> dict[str, object]:
+        return {"job": JOB, "id": f"{dataset}:{client}:{n}", "producer": client, "ts": time.time()}
+
+    await bus.publish(
+        ev.DatasetRegistered(**env("c0", 0), dataset=dataset, spec=spec, client="c0")  # type: ignore[arg-type]
+    )
+
+    sent: dict[str, int] = {}
+
+    async def client(name: str, stop: float) -> int:
+        done = 0
+        while True:
+            n = sent[name] = sent.get(name, 0) + 2
+            t = time.perf_counter()
+            await bus.publish(
+                ev.ShardRequested(
+                    **env(name, n),  # type: ignore[arg-type]
+                    dataset=dataset,
+                    client=name,
+                    request=n,
+                    count=1,
+                    node="bench",
+                )
+            )
+            lease = await asyncio.wait_for(answers[name].get(), 30)
+            latencies.append(time.perf_counter() - t)
+            await bus.publish(
+                ev.ShardDone(
+                    **env(name, n + 1), dataset=dataset, client=name, shard=lease.shards[0]
+                )  # type: ignore[arg-type]
+            )
+            done += 1
+            if time.perf_counter() >= stop:
+                return done
+
+    await asyncio.gather(*(client(f"c{c}", 0.0) for c in range(clients)))  # one lease each: warm
+    latencies.clear()
+    started = time.perf_counter()
+    stop = started + seconds
+    counts = await asyncio.gather(*(client(f"c{c}", stop) for c in range(clients)))
+    elapsed = time.perf_counter() - started
+    for feed in feeds:
+        await feed.stop()
+    q = statistics.quantiles(latencies, n=100)
+    return {
+        "clients": clients,
+        "leases": sum(counts),
+        "leases_per_s": round(sum(counts) / elapsed, 1),
+        "p50_ms": round(q[49] * 1000, 2),
+        "p99_ms": round(q[98] * 1000, 2),
+    }
+
+
+def train_epoch(loader, model, opt) -> float:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    for x, y in loader:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return time.perf_counter() - started
+
+
+def sampler_overhead(url: str, repeats: int) -> dict[str, float]:
+    from rove.shard_service import ShardSampler
+
+    torch.manual_seed(0)
+    n, batch = 8192, 64
+    data = TensorDataset(torch.randn(n, 256), torch.randn(n, 1))
+    hidden = 2048  # ~10 ms of compute per batch here: a small real job, not an empty loop
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    plain_s, sharded_s, startup_s = [], [], []
+    for r in range(repeats):
+        for side in ("plain", "sharded") if r % 2 == 0 else ("sharded", "plain"):
+            if side == "plain":
+                sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=r)
+                loader = DataLoader(data, batch_size=batch, sampler=sampler)
+                plain_s.append(train_epoch(loader, model, opt))
+            else:
+                t = time.perf_counter()
+                sharded = ShardSampler(
+                    f"overhead{r}", n, batch_size=batch, shard_size=512, seed=r, nats=url, job=JOB
+                )
+                sharded.connect()  # once per process: its own NATS connection
+                startup_s.append(time.perf_counter() - t)
+                sharded_s.append(train_epoch(sharded.loader(data), model, opt))
+                sharded.close()
+    plain, shard = statistics.median(plain_s), statistics.median(sharded_s)
+    return {
+        "plain_epoch_s": round(plain, 3),
+        "sharded_epoch_s": round(shard, 3),
+        "startup_s": round(statistics.median(startup_s), 3),
+        "ratio": shard / plain,
+    }
+
+
+async def leases(url: str, seconds: float) -> list[dict[str, float]]:
+    bus = await Bus.connect(BusOptions(url=url))
+    try:
+        return [await lease_run(bus, c, seconds, f"leases{c}") for c in (1, 4, 16)]
+    finally:
+        await bus.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    logs.configure(level="WARNING")
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedServer(Path(tmp) / "nats")
+        server.start()
+        assert server.url is not None
+        master = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rove.control.cli.main",
+                "master",
+                "--job",
+                JOB,
+                "--nats",
+                server.url,
+            ],
+            stdout=open(Path(tmp) / "master.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "ROVE_LOG_LEVEL": os.environ.get("BENCH_MASTER_LOG", "warning")},
+        )
+        try:
+            time.sleep(1.0)  # the master starts; the warm-up lease waits for its election
+            runs = run_async(leases(server.url, args.seconds))
+            overhead = sampler_overhead(server.url, args.repeats)
+        except BaseException:
+            sys.stderr.write((Path(tmp) / "master.log").read_text()[-3000:])
+            raise
+        finally:
+            master.terminate()
+            master.wait(20)
+            server.stop()
+    print(
+        json.dumps(
+            {
+                "runs": runs,
+                "sampler_overhead_ratio": round(overhead["ratio"], 4),
+                "plain_epoch_s": overhead["plain_epoch_s"],
+                "sharded_epoch_s": overhead["sharded_epoch_s"],
+                "sampler_startup_s": overhead["startup_s"],
+                "targets": {"leases_per_s": 2000, "p99_ms": 20, "sampler_overhead_ratio": 1.03},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
