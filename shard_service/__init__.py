@@ -7,11 +7,15 @@ the master (`rove.control`).
 
 from typing import Any
 
-__all__ = ["DataError", "ShardSampler", "ShardedLoader"]
+__all__ = ["DataError", "ShardSampler", "ShardedIterable", "ShardedLoader"]
 
 
 def __getattr__(name: str) -> Any:
-    # torch is imported only when the torch sampler is used
+    # torch is imported only when a torch data source is used
+    if name == "ShardedIterable":
+        from rove.shard_service import iterable
+
+        return iterable.ShardedIterable
     if name in __all__:
         from rove.shard_service import sampler
 

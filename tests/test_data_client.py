@@ -136,3 +136,50 @@ async def test_a_slower_worker_gets_fewer_shards(bus: Bus, master: Any) -> None:
     assert got["slow"] < got["fast"] / 2, got
     fast.close()
     slow.close()
+
+
+async def test_the_iterable_dataset_with_worker_processes_resumes_exactly_once(
+    bus: Bus, master: Any
+) -> None:
+    """Two loader workers lease their own shards; the run stops half-way, a new round
+    restores the position it saved, and the two runs together train every index of
+    both epochs exactly once."""
+    from rove.shard_service import ShardedIterable
+
+    def make(round_: int) -> Any:
+        return ShardedIterable(
+            "it", Indexed(300), shard_size=16, epochs=2, seed=3, nats=bus.url, job=JOB, round=round_
+        )
+
+    def first_half() -> tuple[list[tuple[int, int]], dict[str, Any]]:
+        data = make(1)
+        loader = data.loader(batch_size=8, num_workers=2)
+        seen: list[tuple[int, int]] = []
+        for n, batch in enumerate(loader):
+            assert [i for _, i in loader.last_delivered] == batch.flatten().tolist()
+            seen += loader.last_delivered
+            if n == 40:  # ~330 samples in; the workers have leased more than that
+                break
+        state = data.state_dict()
+        data.close()
+        return seen, state
+
+    def second(state: dict[str, Any]) -> tuple[list[tuple[int, int]], int]:
+        data = make(2)
+        data.load_state_dict(state)
+        loader = data.loader(batch_size=8, num_workers=2)
+        seen: list[tuple[int, int]] = []
+        for _ in loader:
+            seen += loader.last_delivered
+        data.close()
+        return seen, data.shards_done
+
+    before, state = await asyncio.to_thread(first_half)
+    after, _ = await asyncio.to_thread(second, state)
+    count = collections.Counter(before + after)
+    assert sorted(count) == [(e, i) for e in range(2) for i in range(300)]
+    assert set(count.values()) == {1}, [k for k, v in count.items() if v > 1][:10]
+    restored = [
+        r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DataRestored)
+    ]
+    assert [(e.dataset, e.round) for e in restored][-1] == ("it", 2)
