@@ -71,6 +71,7 @@ async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dic
     )
 
     sent: dict[str, int] = {}
+    acks: list[asyncio.Future[int]] = []
 
     async def client(name: str, stop: float) -> int:
         done = 0
@@ -89,10 +90,18 @@ async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dic
             )
             lease = await asyncio.wait_for(answers[name].get(), 30)
             latencies.append(time.perf_counter() - t)
-            await bus.publish(
-                ev.ShardDone(
-                    **env(name, n + 1), dataset=dataset, client=name, shard=lease.shards[0]
-                )  # type: ignore[arg-type]
+            # as the sampler does: the acknowledgement goes out while training goes on
+            acks.append(
+                asyncio.ensure_future(
+                    bus.publish(
+                        ev.ShardDone(
+                            **env(name, n + 1),  # type: ignore[arg-type]
+                            dataset=dataset,
+                            client=name,
+                            shard=lease.shards[0],
+                        )
+                    )
+                )
             )
             done += 1
             if time.perf_counter() >= stop:
@@ -104,6 +113,7 @@ async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dic
     stop = started + seconds
     counts = await asyncio.gather(*(client(f"c{c}", stop) for c in range(clients)))
     elapsed = time.perf_counter() - started
+    await asyncio.gather(*acks)
     for feed in feeds:
         await feed.stop()
     q = statistics.quantiles(latencies, n=100)

@@ -273,7 +273,13 @@ class MasterRunner:
         except BaseException:
             self._inflight.pop(decision.id, None)
             raise
-        (self.log.debug if isinstance(decision, _ANSWERS) else self.log.info)(
+        if isinstance(decision, ev.DataRejected):
+            say = self.log.warning  # bad input from a trainer: visible, with its reason
+        elif isinstance(decision, _ANSWERS):
+            say = self.log.debug  # one per lease: thousands a second
+        else:
+            say = self.log.info
+        say(
             f"decided {ev.kind(decision)}",
             seq=seq,
             **{k: v for k, v in _key_fields(decision).items()},
@@ -309,4 +315,18 @@ def _key_fields(decision: ev.Decision) -> dict[str, object]:
             return {"phase": decision.phase.value, "reason": decision.reason}
         case ev.EventRejected():
             return {"stream": decision.stream, "stream_seq": decision.stream_seq}
+        case ev.DataRejected():
+            return {
+                "dataset": decision.dataset,
+                "client": decision.client,
+                "reason": decision.reason,
+            }
+        case ev.ShardRequeued():
+            return {
+                "dataset": decision.dataset,
+                "shards": len(decision.shards),
+                "why": decision.reason,
+            }
+        case ev.DataRestored():
+            return {"dataset": decision.dataset, "round": decision.round, "step": decision.step}
     return {}
