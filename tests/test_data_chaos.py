@@ -79,6 +79,27 @@ async def test_every_sample_once_per_epoch_through_worker_agent_and_master_kills
     bus: Bus, tmp_path: Path, seed: int
 ) -> None:
     rnd = random.Random(seed)
+    actions = ["worker", "master", "agent"]
+    rnd.shuffle(actions)
+    total_steps = SAMPLES * EPOCHS // (4 * 8)  # about, at 4 ranks
+    at = sorted(rnd.sample(range(total_steps // 6, total_steps * 4 // 5), 3))
+    await chaos(bus, tmp_path, seed, list(zip(actions, at, strict=True)))
+
+
+async def test_scale_from_two_nodes_to_one_and_back_in_the_middle_of_an_epoch(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """One agent dies a third into the first epoch: the job goes on with one node, the
+    agent comes back and the job grows to two nodes again, all inside epoch 1."""
+    steps_per_epoch = SAMPLES // (4 * 8)
+    worlds = await chaos(bus, tmp_path, 7, [("agent", steps_per_epoch // 3)])
+    assert 2 in worlds and worlds[-1] == 4, f"scaled 4 -> 2 -> 4 ranks: {worlds}"
+
+
+async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]) -> list[int]:
+    """Run the job, doing each (action, at step) of `plan`; check the lineage; return the
+    world size of each round."""
+    rnd = random.Random(seed)
     trace = tmp_path / "trace.jsonl"
     masters = {
         m: MasterProc(bus.url, JOB, m, tmp_path, "--node-timeout", "4") for m in ("m1", "m2")
@@ -101,13 +122,9 @@ async def test_every_sample_once_per_epoch_through_worker_agent_and_master_kills
 
     nodes = {"na": agent("na", "na-1"), "nb": agent("nb", "nb-1")}
     everyone = list(nodes.values())
-    actions = ["worker", "master", "agent"]
-    rnd.shuffle(actions)
-    total_steps = SAMPLES * EPOCHS // (4 * 8)  # about, at 4 ranks
-    at = sorted(rnd.sample(range(total_steps // 6, total_steps * 4 // 5), 3))
     done_actions = []
     try:
-        for action, when in zip(actions, at, strict=True):
+        for action, when in plan:
             await eventually(lambda w=when: progress(trace) >= w * 2, timeout=240)
             latest = max(r["round"] for r in rows(trace))
             if action == "worker":
@@ -137,15 +154,17 @@ async def test_every_sample_once_per_epoch_through_worker_agent_and_master_kills
         for m in masters.values():
             m.stop()
 
-    assert done_actions == actions
+    assert done_actions == [a for a, _ in plan]
     trained = collections.Counter(lineage(trace))
     expected = {(e, i) for e in range(EPOCHS) for i in range(SAMPLES)}
     assert set(trained) == expected, f"missing: {sorted(expected - set(trained))[:10]}"
     repeated = {k: n for k, n in trained.items() if n > 1}
     assert not repeated, f"trained more than once in the lineage: {list(repeated.items())[:10]}"
     rounds = {r["round"] for r in rows(trace)}
-    assert len(rounds) >= 4, "the worker kill and the agent kill and return each made a round"
+    assert len(rounds) >= 1 + 2 * done_actions.count("agent") + done_actions.count("worker")
     restored = [
         r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DataRestored)
     ]
     assert any(e.step for e in restored), "a round resumed the data from a checkpoint"
+    by_round = {r["round"]: r["world"] for r in rows(trace) if "world" in r}
+    return [by_round[k] for k in sorted(by_round)]
