@@ -111,9 +111,13 @@ async def test_kill_9_of_a_worker_restarts_all_workers_in_a_new_round_and_the_jo
         rounds = [e for e in await events_of(bus, ev.RoundCompleted)]
         assert [r.round for r in rounds] == [1, 2]  # type: ignore[attr-defined]
         assert rounds[1].restart_count == 1  # type: ignore[attr-defined]
-        (failure,) = await events_of(bus, ev.WorkerExited)
-        assert failure.node == "nb" and failure.kind is ev.FailureKind.KILLED  # type: ignore[attr-defined]
+        # na's workers may report the broken collective too (a symptom, no extra round)
+        exits = await events_of(bus, ev.WorkerExited)
+        (failure,) = [e for e in exits if e.node == "nb"]  # type: ignore[attr-defined]
+        assert failure.kind is ev.FailureKind.KILLED  # type: ignore[attr-defined]
         assert "SIGKILL" in failure.reason  # type: ignore[attr-defined]
+        others = [e for e in exits if e.node != "nb"]  # type: ignore[attr-defined]
+        assert all(e.round == 1 for e in others)  # type: ignore[attr-defined]
         started = await events_of(bus, ev.WorkersStarted)
         assert sorted((e.node, e.round) for e in started) == [  # type: ignore[attr-defined]
             ("na", 1),
