@@ -119,7 +119,8 @@ def main() -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         report(step, samples=len(x))
-        log({"step": step, "samples": sampler.last_delivered if batch is not None else []})
+        samples = sampler.last_delivered if batch is not None else []
+        log({"step": step, "t": time.time(), "samples": samples})
         if step % args.ckpt_every == 0:
             state = {"model": model.state_dict(), "opt": opt.state_dict()}
             flash.save(step, {**state, "data": sampler.state_dict()})

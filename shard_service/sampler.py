@@ -12,8 +12,10 @@
         ...
         ckpt.save(step, {"model": ..., "data": sampler.state_dict()})
 
-The sampler asks the master for shards (`prefetch` ahead, so a master
-failover does not stall training), hands their indices out in batches, and
+The sampler asks the master for shards ahead of use: at least `prefetch`, and
+enough to train `cover_s` seconds at the rate it has been consuming, so a
+master failover (lease TTL, then catch-up) does not stall training. It hands
+their indices out in batches, and
 acknowledges a shard once every sample of it reached the training loop
 (`loader` tells it; a DataLoader prefetches batches it has not delivered).
 `state_dict()` is the data position of the lineage: save it with the model.
@@ -49,6 +51,8 @@ from rove.shard_service.tracker import Tracker
 log = structlog.get_logger("rove.data")
 
 STATE_VERSION = 1
+#: The most shards a sampler holds ahead of use, however fast it trains.
+MAX_AHEAD = 64
 
 
 class DataError(RuntimeError):
@@ -68,6 +72,7 @@ class ShardSampler(Sampler[list[int]]):
         shuffle: bool = True,
         drop_last: bool = False,
         prefetch: int = 2,
+        cover_s: float = 10.0,
         lease_s: float = 600.0,
         nats: str | None = None,
         job: str | None = None,
@@ -96,6 +101,10 @@ class ShardSampler(Sampler[list[int]]):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.prefetch = prefetch
+        self.cover_s = cover_s
+        self._rate = 0.0  # samples/s delivered, smoothed
+        self._rate_mark: tuple[float, int] | None = None
+        self._delivered_samples = 0
         self.url = nats or env.get("ROVE_NATS_URL", "")
         self.job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID", "")
         if not self.url or not self.job:
@@ -204,8 +213,25 @@ class ShardSampler(Sampler[list[int]]):
             except queue.Empty:
                 return
 
+    def ahead(self) -> int:
+        """How many untaken shards to hold: `prefetch`, or `cover_s` seconds' worth."""
+        covering = -(-int(self._rate * self.cover_s) // self.spec.shard_size)
+        return max(self.prefetch, min(covering, MAX_AHEAD))
+
+    def _measure(self, samples: int) -> None:
+        now = time.monotonic()
+        self._delivered_samples += samples
+        if self._rate_mark is None:
+            self._rate_mark = (now, self._delivered_samples)
+            return
+        since, count = self._rate_mark
+        if now - since >= 1.0:  # one estimate a second, smoothed
+            rate = (self._delivered_samples - count) / (now - since)
+            self._rate = rate if not self._rate else 0.5 * self._rate + 0.5 * rate
+            self._rate_mark = (now, self._delivered_samples)
+
     def _top_up(self) -> None:
-        missing = self.prefetch - self.tracker.untaken_shards()
+        missing = self.ahead() - self.tracker.untaken_shards()
         short = self.batch_size - self.tracker.untaken()
         if short > 0:  # enough shards for a full batch, however small they are
             missing = max(missing, -(-short // self.spec.shard_size))
@@ -239,6 +265,7 @@ class ShardSampler(Sampler[list[int]]):
         if not self._taken:
             return
         self._last = self._taken.popleft()
+        self._measure(len(self._last[0]))
         for ref in self.tracker.delivered():
             self.shards_done += 1
             c = self.client

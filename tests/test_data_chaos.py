@@ -19,6 +19,7 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +93,33 @@ async def test_scale_from_two_nodes_to_one_and_back_in_the_middle_of_an_epoch(
     """One agent dies a third into the first epoch: the job goes on with one node, the
     agent comes back and the job grows to two nodes again, all inside epoch 1."""
     steps_per_epoch = SAMPLES // (4 * 8)
-    worlds = await chaos(bus, tmp_path, 7, [("agent", steps_per_epoch // 3)])
+    worlds, _ = await chaos(bus, tmp_path, 7, [("agent", steps_per_epoch // 3)])
     assert 2 in worlds and worlds[-1] == 4, f"scaled 4 -> 2 -> 4 ranks: {worlds}"
 
 
-async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]) -> list[int]:
+async def test_training_goes_on_while_no_master_leads(bus: Bus, tmp_path: Path) -> None:
+    """The leading master dies a third into the first epoch. Until the standby is
+    elected, the samplers train on shards they leased ahead: steps keep coming, also
+    in the second half of the leaderless window."""
+    steps_per_epoch = SAMPLES // (4 * 8)
+    _, killed = await chaos(bus, tmp_path, 5, [("master", steps_per_epoch // 3)])
+    elected = [
+        r.event.ts
+        for r in await stored_events(bus, JOB)
+        if isinstance(r.event, ev.MasterElected) and r.event.ts > killed["master"]
+    ]
+    leaderless = (killed["master"], min(elected))
+    times = [r["t"] for r in rows(tmp_path / "trace.jsonl") if "t" in r]
+    middle = sum(leaderless) / 2
+    assert any(leaderless[0] < t < middle for t in times), "steps right after the kill"
+    assert any(middle < t < leaderless[1] for t in times), "and still before the new leader"
+
+
+async def chaos(
+    bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
+) -> tuple[list[int], dict[str, float]]:
     """Run the job, doing each (action, at step) of `plan`; check the lineage; return the
-    world size of each round."""
+    world size of each round, and when each action was done."""
     rnd = random.Random(seed)
     trace = tmp_path / "trace.jsonl"
     masters = {
@@ -123,10 +144,12 @@ async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
     nodes = {"na": agent("na", "na-1"), "nb": agent("nb", "nb-1")}
     everyone = list(nodes.values())
     done_actions = []
+    killed: dict[str, float] = {}
     try:
         for action, when in plan:
             await eventually(lambda w=when: progress(trace) >= w * 2, timeout=240)
             latest = max(r["round"] for r in rows(trace))
+            killed.setdefault(action, time.time())
             if action == "worker":
                 pids = sorted({r["pid"] for r in rows(trace) if r["round"] == latest})
                 victim = rnd.choice([p for p in pids if pid_alive(p)] or pids)
@@ -165,6 +188,7 @@ async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
     restored = [
         r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DataRestored)
     ]
-    assert any(e.step for e in restored), "a round resumed the data from a checkpoint"
+    if {"worker", "agent"} & set(done_actions):
+        assert any(e.step for e in restored), "a round resumed the data from a checkpoint"
     by_round = {r["round"]: r["world"] for r in rows(trace) if "world" in r}
-    return [by_round[k] for k in sorted(by_round)]
+    return [by_round[k] for k in sorted(by_round)], killed
