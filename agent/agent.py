@@ -44,7 +44,7 @@ from rove.agent.workers import WorkerGroup, root_failure
 from rove.checkpoint.engine import CheckpointError
 from rove.control import events as ev
 from rove.control import records, subjects
-from rove.control.bus import Bus, Feed
+from rove.control.bus import Bus, Feed, options_env
 from rove.control.errors import PublishDeadlineError, RoveError
 
 log = structlog.get_logger("rove.agent")
@@ -479,8 +479,8 @@ class Agent:
         env = {
             "ROVE_RESTORE_STEP": "" if r.restore_step is None else str(r.restore_step),
             "ROVE_RESTORE_SOURCE": r.restore_source,
-            # for the data clients in the workers (rove.shard_service)
-            "ROVE_NATS_URL": self.bus.url,
+            # for the data clients in the workers (rove.shard_service): URL and credentials
+            **options_env(self.bus.options, self.bus.url),
             "ROVE_NODE": self.cfg.node,
             "ROVE_JOB_RUN": self.job_run,
         }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
+import os
 import random
 import ssl
 import time
@@ -101,6 +102,35 @@ class BusOptions:
     duplicate_window_s: float = 120.0
     embedded_dir: Path | None = None
     create_streams: bool = True
+
+
+#: The environment variables that carry how to reach NATS (`rove` CLI flags read them too).
+_ENV_OF_OPTION: dict[str, str] = {
+    "user": "ROVE_NATS_USER",
+    "password": "ROVE_NATS_PASSWORD",
+    "token": "ROVE_NATS_TOKEN",
+    "creds_file": "ROVE_NATS_CREDS",
+    "nkey_seed_file": "ROVE_NATS_NKEY",
+    "tls_ca_file": "ROVE_NATS_TLS_CA",
+    "tls_cert_file": "ROVE_NATS_TLS_CERT",
+    "tls_key_file": "ROVE_NATS_TLS_KEY",
+}
+
+
+def options_env(options: BusOptions, url: str) -> dict[str, str]:
+    """Environment for a child process (a worker) to reach the same NATS as `options`."""
+    env = {"ROVE_NATS_URL": url}
+    for option, var in _ENV_OF_OPTION.items():
+        value = getattr(options, option)
+        if value:
+            env[var] = str(value)
+    return env
+
+
+def options_from_env(url: str, **overrides: Any) -> BusOptions:
+    """BusOptions for `url` with the credentials and TLS files of the environment."""
+    found = {f: os.environ[v] for f, v in _ENV_OF_OPTION.items() if os.environ.get(v)}
+    return BusOptions(url=url, **{**found, **overrides})
 
 
 class Fence(NamedTuple):

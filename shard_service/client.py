@@ -1,6 +1,8 @@
 """The bus side of a data client: its own thread, event loop and NATS connection.
 
-The training process calls it from its main thread (the sampler runs there,
+It connects with the credentials and TLS files of the environment
+(`ROVE_NATS_CREDS`, `ROVE_NATS_USER`, ...; `rove run` passes its own to the
+workers). The training process calls it from its main thread (the sampler runs there,
 also with a multi-process DataLoader). Outgoing facts (registration, shard
 requests, acknowledgements) are published in order, each retried until the
 bus takes it, so a NATS blip or a master failover delays them but loses
@@ -23,7 +25,7 @@ import structlog
 
 from rove.control import events as ev
 from rove.control import records, subjects
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus import Bus, options_from_env
 from rove.control.errors import RoveError
 
 log = structlog.get_logger("rove.data")
@@ -109,7 +111,7 @@ class DataClient:
         self._outgoing = asyncio.Queue()
         try:
             bus = await Bus.connect(
-                BusOptions(url=self.url, name=f"rove-data-{self.client}", reconnect_forever=True)
+                options_from_env(self.url, name=f"rove-data-{self.client}", reconnect_forever=True)
             )
             feed = await bus.subscribe(
                 subjects.EVENTS_STREAM,

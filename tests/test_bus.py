@@ -200,3 +200,34 @@ def test_fast_header_parser_agrees_with_nats_py(raw: bytes) -> None:
     from rove.control.natsclient import parse_header_lines
 
     assert parse_header_lines(raw) == Client._parse_header_lines(raw)
+
+
+async def test_a_worker_reaches_an_authenticated_server_with_the_agents_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rove run` hands its workers the URL and credentials (`options_env`); a data
+    client in the worker connects with them (`options_from_env`)."""
+    from rove.control.bus import options_env, options_from_env
+    from rove.shard_service.client import DataClient
+
+    server = EmbeddedServer(tmp_path / "auth", extra_args=["--user", "rove", "--pass", "s3cret"])
+    server.start()
+    try:
+        assert server.url is not None
+        agent = BusOptions(url=server.url, user="rove", password="s3cret", tls_ca_file=None)
+        env = options_env(agent, server.url)
+        assert env == {
+            "ROVE_NATS_URL": server.url,
+            "ROVE_NATS_USER": "rove",
+            "ROVE_NATS_PASSWORD": "s3cret",
+        }
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        assert options_from_env(server.url).password == "s3cret"
+        client = await asyncio.to_thread(DataClient, job="j1", dataset="ds", url=server.url)
+        client.close()
+        monkeypatch.setenv("ROVE_NATS_PASSWORD", "wrong")
+        with pytest.raises(BusUnavailableError):
+            await asyncio.to_thread(DataClient, job="j1", dataset="ds", url=server.url)
+    finally:
+        server.stop()
