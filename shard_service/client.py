@@ -19,18 +19,70 @@ import queue
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from rove.control import events as ev
-from rove.control import records, subjects
+from rove.control import records, shards, subjects
 from rove.control.bus import Bus, options_from_env
 from rove.control.errors import RoveError
 
 log = structlog.get_logger("rove.data")
 
 Answer = ev.ShardLeased | ev.DataRejected
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a data client runs: its NATS, job, node, rank and rendezvous round."""
+
+    url: str
+    job: str
+    node: str
+    rank: int
+    round: int
+
+
+def placement(
+    what: str,
+    *,
+    nats: str | None,
+    job: str | None,
+    node: str | None,
+    rank: int | None,
+    round: int | None,
+) -> Placement:
+    """The arguments given, else what `rove run` put in the environment.
+
+    Raises:
+        ValueError: no NATS URL or no job (the message says how to give them).
+    """
+    env = os.environ
+    url = nats or env.get("ROVE_NATS_URL", "")
+    job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID", "")
+    if not url or not job:
+        raise ValueError(
+            f"the {what} needs a NATS URL and a job: run under `rove run`, or pass "
+            "nats='nats://host:4222' and job='name' (or set ROVE_NATS_URL and ROVE_JOB)"
+        )
+    return Placement(
+        url=url,
+        job=job,
+        node=node if node is not None else env.get("ROVE_NODE", ""),
+        rank=rank if rank is not None else int(env.get("RANK", "0")),
+        round=round if round is not None else int(env.get("ROVE_ROUND", "0")),
+    )
+
+
+def dataset_spec(dataset: str, **fields: Any) -> ev.DatasetSpec:
+    """A validated spec. Raises ValueError naming the dataset and the problem."""
+    spec = ev.DatasetSpec(**fields)
+    problem = shards.spec_problem(spec)
+    if problem:
+        raise ValueError(f"dataset {dataset}: {problem}")
+    return spec
 
 
 def client_name(node: str, rank: int) -> str:
@@ -48,6 +100,7 @@ class DataClient:
         url: str,
         node: str = "",
         rank: int = 0,
+        round: int = 0,
         client: str | None = None,
     ) -> None:
         self.job = subjects.check_name("job", job)
@@ -55,6 +108,7 @@ class DataClient:
         self.url = url
         self.node = node
         self.rank = rank
+        self.round = round
         self.client = subjects.check_name("client", client or client_name(node, rank))
         self.answers: queue.Queue[Answer] = queue.Queue()
         self._seq = 0
@@ -68,6 +122,18 @@ class DataClient:
             raise RuntimeError(f"the data client for {dataset} did not connect to {url} in 30 s")
         if self._failed is not None:
             raise self._failed
+
+    @classmethod
+    def at(cls, where: Placement, dataset: str, client: str | None = None) -> DataClient:
+        return cls(
+            job=where.job,
+            dataset=dataset,
+            url=where.url,
+            node=where.node,
+            rank=where.rank,
+            round=where.round,
+            client=client,
+        )
 
     # ------------------------------------------------------------------ called from training
 
@@ -87,6 +153,55 @@ class DataClient:
     def send(self, event: ev.Event) -> None:
         """Publish `event` (in order with earlier ones) without waiting."""
         self._loop.call_soon_threadsafe(self._put, event)
+
+    def register(self, spec: ev.DatasetSpec) -> None:
+        self.send(
+            ev.DatasetRegistered(
+                **self.envelope(),
+                dataset=self.dataset,
+                spec=spec,
+                client=self.client,
+                node=self.node,
+                rank=self.rank,
+            )
+        )
+
+    def request(self, count: int, held: tuple[int, ...], **first: Any) -> int:
+        """Ask for `count` more shards, renewing `held`; returns the request's number.
+
+        `first`: the restore fields of the client's first request in its round
+        (`first_request()`).
+        """
+        envelope = self.envelope()
+        self.send(
+            ev.ShardRequested(
+                **envelope,
+                dataset=self.dataset,
+                client=self.client,
+                request=self._seq,
+                count=count,
+                node=self.node,
+                rank=self.rank,
+                round=self.round,
+                held=held,
+                **first,
+            )
+        )
+        return self._seq
+
+    def done(self, shard: ev.ShardRef, owner: str | None = None) -> None:
+        """`shard` was trained; `owner`: the client holding its lease, if not this one."""
+        self.send(
+            ev.ShardDone(
+                **self.envelope(),
+                dataset=self.dataset,
+                client=owner or self.client,
+                shard=shard,
+                node=self.node,
+                rank=self.rank,
+                round=self.round,
+            )
+        )
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued (up to `timeout_s`), then disconnect."""
@@ -150,3 +265,20 @@ class DataClient:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+def first_request(dataset: str, position: ev.DataPosition | None) -> dict[str, Any]:
+    """The restore fields of a client's first request in a round.
+
+    Warns when the agent restored a checkpoint (`ROVE_RESTORE_STEP`) but no data
+    position was loaded: the data would start over while the model does not.
+    """
+    step = os.environ.get("ROVE_RESTORE_STEP", "")
+    if step and position is None:
+        log.warning(
+            "the model restores a checkpoint but the data position was not loaded: "
+            "save state_dict() with the model and call load_state_dict()",
+            step=step,
+            dataset=dataset,
+        )
+    return {"restore": position, "restore_step": int(step) if step else None}

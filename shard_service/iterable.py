@@ -23,21 +23,31 @@ works as with `ShardSampler` (docs/data.md).
 
 from __future__ import annotations
 
-import os
+import functools
 import queue
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import structlog
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from rove.control import events as ev
 from rove.control import shards
-from rove.shard_service.client import DataClient, client_name
-from rove.shard_service.sampler import STATE_VERSION, DataError, _anyone
+from rove.shard_service.client import (
+    DataClient,
+    client_name,
+    dataset_spec,
+    first_request,
+    placement,
+)
+from rove.shard_service.sampler import (
+    DataError,
+    _distributed,
+    deliveries,
+    position_state,
+    read_position,
+)
 
 log = structlog.get_logger("rove.data")
 
@@ -62,10 +72,10 @@ class ShardedIterable(IterableDataset[Any]):
         rank: int | None = None,
         round: int | None = None,
     ) -> None:
-        env = os.environ
         self.name = name
         self.dataset = dataset
-        self.spec = ev.DatasetSpec(
+        self.spec = dataset_spec(
+            name,
             size=len(dataset),  # type: ignore[arg-type]
             shard_size=shard_size,
             epochs=epochs,
@@ -73,28 +83,17 @@ class ShardedIterable(IterableDataset[Any]):
             shuffle=shuffle,
             lease_s=lease_s,
         )
-        problem = shards.spec_problem(self.spec)
-        if problem:
-            raise ValueError(f"dataset {name}: {problem}")
-        self.url = nats or env.get("ROVE_NATS_URL", "")
-        self.job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID", "")
-        if not self.url or not self.job:
-            raise ValueError(
-                "the sharded dataset needs a NATS URL and a job: run under `rove run`, or pass "
-                "nats='nats://host:4222' and job='name' (or set ROVE_NATS_URL and ROVE_JOB)"
-            )
-        self.node = node if node is not None else env.get("ROVE_NODE", "")
-        self.rank = rank if rank is not None else int(env.get("RANK", "0"))
-        self.round = round if round is not None else int(env.get("ROVE_ROUND", "0"))
+        self.where = placement(
+            "sharded dataset", nats=nats, job=job, node=node, rank=rank, round=round
+        )
         self.prefetch = prefetch
-        self.base_client = client_name(self.node, self.rank)
+        self.base_client = client_name(self.where.node, self.where.rank)
         self.restore: ev.DataPosition | None = None
         self.iterated = False
         # main process: what reached the training loop
         self.done: set[int] = set()
         self.base: set[int] = set()
         self.partial: dict[int, int] = {}  # key -> next position in the shard
-        self.owner: dict[int, str] = {}  # key -> the worker client holding its lease
         self._acks: DataClient | None = None
         self.shards_done = 0
 
@@ -103,48 +102,21 @@ class ShardedIterable(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Tagged]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        client = DataClient(
-            job=self.job,
-            dataset=self.name,
-            url=self.url,
-            node=self.node,
-            rank=self.rank,
-            client=f"{self.base_client}-w{worker}",
-        )
+        client = DataClient.at(self.where, self.name, f"{self.base_client}-w{worker}")
         try:
             yield from self._samples(client)
         finally:
             client.close()
 
     def _samples(self, c: DataClient) -> Iterator[Tagged]:
-        c.send(
-            ev.DatasetRegistered(
-                **c.envelope(), dataset=self.name, spec=self.spec, client=c.client, node=self.node
-            )
-        )
+        c.register(self.spec)
         held: list[ev.ShardRef] = []
         first, exhausted, outstanding = True, False, False
         while True:
             if len(held) < self.prefetch and not outstanding and not exhausted:
-                extra: dict[str, Any] = {}
-                if first:
-                    step = os.environ.get("ROVE_RESTORE_STEP", "")
-                    extra = {"restore": self.restore, "restore_step": int(step) if step else None}
-                    first = False
-                c.send(
-                    ev.ShardRequested(
-                        **c.envelope(),
-                        dataset=self.name,
-                        client=c.client,
-                        request=c.seq,
-                        count=self.prefetch - len(held),
-                        node=self.node,
-                        rank=self.rank,
-                        round=self.round,
-                        held=tuple(r.key for r in held),
-                        **extra,
-                    )
-                )
+                restore = first_request(self.name, self.restore) if first else {}
+                first = False
+                c.request(self.prefetch - len(held), tuple(r.key for r in held), **restore)
                 outstanding = True
             if not held or outstanding:
                 try:
@@ -155,7 +127,7 @@ class ShardedIterable(IterableDataset[Any]):
                         log.warning(
                             "no answer from the master yet; still waiting",
                             dataset=self.name,
-                            job=self.job,
+                            job=self.where.job,
                         )
                 if isinstance(answer, ev.DataRejected):
                     raise DataError(f"dataset {self.name}: {answer.reason}")
@@ -180,35 +152,14 @@ class ShardedIterable(IterableDataset[Any]):
     def _delivered(self, keys: list[int], positions: list[int], owners: list[str]) -> None:
         for key, pos, owner in zip(keys, positions, owners, strict=True):
             self.partial[key] = max(self.partial.get(key, 0), pos + 1)
-            self.owner[key] = owner
             if self.partial[key] == shards.shard_len(self.spec, key):
                 del self.partial[key]
                 self.done.add(key)
                 self.shards_done += 1
-                self._ack(key, owner)
-
-    def _ack(self, key: int, owner: str) -> None:
-        if self._acks is None:
-            self._acks = DataClient(
-                job=self.job,
-                dataset=self.name,
-                url=self.url,
-                node=self.node,
-                rank=self.rank,
-                client=f"{self.base_client}-main",
-            )
-        a = self._acks
-        a.send(
-            ev.ShardDone(
-                **a.envelope(),
-                dataset=self.name,
-                client=owner,  # acknowledged on behalf of the worker that holds the lease
-                shard=ev.ShardRef(key, 0),
-                node=self.node,
-                rank=self.rank,
-                round=self.round,
-            )
-        )
+                if self._acks is None:
+                    self._acks = DataClient.at(self.where, self.name, f"{self.base_client}-main")
+                # acknowledged on behalf of the worker that holds the lease
+                self._acks.done(ev.ShardRef(key, 0), owner)
 
     def position(self) -> ev.DataPosition:
         partial = {k: o for k, o in self.partial.items() if k not in self.done}
@@ -219,32 +170,12 @@ class ShardedIterable(IterableDataset[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of the lineage (collective when a process group is up)."""
-        position = self.position()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, msgspec.msgpack.encode(position))
-            decode = msgspec.msgpack.Decoder(ev.DataPosition).decode
-            position = shards.merge(decode(g) for g in gathered)
-        return {
-            "version": STATE_VERSION,
-            "dataset": self.name,
-            "spec": msgspec.to_builtins(self.spec),
-            "position": msgspec.to_builtins(position),
-        }
+        return position_state(self.name, self.spec, self.position())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.iterated:
             raise RuntimeError("load_state_dict() must be called before the loader is iterated")
-        if state.get("dataset") != self.name:
-            raise ValueError(
-                f"this data position is for dataset {state.get('dataset')!r}, not {self.name!r}"
-            )
-        if msgspec.convert(state["spec"], ev.DatasetSpec) != self.spec:
-            raise ValueError(
-                f"the data position of {self.name} was saved with other dataset parameters "
-                f"than {self.spec}: positions only carry over to the same parameters"
-            )
-        position = msgspec.convert(state["position"], ev.DataPosition)
+        position = read_position(state, self.name, self.spec)
         self.restore = position
         self.base = set(shards.from_ranges(position.done))
         self.partial = {r.key: r.offset for r in position.partial}
@@ -278,26 +209,17 @@ class IterableLoader:
     def __init__(self, data: ShardedIterable, *, lockstep: bool | None, **kwargs: Any) -> None:
         self.data = data
         self.loader = DataLoader(data, collate_fn=_collate, **kwargs)
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.lockstep = distributed if lockstep is None else lockstep
+        self.lockstep = _distributed() if lockstep is None else lockstep
         self.last_delivered: list[tuple[int, int]] = []
 
     def __iter__(self) -> Iterator[Any]:
         self.data.iterated = True
-        it = iter(self.loader)
-        while True:
-            item = next(it, None)
-            batch = None
-            if item is not None:
-                batch, keys, positions, indices, owners = item
-                self.data._delivered(keys, positions, owners)
-                spec = self.data.spec
-                self.last_delivered = [
-                    (shards.epoch_of(spec, k), i) for k, i in zip(keys, indices, strict=True)
-                ]
-            if self.lockstep:
-                if not _anyone(batch is not None):
-                    return
-            elif batch is None:
-                return
-            yield batch
+
+        def delivered(item: tuple[Any, list[int], list[int], list[int], list[str]]) -> Any:
+            batch, keys, positions, indices, owners = item
+            self.data._delivered(keys, positions, owners)
+            epoch = functools.partial(shards.epoch_of, self.data.spec)
+            self.last_delivered = [(epoch(k), i) for k, i in zip(keys, indices, strict=True)]
+            return batch
+
+        yield from deliveries(iter(self.loader), delivered, lockstep=self.lockstep)

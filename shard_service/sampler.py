@@ -30,11 +30,10 @@ environment; elsewhere pass `nats=`, `job=`.
 
 from __future__ import annotations
 
-import os
 import queue
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -45,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from rove.control import events as ev
 from rove.control import shards
-from rove.shard_service.client import DataClient
+from rove.shard_service.client import DataClient, dataset_spec, first_request, placement
 from rove.shard_service.tracker import Tracker
 
 log = structlog.get_logger("rove.data")
@@ -85,7 +84,8 @@ class ShardSampler(Sampler[list[int]]):
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1 shard, not {prefetch}")
-        self.spec = ev.DatasetSpec(
+        self.spec = dataset_spec(
+            dataset,
             size=size,
             shard_size=shard_size,
             epochs=epochs,
@@ -93,10 +93,9 @@ class ShardSampler(Sampler[list[int]]):
             shuffle=shuffle,
             lease_s=lease_s,
         )
-        problem = shards.spec_problem(self.spec)
-        if problem:
-            raise ValueError(f"dataset {dataset}: {problem}")
-        env = os.environ
+        self.where = placement(
+            "shard sampler", nats=nats, job=job, node=node, rank=rank, round=round
+        )
         self.name = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -105,21 +104,10 @@ class ShardSampler(Sampler[list[int]]):
         self._rate = 0.0  # samples/s delivered, smoothed
         self._rate_mark: tuple[float, int] | None = None
         self._delivered_samples = 0
-        self.url = nats or env.get("ROVE_NATS_URL", "")
-        self.job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID", "")
-        if not self.url or not self.job:
-            raise ValueError(
-                "the shard sampler needs a NATS URL and a job: run under `rove run`, or pass "
-                "nats='nats://host:4222' and job='name' (or set ROVE_NATS_URL and ROVE_JOB)"
-            )
-        self.node = node if node is not None else env.get("ROVE_NODE", "")
-        self.rank = rank if rank is not None else int(env.get("RANK", "0"))
-        self.round = round if round is not None else int(env.get("ROVE_ROUND", "0"))
         self.answer_timeout_s = answer_timeout_s
         self.tracker = Tracker(self.spec)
         self._client: DataClient | None = None
         self._restore: ev.DataPosition | None = None
-        self._restored = False
         self._requested = False
         self._outstanding: set[int] = set()
         self._exhausted = False
@@ -133,19 +121,8 @@ class ShardSampler(Sampler[list[int]]):
     @property
     def client(self) -> DataClient:
         if self._client is None:
-            self._client = DataClient(
-                job=self.job, dataset=self.name, url=self.url, node=self.node, rank=self.rank
-            )
-            self._client.send(
-                ev.DatasetRegistered(
-                    **self._client.envelope(),
-                    dataset=self.name,
-                    spec=self.spec,
-                    client=self._client.client,
-                    node=self.node,
-                    rank=self.rank,
-                )
-            )
+            self._client = DataClient.at(self.where, self.name)
+            self._client.register(self.spec)
         return self._client
 
     def connect(self) -> None:
@@ -153,36 +130,11 @@ class ShardSampler(Sampler[list[int]]):
         _ = self.client
 
     def _request(self, count: int) -> None:
-        c = self.client
-        extra: dict[str, Any] = {}
-        if not self._requested:
-            step = os.environ.get("ROVE_RESTORE_STEP", "")
-            if step and not self._restored:
-                log.warning(
-                    "the model restores a checkpoint but the data position was not loaded: "
-                    "save sampler.state_dict() with the model and call load_state_dict()",
-                    step=step,
-                    dataset=self.name,
-                )
-            extra = {"restore": self._restore, "restore_step": int(step) if step else None}
-            self._requested = True
-        envelope = c.envelope()
-        c.send(
-            ev.ShardRequested(
-                **envelope,
-                dataset=self.name,
-                client=c.client,
-                request=c.seq,
-                count=count,
-                node=self.node,
-                rank=self.rank,
-                round=self.round,
-                held=tuple(self.tracker.held),
-                **extra,
-            )
-        )
+        first = {} if self._requested else first_request(self.name, self._restore)
+        self._requested = True
+        request = self.client.request(count, tuple(self.tracker.held), **first)
         if count:
-            self._outstanding.add(c.seq)
+            self._outstanding.add(request)
         self._last_request = time.monotonic()
 
     def _take_answer(self, answer: ev.ShardLeased | ev.DataRejected) -> None:
@@ -203,7 +155,7 @@ class ShardSampler(Sampler[list[int]]):
                 log.warning(
                     "no answer from the master yet; still waiting (is a rove master running?)",
                     dataset=self.name,
-                    job=self.job,
+                    job=self.where.job,
                     waited_s=self.answer_timeout_s,
                 )
             return
@@ -268,18 +220,7 @@ class ShardSampler(Sampler[list[int]]):
         self._measure(len(self._last[0]))
         for ref in self.tracker.delivered():
             self.shards_done += 1
-            c = self.client
-            c.send(
-                ev.ShardDone(
-                    **c.envelope(),
-                    dataset=self.name,
-                    client=c.client,
-                    shard=ref,
-                    node=self.node,
-                    rank=self.rank,
-                    round=self.round,
-                )
-            )
+            self.client.done(ref)
 
     @property
     def last_delivered(self) -> list[tuple[int, int]]:
@@ -303,38 +244,15 @@ class ShardSampler(Sampler[list[int]]):
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of the lineage (collective when a process group is up)."""
-        position = self.tracker.position()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, msgspec.msgpack.encode(position))
-            position = shards.merge(
-                msgspec.msgpack.decode(g, type=ev.DataPosition) for g in gathered
-            )
-        return {
-            "version": STATE_VERSION,
-            "dataset": self.name,
-            "spec": msgspec.to_builtins(self.spec),
-            "position": msgspec.to_builtins(position),
-        }
+        return position_state(self.name, self.spec, self.tracker.position())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a saved position (before iterating)."""
         if self._requested:
             raise RuntimeError("load_state_dict() must be called before the first batch is drawn")
-        if state.get("dataset") != self.name:
-            raise ValueError(
-                f"this data position is for dataset {state.get('dataset')!r}, not {self.name!r}"
-            )
-        spec = msgspec.convert(state["spec"], ev.DatasetSpec)
-        if spec != self.spec:
-            raise ValueError(
-                f"the data position of {self.name} was saved with {spec}, but the sampler has "
-                f"{self.spec}: positions only carry over to the same dataset parameters"
-            )
-        position = msgspec.convert(state["position"], ev.DataPosition)
+        position = read_position(state, self.name, self.spec)
         self.tracker.restore(position)
         self._restore = position
-        self._restored = True
 
     def close(self) -> None:
         if self._client is not None:
@@ -356,24 +274,74 @@ class ShardedLoader:
     ) -> None:
         self.sampler = sampler
         self.loader = DataLoader(dataset, batch_sampler=sampler, **kwargs)
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.lockstep = distributed if lockstep is None else lockstep
+        self.lockstep = _distributed() if lockstep is None else lockstep
 
     def __iter__(self) -> Iterator[Any]:
-        it = iter(self.loader)
+        def delivered(batch: Any) -> Any:
+            self.sampler.delivered()
+            return batch
+
         try:
-            while True:
-                batch = next(it, None)
-                if batch is not None:
-                    self.sampler.delivered()
-                if self.lockstep:
-                    if not _anyone(batch is not None):
-                        return
-                elif batch is None:
-                    return
-                yield batch
+            yield from deliveries(iter(self.loader), delivered, lockstep=self.lockstep)
         finally:
             self.sampler.abandon()
+
+
+def deliveries(
+    items: Iterator[Any], deliver: Callable[[Any], Any], *, lockstep: bool
+) -> Iterator[Any]:
+    """`deliver(item)` for each item of a loader, until every rank is out of data.
+
+    With `lockstep`, a rank that ran out yields None while any other still has
+    data (one all-reduce a step); without, iteration ends with the loader.
+    """
+    while True:
+        item = next(items, None)
+        batch = None if item is None else deliver(item)
+        if lockstep:
+            if not _anyone(item is not None):
+                return
+        elif item is None:
+            return
+        yield batch
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def position_state(name: str, spec: ev.DatasetSpec, position: ev.DataPosition) -> dict[str, Any]:
+    """A data position as saved in a checkpoint, merged over the ranks (collective)."""
+    if _distributed():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, msgspec.msgpack.encode(position))
+        decode = msgspec.msgpack.Decoder(ev.DataPosition).decode
+        position = shards.merge(decode(g) for g in gathered)
+    return {
+        "version": STATE_VERSION,
+        "dataset": name,
+        "spec": msgspec.to_builtins(spec),
+        "position": msgspec.to_builtins(position),
+    }
+
+
+def read_position(state: dict[str, Any], name: str, spec: ev.DatasetSpec) -> ev.DataPosition:
+    """The position saved by `position_state`, for the same dataset and parameters only.
+
+    Raises:
+        ValueError: it is another dataset's, or was saved with other parameters.
+    """
+    if state.get("dataset") != name:
+        raise ValueError(
+            f"this data position is for dataset {state.get('dataset')!r}, not {name!r}"
+        )
+    saved = msgspec.convert(state["spec"], ev.DatasetSpec)
+    if saved != spec:
+        raise ValueError(
+            f"the data position of {name} was saved with {saved}, but the data source has "
+            f"{spec}: positions only carry over to the same dataset parameters"
+        )
+    return msgspec.convert(state["position"], ev.DataPosition)
 
 
 def _anyone(mine: bool) -> bool:
