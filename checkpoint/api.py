@@ -36,8 +36,7 @@ from typing import Any
 import structlog
 
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
-from rove.checkpoint.restore import agree, restore_target, storage_fallbacks
-from rove.checkpoint.storage import FileStorage
+from rove.checkpoint.restore import agree, candidates, job_and_storage
 
 log = structlog.get_logger("rove.checkpoint")
 
@@ -51,12 +50,9 @@ class FlashCheckpointer:
         rank: int | None = None,
         source_rank: int | None = None,
     ) -> None:
-        env = os.environ
-        self.job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID") or "local"
-        self.rank = int(env.get("RANK", "0")) if rank is None else rank
+        self.job, self.storage = job_and_storage(job, checkpoint_dir)
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.engine = FlashEngine(namespace(self.job), self.rank)
-        directory = checkpoint_dir or env.get("ROVE_CKPT_DIR")
-        self.storage = FileStorage(Path(directory)) if directory else None
         self.source_rank = source_rank
         self.restored_from = ""
 
@@ -74,14 +70,12 @@ class FlashCheckpointer:
         Raises:
             CheckpointError: no step could be loaded (the message says what was tried).
         """
-        target = restore_target(self._reader(), self.storage, process_group)
-        if target is None:
+        steps = candidates(self._reader(), self.storage, process_group)
+        if not steps:
             return None
-        step, source = target
-        candidates = [(step, source)]
-        candidates += [(s, "storage") for s in storage_fallbacks(self.storage, step, process_group)]
+        step = steps[0][0]
         tried: list[str] = []
-        for candidate, where in candidates:
+        for candidate, where in steps:
             loaded = self._try_step(candidate, where, tried)
             if agree(loaded is not None, process_group):
                 assert loaded is not None

@@ -54,8 +54,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
-from rove.checkpoint.restore import restore_target, storage_fallbacks
-from rove.checkpoint.storage import FileStorage, Storage
+from rove.checkpoint.restore import candidates, job_and_storage
+from rove.checkpoint.storage import Storage
 
 #: the key of a rank's DCP items in its slot, and of the metadata in the coordinator's
 ITEMS = "dcp_items"
@@ -244,14 +244,11 @@ class DistributedCheckpointer:
         job: str | None = None,
         rank: int | None = None,
     ) -> None:
-        env = os.environ
-        self.job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID") or "local"
+        self.job, self.storage = job_and_storage(job, checkpoint_dir)
         if rank is None:
-            rank = dist.get_rank() if dist.is_initialized() else int(env.get("RANK", "0"))
+            rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.rank = rank
         self.engine = FlashEngine(namespace(self.job), rank)
-        directory = checkpoint_dir or env.get("ROVE_CKPT_DIR")
-        self.storage: Storage | None = FileStorage(Path(directory)) if directory else None
         self.restored_from = ""
 
     def save(self, step: int, state_dict: dict[str, Any], process_group: Any = None) -> SaveStats:
@@ -273,14 +270,10 @@ class DistributedCheckpointer:
         Raises:
             CheckpointError: no step could be loaded (the message says what was tried).
         """
-        target = restore_target(self.engine, self.storage, process_group)
-        if target is None:
-            return None
-        step, source = target
-        candidates = [(step, source == "memory")]
-        candidates += [(s, False) for s in storage_fallbacks(self.storage, step, process_group)]
         errors = []
-        for candidate, memory in candidates:
+        steps = candidates(self.engine, self.storage, process_group)
+        for candidate, source in steps:
+            memory = source == "memory"
             reader = FlashStorageReader(self.job, candidate, self.storage, memory=memory)
             try:
                 dcp_load(state_dict, storage_reader=reader, process_group=process_group)
@@ -291,4 +284,6 @@ class DistributedCheckpointer:
                 reader.close()
             self.restored_from = "memory" if reader.sources == {"memory"} else "storage"
             return candidate
+        if not steps:
+            return None
         raise CheckpointError("cannot restore any step: " + " | ".join(errors))

@@ -16,12 +16,13 @@ falls back on its own.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from rove.checkpoint.engine import FlashEngine
-from rove.checkpoint.storage import Storage
+from rove.checkpoint.storage import FileStorage, Storage
 
 
 def _group_size(group: Any) -> int:
@@ -74,3 +75,28 @@ def storage_fallbacks(storage: Storage | None, step: int, group: Any = None) -> 
     """Steps older than `step` on storage, newest first, the same on every rank."""
     older = [s for s in storage.steps() if s < step] if storage is not None else []
     return list(_from_coordinator(sorted(older, reverse=True), group))
+
+
+def candidates(
+    engine: FlashEngine, storage: Storage | None, group: Any = None
+) -> list[tuple[int, str]]:
+    """(step, source) to try in order: the target, then older steps on storage.
+
+    Empty for a fresh start. Collective: every rank gets the same list.
+    """
+    target = restore_target(engine, storage, group)
+    if target is None:
+        return []
+    step, _ = target
+    return [target, *((s, "storage") for s in storage_fallbacks(storage, step, group))]
+
+
+def job_and_storage(
+    job: str | None, checkpoint_dir: str | Path | None
+) -> tuple[str, Storage | None]:
+    """The job (argument, else `ROVE_JOB`, else torchrun's run id, else "local") and
+    the storage (argument, else `ROVE_CKPT_DIR`, else none) of a checkpointer."""
+    env = os.environ
+    job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID") or "local"
+    directory = checkpoint_dir or env.get("ROVE_CKPT_DIR")
+    return job, FileStorage(Path(directory)) if directory else None
