@@ -31,7 +31,8 @@ log = structlog.get_logger("rove.master")
 #: How long a published decision is not re-published while we wait to see it folded.
 INFLIGHT_S = 5.0
 #: Facts whose producer waits for an answer: the leader decides as soon as it folds one.
-_WAKE_ON = (ev.ShardRequested, ev.DatasetRegistered, ev.ShardDone)
+#: (An acknowledgement is answered only when refused; that waits for the next tick.)
+_WAKE_ON = (ev.ShardRequested, ev.DatasetRegistered)
 #: Answers to data clients: many at a time, independent of each other.
 _ANSWERS = (ev.ShardLeased, ev.DataRejected)
 
