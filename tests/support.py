@@ -16,6 +16,19 @@ from typing import Any
 from rove.control.embedded import EmbeddedServer
 
 
+def rove_cli(
+    *args: str, timeout: float = 30, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`rove ARGS...` in a subprocess, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "rove.control.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=check,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

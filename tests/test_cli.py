@@ -14,17 +14,7 @@ from rove.control.bus import Bus
 from rove.control.cli import common
 from rove.control.embedded import EmbeddedServer
 from tests import factories
-from tests.support import free_port
-
-
-def rove(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rove.control.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+from tests.support import free_port, rove_cli
 
 
 async def seed(bus: Bus) -> None:
@@ -38,7 +28,7 @@ async def seed(bus: Bus) -> None:
 
 async def test_events_prints_one_readable_line_per_event(bus: Bus) -> None:
     await seed(bus)
-    out = await asyncio.to_thread(rove, "events", "--job", "j1", "--nats", bus.url)
+    out = await asyncio.to_thread(rove_cli, "events", "--job", "j1", "--nats", bus.url)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 5  # heartbeats live in their own stream
@@ -50,7 +40,7 @@ async def test_events_prints_one_readable_line_per_event(bus: Bus) -> None:
 async def test_events_json_filters_by_type_and_node(bus: Bus) -> None:
     await seed(bus)
     out = await asyncio.to_thread(
-        rove,
+        rove_cli,
         "events",
         "--job",
         "j1",
@@ -70,7 +60,9 @@ async def test_events_since_skips_older_events(bus: Bus) -> None:
     await bus.publish(factories.joined("old"))
     await asyncio.sleep(2.0)
     await bus.publish(factories.joined("new", n=1))
-    out = await asyncio.to_thread(rove, "events", "--job", "j1", "--nats", bus.url, "--since", "1s")
+    out = await asyncio.to_thread(
+        rove_cli, "events", "--job", "j1", "--nats", bus.url, "--since", "1s"
+    )
     assert "node=new" in out.stdout and "node=old" not in out.stdout
 
 
@@ -106,7 +98,7 @@ async def test_events_follow_prints_new_events_as_they_arrive(bus: Bus) -> None:
 
 async def test_status_shows_leader_nodes_and_heartbeats(bus: Bus) -> None:
     await seed(bus)
-    out = await asyncio.to_thread(rove, "status", "--job", "j1", "--nats", bus.url)
+    out = await asyncio.to_thread(rove_cli, "status", "--job", "j1", "--nats", bus.url)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "job j1: running" in text
@@ -119,7 +111,7 @@ async def test_status_shows_leader_nodes_and_heartbeats(bus: Bus) -> None:
 
 async def test_status_json_is_one_object(bus: Bus) -> None:
     await seed(bus)
-    out = await asyncio.to_thread(rove, "status", "--job", "j1", "--nats", bus.url, "--json")
+    out = await asyncio.to_thread(rove_cli, "status", "--job", "j1", "--nats", bus.url, "--json")
     view = json.loads(out.stdout)
     assert view["leader"] == "m1" and view["epoch"] == 1 and view["phase"] == "running"
     assert {n["node"]: n["status"] for n in view["nodes"]} == {"n1": "active", "n2": "lost"}
@@ -130,11 +122,11 @@ async def test_status_json_is_one_object(bus: Bus) -> None:
 async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
     await seed(bus)
     out = await asyncio.to_thread(
-        rove, "stop", "--job", "j1", "--nats", bus.url, "--reason", "done"
+        rove_cli, "stop", "--job", "j1", "--nats", bus.url, "--reason", "done"
     )
     assert out.returncode == 0, out.stderr
     events = await asyncio.to_thread(
-        rove, "events", "--job", "j1", "--nats", bus.url, "--type", "stop_requested", "--json"
+        rove_cli, "events", "--job", "j1", "--nats", bus.url, "--type", "stop_requested", "--json"
     )
     assert json.loads(events.stdout)["reason"] == "done"
 
@@ -178,21 +170,21 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
 def test_user_mistakes_get_one_clear_line_and_an_exit_code(
     args: list[str], code: int, message: str
 ) -> None:
-    out = rove(*args)
+    out = rove_cli(*args)
     assert out.returncode == code
     assert message in out.stderr
     assert "Traceback" not in out.stderr
 
 
 def test_an_unreachable_server_exits_3() -> None:
-    out = rove("status", "--job", "j1", "--nats", f"nats://127.0.0.1:{free_port()}")
+    out = rove_cli("status", "--job", "j1", "--nats", f"nats://127.0.0.1:{free_port()}")
     assert out.returncode == common.EXIT_UNREACHABLE
     assert "cannot connect to NATS" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_an_unknown_job_exits_4(nats_server: EmbeddedServer) -> None:
     assert nats_server.url
-    out = rove("status", "--job", "nosuchjob", "--nats", nats_server.url)
+    out = rove_cli("status", "--job", "nosuchjob", "--nats", nats_server.url)
     assert out.returncode == common.EXIT_UNKNOWN_JOB
     assert "no events of job 'nosuchjob'" in out.stderr
 

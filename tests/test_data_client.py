@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ from torch.utils.data import Dataset
 from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.shard_service import DataError, ShardSampler
-from tests.support import MasterProc, stored_events
+from tests.support import MasterProc, rove_cli, stored_events
 
 JOB = "dj"
 
@@ -82,12 +80,7 @@ async def test_two_samplers_see_every_index_once_per_epoch(bus: Bus, master: Any
             break
         await asyncio.sleep(0.1)
     assert len(done) == total_shards
-    status = subprocess.run(
-        [sys.executable, "-m", "rove.control.cli.main", "status", "--job", JOB, "--nats", bus.url],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    status = rove_cli("status", "--job", JOB, "--nats", bus.url, check=True)
     assert "dataset ds" in status.stdout and "na" in status.stdout and "nb" in status.stdout
     a.close()
     b.close()

@@ -24,6 +24,7 @@ from tests.support import (
     RunProc,
     eventually,
     pid_alive,
+    rove_cli,
     stored_events,
     trace_rows,
 )
@@ -460,21 +461,7 @@ async def test_the_network_check_finds_the_node_with_a_broken_network_and_exclud
         (rnd,) = await events_of(bus, ev.RoundCompleted)
         assert sorted(m.node for m in rnd.members) == ["na", "nb", "nc"]  # type: ignore[attr-defined]
         assert "excluded" in nodes["nd"].log()
-        status = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "rove.control.cli.main",
-                "status",
-                "--job",
-                JOB,
-                "--nats",
-                bus.url,
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        status = rove_cli("status", "--job", JOB, "--nats", bus.url, check=True)
         assert "network check" in status.stdout and "nd" in status.stdout
     finally:
         for p in nodes.values():
@@ -592,21 +579,7 @@ async def test_a_full_disk_is_a_clear_event_training_goes_on_and_nothing_is_comm
         assert not list(ckpt.rglob("*.ckpt")) and not list(ckpt.rglob(".*tmp*")), (
             "nothing half-written is left"
         )
-        status = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "rove.control.cli.main",
-                "status",
-                "--job",
-                JOB,
-                "--nats",
-                bus.url,
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        status = rove_cli("status", "--job", JOB, "--nats", bus.url, check=True)
         assert "nothing persisted yet" in status.stdout
         assert "persist failures (last: step" in status.stdout
     finally:
