@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rove.control import events as ev
 
 JOB = "j1"
+
+
+def _fact(node: str, inc: str, ts: float, job: str, *id_parts: object) -> dict[str, Any]:
+    """The fields every fact of an agent carries."""
+    return {
+        "job": job,
+        "id": ev.make_id(node, inc, *id_parts),
+        "producer": f"agent:{node}",
+        "ts": ts,
+        "node": node,
+        "incarnation": inc,
+    }
 
 
 def joined(
@@ -25,12 +39,7 @@ def joined(
 
 def left(node: str, *, inc: str = "i1", ts: float = 100.0, job: str = JOB) -> ev.NodeLeft:
     return ev.NodeLeft(
-        job=job,
-        id=ev.make_id(node, inc, "left"),
-        producer=f"agent:{node}",
-        ts=ts,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, ts, job, "left"),
         reason="done",
     )
 
@@ -39,12 +48,7 @@ def heartbeat(
     node: str, *, inc: str = "i1", seq: int = 1, ts: float = 100.0, job: str = JOB, step: int = 0
 ) -> ev.Heartbeat:
     return ev.Heartbeat(
-        job=job,
-        id=ev.make_id(node, inc, "hb", seq),
-        producer=f"agent:{node}",
-        ts=ts,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, ts, job, "hb", seq),
         seq=seq,
         cpu_percent=12.5,
         mem_used_bytes=2**30,
@@ -150,12 +154,7 @@ def rdzv(
     job: str = JOB,
 ) -> ev.RdzvJoined:
     return ev.RdzvJoined(
-        job=job,
-        id=ev.make_id(node, inc, "rdzv", n, ts),
-        producer=f"agent:{node}",
-        ts=ts,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, ts, job, "rdzv", n, ts),
         addr=f"10.0.0.{node[-1]}",
         nproc_per_node=nproc,
         ports=(29500 + n,),
@@ -167,12 +166,7 @@ def started(
     node: str, rnd: int, ranks: tuple[int, ...], *, inc: str = "i1", job: str = JOB
 ) -> ev.WorkersStarted:
     return ev.WorkersStarted(
-        job=job,
-        id=ev.make_id(node, inc, "started", rnd),
-        producer=f"agent:{node}",
-        ts=100.0,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, 100.0, job, "started", rnd),
         round=rnd,
         ranks=ranks,
         pids=tuple(1000 + r for r in ranks),
@@ -191,12 +185,7 @@ def exited(
     job: str = JOB,
 ) -> ev.WorkerExited:
     return ev.WorkerExited(
-        job=job,
-        id=ev.make_id(node, inc, "exited", rnd, rank),
-        producer=f"agent:{node}",
-        ts=ts,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, ts, job, "exited", rnd, rank),
         round=rnd,
         rank=rank,
         local_rank=rank % 2,
@@ -210,12 +199,7 @@ def exited(
 
 def succeeded(node: str, rnd: int, *, inc: str = "i1", job: str = JOB) -> ev.WorkersSucceeded:
     return ev.WorkersSucceeded(
-        job=job,
-        id=ev.make_id(node, inc, "succeeded", rnd),
-        producer=f"agent:{node}",
-        ts=100.0,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, 100.0, job, "succeeded", rnd),
         round=rnd,
     )
 
@@ -274,12 +258,7 @@ def check_reported(
     job: str = JOB,
 ) -> ev.NetworkCheckReported:
     return ev.NetworkCheckReported(
-        job=job,
-        id=ev.make_id(node, inc, "check", check_round),
-        producer=f"agent:{node}",
-        ts=100.0,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, 100.0, job, "check", check_round),
         check_round=check_round,
         ok=ok,
         elapsed_s=elapsed,
@@ -331,12 +310,7 @@ def in_memory(
     node: str, step: int, ranks: tuple[int, ...], *, inc: str = "i1", job: str = JOB
 ) -> ev.CkptInMemory:
     return ev.CkptInMemory(
-        job=job,
-        id=ev.make_id(node, inc, "mem", step),
-        producer=f"agent:{node}",
-        ts=100.0,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, 100.0, job, "mem", step),
         step=step,
         ranks=ranks,
     )
@@ -346,12 +320,7 @@ def persisted(
     node: str, step: int, ranks: tuple[int, ...], world: int = 4, *, inc: str = "i1", job: str = JOB
 ) -> ev.CkptPersisted:
     return ev.CkptPersisted(
-        job=job,
-        id=ev.make_id(node, inc, "persisted", step),
-        producer=f"agent:{node}",
-        ts=100.0,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, 100.0, job, "persisted", step),
         step=step,
         ranks=ranks,
         world_size=world,
@@ -361,12 +330,7 @@ def persisted(
 
 def ckpt_failed(node: str, step: int, *, inc: str = "i1", job: str = JOB) -> ev.CkptFailed:
     return ev.CkptFailed(
-        job=job,
-        id=ev.make_id(node, inc, "ckpt_failed", step),
-        producer=f"agent:{node}",
-        ts=100.0,
-        node=node,
-        incarnation=inc,
+        **_fact(node, inc, 100.0, job, "ckpt_failed", step),
         step=step,
         error="the disk is full",
     )
