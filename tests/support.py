@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rove.control.embedded import EmbeddedServer
 
@@ -27,6 +27,23 @@ def rove_cli(
         timeout=timeout,
         check=check,
     )
+
+
+def leave_process_group() -> NoReturn:
+    """End a spawned gloo worker: destroy its process group and exit at once.
+
+    A worker that had passed every check once died of SIGABRT ("terminate called
+    without an active exception") on its way out in CI. DDP and FSDP keep the
+    process group in reference cycles, so it can outlive destroy_process_group()
+    and be torn down, with gloo's threads, during interpreter finalization.
+    Exiting with os._exit skips finalization; the checks are already written.
+    """
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.support import free_port
+from tests.support import free_port, leave_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, port: int, shm: str, out: str) -> None:
     assert step == 4 and back["step"] == 4 and restorer.restored_from == "storage"
     dist.barrier()
     Path(out, f"ok-{rank}").write_text("ok")
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_ddp_state_round_trips_bitwise_on_two_processes(tmp_path: Path) -> None:
