@@ -4,9 +4,10 @@ Publishes N events of one job to an embedded JetStream server, then measures
 the time for a fresh replica (the master's state-rebuilding part) to be ready:
   - full: no snapshot, replaying all N events;
   - snapshot: from a snapshot taken at N - tail, replaying only the tail.
-Also the time from starting a `MasterRunner` to its first decision-ready
-leadership with the snapshot, and, in the same run, the rate at which bare
-nats-py delivers the same stored messages to an empty callback (the floor any
+Then the full replay again with another job of the same size sharing the stream
+(half the messages are someone else's). Also the time from starting a
+`MasterRunner` to its first decision-ready leadership with the snapshot, and,
+in the same run, the rate at which bare nats-py delivers the same stored messages to an empty callback (the floor any
 nats-py consumer sits on). Prints one JSON line.
 
     python benchmarks/master_recovery.py --events 100000
@@ -38,13 +39,13 @@ from rove.control.master.state import encode_state, initial
 JOB = "bench"
 
 
-def workload(n: int, nodes: int = 512) -> list[ev.Event]:
+def workload(n: int, nodes: int = 512, job: str = JOB) -> list[ev.Event]:
     """Node churn: joins and leaves of `nodes` nodes, n events in all."""
     out: list[ev.Event] = []
     for i in range(n):
         node = f"n{i % nodes}"
         inc = f"i{i // (2 * nodes)}"
-        common = {"job": JOB, "id": f"{JOB}:{i}", "producer": f"agent:{node}", "ts": 1e9 + i}
+        common = {"job": job, "id": f"{job}:{i}", "producer": f"agent:{node}", "ts": 1e9 + i}
         if (i // nodes) % 2 == 0:
             out.append(ev.NodeJoined(**common, node=node, host="h", pid=i, incarnation=inc))
         else:
@@ -102,6 +103,12 @@ async def main(n: int, tail: int) -> dict[str, object]:
             full_s, full = await rebuild(url, use_snapshot=False)
             assert full.state.applied_seq == n and full.state.counters.events == n
 
+            other = workload(n, job=f"{JOB}-other")
+            for i in range(0, n, 5000):
+                await bus.publish_many(other[i : i + 5000], deadline_s=120)
+            shared_s, shared = await rebuild(url, use_snapshot=False)
+            assert shared.state == full.state, "another job's events change nothing"
+
             # Snapshot at n - tail, so the snapshot path replays `tail` events.
             prefix_state = initial(JOB)
             for seq, e in enumerate(batch[: n - tail], start=1):
@@ -120,6 +127,7 @@ async def main(n: int, tail: int) -> dict[str, object]:
             runner.stop()
             await task
             await runner_bus.close()
+
             await bus.close()
         finally:
             server.stop()
@@ -132,6 +140,7 @@ async def main(n: int, tail: int) -> dict[str, object]:
         "ready_s_snapshot": round(snap_s, 3),
         "leader_s_snapshot": round(leader_s, 3),
         "replay_events_per_s": round(n / full_s),
+        "replay_events_per_s_shared_stream": round(n / shared_s),
         "nats_py_floor_msgs_per_s": round(floor),
         "replay_vs_nats_py_floor": round((n / full_s) / floor, 3),
         "snapshot_bytes": len(encode_state(prefix_state)),
