@@ -3,11 +3,12 @@
 Publishes N events of one job to an embedded JetStream server, then measures
 the time for a fresh replica (the master's state-rebuilding part) to be ready:
   - full: no snapshot, replaying all N events;
+  - shared: the full replay again, with another job of the same size sharing
+    the stream (half the messages are someone else's);
   - snapshot: from a snapshot taken at N - tail, replaying only the tail.
-Then the full replay again with another job of the same size sharing the stream
-(half the messages are someone else's). Also the time from starting a
-`MasterRunner` to its first decision-ready leadership with the snapshot, and,
-in the same run, the rate at which bare nats-py delivers the same stored messages to an empty callback (the floor any
+Also the time from starting a `MasterRunner` to its first decision-ready
+leadership with the snapshot, and, in the same run, the rate at which bare
+nats-py delivers the same stored messages to an empty callback (the floor any
 nats-py consumer sits on). Prints one JSON line.
 
     python benchmarks/master_recovery.py --events 100000
