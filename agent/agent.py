@@ -35,6 +35,7 @@ from typing import Any
 import structlog
 from torch.distributed.elastic.multiprocessing import LogsSpecs, RunProcsResult
 
+from rove.agent import warm
 from rove.agent.diagnosis import signal_name
 from rove.agent.metrics import Sampler
 from rove.agent.outbox import Outbox
@@ -60,7 +61,8 @@ class AgentConfig:
     addr: str
     nproc: int
     params: ev.RdzvParams
-    entrypoint: str
+    #: A command, or a function (warm start: forked from the warm server).
+    entrypoint: str | Callable[..., None]
     args: list[str]
     logs_specs: LogsSpecs | None
     state_dir: Path
@@ -71,6 +73,8 @@ class AgentConfig:
     hang_timeout_s: float = 0.0
     stop_timeout_s: float = 10.0
     start_method: str = "spawn"
+    #: Extra modules the warm server imports (warm start only).
+    preload: tuple[str, ...] = ()
     checkpoint_dir: Path | None = None
     save_at_breakpoint: bool = False
     keep_checkpoints: int = 3
@@ -227,6 +231,8 @@ class Agent:
         self._done = loop.create_future()
         self.outbox.start()
         self.log.info("agent starting", incarnation=self.incarnation, addr=self.cfg.addr)
+        if self.cfg.start_method == "forkserver" and callable(self.cfg.entrypoint):
+            warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
         self._register()
         feed = await self.bus.subscribe(
             subjects.EVENTS_STREAM,

@@ -20,13 +20,14 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
+from rove.agent import warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.control import aio, embedded, logs, subjects
 from rove.control import events as ev
@@ -145,6 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between heartbeats (default 1)",
     )
+    g.add_argument(
+        "--no-warm-start",
+        dest="warm_start",
+        action="store_false",
+        help="start every worker as a fresh interpreter, as torchrun does (default: "
+        "fork workers from a server that has imported torch once; see docs/runtime.md)",
+    )
+    g.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="with warm start, also import MODULE once in the warm server (repeatable), "
+        "e.g. --preload transformers",
+    )
     common.add_nats_args(p)
     return p
 
@@ -228,22 +244,33 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         exclude_stragglers=bool(args.exclude_straggler),
         network_check_timeout_s=args.network_check_timeout,
     )
+    warm_start = bool(args.warm_start) and not args.no_python and not args.run_path
+    if warm_start:
+        # Forked from the warm server (see rove.agent.warm).
+        entrypoint: str | Callable[..., None] = warm.run_script
+        worker_args = list(warm.entry_args([str(a) for a in cmd_args]))
+        start_method = "forkserver"
+    else:
+        # Through rove.agent.child, so workers die with their agent (see there).
+        entrypoint = sys.executable
+        worker_args = ["-m", "rove.agent.child", str(cmd), *(str(a) for a in cmd_args)]
+        start_method = launch.start_method
     cfg = AgentConfig(
         job=job,
         node=node,
         addr=_addr(args, standalone),
         nproc=launch.nproc_per_node,
         params=params,
-        # Through rove.agent.child, so workers die with their agent (see there).
-        entrypoint=sys.executable,
-        args=["-m", "rove.agent.child", str(cmd), *(str(a) for a in cmd_args)],
+        entrypoint=entrypoint,
+        args=worker_args,
+        preload=tuple(args.preload) if warm_start else (),
         logs_specs=logs_specs,
         state_dir=embedded.job_dir(job) / "agents" / node,
         max_restarts=launch.max_restarts,
         role=launch.role,
         heartbeat_s=args.heartbeat_interval,
         hang_timeout_s=args.hang_timeout or 0.0,
-        start_method=launch.start_method,
+        start_method=start_method,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         save_at_breakpoint=bool(args.save_at_breakpoint),
         keep_checkpoints=args.keep_checkpoints,

@@ -8,7 +8,10 @@ and teardown of the other local workers when one fails.
 
 from __future__ import annotations
 
+import logging
 import signal
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +46,7 @@ class WorkerGroup:
 
     def __init__(
         self,
-        entrypoint: str,
+        entrypoint: str | Callable[..., None],
         args: list[str],
         logs_specs: LogsSpecs | None,
         progress_dir: Path,
@@ -60,6 +63,7 @@ class WorkerGroup:
         self.pcontext: PContext | None = None
         self.round = 0
         self.progress_files: dict[int, Path] = {}
+        quiet_torch_tracebacks()
 
     @property
     def running(self) -> bool:
@@ -94,7 +98,10 @@ class WorkerGroup:
         """None while all run; else the result (the others are torn down first). Blocking."""
         if self.pcontext is None:
             return None
-        result = self.pcontext.wait(timeout=0)
+        pcontext = self.pcontext
+        result = pcontext.wait(timeout=0)
+        if result is not None and result.failures:
+            _add_other_failures(pcontext, result)
         if result is not None:
             self.pcontext = None
         return result
@@ -112,6 +119,56 @@ class WorkerGroup:
             if p is not None:
                 out[local_rank] = p
         return out
+
+
+def _add_other_failures(pcontext: PContext, result: RunProcsResult) -> None:
+    """Add the failures a function-entrypoint context leaves out of its result.
+
+    torch's multiprocessing context reports only the first failed process it
+    sees, often the survivor whose collective broke rather than the worker that
+    was killed. Every process that ended badly is added (they all ended before
+    the teardown was detected; one-second timestamps cannot order them), so
+    `root_failure` can pick the cause.
+    """
+    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    if not processes:
+        return  # a subprocess context: it reports every failure itself
+    earliest = min(f.timestamp for f in result.failures.values())
+    for local_rank, proc in enumerate(processes):
+        code = proc.exitcode
+        if local_rank in result.failures or code in (None, 0):
+            continue
+        failure = ProcessFailure(
+            local_rank=local_rank,
+            pid=proc.pid,
+            exitcode=code,
+            error_file=pcontext.error_files.get(local_rank, ""),
+        )
+        if not failure.error_file_data:
+            failure.timestamp = earliest
+        result.failures[local_rank] = failure
+
+
+class PreformattedTraceback(logging.Filter):
+    """Formats a record's traceback before torch's log formatter sees it.
+
+    torch's formatter imports `torch._dynamo` (about 1.4 s) the first time it
+    formats an exception, which it does when a worker fails: in the agent that
+    import would delay every first restart.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.exc_text = "".join(traceback.format_exception(*record.exc_info)).rstrip()
+            record.exc_info = None
+        return True
+
+
+def quiet_torch_tracebacks() -> None:
+    """Install `PreformattedTraceback` on torch's process-context logger (idempotent)."""
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, PreformattedTraceback) for f in logger.filters):
+        logger.addFilter(PreformattedTraceback())
 
 
 def _symptom_rank(failure: ProcessFailure, diagnosis: Diagnosis) -> int:

@@ -1,15 +1,22 @@
-"""Recovery after a worker is killed: torchrun vs rove, 2 nodes x 2 workers, same script.
+"""Recovery after a worker is killed: torchrun vs rove, same script, same machine.
 
-Both run `examples/train.py` (checkpoints with torch.save every --ckpt-every
-steps) as two agents on this machine: torchrun with c10d rendezvous and
---max-restarts, rove with a `rove master` and two `rove run --nnodes 2`. When
-rank 1 reaches --kill-step, it is killed with SIGKILL. Measured per launcher:
-seconds from the kill to the first completed step after recovery, and steps
-lost (trained before the kill and trained again after it). Then, separately,
-the seconds from kill -9 of a leading `rove master` to its standby's first
-decision (its `master_elected`). Prints one JSON line.
+Every run trains `examples/train.py` and kills rank 1 with SIGKILL when it
+reaches --kill-step. torchrun runs with torch.save checkpoints every
+--ckpt-every steps (what a torchrun user has); rove runs the same, and with
+flash checkpoints every step restored from memory (`_flash`), with warm start
+(the default) and without it (`_cold`, every worker a fresh interpreter).
+Shapes: one node of 2 workers (`--standalone` for both launchers) and 2 nodes
+x 2 workers (two agents each; torchrun with c10d rendezvous).
 
-    python benchmarks/recovery.py [--steps 120] [--kill-step 40]
+Measured per run: `recovery_s`, seconds from the kill to the first completed
+step after it; `regain_s`, seconds from the kill until the step reached before
+the kill is trained again (the lost work redone); `lost_steps`; and, for
+torchrun, the restarts it used (on this machine a torchrun restart sometimes
+fails in gloo's connectFullMesh and needs another, so it gets
+--torchrun-max-restarts). Then the seconds from kill -9 of a leading `rove
+master` to its standby's first decision. Prints one JSON line.
+
+    python benchmarks/recovery.py [--steps 120] [--kill-step 45]
 """
 
 from __future__ import annotations
@@ -118,15 +125,20 @@ def kill_and_measure(
         return {
             "recovered": False,
             "recovery_s": None,
+            "regain_s": None,
             "lost_steps": None,
             "final_step": final,
             "exit_codes": codes,
         }
     first_after = min(after, key=lambda r: r["t"])
+    regained = min((r["t"] for r in after if r["step"] >= before), default=None)
     return {
         "recovered": True,
         "recovery_s": round(first_after["t"] - killed_at, 3),
+        "regain_s": round(regained - killed_at, 3) if regained is not None else None,
         "lost_steps": before - (first_after["step"] - 1),
+        "restarts_used": first_after["restart"],
+        "source": first_after.get("source"),
         "final_step": final,
         "exit_codes": codes,
     }
@@ -138,7 +150,7 @@ def run_torchrun(work: Path, a: argparse.Namespace, nodes: int) -> dict[str, Any
     procs = []
     for node_rank in range(nodes):
         if nodes == 1:
-            rdzv = ["--standalone", "--nproc-per-node", "4"]
+            rdzv = ["--standalone", "--nproc-per-node", "2"]
         else:
             rdzv = [
                 "--nnodes",
@@ -160,7 +172,7 @@ def run_torchrun(work: Path, a: argparse.Namespace, nodes: int) -> dict[str, Any
                     "torch.distributed.run",
                     *rdzv,
                     "--max-restarts",
-                    "3",
+                    str(a.torchrun_max_restarts),
                     *train_args(work, a.steps, a.ckpt_every, a.step_sleep),
                 ],
                 stdout=subprocess.DEVNULL,
@@ -171,11 +183,17 @@ def run_torchrun(work: Path, a: argparse.Namespace, nodes: int) -> dict[str, Any
 
 
 def run_rove(
-    work: Path, url: str, a: argparse.Namespace, nodes: int, flash: bool = False
+    work: Path,
+    url: str,
+    a: argparse.Namespace,
+    nodes: int,
+    flash: bool = False,
+    warm: bool = True,
 ) -> dict[str, Any]:
     """`nodes` rove agents and a rove master; with 1, rove run --standalone.
 
     `flash`: flash checkpoints every step (restore from memory) instead of torch.save.
+    `warm`: warm start (the default); False adds --no-warm-start.
     """
     rove = [sys.executable, "-m", "rove.control.cli.main"]
     job = f"bench-{work.name.replace('_', '-')}"
@@ -183,6 +201,8 @@ def run_rove(
     train = train_args(work, a.steps, 1 if flash else a.ckpt_every, a.step_sleep)
     if flash:
         train.append("--flash")
+    if not warm:
+        train = ["--no-warm-start", *train]
     master = None
     procs = []
     try:
@@ -196,7 +216,7 @@ def run_rove(
                         "--job",
                         job,
                         "--nproc-per-node",
-                        "4",
+                        "2",
                         "--max-restarts",
                         "3",
                         *train,
@@ -308,6 +328,12 @@ def main() -> dict[str, Any]:
         help="a launcher whose job has not finished this long after the kill did not recover",
     )
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument(
+        "--torchrun-max-restarts",
+        type=int,
+        default=10,
+        help="torchrun's --max-restarts (default 10: its restarts sometimes fail here)",
+    )
     a = p.parse_args()
     logs.configure("warning")
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,56 +342,45 @@ def main() -> dict[str, Any]:
         url = server.start()
         results: dict[str, dict[str, Any]] = {}
         try:
-            runs: list[tuple[str, bool, int, bool]] = [  # name, rove?, nodes, flash?
-                ("torchrun", False, 2, False),
-                ("rove", True, 2, False),
-                ("rove_flash", True, 2, True),
-                ("torchrun_1x4", False, 1, False),
-                ("rove_1x4", True, 1, False),
+            runs: list[tuple[str, bool, int, bool, bool]] = [  # name, rove?, nodes, flash?, warm?
+                ("torchrun_1x2", False, 1, False, False),
+                ("rove_flash_1x2", True, 1, True, True),
+                ("rove_flash_cold_1x2", True, 1, True, False),
+                ("torchrun_2x2", False, 2, False, False),
+                ("rove_2x2", True, 2, False, True),
+                ("rove_flash_2x2", True, 2, True, True),
             ]
-            for name, is_rove, nodes, flash in runs:
+            for name, is_rove, nodes, flash, warm in runs:
                 work = root / name
                 work.mkdir()
                 if is_rove:
-                    results[name] = run_rove(work, url, a, nodes, flash)
+                    results[name] = run_rove(work, url, a, nodes, flash, warm)
                 else:
                     results[name] = run_torchrun(work, a, nodes)
             failover = run_async(master_failover(url))
         finally:
             server.stop()
 
-    def ratio(x: dict[str, Any], y: dict[str, Any]) -> float | None:
-        if x["recovery_s"] is None or y["recovery_s"] is None:
-            return None
-        return round(x["recovery_s"] / y["recovery_s"], 3)
+    def ratio(x: str, y: str) -> float | None:
+        a_s, b_s = results[x]["recovery_s"], results[y]["recovery_s"]
+        return None if a_s is None or b_s is None else round(a_s / b_s, 3)
 
-    t, r, t1, r1 = (results[k] for k in ("torchrun", "rove", "torchrun_1x4", "rove_1x4"))
-    return {
+    out: dict[str, Any] = {
         "benchmark": "recovery",
-        "setup": "gloo on one machine, torch.save checkpoints every "
-        f"{a.ckpt_every} steps, rank 1 killed with SIGKILL at step {a.kill_step}",
-        # 2 nodes x 2 workers (two agents each)
-        "torchrun_recovered": t["recovered"],
-        "torchrun_recovery_s": t["recovery_s"],
-        "rove_recovered": r["recovered"],
-        "rove_recovery_s": r["recovery_s"],
-        "ratio": ratio(r, t),
-        "torchrun_lost_steps": t["lost_steps"],
-        "rove_lost_steps": r["lost_steps"],
-        "rove_flash_recovery_s": results["rove_flash"]["recovery_s"],
-        "rove_flash_lost_steps": results["rove_flash"]["lost_steps"],
-        "ratio_flash": ratio(results["rove_flash"], t),
-        "torchrun_final_step": t["final_step"],
-        "rove_final_step": r["final_step"],
-        # 1 node x 4 workers (--standalone), where torchrun does recover
-        "torchrun_1x4_recovery_s": t1["recovery_s"],
-        "rove_1x4_recovery_s": r1["recovery_s"],
-        "ratio_1x4": ratio(r1, t1),
-        "torchrun_1x4_lost_steps": t1["lost_steps"],
-        "rove_1x4_lost_steps": r1["lost_steps"],
-        "master_failover_s": round(failover, 3),
-        "master_lease_ttl_s": 6.0,
+        "setup": "gloo on one machine; rank 1 killed with SIGKILL at step "
+        f"{a.kill_step}; torch.save every {a.ckpt_every} steps, flash every step",
+        # the issue's figure: rove with flash checkpoints vs torchrun with torch.save
+        "ratio_flash_1x2": ratio("rove_flash_1x2", "torchrun_1x2"),
+        "ratio_flash_2x2": ratio("rove_flash_2x2", "torchrun_2x2"),
+        "ratio_2x2": ratio("rove_2x2", "torchrun_2x2"),
+        "ratio_flash_cold_1x2": ratio("rove_flash_cold_1x2", "torchrun_1x2"),
     }
+    for name, r in results.items():
+        for key in ("recovered", "recovery_s", "regain_s", "lost_steps", "restarts_used"):
+            out[f"{name}_{key}"] = r.get(key)
+    out["master_failover_s"] = round(failover, 3)
+    out["master_lease_ttl_s"] = 6.0
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""Writes how this worker was started to OUT/<rank>.json, then exits (or raises).
+
+Checked before anything is imported: whether torch was already imported (warm
+start forks workers from a server that imported it), `__name__`, `sys.argv`,
+`sys.path[0]`. `--raise` makes rank 1 raise after writing, to test the error
+path of a warm worker.
+"""
+
+import sys
+
+preloaded = "torch" in sys.modules
+
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+out = Path(sys.argv[1])
+rank = os.environ["RANK"]
+(out / f"{rank}.json").write_text(
+    json.dumps(
+        {
+            "torch_preloaded": preloaded,
+            "name": __name__,
+            "argv": sys.argv,
+            "path0": sys.path[0],
+            "threads": torch.get_num_threads(),
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+        }
+    )
+)
+print(f"rank {rank} says hello", flush=True)
+if "--raise" in sys.argv and rank == "1":
+    raise ValueError("rank 1 refuses on purpose")

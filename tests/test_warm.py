@@ -1,0 +1,98 @@
+"""Warm start: workers forked from a server that imported torch once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rove.agent import warm
+from rove.agent.workers import PreformattedTraceback
+
+SCRIPT = Path(__file__).parent / "scripts" / "how_started.py"
+
+
+def test_entry_args_split_script_and_module_forms() -> None:
+    assert warm.entry_args(["-u", "train.py", "--lr", "1"]) == ("script", "train.py", "--lr", "1")
+    assert warm.entry_args(["-u", "-m", "pkg.train", "-x"]) == ("module", "pkg.train", "-x")
+    assert warm.entry_args(["train.py"]) == ("script", "train.py")
+
+
+def test_a_torch_traceback_is_formatted_before_torchs_formatter_sees_it() -> None:
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    assert PreformattedTraceback().filter(record)
+    assert record.exc_info is None
+    assert record.exc_text is not None and "RuntimeError: boom" in record.exc_text
+
+
+def _run(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[int, str]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rove.control.cli.main",
+            "run",
+            "--standalone",
+            "--job",
+            "warmjob",
+            "--nproc-per-node",
+            "2",
+            *flags,
+            str(SCRIPT),
+            str(tmp_path),
+            *script_args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, "ROVE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "2"},
+    )
+    return out.returncode, out.stdout + out.stderr
+
+
+def _reports(tmp_path: Path) -> dict[str, dict[str, object]]:
+    return {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+
+
+@pytest.mark.slow
+def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
+    tmp_path: Path,
+) -> None:
+    code, log = _run(tmp_path)
+    assert code == 0, log[-3000:]
+    reports = _reports(tmp_path)
+    assert sorted(reports) == ["0", "1"]
+    for r in reports.values():
+        assert r["torch_preloaded"] is True, "forked from the warm server"
+        assert r["name"] == "__main__"
+        assert r["argv"] == [str(SCRIPT), str(tmp_path)]
+        assert r["path0"] == str(SCRIPT.parent)
+        assert r["threads"] == 2, "OMP_NUM_THREADS applied in the forked worker"
+    assert len({r["ppid"] for r in reports.values()}) == 1, "one server forked both"
+    assert "rank 0 says hello" in log and "rank 1 says hello" in log
+
+
+@pytest.mark.slow
+def test_without_warm_start_workers_are_fresh_interpreters(tmp_path: Path) -> None:
+    code, log = _run(tmp_path, "--no-warm-start")
+    assert code == 0, log[-3000:]
+    reports = _reports(tmp_path)
+    assert sorted(reports) == ["0", "1"]
+    assert all(r["torch_preloaded"] is False for r in reports.values())
+
+
+@pytest.mark.slow
+def test_a_warm_worker_that_raises_is_reported_with_its_error(tmp_path: Path) -> None:
+    code, log = _run(tmp_path, "--max-restarts", "0", script_args=("--raise",))
+    assert code != 0
+    assert "rank 1 refuses on purpose" in log, log[-3000:]
+    assert "ValueError" in log
