@@ -32,6 +32,8 @@ import signal
 import sys
 from pathlib import Path
 
+import setproctitle
+
 #: Imported by the server before it forks anything.
 PRELOAD = (
     "torch",
@@ -75,6 +77,9 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True, write_through=True)
+    # `ps` and `pkill -f` see the command a fresh worker would have, not the server's.
+    flags = ["-u", "-m"] if kind == "module" else ["-u"]
+    setproctitle.setproctitle(" ".join([sys.executable, *flags, target, *argv]))
     if kind == "module":
         sys.argv = [target, *argv]
         sys.path.insert(0, str(Path.cwd()))

@@ -8,13 +8,14 @@ flash checkpoints every step restored from memory (`_flash`), with warm start
 Shapes: one node of 2 workers (`--standalone` for both launchers) and 2 nodes
 x 2 workers (two agents each; torchrun with c10d rendezvous).
 
-Measured per run: `recovery_s`, seconds from the kill to the first completed
-step after it; `regain_s`, seconds from the kill until the step reached before
-the kill is trained again (the lost work redone); `lost_steps`; and, for
-torchrun, the restarts it used (on this machine a torchrun restart sometimes
-fails in gloo's connectFullMesh and needs another, so it gets
---torchrun-max-restarts). Then the seconds from kill -9 of a leading `rove
-master` to its standby's first decision. Prints one JSON line.
+Each launcher runs --repeats times (interleaved); the JSON gives medians over
+the trials that recovered and how many did. Measured per trial: `recovery_s`,
+seconds from the kill to the first completed step after it; `regain_s`, seconds
+from the kill until the step reached before the kill is trained again (the lost
+work redone); `lost_steps`; and, for torchrun, the restarts it used (on this
+machine a torchrun restart sometimes fails in gloo's connectFullMesh and needs
+another, so it gets --torchrun-max-restarts). Then the seconds from kill -9 of
+a leading `rove master` to its standby's first decision. Prints one JSON line.
 
     python benchmarks/recovery.py [--steps 120] [--kill-step 45]
 """
@@ -27,6 +28,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -141,6 +143,23 @@ def kill_and_measure(
         "source": first_after.get("source"),
         "final_step": final,
         "exit_codes": codes,
+    }
+
+
+def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the trials that recovered, and how many did."""
+    ok = [t for t in trials if t["recovered"]]
+
+    def median(key: str) -> Any:
+        values = [t[key] for t in ok if t.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "recovered": f"{len(ok)}/{len(trials)}",
+        "recovery_s": median("recovery_s"),
+        "regain_s": median("regain_s"),
+        "lost_steps_max": max((t["lost_steps"] for t in ok), default=None),
+        "restarts_used_max": max((t["restarts_used"] for t in ok), default=None),
     }
 
 
@@ -328,6 +347,7 @@ def main() -> dict[str, Any]:
         help="a launcher whose job has not finished this long after the kill did not recover",
     )
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--repeats", type=int, default=3, help="trials per launcher (default 3)")
     p.add_argument(
         "--torchrun-max-restarts",
         type=int,
@@ -340,7 +360,6 @@ def main() -> dict[str, Any]:
         root = Path(tmp)
         server = EmbeddedServer(root / "nats")
         url = server.start()
-        results: dict[str, dict[str, Any]] = {}
         try:
             runs: list[tuple[str, bool, int, bool, bool]] = [  # name, rove?, nodes, flash?, warm?
                 ("torchrun_1x2", False, 1, False, False),
@@ -350,13 +369,16 @@ def main() -> dict[str, Any]:
                 ("rove_2x2", True, 2, False, True),
                 ("rove_flash_2x2", True, 2, True, True),
             ]
-            for name, is_rove, nodes, flash, warm in runs:
-                work = root / name
-                work.mkdir()
-                if is_rove:
-                    results[name] = run_rove(work, url, a, nodes, flash, warm)
-                else:
-                    results[name] = run_torchrun(work, a, nodes)
+            trials: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in runs}
+            for i in range(a.repeats):  # interleaved, so drift hits every launcher alike
+                for name, is_rove, nodes, flash, warm in runs:
+                    work = root / f"{name}-{i}"
+                    work.mkdir()
+                    if is_rove:
+                        trials[name].append(run_rove(work, url, a, nodes, flash, warm))
+                    else:
+                        trials[name].append(run_torchrun(work, a, nodes))
+            results = {name: summary(t) for name, t in trials.items()}
             failover = run_async(master_failover(url))
         finally:
             server.stop()
@@ -376,8 +398,8 @@ def main() -> dict[str, Any]:
         "ratio_flash_cold_1x2": ratio("rove_flash_cold_1x2", "torchrun_1x2"),
     }
     for name, r in results.items():
-        for key in ("recovered", "recovery_s", "regain_s", "lost_steps", "restarts_used"):
-            out[f"{name}_{key}"] = r.get(key)
+        for key, value in r.items():
+            out[f"{name}_{key}"] = value
     out["master_failover_s"] = round(failover, 3)
     out["master_lease_ttl_s"] = 6.0
     return out

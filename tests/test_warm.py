@@ -77,6 +77,7 @@ def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
         assert r["argv"] == [str(SCRIPT), str(tmp_path)]
         assert r["path0"] == str(SCRIPT.parent)
         assert r["threads"] == 2, "OMP_NUM_THREADS applied in the forked worker"
+        assert f"-u {SCRIPT} {tmp_path}" in str(r["cmdline"]), "ps and pkill -f see the script"
     assert len({r["ppid"] for r in reports.values()}) == 1, "one server forked both"
     assert "rank 0 says hello" in log and "rank 1 says hello" in log
 
