@@ -147,11 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between heartbeats (default 1)",
     )
     g.add_argument(
-        "--no-warm-start",
-        dest="warm_start",
-        action="store_false",
-        help="start every worker as a fresh interpreter, as torchrun does (default: "
-        "fork workers from a server that has imported torch once; see docs/runtime.md)",
+        "--warm-start",
+        action="store_true",
+        help="fork workers from a server that imported torch once, so a restart skips "
+        "interpreter start and imports (default: fresh interpreters, as torchrun; "
+        "see docs/runtime.md)",
     )
     g.add_argument(
         "--preload",

@@ -1,4 +1,4 @@
-"""Warm start: workers forked from a process that has already imported torch.
+"""Warm start (`rove run --warm-start`): workers forked from a process that imported torch.
 
 A restarted worker used to pay for a fresh interpreter and `import torch`
 (about 1.4 s of a 2.5 s restart on a 2-core machine) before it could rejoin.
@@ -68,6 +68,10 @@ def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
 def run_script(kind: str, target: str, *argv: str) -> None:
     """Run the training script or module in this (forked) process as `__main__`."""
     _die_with_parent()
+    # Forked from a forkserver, this process inherited "forkserver" as its start
+    # method; a fresh interpreter has the platform's default (what DataLoader
+    # workers and the script's own processes expect).
+    multiprocessing.set_start_method(None, force=True)
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
         import torch

@@ -67,11 +67,12 @@ def _reports(tmp_path: Path) -> dict[str, dict[str, object]]:
 def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
     tmp_path: Path,
 ) -> None:
-    code, log = _run(tmp_path)
+    code, log = _run(tmp_path, "--warm-start")
     assert code == 0, log[-3000:]
     reports = _reports(tmp_path)
     assert sorted(reports) == ["0", "1"]
     for r in reports.values():
+        assert r["start_method"] == "fork", "the platform default, not the server's"
         assert r["torch_preloaded"] is True, "forked from the warm server"
         assert r["name"] == "__main__"
         assert r["argv"] == [str(SCRIPT), str(tmp_path)]
@@ -84,7 +85,7 @@ def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
 
 @pytest.mark.slow
 def test_without_warm_start_workers_are_fresh_interpreters(tmp_path: Path) -> None:
-    code, log = _run(tmp_path, "--no-warm-start")
+    code, log = _run(tmp_path)
     assert code == 0, log[-3000:]
     reports = _reports(tmp_path)
     assert sorted(reports) == ["0", "1"]
@@ -93,7 +94,7 @@ def test_without_warm_start_workers_are_fresh_interpreters(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_a_warm_worker_that_raises_is_reported_with_its_error(tmp_path: Path) -> None:
-    code, log = _run(tmp_path, "--max-restarts", "0", script_args=("--raise",))
+    code, log = _run(tmp_path, "--warm-start", "--max-restarts", "0", script_args=("--raise",))
     assert code != 0
     assert "rank 1 refuses on purpose" in log, log[-3000:]
     assert "ValueError" in log

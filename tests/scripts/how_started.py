@@ -28,6 +28,7 @@ rank = os.environ["RANK"]
             "threads": torch.get_num_threads(),
             "pid": os.getpid(),
             "ppid": os.getppid(),
+            "start_method": __import__("multiprocessing").get_start_method(),
             "cmdline": Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(),
         }
     )
