@@ -231,7 +231,7 @@ class Agent:
         self._done = loop.create_future()
         self.outbox.start()
         self.log.info("agent starting", incarnation=self.incarnation, addr=self.cfg.addr)
-        if self.cfg.start_method == "forkserver" and callable(self.cfg.entrypoint):
+        if self.cfg.entrypoint is warm.run_script:
             warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
         self._register()
         feed = await self.bus.subscribe(

@@ -16,16 +16,21 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def main() -> None:
-    argv = sys.argv[1:]
-    if not argv:
-        sys.exit("usage: python -m rove.agent.child CMD [ARGS...]")
-    parent = os.getppid()
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass  # not Linux: the agent still stops its workers on every clean exit
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if not argv:
+        sys.exit("usage: python -m rove.agent.child CMD [ARGS...]")
+    parent = os.getppid()
+    die_with_parent()
     if os.getppid() != parent:
         sys.exit(1)  # the agent died before the signal was armed
     os.execvp(argv[0], argv)

@@ -23,16 +23,16 @@ dies.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
-import signal
 import sys
 from pathlib import Path
 
 import setproctitle
+
+from rove.agent.child import die_with_parent
 
 #: Imported by the server before it forks anything.
 PRELOAD = (
@@ -45,8 +45,6 @@ PRELOAD = (
     "rove.agent.progress",
     "rove.checkpoint.api",
 )
-
-_PR_SET_PDEATHSIG = 1
 
 
 def start(extra: tuple[str, ...] = ()) -> None:
@@ -67,7 +65,7 @@ def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
 
 def run_script(kind: str, target: str, *argv: str) -> None:
     """Run the training script or module in this (forked) process as `__main__`."""
-    _die_with_parent()
+    die_with_parent()  # the server's death; it dies with the agent
     # Forked from a forkserver, this process inherited "forkserver" as its start
     # method; a fresh interpreter has the platform's default (what DataLoader
     # workers and the script's own processes expect).
@@ -84,19 +82,10 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     # `ps` and `pkill -f` see the command a fresh worker would have, not the server's.
     flags = ["-u", "-m"] if kind == "module" else ["-u"]
     setproctitle.setproctitle(" ".join([sys.executable, *flags, target, *argv]))
+    sys.argv = [target, *argv]
     if kind == "module":
-        sys.argv = [target, *argv]
         sys.path.insert(0, str(Path.cwd()))
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
-        sys.argv = [target, *argv]
         sys.path.insert(0, str(Path(target).resolve().parent))
         runpy.run_path(target, run_name="__main__")
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux
