@@ -17,16 +17,27 @@ from rove.control.embedded import EmbeddedServer
 
 
 def rove_cli(
-    *args: str, timeout: float = 30, check: bool = False
+    *args: str, timeout: float = 30, check: bool = False, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`rove ARGS...` in a subprocess, its output captured as text."""
+    """`rove ARGS...` in a subprocess, its output captured as text.
+
+    `env` is added to this process's environment.
+    """
     return subprocess.run(
         [sys.executable, "-m", "rove.control.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=check,
+        env={**os.environ, **env} if env else None,
     )
+
+
+def flip_byte(path: Path, at: int) -> None:
+    """Invert one byte of a file (negative `at` counts from the end): silent corruption."""
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
 
 
 def leave_process_group() -> NoReturn:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.support import free_port, leave_process_group
+from tests.support import flip_byte, free_port, leave_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -71,9 +71,7 @@ def _worker(rank: int, world: int, port: int, shm: str, out: str) -> None:
     dist.barrier()
     if rank == 1:
         path = storage.root / "step-00000005" / "rank-00001.ckpt"
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        path.write_bytes(bytes(raw))
+        flip_byte(path, path.stat().st_size // 2)
     dist.barrier()
     os.environ.update(ROVE_RESTORE_STEP="5", ROVE_RESTORE_SOURCE="storage")
     restorer = FlashCheckpointer(storage.root)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.support import free_port, leave_process_group
+from tests.support import flip_byte, free_port, leave_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -111,10 +111,7 @@ def _worker(rank: int, world: int, port: int, shm: str, out: str) -> None:
     #    both ranks move to step 2 together.
     dist.barrier()
     if rank == 1:
-        path = Path(out) / "ckpt" / "step-00000003" / "rank-00001.ckpt"
-        raw = bytearray(path.read_bytes())
-        raw[-3] ^= 0xFF
-        path.write_bytes(bytes(raw))
+        flip_byte(Path(out) / "ckpt" / "step-00000003" / "rank-00001.ckpt", -3)
     dist.barrier()
     os.environ.update(ROVE_RESTORE_STEP="3", ROVE_RESTORE_SOURCE="storage")
     restored = DistributedCheckpointer(Path(out) / "ckpt")

@@ -12,6 +12,7 @@ import torch
 
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.storage import FileStorage, StorageError
+from tests.support import flip_byte
 
 
 def saved(tmp_path: Path, step: int, rank: int = 0, n: int = 1000) -> tuple[FlashEngine, int]:
@@ -57,12 +58,10 @@ def test_a_damaged_file_is_refused(tmp_path: Path, damage: str) -> None:
     engine, slot = saved(tmp_path, 2)
     storage.persist(engine, slot, rank=0)
     path = tmp_path / "ckpt" / "step-00000002" / "rank-00000.ckpt"
-    raw = bytearray(path.read_bytes())
     if damage == "flip":
-        raw[-10] ^= 0xFF
+        flip_byte(path, -10)
     else:
-        raw = raw[:-100]
-    path.write_bytes(bytes(raw))
+        path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="checksum" if damage == "flip" else "truncated"):
         storage.load(2, 0)
 

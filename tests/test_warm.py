@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import pytest
 
 from rove.agent import warm
 from rove.agent.workers import PreformattedTraceback
+from tests.support import rove_cli
 
 SCRIPT = Path(__file__).parent / "scripts" / "how_started.py"
 
@@ -34,27 +33,19 @@ def test_a_torch_traceback_is_formatted_before_torchs_formatter_sees_it() -> Non
 
 
 def _run(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[int, str]:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rove.control.cli.main",
-            "run",
-            "--standalone",
-            "--job",
-            "warmjob",
-            "--nproc-per-node",
-            "2",
-            *flags,
-            str(SCRIPT),
-            str(tmp_path),
-            *script_args,
-        ],
-        capture_output=True,
-        text=True,
+    out = rove_cli(
+        "run",
+        "--standalone",
+        "--job",
+        "warmjob",
+        "--nproc-per-node",
+        "2",
+        *flags,
+        str(SCRIPT),
+        str(tmp_path),
+        *script_args,
         timeout=180,
-        check=False,
-        env={**os.environ, "ROVE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "2"},
+        env={"ROVE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "2"},
     )
     return out.returncode, out.stdout + out.stderr
 
