@@ -68,19 +68,29 @@ def signal_name(exit_code: int | None) -> str | None:
         return None
 
 
+#: What torch puts in a failure's error data when the worker wrote no error file
+#: (a script without `@record`): placeholders, not messages.
+_NO_MESSAGE = frozenset({"<NONE>", "<N/A>"})
+
+
 def error_file_message(data: Any) -> str | None:
-    """The exception line from torch's `@record` error file contents, if any."""
+    """The exception line from torch's `@record` error file contents, if any.
+
+    torch reports `{"message": "<NONE>"}` for a worker that wrote no error file;
+    that is no message, and the caller falls back on the log tail.
+    """
     if not data:
         return None
     if isinstance(data, str):
         try:
             data = json.loads(data)
         except json.JSONDecodeError:
-            return data.strip().splitlines()[-1] if data.strip() else None
+            text = data.strip()
+            return text.splitlines()[-1] if text and text not in _NO_MESSAGE else None
     message = data.get("message") if isinstance(data, dict) else None
     if isinstance(message, dict):
         message = message.get("message")
-    if isinstance(message, str) and message.strip():
+    if isinstance(message, str) and message.strip() and message.strip() not in _NO_MESSAGE:
         return message.strip().splitlines()[-1]
     return None
 

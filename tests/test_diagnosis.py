@@ -137,3 +137,46 @@ def test_the_root_failure_is_the_cause_not_the_peer_whose_collective_broke(tmp_p
     root = root_failure(result)
     assert root is not None and root.local_rank == 1
     assert root.diagnosis.kind is FailureKind.KILLED and "SIGKILL" in root.diagnosis.reason
+
+
+def _failure_without_error_file(tmp_path, tail: str):  # type: ignore[no-untyped-def]
+    """A failure as torch reports it for a script without `@record` (no error file)."""
+    from torch.distributed.elastic.multiprocessing import RunProcsResult
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    log = tmp_path / "0.err"
+    log.write_text(tail)
+    failure = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file="<N/A>")
+    return RunProcsResult(failures={0: failure}, stderrs={0: str(log)})
+
+
+def test_a_script_without_record_is_diagnosed_from_its_log_not_torchs_placeholder(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    from rove.agent.workers import root_failure
+
+    root = root_failure(_failure_without_error_file(tmp_path, TRACEBACK))
+    assert root is not None
+    assert root.diagnosis.kind is FailureKind.USER_ERROR
+    assert root.diagnosis.reason == "ValueError: learning rate must be positive, got -1"
+
+
+def test_a_gloo_failure_without_record_names_the_broken_connection(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from rove.agent.workers import root_failure
+
+    tail = (
+        "[default1]:Traceback (most recent call last):\n"
+        '[default1]:  File "train.py", line 9, in <module>\n'
+        "[default1]:RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+        "Connection closed by peer [127.0.0.1]:50123\n"
+    )
+    root = root_failure(_failure_without_error_file(tmp_path, tail))
+    assert root is not None
+    assert root.diagnosis.kind is FailureKind.COMMUNICATION
+    assert "Connection closed by peer" in root.diagnosis.reason
+    assert "<NONE>" not in root.diagnosis.reason
+
+
+@pytest.mark.parametrize("placeholder", ["<NONE>", "<N/A>", {"message": "<NONE>"}])
+def test_torchs_placeholders_are_no_message(placeholder: object) -> None:
+    assert classify(1, placeholder, TRACEBACK).reason.startswith("ValueError: learning rate")

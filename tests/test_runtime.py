@@ -247,10 +247,12 @@ async def test_kill_9_of_the_leading_master_does_not_interrupt_training(
             m.stop()
 
 
+@pytest.mark.parametrize("script_name", ["crash_on_start.py", "crash_on_import.py"])
 async def test_a_script_that_raises_on_start_fails_after_the_first_restart_naming_the_error(
-    bus: Bus, tmp_path: Path
+    tmp_path: Path, script_name: str
 ) -> None:
-    script = Path(__file__).parent / "scripts" / "crash_on_start.py"
+    """With torch's `@record` (an error file) and without it (the log tail only)."""
+    script = Path(__file__).parent / "scripts" / script_name
     node = RunProc(
         tmp_path,
         "na",
@@ -266,8 +268,9 @@ async def test_a_script_that_raises_on_start_fails_after_the_first_restart_namin
     code = await asyncio.to_thread(node.wait, 120)
     log = node.log()
     assert code == 1, log[-3000:]
-    assert "the same user code error repeated after a restart" in log
-    assert "ValueError: learning rate must be positive, got -0.1" in log
+    (verdict,) = [line for line in log.splitlines() if line.startswith("rove: job")][-1:]
+    assert "the same user code error repeated after a restart" in verdict
+    assert "user_error: ValueError: learning rate must be positive, got -0.1" in verdict
     assert log.count("round 2: started") == 1 and "round 3: started" not in log, "one restart"
 
 
