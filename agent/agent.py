@@ -43,8 +43,8 @@ from rove.agent.saver import Saver
 from rove.agent.worker_env import member_of, worker_envs
 from rove.agent.workers import WorkerGroup, root_failure
 from rove.checkpoint.engine import CheckpointError
+from rove.control import aio, records, subjects
 from rove.control import events as ev
-from rove.control import records, subjects
 from rove.control.bus import Bus, Feed, options_env
 from rove.control.errors import PublishDeadlineError, RoveError
 
@@ -252,9 +252,7 @@ class Agent:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await aio.cancel_and_wait([*tasks, *self._check_tasks])
             await self._stop_workers()
             await _stop_feed(feed)
             self._emit(

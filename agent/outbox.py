@@ -12,6 +12,7 @@ import asyncio
 
 import structlog
 
+from rove.control import aio
 from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.errors import PublishDeadlineError
@@ -69,5 +70,4 @@ class Outbox:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await aio.cancel_and_wait([self._task])

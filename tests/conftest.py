@@ -10,6 +10,7 @@ import pytest
 from rove.control import logs
 from rove.control.bus import Bus, BusOptions
 from rove.control.embedded import EmbeddedServer
+from tests import support
 from tests.support import Cluster
 
 logs.configure("warning")
@@ -22,6 +23,28 @@ TEST_LEASE_TTL = 2.0
 def _rove_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROVE_HOME", str(tmp_path / "rove-home"))
     monkeypatch.delenv("ROVE_NATS_URL", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _started_processes() -> Iterator[None]:
+    """Stop every `rove run` / `rove master` a test started, whatever its outcome."""
+    support.STARTED.clear()
+    yield
+    for proc in reversed(support.STARTED):
+        proc.stop()
+    support.STARTED.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report ends with the log tail of every process it started."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed and report.when in ("setup", "call"):
+        for proc in support.STARTED:
+            report.sections.append(
+                (f"log of {proc.name} ({proc.log_path})", support.log_tail(proc.log_path))
+            )
 
 
 @pytest.fixture

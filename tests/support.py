@@ -116,11 +116,31 @@ async def eventually(
     raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
 
 
+#: Processes started by the running test (`RunProc`, `MasterProc`). conftest stops
+#: whatever is still running when the test ends, and attaches the tail of each one's
+#: log to the report of a failed test, so a multi-process failure shows its processes.
+STARTED: list[Any] = []
+
+
+def _registered(proc: Any) -> None:
+    STARTED.append(proc)
+
+
+def log_tail(path: Path, limit: int = 6000) -> str:
+    """The last `limit` characters of a log file ('' if there is none)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text if len(text) <= limit else "[...]\n" + text[-limit:]
+
+
 class MasterProc:
     """A `rove master` subprocess with its log captured to a file."""
 
     def __init__(self, url: str, job: str, master_id: str, log_dir: Path, *extra: str) -> None:
         self.master_id = master_id
+        self.name = f"rove master {master_id}"
         self.log_path = log_dir / f"master-{master_id}.log"
         env = {**os.environ, "ROVE_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
         with self.log_path.open("wb") as out:
@@ -142,6 +162,7 @@ class MasterProc:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
+        _registered(self)
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -282,6 +303,7 @@ class RunProc:
         env: dict[str, str] | None = None,
         preexec: Callable[[], None] | None = None,
     ):
+        self.name = f"rove run {name}"
         self.log_path = log_dir / f"run-{name}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with self.log_path.open("wb") as out:
@@ -292,6 +314,7 @@ class RunProc:
                 env=full_env,
                 preexec_fn=preexec,
             )
+        _registered(self)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

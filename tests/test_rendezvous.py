@@ -246,3 +246,22 @@ def test_a_communication_failure_caused_by_a_dead_peer_costs_no_restart() -> Non
     decisions = sim.wait(11, "n1")  # n2 never heard from again
     assert [ev.kind(d) for d in decisions] == ["node_lost", "round_completed"]
     assert sim.members() == ["n1"] and sim.state.rdzv.restarts == 0
+
+
+def test_a_node_started_again_under_a_finished_job_changes_no_round() -> None:
+    from rove.control.cli.status_cmd import render, status_view
+
+    sim = Sim(params(min_nodes=1, max_nodes=1))
+    sim.join("n1")
+    sim.tick(6)
+    sim.apply(factories.succeeded("n1", 1))
+    (end,) = sim.tick()
+    assert isinstance(end, ev.JobEnded) and end.phase is ev.JobPhase.FINISHED
+    before = sim.state.rdzv
+    sim.join("n1", inc="i2")  # `rove run` again with the finished job's name
+    sim.apply(factories.left("n1", inc="i2"))
+    assert sim.tick(600) == []
+    assert sim.state.rdzv == before, "the rendezvous of an ended job is frozen"
+    text = render(status_view(sim.state, sim.liveness, None, sim.now))
+    assert "job j1: finished" in text and "ended after round 1" in text
+    assert "re-forming" not in text

@@ -148,6 +148,8 @@ def _mib(v: int | None) -> str:
 
 def _round_line(view: dict[str, Any]) -> str:
     restarts = f"{view['restarts']} of {view['max_restarts']} restarts used"
+    if view["phase"] in _ENDED:
+        return f"ended after round {view['round']}; {restarts}" if view["round"] else "no round"
     if view["round_active"]:
         text = (
             f"round {view['round']}: {len(view['members'])} nodes, world size "
@@ -207,6 +209,7 @@ def _dataset_line(ds: dict[str, Any]) -> str:
     )
 
 
+_ENDED = frozenset(p.value for p in ev.JobPhase if p.terminal)
 _NO_HOLDER = "nobody (failover in progress, or no master running)"
 
 

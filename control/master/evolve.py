@@ -10,7 +10,7 @@ apply (a node lost twice), so replaying duplicates is harmless.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from msgspec.structs import replace
 
@@ -25,6 +25,8 @@ from rove.control.master.state import (
     NodeRecord,
     NodeStatus,
 )
+
+_E = TypeVar("_E", bound=ev.Event)
 
 #: Events that only change one part of the state: (the part, its fold).
 _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
@@ -55,6 +57,8 @@ def evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
     part = _PART_FOLDS.get(type(event))
     if part is not None:
         name, fold = part
+        if name == "rdzv" and state.phase.terminal:
+            return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
         return replace(
             state,
             **{name: fold(getattr(state, name), event)},
@@ -82,7 +86,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
             return replace(
                 state,
                 applied_seq=seq,
-                rdzv=rdzv.on_node_joined(state.rdzv, event),
+                rdzv=_rdzv_unless_ended(state, rdzv.on_node_joined, event),
                 nodes=state.nodes.set(event.node, record),
                 phase=phase,
                 counters=replace(c, events=c.events + 1, nodes_joined=c.nodes_joined + 1),
@@ -95,7 +99,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
             return replace(
                 state,
                 applied_seq=seq,
-                rdzv=rdzv.on_node_gone(state.rdzv, event.node, event.ts),
+                rdzv=_rdzv_unless_ended(state, rdzv.on_node_gone, event),
                 nodes=state.nodes.set(event.node, left),
                 counters=replace(c, events=c.events + 1, nodes_left=c.nodes_left + 1),
             )
@@ -115,7 +119,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
             return replace(
                 state,
                 applied_seq=seq,
-                rdzv=rdzv.on_node_gone(state.rdzv, event.node, event.ts),
+                rdzv=_rdzv_unless_ended(state, rdzv.on_node_gone, event),
                 nodes=state.nodes.set(event.node, lost),
                 counters=replace(c, events=c.events + 1, nodes_lost=c.nodes_lost + 1),
             )
@@ -165,14 +169,14 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
         case ev.WorkerExited():
             return replace(
                 state,
-                rdzv=rdzv.on_worker_exited(state.rdzv, event),
+                rdzv=_rdzv_unless_ended(state, rdzv.on_worker_exited, event),
                 counters=replace(c, events=c.events + 1, worker_failures=c.worker_failures + 1),
                 applied_seq=seq,
             )
         case ev.RoundCompleted():
             return replace(
                 state,
-                rdzv=rdzv.on_round_completed(state.rdzv, event),
+                rdzv=_rdzv_unless_ended(state, rdzv.on_round_completed, event),
                 counters=replace(c, events=c.events + 1, rounds=c.rounds + 1),
                 applied_seq=seq,
             )
@@ -184,7 +188,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
             return replace(
                 state,
                 nodes=nodes,
-                rdzv=rdzv.on_excluded(state.rdzv, event),
+                rdzv=_rdzv_unless_ended(state, rdzv.on_excluded, event),
                 counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
@@ -192,3 +196,11 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
             # Heartbeats live in their own stream and never reach the fold;
             # any other event type is folded by the features that add it.
             return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
+
+
+def _rdzv_unless_ended(
+    state: JobState, fold: Callable[[rdzv.RdzvState, _E], rdzv.RdzvState], event: _E
+) -> rdzv.RdzvState:
+    """The rendezvous after `event`; frozen once the job ended (a node started again
+    under a finished job's name is told so and leaves: no round re-forms)."""
+    return state.rdzv if state.phase.terminal else fold(state.rdzv, event)

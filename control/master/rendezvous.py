@@ -102,9 +102,9 @@ def _break(r: RdzvState, node: str, ts: float) -> RdzvState:
     return replace(r, waiting=waiting, active=False, broken_since=ts, failure=None)
 
 
-def on_node_gone(r: RdzvState, node: str, ts: float) -> RdzvState:
+def on_node_gone(r: RdzvState, event: ev.NodeLeft | ev.NodeLost) -> RdzvState:
     """A node was lost or left."""
-    return _break(r, node, ts)
+    return _break(r, event.node, event.ts)
 
 
 def on_node_joined(r: RdzvState, event: ev.NodeJoined) -> RdzvState:
