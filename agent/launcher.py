@@ -39,10 +39,67 @@ from rove.control.master.runner import MasterRunner
 log = structlog.get_logger("rove.run")
 
 
+#: torchrun's flags whose meaning under rove differs from torchrun's: rove's help text.
+_RETOLD = {
+    "nnodes": "number of nodes N, or MIN:MAX: a round forms at once with MAX nodes, or with "
+    "MIN after --last-call-timeout; nodes that come later join the next round (with "
+    "--standalone: 1)",
+    "standalone": "one machine, one command: start an embedded NATS JetStream server and a "
+    "rove master in this process (no --nats needed)",
+    "rdzv_id": "default job name when --job is not given",
+    "max_restarts": "restarts (new rounds after a worker failure) before the job fails "
+    "(default 0, as torchrun); the same user error twice fails the job at once",
+    "start_method": "with --no-warm-start, how fresh worker interpreters are started "
+    "(default spawn); warm workers are forked from the warm server",
+    "shutdown_timeout": "seconds workers get to exit after SIGTERM before SIGKILL (default 10)",
+    "local_addr": "this node's address, advertised to the other nodes (default: the host's "
+    "address; 127.0.0.1 with --standalone)",
+}
+
+#: torchrun's flags that rove accepts, so torchrun command lines keep working, and
+#: ignores: why. A run that sets one gets a warning naming it.
+IGNORED = {
+    "rdzv_backend": "rove's rendezvous goes through its master on NATS (--nats)",
+    "rdzv_endpoint": "rove's rendezvous goes through its master on NATS (--nats)",
+    "rdzv_conf": "rendezvous settings are rove's own flags (--last-call-timeout, "
+    "--below-min-timeout)",
+    "monitor_interval": "the agent waits on the workers' process exits",
+    "event_log_handler": "rove records every event on NATS (see `rove events`)",
+    "node_rank": "rove gives group ranks in the order nodes joined the round",
+    "master_addr": "rove takes each round's store address from the round's first node",
+    "master_port": "rove gives each round a fresh free port (MASTER_PORT)",
+    "numa_binding": "not supported by rove yet",
+    "signals_to_handle": "the agent handles SIGTERM and SIGINT itself",
+    "duplicate_stdout_filters": "not supported by rove yet",
+    "duplicate_stderr_filters": "not supported by rove yet",
+    "virtual_local_rank": "not supported by rove yet",
+}
+
+
+def _retell_torchrun_flags(p: argparse.ArgumentParser) -> None:
+    for action in p._actions:
+        if action.dest in _RETOLD:
+            action.help = _RETOLD[action.dest]
+        elif action.dest in IGNORED:
+            action.help = f"ignored by rove: {IGNORED[action.dest]}"
+
+
+def warn_ignored(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """Warn about each ignored torchrun flag set on the command line; returns their names."""
+    named = []
+    for dest, why in IGNORED.items():
+        if getattr(args, dest, None) not in (None, parser.get_default(dest)):
+            flag = "--" + dest.replace("_", "-")
+            log.warning(f"{flag} is ignored: {why}")
+            named.append(flag)
+    return named
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = get_args_parser()
     p.prog = "rove run"
     p.description = __doc__.split("\n\n")[0] if __doc__ else None
+    _retell_torchrun_flags(p)
     g = p.add_argument_group("rove")
     g.add_argument(
         "--job",
@@ -205,15 +262,20 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     if args.node_unit < 1:
         raise ConfigError(f"--node-unit must be at least 1, got {args.node_unit}")
     standalone = bool(args.standalone)
-    if standalone:
-        args.nnodes = "1"
     try:
         lo, hi = parse_min_max_nnodes(str(args.nnodes))
     except ValueError as exc:
         raise ConfigError(f"--nnodes {args.nnodes}: use N or MIN:MAX ({exc})") from exc
     if not 0 < lo <= hi:
         raise ConfigError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+    if standalone and (lo, hi) != (1, 1):
+        raise ConfigError(
+            f"--standalone runs a one-node job with its own NATS server, but --nnodes is "
+            f"{args.nnodes}: drop --nnodes, or run every node with --nats URL (docs/runtime.md)"
+        )
     script = Path(args.training_script)
+    if args.run_path and (args.module or args.no_python):
+        raise ConfigError("--run-path runs a script file: it cannot go with -m or --no-python")
     if not (args.module or args.no_python) and not script.is_file():
         raise ConfigError(f"training script {args.training_script} not found")
     launch, cmd, cmd_args = config_from_args(args)
@@ -224,7 +286,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     job = _job_name(args)
     node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])
     logs_specs = launch.logs_specs
-    if args.redirects in (None, "0") and args.tee in (None, "0"):
+    if args.logs_specs is None and args.redirects in (None, "0") and args.tee in (None, "0"):
         # Keep stderr on the console (with torch's [rank] prefix) and in a file,
         # so a failure can be diagnosed from its last lines.
         logs_specs = DefaultLogsSpecs(
@@ -244,12 +306,17 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         exclude_stragglers=bool(args.exclude_straggler),
         network_check_timeout_s=args.network_check_timeout,
     )
-    warm_start = bool(args.warm_start) and not args.no_python and not args.run_path
+    warm_start = bool(args.warm_start) and not args.no_python
     if warm_start:
         # Forked from the warm server (see rove.agent.warm).
         entrypoint: str | Callable[..., None] = warm.run_script
         worker_args = list(warm.entry_args([str(a) for a in cmd_args]))
         start_method = "forkserver"
+    elif args.run_path:
+        # torchrun's --run-path: the script runs in a multiprocessing child, no new command
+        entrypoint = warm.run_script
+        worker_args = list(warm.entry_args([str(a) for a in cmd_args]))
+        start_method = launch.start_method
     else:
         # Through rove.agent.child, so workers die with their agent (see there).
         entrypoint = sys.executable
@@ -270,6 +337,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         role=launch.role,
         heartbeat_s=args.heartbeat_interval,
         hang_timeout_s=args.hang_timeout or 0.0,
+        stop_timeout_s=float(args.shutdown_timeout) if args.shutdown_timeout else 10.0,
         start_method=start_method,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         save_at_breakpoint=bool(args.save_at_breakpoint),
@@ -282,8 +350,8 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
 async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> int:
     if not args.nats and not standalone:
         raise ConfigError(
-            "rove run needs a NATS server: pass --nats URL (or ROVE_NATS_URL), "
-            "or --standalone for a one-machine job with its own server and master"
+            "no NATS server to meet the other nodes on: pass --nats URL (or set "
+            "ROVE_NATS_URL), or --standalone for a one-machine job with its own server and master"
         )
     options = common.bus_options(
         args,
@@ -361,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure()
 
     def run() -> int:
+        warn_ignored(args, parser)
         try:
             cfg, standalone = agent_config(args)
         except ValueError as exc:  # torch's config_from_args: bad --nnodes / --nproc-per-node

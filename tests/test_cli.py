@@ -159,7 +159,18 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
         (["frobnicate"], common.EXIT_USAGE, "invalid choice"),
         (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
         (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
-        (["run", "examples/train.py"], common.EXIT_USAGE, "needs a NATS server"),
+        (["run", "examples/train.py"], common.EXIT_USAGE, "no NATS server to meet"),
+        (["run", "--standalone", "--nnodes", "3:2", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
+        (
+            ["run", "--standalone", "--nnodes", "2", "examples/train.py"],
+            common.EXIT_USAGE,
+            "--standalone runs a one-node job",
+        ),
+        (
+            ["run", "--standalone", "--run-path", "-m", "examples.train"],
+            common.EXIT_USAGE,
+            "--run-path runs a script file",
+        ),
         (
             ["run", "--node-unit", "0", "--standalone", "examples/train.py"],
             common.EXIT_USAGE,
@@ -174,6 +185,24 @@ def test_user_mistakes_get_one_clear_line_and_an_exit_code(
     assert out.returncode == code
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+    assert f"rove {args[0]}: rove {args[0]}" not in out.stderr, "the prefix is said once"
+
+
+def test_run_help_tells_what_rove_does_with_torchruns_flags() -> None:
+    out = rove_cli("run", "--help", check=True).stdout
+    flat = " ".join(out.split())
+    assert "C10d" not in flat and "TCP store" not in flat, "torchrun's wording is gone"
+    assert "embedded NATS JetStream server and a rove master" in flat
+    options = flat[flat.index("options:") :]
+    for flag in ("--rdzv-backend", "--rdzv-endpoint", "--master-addr", "--master-port"):
+        after = options[options.index(flag) :]
+        assert "ignored by rove" in after[:300], f"{flag} says it is ignored"
+
+
+def test_an_ignored_torchrun_flag_is_named_in_a_warning() -> None:
+    out = rove_cli("run", "--standalone", "--master-addr", "10.1.1.1", "no/such/train.py")
+    assert out.returncode == common.EXIT_USAGE
+    assert "--master-addr is ignored: rove takes each round's store address" in out.stderr
 
 
 def test_an_unreachable_server_exits_3() -> None:

@@ -89,3 +89,15 @@ def test_a_warm_worker_that_raises_is_reported_with_its_error(tmp_path: Path) ->
     assert code != 0
     assert "rank 1 refuses on purpose" in log, log[-3000:]
     assert "ValueError" in log
+
+
+@pytest.mark.slow
+def test_run_path_runs_the_script_in_a_child_as_main_without_a_new_command(
+    tmp_path: Path,
+) -> None:
+    code, log = _run(tmp_path, "--run-path")
+    assert code == 0, log[-3000:]
+    reports = _reports(tmp_path)
+    assert sorted(reports) == ["0", "1"]
+    for r in reports.values():
+        assert r["name"] == "__main__" and r["argv"] == [str(SCRIPT), str(tmp_path)]
