@@ -75,7 +75,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--ckpt-dir", default=os.environ.get("TRAIN_CKPT_DIR", "checkpoints/reverser"))
+    p.add_argument(
+        "--ckpt-dir",
+        default=os.environ.get("TRAIN_CKPT_DIR"),
+        help="where torch.save checkpoints go (default: checkpoints/<job>, the job being "
+        "TORCHELASTIC_RUN_ID: a restarted worker resumes, a new job starts afresh)",
+    )
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument(
         "--flash",
@@ -98,7 +103,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = Reverser().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ckpt = Path(args.ckpt_dir) / "ckpt.pt"
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    ckpt = Path(args.ckpt_dir or Path("checkpoints") / job) / "ckpt.pt"
     start = 0
     source = "none"
     flash = None
@@ -122,11 +128,19 @@ def main() -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if rank == 0:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
-        print(
-            f"training from step {start} to {args.steps} on {world} workers "
-            f"(restart {restart}, restored from {source})",
-            flush=True,
-        )
+        if start >= args.steps:
+            print(
+                f"already trained to step {start} of {args.steps} (restored from {source}, "
+                f"{ckpt.parent if source == 'file' else 'flash checkpoint'}): nothing to do; "
+                "give another --job (or --ckpt-dir) to train afresh",
+                flush=True,
+            )
+        else:
+            print(
+                f"training from step {start} to {args.steps} on {world} workers "
+                f"(restart {restart}, restored from {source})",
+                flush=True,
+            )
     per_rank = max(1, args.batch_size // world)
     loss_fn = nn.CrossEntropyLoss()
     began = time.time()

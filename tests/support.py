@@ -302,6 +302,7 @@ class RunProc:
         *args: str,
         env: dict[str, str] | None = None,
         preexec: Callable[[], None] | None = None,
+        cwd: Path | None = None,
     ):
         self.name = f"rove run {name}"
         self.log_path = log_dir / f"run-{name}.log"
@@ -313,6 +314,7 @@ class RunProc:
                 stderr=subprocess.STDOUT,
                 env=full_env,
                 preexec_fn=preexec,
+                cwd=cwd,
             )
         _registered(self)
 

@@ -605,3 +605,29 @@ def test_rove_run_under_a_finished_jobs_name_exits_at_once_saying_so(tmp_path: P
         assert code == 1, log[-3000:]
         assert "job done-job already ended earlier (finished" in log
         assert "start a new job with another --job" in log
+
+
+def test_the_example_keeps_each_jobs_checkpoints_apart_so_a_new_job_trains_afresh(
+    tmp_path: Path,
+) -> None:
+    """A second run of examples/train.py (a new job) once restored the first one's last step."""
+    logs = []
+    for i in range(2):
+        node = RunProc(
+            tmp_path,
+            f"run{i}",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            str(TRAIN),
+            "--steps",
+            "3",
+            "--ckpt-every",
+            "1",
+            cwd=tmp_path,
+        )
+        assert node.wait(180) == 0, node.log()[-3000:]
+        logs.append(node.log())
+    for log in logs:
+        assert "training from step 0 to 3" in log and "restored from none" in log
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 2, "one folder per job"
