@@ -47,6 +47,7 @@ from rove.control import aio, records, subjects
 from rove.control import events as ev
 from rove.control.bus import Bus, Feed, options_env
 from rove.control.errors import PublishDeadlineError, RoveError
+from rove.control.master import netcheck as netcheck_policy
 
 log = structlog.get_logger("rove.agent")
 
@@ -430,6 +431,7 @@ class Agent:
                 return
 
     async def _run_check(self, a: ev.NetworkCheckAssigned, group: ev.CheckGroup, rank: int) -> None:
+        startup = netcheck_policy.startup_s(a.timeout_s)
         env = {
             **os.environ,
             "RANK": str(rank),
@@ -438,6 +440,7 @@ class Agent:
             "MASTER_ADDR": group.master_addr,
             "MASTER_PORT": str(group.master_port),
             "ROVE_NETCHECK_TIMEOUT": str(a.timeout_s),
+            "ROVE_NETCHECK_STARTUP_TIMEOUT": str(startup),
         }
         self.log.info(f"network check round {a.check_round} with {', '.join(group.nodes)}")
         started = time.monotonic()
@@ -452,18 +455,23 @@ class Agent:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
+        limit = startup + a.timeout_s + 10.0  # the process bounds itself; this is a backstop
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), a.timeout_s)
+            out, err = await asyncio.wait_for(proc.communicate(), limit)
         except TimeoutError:
             proc.kill()
             await proc.wait()
-            out, err = b"", f"timed out after {a.timeout_s:g}s".encode()
-        elapsed = time.monotonic() - started
+            out, err = b"", f"timed out after {limit:g}s".encode()
         result: dict[str, Any] = {}
         with contextlib.suppress(ValueError):
             result = json.loads(out.decode().strip().splitlines()[-1]) if out.strip() else {}
         ok = proc.returncode == 0 and bool(result.get("ok"))
-        error = "" if ok else (err.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
+        error = ""
+        if not ok:
+            stderr = err.decode(errors="replace").strip().splitlines()
+            error = str(result.get("error") or (stderr[-1] if stderr else "failed"))
+        # the check's own time (start-up excluded), or the wall time of a failed one
+        elapsed = float(result["elapsed_s"]) if ok else time.monotonic() - started
         self.log.info(
             f"network check round {a.check_round}: " + ("ok" if ok else f"failed: {error}"),
             elapsed_s=round(elapsed, 3),

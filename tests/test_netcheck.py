@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rove.control import events as ev
+from rove.control.master import netcheck
 from tests import factories
 from tests.sim import Sim
 
@@ -103,14 +104,33 @@ def test_a_straggler_is_excluded_only_with_exclude_straggler() -> None:
         assert len(sim.members()) == expected
 
 
-def test_a_group_that_never_reports_fails_after_the_timeout() -> None:
+def test_a_live_group_that_never_reports_fails_after_the_backstop_not_the_timeout() -> None:
+    """A live agent always reports (its check bounds itself); start-up time is not the
+    network's, so the master waits the start-up allowance as well before giving up."""
     sim = Sim(params(network_check_timeout_s=30.0))
     nodes = ["n1", "n2"]
     start(sim, nodes)
-    assert sim.wait(29, *nodes) == []
+    backstop = netcheck.backstop_s(30.0)
+    assert backstop >= 30.0 + netcheck.startup_s(30.0)
+    assert sim.wait(backstop - 1, *nodes) == [], "a slow start is no failure"
     second = assigned(sim.wait(2, *nodes))
     assert second.check_round == 1
-    assert sim.wait(29, *nodes) == []
+    assert sim.wait(backstop - 1, *nodes) == []
     decisions = sim.wait(2, *nodes)
     done = decisions[0]
     assert isinstance(done, ev.NetworkCheckCompleted) and set(done.faulty) == {"n1", "n2"}
+
+
+def test_a_node_lost_during_a_check_round_counts_as_failed_at_once() -> None:
+    sim = Sim(params(network_check_timeout_s=30.0), node_timeout=10.0)
+    nodes = ["n1", "n2", "n3"]
+    first = start(sim, nodes)
+    for node in ("n1", "n2"):
+        sim.apply(factories.check_reported(node, 0, ok=True, elapsed=0.5))
+    assert sim.wait(5, *nodes) == [], "n3 may still report"
+    decisions = sim.wait(11, "n1", "n2")  # n3's agent died: it is lost, not waited for
+    assert any(isinstance(d, ev.NodeLost) and d.node == "n3" for d in decisions)
+    decisions += sim.tick()
+    second = assigned(decisions)
+    assert second.check_round == 1 and "n3" not in {n for g in second.groups for n in g.nodes}
+    assert sim.now - first.ts < netcheck.backstop_s(30.0)

@@ -7,8 +7,10 @@ With `--network-check`, the first training round waits for two check rounds:
 * round 1 pairs the slowest of round 0 with the fastest, so a slow or broken
   link is told apart from a slow or broken node.
 
-Each group times a matmul and an allreduce (`rove.agent.netcheck`). A group that
-has not reported within the timeout counts as failed. A node that failed both
+Each group times a matmul and an allreduce (`rove.agent.netcheck`), each node
+bounding its own check by the timeout (its start, not part of the timeout, by
+`startup_s`). A node that is gone, or has not reported within `backstop_s`,
+counts as failed. A node that failed both
 rounds is **faulty** and is excluded; a node whose best time is more than twice
 the median is a **straggler**, excluded with `--exclude-straggler`.
 """
@@ -26,6 +28,25 @@ from rove.control import events as ev
 
 CHECK_ROUNDS = 2
 STRAGGLER_FACTOR = 2.0
+
+
+def startup_s(timeout_s: float) -> float:
+    """How long a node may take to start its check process and meet its group.
+
+    Not part of the check's timeout: starting Python and importing torch takes
+    seconds, many more on a busy machine, and says nothing about the network.
+    """
+    return max(120.0, timeout_s)
+
+
+def backstop_s(timeout_s: float) -> float:
+    """How long the master waits for a node's report before counting it failed.
+
+    Every live agent reports (its check process bounds itself by `startup_s`
+    plus the timeout); this only covers an agent that died without being
+    declared lost yet.
+    """
+    return startup_s(timeout_s) + timeout_s + 30.0
 
 
 class CheckState(msgspec.Struct, frozen=True, kw_only=True):
@@ -145,8 +166,11 @@ def second_groups(c: CheckState, pool: Sequence[Member]) -> tuple[ev.CheckGroup,
     return tuple(_group(g) for g in _pairs(ordered))
 
 
-def round_over(c: CheckState, now: float) -> bool:
-    return all(n in c.reports for n in c.nodes()) or now - c.assigned_at > c.timeout_s
+def round_over(c: CheckState, now: float, present: frozenset[str]) -> bool:
+    """Every node of the round reported or is gone (`present`: the nodes still alive)."""
+    return all(
+        n in c.reports or n not in present for n in c.nodes()
+    ) or now - c.assigned_at > backstop_s(c.timeout_s)
 
 
 def verdict(c: CheckState) -> tuple[tuple[ev.NodeCheck, ...], tuple[str, ...], tuple[str, ...]]:
@@ -183,7 +207,7 @@ def next_action(
         if not ready:
             return None
         return ("netcheck", {"check_round": 0, "groups": first_groups(pool)})
-    if not round_over(c, now):
+    if not round_over(c, now, frozenset(m[0] for m in pool)):
         return None
     if c.check_round + 1 < CHECK_ROUNDS:
         return ("netcheck", {"check_round": c.check_round + 1, "groups": second_groups(c, pool)})
