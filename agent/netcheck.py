@@ -66,6 +66,7 @@ def _watch_peers(store: Any, rank: int, world: int, stop: threading.Event) -> No
 def main() -> int:
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
 
     timeout = float(os.environ.get("ROVE_NETCHECK_TIMEOUT", "60"))
     startup = float(os.environ.get("ROVE_NETCHECK_STARTUP_TIMEOUT", str(max(120.0, timeout))))
@@ -76,7 +77,7 @@ def main() -> int:
     device = torch.device("cuda:0" if cuda else "cpu")
 
     # phase 1: meet the group (not timed)
-    store = dist.TCPStore(
+    store = TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world,
@@ -88,7 +89,7 @@ def main() -> int:
     store.wait([f"rove/netcheck/ready/{r}" for r in range(world)], dt.timedelta(seconds=startup))
     stop = threading.Event()
     # its own connection: the main thread's is busy inside the collectives
-    peers = dist.TCPStore(
+    peers = TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world,
@@ -105,7 +106,7 @@ def main() -> int:
     try:
         dist.init_process_group(
             "nccl" if cuda else "gloo",
-            store=dist.PrefixStore("rove/netcheck/pg", store),
+            store=PrefixStore("rove/netcheck/pg", store),
             rank=rank,
             world_size=world,
             timeout=dt.timedelta(seconds=timeout),
