@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from rove.control import eventdoc
@@ -87,3 +88,58 @@ def test_python_in_the_docs_runs(tmp_path: Path, monkeypatch) -> None:  # type: 
         }
         for code in _python_blocks(doc):
             exec(compile(code, doc.name, "exec"), namespace)
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_every_link_in_the_docs_leads_to_a_file_of_the_project() -> None:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for doc in docs:
+        text = doc.read_text()
+        assert "../shared" not in text, f"{doc.name} points outside the project"
+        for target in _LINK.findall(text):
+            if target.startswith(("http://", "https://", "#")):
+                continue
+            path = (doc.parent / target.split("#", 1)[0]).resolve()
+            assert path.is_relative_to(ROOT), f"{doc.name}: {target} leaves the project"
+            assert path.exists(), f"{doc.name}: {target} does not exist"
+
+
+def _blocks(path: Path) -> list[list[str]]:
+    blocks: list[list[str]] = []
+    inside = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+            if inside:
+                blocks.append([])
+            continue
+        if inside:
+            blocks[-1].append(line)
+    return blocks
+
+
+def test_the_readmes_kill_command_matches_a_worker_and_never_the_launcher() -> None:
+    import shlex
+
+    readme = ROOT / "README.md"
+    (line,) = [x for b in _blocks(readme) for x in b if x.strip().startswith("pkill")]
+    words = shlex.split(line.split("#", 1)[0])
+    assert "-f" in words and "-n" in words
+    pattern = words[-1]
+    # the command lines as `ps` shows them: a worker (fresh or warm) and the launcher
+    worker = "/repo/.venv/bin/python3 -u examples/train.py --steps 600 --step-sleep 0.03"
+    launcher = (
+        "/repo/.venv/bin/python /repo/.venv/bin/rove run --standalone --job demo "
+        "--nproc-per-node 2 --max-restarts 3 examples/train.py --steps 600"
+    )
+    assert re.search(pattern, worker)
+    assert not re.search(pattern, launcher), "pkill would kill the launcher"
+
+
+def test_the_readme_says_where_rove_and_nats_server_are() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert "source .venv/bin/activate" in text, "rove is in .venv/bin, not on PATH"
+    servers = [x for b in _blocks(ROOT / "README.md") for x in b if "nats-server" in x]
+    assert any(" -js" in x for x in servers), "how to start a JetStream server"
