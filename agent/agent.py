@@ -38,7 +38,6 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs, RunProcsResult
 from rove.agent import warm
 from rove.agent.diagnosis import signal_name
 from rove.agent.metrics import Sampler
-from rove.agent.outbox import Outbox
 from rove.agent.saver import Saver
 from rove.agent.worker_env import member_of, worker_envs
 from rove.agent.workers import WorkerGroup, root_failure
@@ -48,6 +47,7 @@ from rove.control import events as ev
 from rove.control.bus import Bus, Feed, options_env
 from rove.control.errors import PublishDeadlineError, RoveError
 from rove.control.master import netcheck as netcheck_policy
+from rove.control.outbox import Outbox
 
 log = structlog.get_logger("rove.agent")
 

@@ -34,7 +34,7 @@ from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.cli import common
 from rove.control.errors import ConfigError
-from rove.control.master.runner import MasterRunner
+from rove.control.master.runner import SupervisedMaster
 
 log = structlog.get_logger("rove.run")
 
@@ -362,12 +362,12 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
     )
     bus = await Bus.connect(options)
     master_task = None
-    runner: _MasterSupervisor | None = None
+    runner: SupervisedMaster | None = None
     try:
         if bus.server is not None:
             embedded.url_file(cfg.job).write_text(bus.url + "\n")
         if standalone:
-            runner = _MasterSupervisor(
+            runner = SupervisedMaster(
                 bus, cfg.job, f"{cfg.node}-master", ev.JobSpec(node_timeout_s=args.node_timeout)
             )
             master_task = asyncio.create_task(runner.run(), name="master")
@@ -389,38 +389,6 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
         await bus.close()
-
-
-class _MasterSupervisor:
-    """Runs the standalone job's in-process master; restarts it if it crashes.
-
-    The master is a fold of the stream, so a fresh one picks up exactly where
-    the crashed one was (from its snapshot and the tail).
-    """
-
-    def __init__(self, bus: Bus, job: str, master_id: str, spec: ev.JobSpec) -> None:
-        self.bus, self.job, self.master_id, self.spec = bus, job, master_id, spec
-        self.runner: MasterRunner | None = None
-        self._stopping = False
-
-    async def run(self) -> None:
-        delay = 0.5
-        while not self._stopping:
-            self.runner = MasterRunner(self.bus, self.job, self.master_id, self.spec)
-            try:
-                await self.runner.run()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the supervisor's job: log it, restart the master, go on
-                log.exception("the in-process master crashed; restarting it", job=self.job)
-                await asyncio.sleep(delay)
-                delay = min(10.0, delay * 2)
-
-    def stop(self) -> None:
-        self._stopping = True
-        if self.runner is not None:
-            self.runner.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

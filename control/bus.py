@@ -20,9 +20,7 @@ import asyncio
 import datetime as dt
 import functools
 import os
-import random
 import ssl
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,14 +44,13 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import catchup, records, subjects
+from rove.control import catchup, records, retry, subjects
 from rove.control import events as ev
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,
     ConfigError,
     FencedError,
-    PublishDeadlineError,
     RoveError,
 )
 from rove.control.natsclient import RoveNatsClient, ack_position
@@ -62,17 +59,6 @@ log = structlog.get_logger("rove.bus")
 
 EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 WRONG_LAST_SEQUENCE = 10071
-
-_RETRYABLE: tuple[type[BaseException], ...] = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.StaleConnectionError,
-    nats.errors.OutboundBufferLimitError,
-    nats.js.errors.NoStreamResponseError,
-    nats.js.errors.ServiceUnavailableError,
-    asyncio.TimeoutError,
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -474,10 +460,10 @@ class Bus:
         """
         batch = list(events)
         seqs: list[int] = [0] * len(batch)
-        deadline = time.monotonic() + deadline_s
         pending = list(range(len(batch)))
-        delay = 0.05
-        while pending:
+
+        async def window(wait_s: float) -> None:
+            nonlocal pending
             futures = []
             for i in pending:
                 e = batch[i]
@@ -486,60 +472,37 @@ class Bus:
                         subjects.subject_for(e), ev.encode(e), headers={Header.MSG_ID.value: e.id}
                     )
                 )
-            remaining = max(0.1, deadline - time.monotonic())
             results = await asyncio.gather(
-                *(asyncio.wait_for(f, remaining) for f in futures), return_exceptions=True
+                *(asyncio.wait_for(f, wait_s) for f in futures), return_exceptions=True
             )
             failed = []
             for i, res in zip(pending, results, strict=True):
                 if isinstance(res, BaseException):
-                    if not isinstance(res, _RETRYABLE):
+                    if not isinstance(res, Exception) or not retry.backoff(res):
                         raise res
                     failed.append(i)
                 else:
                     seqs[i] = int(res.seq)
             pending = failed
             if pending:
-                if time.monotonic() >= deadline:
-                    raise PublishDeadlineError(
-                        f"{len(pending)} of {len(batch)} events were not acknowledged within "
-                        f"{deadline_s:g}s; is JetStream available?"
-                    )
-                await asyncio.sleep(delay)
-                delay = min(1.0, delay * 2)
+                raise BusUnavailableError(
+                    f"{len(pending)} of {len(batch)} events were not acknowledged; "
+                    "is JetStream available?"
+                )
+
+        if batch:
+            await retry.call(
+                window, what=f"{len(batch)} events", deadline_s=deadline_s, attempt_s=deadline_s
+            )
         return seqs
 
     async def _retry(self, fn: Callable[[], Awaitable[Any]], *, deadline_s: float) -> Any:
-        return await self._retry_with_timeout(
-            lambda _t: fn(), deadline_s=deadline_s, what="request"
-        )
+        return await retry.call(lambda _t: fn(), what="request", deadline_s=deadline_s)
 
     async def _retry_with_timeout(
         self, fn: Callable[[float], Awaitable[Any]], *, deadline_s: float, what: str
     ) -> Any:
-        deadline = time.monotonic() + deadline_s
-        delay = 0.05
-        tries = 0
-        while True:
-            tries += 1
-            remaining = deadline - time.monotonic()
-            try:
-                return await fn(max(0.05, min(2.0, remaining)))
-            except _RETRYABLE as exc:
-                last: BaseException = exc
-            except nats.js.errors.APIError as exc:
-                if exc.code != 503:
-                    raise
-                last = exc
-            if time.monotonic() + delay >= deadline:
-                raise PublishDeadlineError(
-                    f"{what}: no acknowledgement from JetStream after {tries} tries in "
-                    f"{deadline_s:g}s (last error: {type(last).__name__}: {last}); "
-                    "is the NATS server up and does JetStream have a leader?"
-                ) from last
-            log.debug("retrying", what=what, attempt=tries, error=type(last).__name__)
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(1.0, delay * 2)
+        return await retry.call(fn, what=what, deadline_s=deadline_s)
 
     # ------------------------------------------------------------------ consuming
 

@@ -19,10 +19,11 @@ class PermanentError(RoveError):
 class TemporaryError(RoveError):
     """The call may succeed later (a server is electing a leader, a connection is down).
 
-    `retry_after` hints how long to wait before the next try, in seconds.
+    `retry_after` says how long to wait before the next try, in seconds; 0 leaves
+    it to the retry policy's backoff (`rove.control.retry`).
     """
 
-    def __init__(self, message: str, *, retry_after: float = 0.5) -> None:
+    def __init__(self, message: str, *, retry_after: float = 0.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 

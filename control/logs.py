@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+import stamina.instrumentation
 import structlog
 
 
@@ -37,3 +38,5 @@ def configure(level: str | None = None, fmt: str | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    # rove logs its retries itself, with the entity (rove.control.retry, the outboxes)
+    stamina.instrumentation.set_on_retry_hooks([])

@@ -4,9 +4,9 @@ It connects with the credentials and TLS files of the environment
 (`ROVE_NATS_CREDS`, `ROVE_NATS_USER`, ...; `rove run` passes its own to the
 workers). The training process calls it from its main thread (the sampler runs there,
 also with a multi-process DataLoader). Outgoing facts (registration, shard
-requests, acknowledgements) are published in order, each retried until the
-bus takes it, so a NATS blip or a master failover delays them but loses
-nothing: the stream keeps a request until a master answers it. Answers
+requests, acknowledgements) go through an `Outbox`: published in order, each
+retried until the bus takes it, so a NATS blip or a master failover delays them
+but loses nothing: the stream keeps a request until a master answers it. Answers
 (`shard_leased`, `data_rejected`) arrive on this client's own subject and are
 queued for the sampler.
 """
@@ -28,6 +28,7 @@ from rove.control import events as ev
 from rove.control import records, shards, subjects
 from rove.control.bus import Bus, options_from_env
 from rove.control.errors import RoveError
+from rove.control.outbox import Outbox
 
 log = structlog.get_logger("rove.data")
 
@@ -113,7 +114,8 @@ class DataClient:
         self.answers: queue.Queue[Answer] = queue.Queue()
         self._seq = 0
         self._loop = asyncio.new_event_loop()
-        self._outgoing: asyncio.Queue[ev.Event | None] | None = None
+        self._outbox: Outbox | None = None
+        self._closing: asyncio.Event | None = None
         self._ready = threading.Event()
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"rove-data-{dataset}", daemon=True)
@@ -212,8 +214,12 @@ class DataClient:
     # ------------------------------------------------------------------ the thread
 
     def _put(self, event: ev.Event | None) -> None:
-        assert self._outgoing is not None
-        self._outgoing.put_nowait(event)
+        if event is None:
+            assert self._closing is not None
+            self._closing.set()
+            return
+        assert self._outbox is not None
+        self._outbox.put(event)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -223,7 +229,7 @@ class DataClient:
             self._loop.close()
 
     async def _main(self) -> None:
-        self._outgoing = asyncio.Queue()
+        self._closing = asyncio.Event()
         try:
             bus = await Bus.connect(
                 options_from_env(self.url, name=f"rove-data-{self.client}", reconnect_forever=True)
@@ -238,33 +244,21 @@ class DataClient:
             self._failed = exc
             self._ready.set()
             return
+        # requests, registrations and acknowledgements: in order, kept while the bus is down
+        self._outbox = Outbox(bus, what=f"data events of {self.dataset}")
+        self._outbox.start()
         self._ready.set()
         try:
-            while (event := await self._outgoing.get()) is not None:
-                await self._publish(bus, event)
+            await self._closing.wait()
+            await self._outbox.flush(timeout_s=None)
         finally:
+            await self._outbox.stop()
             await feed.stop()
             await bus.close()
 
     def _answered(self, rec: records.Recorded) -> None:
         if isinstance(rec.event, ev.ShardLeased | ev.DataRejected):
             self.answers.put(rec.event)
-
-    async def _publish(self, bus: Bus, event: ev.Event) -> None:
-        delay = 0.2
-        while True:
-            try:
-                await bus.publish(event, deadline_s=10.0)
-                return
-            except RoveError as exc:
-                log.warning(
-                    "data event not published yet, retrying",
-                    kind=ev.kind(event),
-                    error=str(exc),
-                    dataset=self.dataset,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
 
 def first_request(dataset: str, position: ev.DataPosition | None) -> dict[str, Any]:

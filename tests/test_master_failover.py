@@ -167,3 +167,30 @@ async def test_a_paused_leader_is_fenced_by_the_server_and_steps_down(
         await agents.stop()
         for p in masters.values():
             p.stop()
+
+
+async def test_an_in_process_master_that_crashes_is_restarted_and_leads(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rove.control.master import runner as runner_module
+
+    real_run = runner_module.MasterRunner.run
+    calls = []
+
+    async def crash_once(self: runner_module.MasterRunner) -> None:
+        calls.append(self)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the master")
+        await real_run(self)
+
+    monkeypatch.setattr(runner_module.MasterRunner, "run", crash_once)
+    supervised = runner_module.SupervisedMaster(bus, "j1", "m1", ev.JobSpec())
+    task = asyncio.create_task(supervised.run())
+    try:
+        await eventually(
+            lambda: supervised.runner is not None and supervised.runner.role == "leader"
+        )
+        assert len(calls) == 2, "restarted once after the crash"
+    finally:
+        supervised.stop()
+        await asyncio.wait_for(task, 30)

@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import stamina
 import structlog
 
 from rove.control import events as ev
@@ -331,3 +332,46 @@ def _key_fields(decision: ev.Decision) -> dict[str, object]:
         case ev.DataRestored():
             return {"dataset": decision.dataset, "round": decision.round, "step": decision.step}
     return {}
+
+
+class SupervisedMaster:
+    """Runs a master candidate in this process and restarts it if it crashes.
+
+    `rove run --standalone` runs its job's master this way. The master is a
+    fold of the stream, so a fresh one picks up exactly where the crashed one
+    was (from its snapshot and the tail). Restarts back off with rove's retry
+    policy (stamina), from 0.5 s up to 10 s between them.
+    """
+
+    def __init__(self, bus: Bus, job: str, master_id: str, spec: ev.JobSpec) -> None:
+        self.bus, self.job, self.master_id, self.spec = bus, job, master_id, spec
+        self.runner: MasterRunner | None = None
+        self._stopping = False
+
+    async def run(self) -> None:
+        async for attempt in stamina.retry_context(
+            on=self._crashed, attempts=None, timeout=None, wait_initial=0.5, wait_max=10.0
+        ):
+            with attempt:
+                if self._stopping:
+                    return
+                self.runner = MasterRunner(self.bus, self.job, self.master_id, self.spec)
+                await self.runner.run()
+                return
+
+    def _crashed(self, exc: Exception) -> bool:
+        """The supervisor's job: log the crash with its traceback, restart the master."""
+        if self._stopping:
+            return False
+        log.error(
+            "the in-process master crashed; restarting it",
+            job=self.job,
+            master=self.master_id,
+            exc_info=exc,
+        )
+        return True
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.runner is not None:
+            self.runner.stop()

@@ -1,0 +1,116 @@
+"""rove's one retry policy: exponential backoff with jitter, inside one total deadline.
+
+Every retry loop in rove goes through `call` (stamina underneath): publishing
+to JetStream, the outboxes of agents and data clients, the supervision of an
+in-process master. What is worth another try is decided by `backoff` alone:
+
+* a `TemporaryError` is retried after its own `retry_after` when it names one;
+* nats-py's timeouts, "no responders", reconnect and buffer errors, and
+  JetStream's 503 (no leader yet) are retried with the policy's backoff;
+* anything else is raised at once.
+
+The first attempt runs outside stamina: most calls succeed at once, and a
+publish should not pay for the retry machinery it does not use (~30 µs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats.errors
+import nats.js.errors
+import stamina
+import structlog
+
+from rove.control.errors import PublishDeadlineError, TemporaryError
+
+log = structlog.get_logger("rove.retry")
+
+T = TypeVar("T")
+
+#: nats-py errors that say "not now", not "never".
+RETRYABLE: tuple[type[Exception], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    asyncio.TimeoutError,
+)
+
+
+def backoff(exc: Exception) -> bool | float:
+    """Whether `exc` is worth another try: False, True (the policy's backoff) or seconds."""
+    if isinstance(exc, TemporaryError):
+        return exc.retry_after if exc.retry_after > 0 else True
+    if isinstance(exc, RETRYABLE):
+        return True
+    return isinstance(exc, nats.js.errors.APIError) and exc.code == 503
+
+
+async def call(
+    fn: Callable[[float], Awaitable[T]],
+    *,
+    what: str,
+    deadline_s: float | None,
+    wait_initial: float = 0.05,
+    wait_max: float = 1.0,
+    attempt_s: float = 2.0,
+) -> T:
+    """`await fn(timeout)` until it succeeds; retryable failures are tried again.
+
+    `fn` gets the time its attempt may take: `attempt_s`, less when the deadline
+    is nearer. With `deadline_s=None` it is retried for as long as it takes
+    (an outbox that must never drop a fact).
+
+    Raises:
+        PublishDeadlineError: retryable failures lasted past `deadline_s`
+            (naming `what`, the tries and the last error).
+        Exception: the first failure that `backoff` says is not worth retrying.
+    """
+    started = time.monotonic()
+    deadline = None if deadline_s is None else started + deadline_s
+
+    def budget() -> float:
+        if deadline is None:
+            return attempt_s
+        return max(0.05, min(attempt_s, deadline - time.monotonic()))
+
+    try:
+        return await fn(budget())
+    except Exception as exc:
+        if not backoff(exc):
+            raise
+        last: Exception = exc
+    tries = 1
+    try:
+        async for attempt in stamina.retry_context(
+            on=backoff,
+            attempts=None,
+            timeout=None if deadline is None else max(0.001, deadline - time.monotonic()),
+            wait_initial=wait_initial,
+            wait_max=wait_max,
+            wait_jitter=wait_initial,
+        ):
+            with attempt:
+                tries += 1
+                log.debug("retrying", what=what, attempt=tries, error=type(last).__name__)
+                try:
+                    return await fn(budget())
+                except Exception as exc:
+                    last = exc
+                    raise
+    except Exception as exc:
+        if not backoff(exc):
+            raise
+        last = exc
+    raise PublishDeadlineError(
+        f"{what}: no acknowledgement after {tries} tries in {deadline_s:g}s (last error: "
+        f"{type(last).__name__}: {last}); is the NATS server up and does JetStream have a "
+        "leader?"
+    ) from last
