@@ -1,18 +1,21 @@
 """The node agent: joins rounds, runs this node's workers, reports what happens.
 
-Three loops share one bus connection:
+One **actor** handles, one at a time, everything that changes what the agent
+does: the master's decisions (`round_completed`, `node_lost`, `node_excluded`,
+`job_ended`, ...), the end of its workers, a hang, a network-check result and
+signals. Only it starts and stops workers, so they never race. Around it:
 
-* the **actor** handles, one at a time, the master's decisions (`round_completed`,
-  `node_lost`, `node_excluded`, `job_ended`), finished or failed workers, hangs and
-  signals; only it starts and stops workers, so they never race;
-* the **monitor** polls the worker processes (off the event loop: torch's teardown
-  can block) and reads their step progress for hang detection;
-* the **heartbeat** publishes the node's and its ranks' step, throughput and
-  resource use every interval, with fresh free ports for the next round's store.
+* a **watcher** per round waits on the worker processes themselves (the
+  runtime's `wait`, on pidfds) and hands their end to the actor;
+* the **duties** tick reports and persists checkpoints (`CheckpointDuty`) and
+  detects hangs (no step progress for `--hang-timeout`);
+* the **heartbeat** (`Heartbeat`) publishes liveness, progress and resources.
 
-Facts go through an `Outbox`, so they are kept and sent later while the bus is
-unreachable; workers keep training meanwhile. Decisions from a master epoch
-older than the newest seen are ignored.
+What a worker is, is the `WorkerRuntime`'s business (torch today). Facts go
+through the agent's `Outbox` (`NodeFacts`), so they are kept and sent later
+while the bus is unreachable; workers keep training meanwhile. Decisions from
+a master epoch older than the newest seen are ignored. The lifecycle is
+`rove.agent.lifecycle.AgentPhase`.
 """
 
 from __future__ import annotations
@@ -20,33 +23,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import signal
 import socket
-import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
-from torch.distributed.elastic.multiprocessing import LogsSpecs, RunProcsResult
 
-from rove.agent import warm
+from rove.agent import checkrun, progress, warm
+from rove.agent.ckpt_duty import CheckpointDuty
 from rove.agent.diagnosis import signal_name
-from rove.agent.metrics import Sampler
-from rove.agent.saver import Saver
+from rove.agent.facts import NodeFacts
+from rove.agent.heartbeat import Heartbeat, free_ports
+from rove.agent.lifecycle import AgentPhase, advance
+from rove.agent.runtime import WorkerRuntime, WorkersEnded
 from rove.agent.worker_env import member_of, worker_envs
-from rove.agent.workers import WorkerGroup, root_failure
-from rove.checkpoint.engine import CheckpointError
 from rove.control import aio, records, subjects
 from rove.control import events as ev
 from rove.control.bus import Bus, Feed, options_env
-from rove.control.errors import PublishDeadlineError, RoveError
-from rove.control.master import netcheck as netcheck_policy
+from rove.control.errors import RoveError
 from rove.control.outbox import Outbox
 
 log = structlog.get_logger("rove.agent")
@@ -65,12 +64,13 @@ class AgentConfig:
     #: A command, or a function (warm start: forked from the warm server).
     entrypoint: str | Callable[..., None]
     args: list[str]
-    logs_specs: LogsSpecs | None
+    logs_specs: Any
     state_dir: Path
     max_restarts: int
     role: str = "default"
     heartbeat_s: float = 1.0
-    monitor_s: float = 0.1
+    #: How often checkpoints are reported/persisted and hangs looked for.
+    duty_s: float = 0.25
     hang_timeout_s: float = 0.0
     stop_timeout_s: float = 10.0
     start_method: str = "spawn"
@@ -83,12 +83,6 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
-class _WorkersDone:
-    round: int
-    result: RunProcsResult
-
-
-@dataclass(frozen=True)
 class _Hang:
     round: int
     local_rank: int
@@ -97,126 +91,102 @@ class _Hang:
 
 
 @dataclass(frozen=True)
-class _CheckDone:
-    check_round: int
-    ok: bool
-    elapsed_s: float
-    matmul_s: float
-    allreduce_s: float
-    error: str
-
-
-@dataclass(frozen=True)
 class _Signal:
     signum: int
-
-
-@dataclass
-class _RankRate:
-    samples: float = 0.0
-    at: float = 0.0
-    rate: float = 0.0
 
 
 @dataclass
 class AgentStatus:
     """What the agent knows, for logs and tests."""
 
+    phase: AgentPhase = AgentPhase.STARTING
     round: int = 0
-    waiting: bool = True
     max_epoch: int = 0
     starts: int = 0
     end_reason: str = ""
-    rates: dict[int, _RankRate] = field(default_factory=dict)
+    history: list[AgentPhase] = field(default_factory=list)
 
 
-def free_ports(addr: str, n: int = 2) -> tuple[int, ...]:
-    """`n` ports free on `addr` right now (for the next round's rendezvous store)."""
-    ports = []
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
-            socks.append(s)
-            ports.append(int(s.getsockname()[1]))
-    except OSError:
-        pass
-    finally:
-        for s in socks:
-            s.close()
-    return tuple(ports)
+def torch_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
+    """The torch runtime for `cfg` (imported here: an agent of another runtime needs no torch)."""
+    from rove.agent.workers import TorchRuntime
+
+    return TorchRuntime(
+        cfg.entrypoint,
+        cfg.args,
+        cfg.logs_specs,
+        cfg.state_dir / "progress" / incarnation,
+        start_method=cfg.start_method,
+        name=cfg.role,
+    )
 
 
 class Agent:
     """Runs one node of a job until the job ends, the node is excluded, or a signal."""
 
-    def __init__(self, bus: Bus, cfg: AgentConfig, *, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        bus: Bus,
+        cfg: AgentConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        runtime: Callable[[AgentConfig, str], WorkerRuntime] = torch_runtime,
+    ):
         self.bus = bus
         self.cfg = cfg
         self.clock = clock
-        self.incarnation = uuid.uuid4().hex[:10]
-        self.outbox = Outbox(bus)
-        self.workers = WorkerGroup(
-            cfg.entrypoint,
-            cfg.args,
-            cfg.logs_specs,
-            cfg.state_dir / "progress" / self.incarnation,
-            start_method=cfg.start_method,
-            name=cfg.role,
+        self.facts = NodeFacts(Outbox(bus), job=cfg.job, node=cfg.node, clock=clock)
+        self.incarnation = self.facts.incarnation
+        self.workers = runtime(cfg, self.incarnation)
+        self.checkpoints = CheckpointDuty(
+            self.facts,
+            cfg.checkpoint_dir,
+            keep=cfg.keep_checkpoints,
+            persist_every=cfg.persist_every,
+            save_at_breakpoint=cfg.save_at_breakpoint,
+        )
+        self.heartbeat = Heartbeat(
+            bus, self.facts, self.workers, cfg.addr, self._where, interval_s=cfg.heartbeat_s
         )
         self.status = AgentStatus()
-        self.sampler = Sampler()
         self.log = log.bind(job=cfg.job, node=cfg.node)
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._done: asyncio.Future[int] | None = None
-        self._counter = 0
-        self._hb_seq = 0
-        self._workers_lock = asyncio.Lock()
         self._round_event: ev.RoundCompleted | None = None
         self._started_at = clock()
-        self.saver = Saver(cfg.job, cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
         self.job_run = ""
-        self._persisting: asyncio.Task[None] | None = None
         self._group_rank: int | None = None
         self._hang_round = -1
         self._checks_run: set[int] = set()
-        self._check_tasks: set[asyncio.Task[None]] = set()
+        self._side_tasks: set[asyncio.Task[Any]] = set()
+        self._watcher: asyncio.Task[None] | None = None
 
-    # ------------------------------------------------------------------ facts
+    # ------------------------------------------------------------------ lifecycle
 
-    def _envelope(self) -> dict[str, Any]:
-        self._counter += 1
-        return {
-            "job": self.cfg.job,
-            "id": ev.make_id(self.cfg.node, self.incarnation, self._counter),
-            "producer": f"agent:{self.cfg.node}",
-            "ts": self.clock(),
-        }
+    def _phase(self, new: AgentPhase) -> None:
+        self.status.phase = advance(self.status.phase, new)
+        self.status.history.append(new)
 
-    def _emit(self, event: ev.Event) -> None:
-        self.outbox.put(event)
+    def _where(self) -> tuple[int, int]:
+        """(round, first global rank) of this node's workers now."""
+        return (self.status.round, self._first_rank())
 
     def _register(self) -> None:
-        self._emit(
+        self.facts.emit(
             ev.NodeJoined(
-                **self._envelope(),
-                node=self.cfg.node,
+                **self.facts.envelope(),
                 host=socket.gethostname(),
                 pid=os.getpid(),
-                incarnation=self.incarnation,
                 nproc_per_node=self.cfg.nproc,
             )
         )
         self._join_next_round()
 
     def _join_next_round(self) -> None:
-        self.status.waiting = True
-        self._emit(
+        self._phase(AgentPhase.WAITING)
+        self.facts.emit(
             ev.RdzvJoined(
-                **self._envelope(),
-                node=self.cfg.node,
-                incarnation=self.incarnation,
+                **self.facts.envelope(),
                 addr=self.cfg.addr,
                 nproc_per_node=self.cfg.nproc,
                 ports=free_ports(self.cfg.addr),
@@ -230,9 +200,9 @@ class Agent:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
-        self.outbox.start()
+        self.facts.outbox.start()
         self.log.info("agent starting", incarnation=self.incarnation, addr=self.cfg.addr)
-        if self.cfg.entrypoint is warm.run_script:
+        if self.cfg.entrypoint is warm.run_script and self.cfg.start_method == "forkserver":
             warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
         self._register()
         feed = await self.bus.subscribe(
@@ -245,30 +215,26 @@ class Agent:
         self._install_signal_handlers()
         tasks = [
             asyncio.create_task(self._actor(), name="actor"),
-            asyncio.create_task(self._monitor(), name="monitor"),
-            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self._duties(), name="duties"),
+            asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
         ]
         try:
             code = await self._done
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-            await aio.cancel_and_wait([*tasks, *self._check_tasks])
+            await aio.cancel_and_wait([*tasks, *self._side_tasks])
             await self._stop_workers()
             await _stop_feed(feed)
-            self._emit(
-                ev.NodeLeft(
-                    **self._envelope(),
-                    node=self.cfg.node,
-                    incarnation=self.incarnation,
-                    reason=self.status.end_reason,
-                )
-            )
-            if not await self.outbox.flush(10.0):
+            self.facts.emit(ev.NodeLeft(**self.facts.envelope(), reason=self.status.end_reason))
+            if not await self.facts.outbox.flush(10.0):
                 self.log.warning(
-                    "could not send every fact before exiting", unsent=self.outbox.pending
+                    "could not send every fact before exiting", unsent=self.facts.outbox.pending
                 )
-            await self.outbox.stop()
+            await self.facts.outbox.stop()
+            if self.status.phase is not AgentPhase.STOPPING:
+                self._phase(AgentPhase.STOPPING)  # leaving on an error, not a decision
+            self._phase(AgentPhase.STOPPED)
         return code
 
     def _install_signal_handlers(self) -> None:
@@ -278,6 +244,8 @@ class Agent:
 
     def _finish(self, code: int, reason: str) -> None:
         self.status.end_reason = reason
+        if self.status.phase is not AgentPhase.STOPPING:
+            self._phase(AgentPhase.STOPPING)
         if self._done is not None and not self._done.done():
             self._done.set_result(code)
 
@@ -287,28 +255,36 @@ class Agent:
     def _on_rejected(self, rej: records.Rejection) -> None:
         pass  # logged by the bus; the leading master records it
 
+    def _side_task(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
     # ------------------------------------------------------------------ actor
 
     async def _actor(self) -> None:
         while True:
             item = await self._inbox.get()
+            if self.status.phase is AgentPhase.STOPPING:
+                continue  # the agent is on its way out: nothing else is acted on
             await self._handle(item)
 
     async def _handle(self, item: Any) -> None:
-        me = (self.cfg.node, self.incarnation)
         match item:
             case _Signal(signum=signum):
                 name = signal.Signals(signum).name
                 self.log.info(f"received {name}; stopping workers and leaving the job")
                 await self._stop_workers()
-                await self._breakpoint()
+                await self.checkpoints.breakpoint()
                 self._finish(128 + signum, f"agent received {name}")
-            case _WorkersDone(round=rnd, result=result) if rnd == self.status.round:
-                if result.is_failed():
-                    await self._breakpoint()
-                self._workers_done(rnd, result)
+            case WorkersEnded(round=rnd) if rnd == self.status.round:
+                if item.failure is not None:
+                    await self.checkpoints.breakpoint()
+                self._workers_ended(item)
             case _Hang(round=rnd) if rnd == self.status.round and self.workers.running:
                 await self._hung(item)
+            case checkrun.CheckResult():
+                self._check_reported(item)
             case ev.MasterElected(epoch=epoch):
                 self.status.max_epoch = max(self.status.max_epoch, epoch)
             case ev.JobConfigured(ts=ts):
@@ -323,26 +299,12 @@ class Agent:
             case ev.NetworkCheckAssigned():
                 self._network_check(item)
             case ev.CkptCommitted(step=step):
-                await self._commit(step)
-            case _CheckDone():
-                self._emit(
-                    ev.NetworkCheckReported(
-                        **self._envelope(),
-                        node=self.cfg.node,
-                        incarnation=self.incarnation,
-                        check_round=item.check_round,
-                        ok=item.ok,
-                        elapsed_s=item.elapsed_s,
-                        matmul_s=item.matmul_s,
-                        allreduce_s=item.allreduce_s,
-                        error=item.error,
-                    )
-                )
-            case ev.NodeLost(node=node, incarnation=inc) if (node, inc) == me:
+                await self.checkpoints.commit(step)
+            case ev.NodeLost(node=node, incarnation=inc) if self.facts.is_me(node, inc):
                 self.log.warning("the master lost sight of this node; joining again")
                 await self._stop_workers()
                 self._register()
-            case ev.NodeExcluded(node=node, incarnation=inc) if (node, inc) == me:
+            case ev.NodeExcluded(node=node, incarnation=inc) if self.facts.is_me(node, inc):
                 await self._stop_workers()
                 self._finish(EXIT_FAILED, f"node {node} was excluded: {item.reason}")
             case ev.JobEnded(phase=phase, reason=reason):
@@ -356,7 +318,7 @@ class Agent:
                     return
                 code = EXIT_FINISHED if phase is ev.JobPhase.FINISHED else EXIT_FAILED
                 if phase is ev.JobPhase.FINISHED:
-                    self.saver.unlink()  # the job is done: free its shared memory
+                    self.checkpoints.job_finished()
                 self._finish(code, f"job {self.cfg.job} {phase.value}: {reason}")
             case _:
                 pass
@@ -370,7 +332,7 @@ class Agent:
             if self.workers.running:
                 self.log.info("not in the new round; stopping workers", round=r.round)
                 await self._stop_workers()
-            if not self.status.waiting:
+            if self.status.phase is not AgentPhase.WAITING:
                 self._join_next_round()
             return
         group_rank, member = place
@@ -385,17 +347,16 @@ class Agent:
             extra=self._restore_env(r),
         )
         ranks = tuple(range(member.first_rank, member.first_rank + member.nproc))
-        self.saver.ranks(ranks, self.job_run)
+        self.checkpoints.round(ranks, r.world_size, group_rank, self.job_run)
         self._group_rank = group_rank
-        async with self._workers_lock:
-            pids = self.workers.start(r.round, envs)
+        pids = self.workers.start(r.round, envs)
         # torch's start_processes installs signal handlers of its own (they raise
         # inside the event loop); the agent stops workers itself, so take them back.
         self._install_signal_handlers()
-        self.status.waiting = False
-        self.status.starts += 1
-        self.status.rates = {}
         self._round_event = r
+        self._phase(AgentPhase.RUNNING)
+        self.status.starts += 1
+        self._watcher = asyncio.create_task(self._watch(), name=f"workers-round-{r.round}")
         ranks = tuple(member.first_rank + lr for lr in sorted(pids))
         self.log.info(
             f"round {r.round}: started {len(pids)} workers as ranks "
@@ -406,91 +367,23 @@ class Agent:
             master=f"{r.master_addr}:{r.master_port}",
             reason=r.reason,
         )
-        self._emit(
+        self.facts.emit(
             ev.WorkersStarted(
-                **self._envelope(),
-                node=self.cfg.node,
-                incarnation=self.incarnation,
+                **self.facts.envelope(),
                 round=r.round,
                 ranks=ranks,
                 pids=tuple(pids[lr] for lr in sorted(pids)),
             )
         )
 
-    def _network_check(self, a: ev.NetworkCheckAssigned) -> None:
-        if self.status.round > 0 or a.check_round in self._checks_run:
-            return  # checks are for a job's first round only; each round runs once
-        for group in a.groups:
-            pairs = list(zip(group.nodes, group.incarnations, strict=True))
-            if (self.cfg.node, self.incarnation) in pairs:
-                self._checks_run.add(a.check_round)
-                rank = pairs.index((self.cfg.node, self.incarnation))
-                task = asyncio.create_task(self._run_check(a, group, rank))
-                self._check_tasks.add(task)
-                task.add_done_callback(self._check_tasks.discard)
-                return
-
-    async def _run_check(self, a: ev.NetworkCheckAssigned, group: ev.CheckGroup, rank: int) -> None:
-        startup = netcheck_policy.startup_s(a.timeout_s)
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": str(len(group.nodes)),
-            "MASTER_ADDR": group.master_addr,
-            "MASTER_PORT": str(group.master_port),
-            "ROVE_NETCHECK_TIMEOUT": str(a.timeout_s),
-            "ROVE_NETCHECK_STARTUP_TIMEOUT": str(startup),
-        }
-        self.log.info(f"network check round {a.check_round} with {', '.join(group.nodes)}")
-        started = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "rove.agent.child",
-            sys.executable,
-            "-m",
-            "rove.agent.netcheck",
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        limit = startup + a.timeout_s + 10.0  # the process bounds itself; this is a backstop
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), limit)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            out, err = b"", f"timed out after {limit:g}s".encode()
-        result: dict[str, Any] = {}
-        with contextlib.suppress(ValueError):
-            result = json.loads(out.decode().strip().splitlines()[-1]) if out.strip() else {}
-        ok = proc.returncode == 0 and bool(result.get("ok"))
-        error = ""
-        if not ok:
-            stderr = err.decode(errors="replace").strip().splitlines()
-            error = str(result.get("error") or (stderr[-1] if stderr else "failed"))
-        # the check's own time (start-up excluded), or the wall time of a failed one
-        elapsed = float(result["elapsed_s"]) if ok else time.monotonic() - started
-        self.log.info(
-            f"network check round {a.check_round}: " + ("ok" if ok else f"failed: {error}"),
-            elapsed_s=round(elapsed, 3),
-        )
-        self._inbox.put_nowait(
-            _CheckDone(
-                a.check_round,
-                ok,
-                round(elapsed, 4),
-                float(result.get("matmul_s", 0.0)),
-                float(result.get("allreduce_s", 0.0)),
-                error[: ev.REASON_CHARS],
-            )
-        )
+    async def _watch(self) -> None:
+        """Wait for this round's workers to end; hand that to the actor."""
+        self._inbox.put_nowait(await self.workers.wait())
 
     def _restore_env(self, r: ev.RoundCompleted) -> dict[str, str]:
         env = {
             "ROVE_RESTORE_STEP": "" if r.restore_step is None else str(r.restore_step),
-            "ROVE_RESTORE_SOURCE": r.restore_source,
+            "ROVE_RESTORE_SOURCE": r.restore_source.value,
             # for the data clients in the workers (rove.shard_service): URL and credentials
             **options_env(self.bus.options, self.bus.url),
             "ROVE_NODE": self.cfg.node,
@@ -500,112 +393,30 @@ class Agent:
             env["ROVE_CKPT_DIR"] = str(self.cfg.checkpoint_dir)
         return env
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def _report_in_memory(self) -> int | None:
-        step = self.saver.new_in_memory()
-        if step is not None:
-            self._emit(
-                ev.CkptInMemory(
-                    **self._envelope(),
-                    node=self.cfg.node,
-                    incarnation=self.incarnation,
-                    step=step,
-                    ranks=tuple(sorted(self.saver.engines)),
-                )
-            )
-        return step
-
-    async def _persist(self, step: int) -> None:
-        try:
-            done = await asyncio.to_thread(self.saver.persist, step)
-        except CheckpointError as exc:
-            self.log.warning(f"could not persist checkpoint step {step}: {exc}")
-            self._emit(
-                ev.CkptFailed(
-                    **self._envelope(),
-                    node=self.cfg.node,
-                    incarnation=self.incarnation,
-                    step=step,
-                    error=str(exc)[: ev.REASON_CHARS],
-                )
-            )
-            return
-        world = self._round_event.world_size if self._round_event else len(done.ranks)
-        self._emit(
-            ev.CkptPersisted(
-                **self._envelope(),
-                node=self.cfg.node,
-                incarnation=self.incarnation,
-                step=step,
-                ranks=done.ranks,
-                world_size=world,
-                location=done.location,
-            )
-        )
-
-    def _saver_tick(self) -> None:
-        step = self._report_in_memory()
-        busy = self._persisting is not None and not self._persisting.done()
-        due = (
-            step is not None and step - max(0, self.saver.persisted_step) >= self.cfg.persist_every
-        )
-        if due and step is not None and self.saver.storage is not None and not busy:
-            self._persisting = asyncio.create_task(self._persist(step))
-
-    async def _breakpoint(self) -> None:
-        """Before a failure or a signal is acted on: report, and persist if asked."""
-        self._report_in_memory()
-        if self._persisting is not None:
-            await asyncio.gather(self._persisting, return_exceptions=True)
-        step = self.saver.common_step()
-        if (
-            self.cfg.save_at_breakpoint
-            and self.saver.storage is not None
-            and step is not None
-            and step > self.saver.persisted_step
-        ):
-            self.log.info(f"saving at breakpoint: persisting step {step} from memory")
-            await self._persist(step)
-
-    async def _commit(self, step: int) -> None:
-        if self._group_rank != 0 or self.saver.storage is None:
-            return
-        try:
-            await asyncio.to_thread(self.saver.commit, step)
-            self.log.debug(f"checkpoint step {step} committed")
-        except CheckpointError as exc:
-            self.log.warning(f"could not record the commit of step {step}: {exc}")
-
     def _first_rank(self) -> int:
         r = self._round_event
         place = member_of(r, self.cfg.node, self.incarnation) if r else None
         return place[1].first_rank if place else 0
 
-    def _workers_done(self, rnd: int, result: RunProcsResult) -> None:
-        if not result.is_failed():
-            self.log.info("all workers finished", round=rnd)
-            self._emit(
-                ev.WorkersSucceeded(
-                    **self._envelope(), node=self.cfg.node, incarnation=self.incarnation, round=rnd
-                )
-            )
+    def _workers_ended(self, ended: WorkersEnded) -> None:
+        self._watcher = None
+        root = ended.failure
+        if root is None:
+            self.log.info("all workers finished", round=ended.round)
+            self._phase(AgentPhase.FINISHED)
+            self.facts.emit(ev.WorkersSucceeded(**self.facts.envelope(), round=ended.round))
             return
-        root = root_failure(result)
-        assert root is not None
         rank = self._first_rank() + root.local_rank
         self.log.error(
             f"worker rank {rank} failed: {root.diagnosis.kind.value}: {root.diagnosis.reason}",
-            round=rnd,
+            round=ended.round,
             rank=rank,
             exit_code=root.exit_code,
         )
-        self._emit(
+        self.facts.emit(
             ev.WorkerExited(
-                **self._envelope(),
-                node=self.cfg.node,
-                incarnation=self.incarnation,
-                round=rnd,
+                **self.facts.envelope(),
+                round=ended.round,
                 rank=rank,
                 local_rank=root.local_rank,
                 kind=root.diagnosis.kind,
@@ -621,11 +432,9 @@ class Agent:
         reason = f"no step progress for {hang.silent_s:.0f}s (last step {hang.step})"
         self.log.error(f"worker rank {rank} is hung: {reason}; killing this node's workers")
         await self._stop_workers(signal.SIGKILL)
-        self._emit(
+        self.facts.emit(
             ev.WorkerExited(
-                **self._envelope(),
-                node=self.cfg.node,
-                incarnation=self.incarnation,
+                **self.facts.envelope(),
                 round=hang.round,
                 rank=rank,
                 local_rank=hang.local_rank,
@@ -635,90 +444,66 @@ class Agent:
         )
 
     async def _stop_workers(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        if not self.workers.running:
-            return
-        async with self._workers_lock:
+        if self._watcher is not None:
+            await aio.cancel_and_wait([self._watcher])
+            self._watcher = None
+        if self.workers.running:
             await asyncio.to_thread(self.workers.stop, sig, self.cfg.stop_timeout_s)
 
-    # ------------------------------------------------------------------ monitor
+    # ------------------------------------------------------------------ network check
 
-    async def _monitor(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.monitor_s)
-            if not self.workers.running:
-                continue
-            async with self._workers_lock:
-                rnd = self.workers.round
-                result = await asyncio.to_thread(self.workers.poll)
-            if result is not None:
-                self._inbox.put_nowait(_WorkersDone(rnd, result))
-                continue
-            self._saver_tick()
-            if self.cfg.hang_timeout_s > 0 and self._hang_round != rnd:
-                now = self.clock()
-                for local_rank, p in self.workers.progress().items():
-                    silent = now - p.at
-                    if silent > self.cfg.hang_timeout_s:
-                        # Once per round: the other ranks stall too, waiting on this one.
-                        self._hang_round = rnd
-                        self._inbox.put_nowait(_Hang(rnd, local_rank, p.step, silent))
-                        break
+    def _network_check(self, a: ev.NetworkCheckAssigned) -> None:
+        if self.status.round > 0 or a.check_round in self._checks_run:
+            return  # checks are for a job's first round only; each round runs once
+        for group in a.groups:
+            pairs = list(zip(group.nodes, group.incarnations, strict=True))
+            if (self.cfg.node, self.incarnation) in pairs:
+                self._checks_run.add(a.check_round)
+                rank = pairs.index((self.cfg.node, self.incarnation))
+                self.log.info(f"network check round {a.check_round} with {', '.join(group.nodes)}")
+                self._side_task(self._run_check(a, group, rank))
+                return
 
-    # ------------------------------------------------------------------ heartbeat
+    async def _run_check(self, a: ev.NetworkCheckAssigned, group: ev.CheckGroup, rank: int) -> None:
+        self._inbox.put_nowait(await checkrun.run_check(a, group, rank))
 
-    async def _heartbeat(self) -> None:
-        while True:
-            try:
-                await self.bus.publish(self._heartbeat_event(), deadline_s=2.0)
-            except PublishDeadlineError:
-                self.log.debug("heartbeat not sent: bus unavailable")
-            await asyncio.sleep(self.cfg.heartbeat_s)
-
-    def _heartbeat_event(self) -> ev.Heartbeat:
-        self._hb_seq += 1
-        cpu, used, total = self.sampler.node()
-        pids = self.workers.pids() if self.workers.running else {}
-        progress = self.workers.progress() if pids else {}
-        first = self._first_rank()
-        ranks = []
-        for local_rank, pid in sorted(pids.items()):
-            pcpu, rss = self.sampler.process(pid)
-            p = progress.get(local_rank)
-            rate = self.status.rates.setdefault(local_rank, _RankRate())
-            if p is not None and rate.at and p.at > rate.at:
-                rate.rate = (p.samples - rate.samples) / (p.at - rate.at)
-            if p is not None:
-                rate.samples, rate.at = p.samples, p.at
-            gpu_mem, gpu_util = self.sampler.gpu(local_rank)
-            ranks.append(
-                ev.RankStat(
-                    rank=first + local_rank,
-                    local_rank=local_rank,
-                    pid=pid,
-                    step=p.step if p else 0,
-                    samples_per_s=round(rate.rate, 2),
-                    cpu_percent=pcpu,
-                    rss_bytes=rss,
-                    gpu_mem_bytes=gpu_mem,
-                    gpu_util_percent=gpu_util,
-                )
-            )
-        self.sampler.forget(set(pids.values()))
-        return ev.Heartbeat(
-            job=self.cfg.job,
-            id=ev.make_id(self.cfg.node, self.incarnation, "hb", self._hb_seq),
-            producer=f"agent:{self.cfg.node}",
-            ts=self.clock(),
-            node=self.cfg.node,
-            incarnation=self.incarnation,
-            seq=self._hb_seq,
-            cpu_percent=cpu,
-            mem_used_bytes=used,
-            mem_total_bytes=total,
-            ranks=tuple(ranks),
-            round=self.status.round,
-            ports=free_ports(self.cfg.addr),
+    def _check_reported(self, result: checkrun.CheckResult) -> None:
+        self.log.info(
+            f"network check round {result.check_round}: "
+            + ("ok" if result.ok else f"failed: {result.error}"),
+            elapsed_s=result.elapsed_s,
         )
+        self.facts.emit(
+            ev.NetworkCheckReported(
+                **self.facts.envelope(),
+                check_round=result.check_round,
+                ok=result.ok,
+                elapsed_s=result.elapsed_s,
+                matmul_s=result.matmul_s,
+                allreduce_s=result.allreduce_s,
+                error=result.error,
+            )
+        )
+
+    # ------------------------------------------------------------------ duties
+
+    async def _duties(self) -> None:
+        """Checkpoints reported and persisted, hangs detected, every `duty_s`."""
+        while True:
+            await asyncio.sleep(self.cfg.duty_s)
+            if not self.workers.running or self.status.phase is not AgentPhase.RUNNING:
+                continue
+            self.checkpoints.tick()
+            rnd = self.status.round
+            if self.cfg.hang_timeout_s > 0 and self._hang_round != rnd:
+                found = progress.silent(
+                    self.workers.progress(), self.clock(), self.cfg.hang_timeout_s
+                )
+                if found is not None:
+                    # Once per round: the other ranks stall too, waiting on this one.
+                    local_rank, p, silent_s = found
+                    self._hang_round = rnd
+                    self._inbox.put_nowait(_Hang(rnd, local_rank, p.step, silent_s))
 
 
 async def _stop_feed(feed: Feed) -> None:

@@ -72,3 +72,14 @@ def read(path: Path) -> Progress | None:
         return None
     step, samples, at = _LAYOUT.unpack_from(data)
     return Progress(step, samples, at) if at > 0 else None
+
+
+def silent(
+    progress: dict[int, Progress], now: float, timeout_s: float
+) -> tuple[int, Progress, float] | None:
+    """(local rank, its last progress, seconds silent) of a rank with no step for longer
+    than `timeout_s`, or None (pure: the caller gives `now`)."""
+    for local_rank, p in sorted(progress.items()):
+        if now - p.at > timeout_s:
+            return local_rank, p, now - p.at
+    return None

@@ -1,18 +1,23 @@
-"""The worker processes of one node, started with torch's own machinery.
+"""The torch worker runtime: a node's workers started with torch's own machinery.
 
 `torch.distributed.elastic.multiprocessing.start_processes` gives rove the
 same process handling as torchrun: log redirection and tee (`--redirects`,
 `--tee`, `--log-dir`), the `TORCHELASTIC_ERROR_FILE` that `@record` writes,
-and teardown of the other local workers when one fails.
+and teardown of the other local workers when one fails. The agent waits on
+the processes themselves (a pidfd per worker, readable when it exits) instead
+of polling them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import signal
+import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import (
@@ -27,22 +32,12 @@ from torch.distributed.elastic.utils.api import macros
 
 from rove.agent import progress
 from rove.agent.diagnosis import Diagnosis, classify, read_tail
+from rove.agent.runtime import RootFailure, WorkerRuntime, WorkersEnded
 from rove.control.events import FailureKind
 
 
-@dataclass(frozen=True)
-class RootFailure:
-    """The failure that started a teardown (not the SIGTERMs the teardown sent)."""
-
-    local_rank: int
-    pid: int
-    exit_code: int
-    diagnosis: Diagnosis
-    log_tail: str
-
-
-class WorkerGroup:
-    """Start, poll and stop one round's worker processes on this node."""
+class TorchRuntime(WorkerRuntime):
+    """One round's torch worker processes on this node (see `WorkerRuntime`)."""
 
     def __init__(
         self,
@@ -61,64 +56,160 @@ class WorkerGroup:
         self.progress_dir = progress_dir
         self.start_method = start_method
         self.pcontext: PContext | None = None
-        self.round = 0
+        self._round = 0
         self.progress_files: dict[int, Path] = {}
+        self._lock = threading.Lock()  # start, poll and stop run in different threads
         quiet_torch_tracebacks()
 
     @property
     def running(self) -> bool:
         return self.pcontext is not None
 
+    @property
+    def round(self) -> int:
+        return self._round
+
     def start(self, round_: int, envs: dict[int, dict[str, str]]) -> dict[int, int]:
-        """Start one process per local rank; returns local_rank -> pid."""
         self.progress_dir.mkdir(parents=True, exist_ok=True)
-        self.progress_files = {}
+        files = {}
         full_envs = {}
         for local_rank, env in envs.items():
             path = self.progress_dir / f"round{round_}-local{local_rank}"
             progress.create(path)
-            self.progress_files[local_rank] = path
+            files[local_rank] = path
             full_envs[local_rank] = {**env, progress.ENV: str(path)}
         args = {lr: tuple(macros.substitute(self.args, str(lr))) for lr in envs}
-        self.pcontext = start_processes(
-            name=self.name,
-            entrypoint=self.entrypoint,
-            args=args,
-            envs=full_envs,
-            logs_specs=self.logs_specs,
-            start_method=self.start_method,
-        )
-        self.round = round_
-        return dict(self.pcontext.pids())
+        with self._lock:
+            assert self.pcontext is None, "the previous round's workers still run"
+            self.progress_files = files
+            self.pcontext = start_processes(
+                name=self.name,
+                entrypoint=self.entrypoint,
+                args=args,
+                envs=full_envs,
+                logs_specs=self.logs_specs,
+                start_method=self.start_method,
+            )
+            self._round = round_
+            return dict(self.pcontext.pids())
 
     def pids(self) -> dict[int, int]:
-        return dict(self.pcontext.pids()) if self.pcontext else {}
-
-    def poll(self) -> RunProcsResult | None:
-        """None while all run; else the result (the others are torn down first). Blocking."""
-        if self.pcontext is None:
-            return None
         pcontext = self.pcontext
-        result = pcontext.wait(timeout=0)
-        if result is not None and result.failures:
-            _add_other_failures(pcontext, result)
-        if result is not None:
-            self.pcontext = None
-        return result
+        return dict(pcontext.pids()) if pcontext else {}
 
-    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 10.0) -> None:
-        """Stop every worker (SIGTERM, then SIGKILL after `timeout`). Blocking."""
-        if self.pcontext is not None:
-            self.pcontext.close(death_sig=sig, timeout=int(max(1, timeout)))
-            self.pcontext = None
+    async def wait(self) -> WorkersEnded:
+        rnd = self._round
+        watched = _Sentinels(self.pids(), _return_fds(self.pcontext))
+        try:
+            while True:
+                result = await asyncio.to_thread(self._poll)
+                if result is not None:
+                    return WorkersEnded(rnd, root_failure(result) if result.is_failed() else None)
+                if not await watched.next_exit():
+                    # every process we watch has exited, yet torch reports the group as
+                    # running: look again (torch reaps them on its own schedule)
+                    await asyncio.sleep(0.05)
+        finally:
+            watched.close()
+
+    def _poll(self) -> RunProcsResult | None:
+        """None while all run; else the result (the others are torn down first). Blocking."""
+        with self._lock:
+            pcontext = self.pcontext
+            if pcontext is None:
+                return None
+            result = pcontext.wait(timeout=0)
+            if result is not None and result.failures:
+                _add_other_failures(pcontext, result)
+            if result is not None:
+                self.pcontext = None
+            return result
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            if self.pcontext is not None:
+                self.pcontext.close(death_sig=sig, timeout=int(max(1, timeout_s)))
+                self.pcontext = None
 
     def progress(self) -> dict[int, progress.Progress]:
         out = {}
-        for local_rank, path in self.progress_files.items():
+        for local_rank, path in dict(self.progress_files).items():
             p = progress.read(path)
             if p is not None:
                 out[local_rank] = p
         return out
+
+
+def _return_fds(pcontext: PContext | None) -> list[int]:
+    """The read ends of the queues that a function-entrypoint context's workers return
+    through. Such a worker returns its value, then waits (alive) until the agent has
+    read every worker's: so a return, not only an exit, must wake the agent. Empty for
+    a subprocess context, or where torch's internals differ (exits still wake it)."""
+    queues = getattr(pcontext, "_ret_vals", None) or {}
+    fds = []
+    for queue in queues.values():
+        reader = getattr(queue, "_reader", None)
+        if reader is None:
+            return []
+        fds.append(reader.fileno())
+    return fds
+
+
+class _Sentinels:
+    """What wakes the agent about its workers: one pidfd per worker (readable when it
+    exits, Linux 5.3+), and the read ends of their return queues (`_return_fds`).
+
+    Where pidfds are not available it falls back to checking every 0.1 s.
+    """
+
+    def __init__(self, pids: dict[int, int], shared_fds: list[int]) -> None:
+        self._fds: dict[int, bool] = dict.fromkeys(shared_fds, False)  # fd -> ours to close
+        self._gone = 0  # exited (and reaped) before we could watch them
+        self._fallback = False
+        for pid in pids.values():
+            try:
+                self._fds[os.pidfd_open(pid)] = True
+            except ProcessLookupError:
+                self._gone += 1
+            except (OSError, AttributeError):
+                self.close()
+                self._fallback = True
+                break
+
+    async def next_exit(self) -> bool:
+        """Wait until one more sentinel fires; False when none is left to watch."""
+        if self._fallback:
+            await asyncio.sleep(0.1)
+            return True
+        if self._gone:
+            self._gone -= 1
+            return True
+        if not self._fds:
+            return False
+        loop = asyncio.get_running_loop()
+        fired: asyncio.Future[int] = loop.create_future()
+        for fd in self._fds:
+            loop.add_reader(fd, _resolve, fired, fd)
+        try:
+            fd = await fired
+        finally:
+            for other in self._fds:
+                loop.remove_reader(other)
+        if self._fds.pop(fd):
+            os.close(fd)
+        return True
+
+    def close(self) -> None:
+        for fd, ours in self._fds.items():
+            if ours:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fds = {}
+
+
+def _resolve(future: asyncio.Future[int], fd: int) -> None:
+    if not future.done():
+        future.set_result(fd)
 
 
 def _add_other_failures(pcontext: PContext, result: RunProcsResult) -> None:

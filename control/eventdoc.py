@@ -8,6 +8,7 @@ the document cannot drift from the code.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import sys
 import typing
@@ -38,6 +39,8 @@ def _subject(cls: type[ev.Event]) -> str:
         values["phase"] = ev.JobPhase.STOPPED
     if cls is ev.WorkerExited:
         values["kind"] = ev.FailureKind.UNKNOWN
+    if cls is ev.ShardRequeued:
+        values["reason"] = ev.RequeueReason.LEASE_EXPIRED
     for tuple_field in (
         "ranks",
         "pids",
@@ -69,6 +72,8 @@ def _subject(cls: type[ev.Event]) -> str:
 
 
 def _type_name(tp: object) -> str:
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp.__name__
     text = str(tp).replace("typing.", "").replace("rove.control.events.", "")
     text = text.replace("<class '", "").replace("'>", "")
     return text
@@ -82,7 +87,9 @@ def _fields(cls: type[msgspec.Struct]) -> list[tuple[str, str, str]]:
     for f in info.fields:
         if f.name in _ENVELOPE or f.name == "epoch":
             continue
-        if f.default is not msgspec.NODEFAULT:
+        if isinstance(f.default, enum.Enum):
+            default = repr(f.default.value)
+        elif f.default is not msgspec.NODEFAULT:
             default = repr(f.default)
         elif f.default_factory is not msgspec.NODEFAULT:
             default = repr(f.default_factory())
@@ -165,8 +172,15 @@ def render() -> str:
         out += ["| field | type | default |", "| --- | --- | --- |"]
         out += [f"| `{n}` | `{t}` | {d} |" for n, t, d in _fields(value_cls)]
         out.append("")
-    out += [f"`JobPhase`: {', '.join(f'`{p.value}`' for p in ev.JobPhase)}.", ""]
-    out += [f"`FailureKind`: {', '.join(f'`{k.value}`' for k in ev.FailureKind)}.", ""]
+    for enum_cls in (
+        ev.JobPhase,
+        ev.FailureKind,
+        ev.RoundCause,
+        ev.RestoreSource,
+        ev.RequeueReason,
+    ):
+        values = ", ".join(f"`{m.value}`" if m.value else '`""`' for m in enum_cls)
+        out += [f"`{enum_cls.__name__}`: {values}.", ""]
     return "\n".join(out)
 
 

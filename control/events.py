@@ -9,7 +9,8 @@ msgpack is the wire format. Nothing is ever pickled.
 Schema evolution (the rule every change to this file follows):
 
 * a new field gets a default, so old payloads still decode;
-* a field's type never changes, and a field is never renamed;
+* a field's type never changes, and a field is never renamed (a `StrEnum` may
+  replace a `str` field whose values it lists: the bytes are the same);
 * a tag is never reused: a changed meaning is a new class with a new tag;
 * unknown fields are ignored, so an old reader accepts a newer writer's event;
   an unknown *tag* is rejected, so roll out readers before writers.
@@ -21,7 +22,8 @@ this catalogue; the test suite decodes them on every run.
 from __future__ import annotations
 
 import enum
-from typing import Final
+import typing
+from typing import Final, TypedDict
 
 import msgspec
 
@@ -62,6 +64,68 @@ class Decision(Event, frozen=True, kw_only=True):
     epoch: int
 
 
+class NodeFact(Event, frozen=True, kw_only=True):
+    """A fact an agent reports about its node; `incarnation` names the agent's run."""
+
+    node: str
+    incarnation: str
+
+
+# --------------------------------------------------------------------------- envelopes
+
+
+class Envelope(TypedDict):
+    """The fields every event carries, built by `envelope` (a typed `**` for any event)."""
+
+    job: str
+    id: str
+    producer: str
+    ts: float
+
+
+class DecisionEnvelope(Envelope):
+    epoch: int
+
+
+class NodeEnvelope(Envelope):
+    node: str
+    incarnation: str
+
+
+def envelope(job: str, producer: str, ts: float, *id_parts: object) -> Envelope:
+    """The common fields of an event whose deterministic id is made of `id_parts`."""
+    return {"job": job, "id": make_id(*id_parts), "producer": producer, "ts": ts}
+
+
+def decision_envelope(
+    job: str, epoch: int, master: str, ts: float, *id_parts: object
+) -> DecisionEnvelope:
+    """The common fields of a master decision: its id names the job, the epoch and
+    what it answers, so a repeat in the same epoch is deduplicated and a deposed
+    master's copy is refused by the fence, never absorbed."""
+    return {
+        "job": job,
+        "id": make_id(job, epoch, *id_parts),
+        "producer": f"master:{master}",
+        "ts": ts,
+        "epoch": epoch,
+    }
+
+
+def node_envelope(
+    job: str, node: str, incarnation: str, ts: float, *id_parts: object
+) -> NodeEnvelope:
+    """The common fields of an agent's fact: its id names the node and its incarnation."""
+    return {
+        "job": job,
+        "id": make_id(node, incarnation, *id_parts),
+        "producer": f"agent:{node}",
+        "ts": ts,
+        "node": node,
+        "incarnation": incarnation,
+    }
+
+
 # --------------------------------------------------------------------------- values
 
 
@@ -86,6 +150,37 @@ class FailureKind(enum.StrEnum):
     HANG = "hang"
     HARDWARE = "hardware"
     UNKNOWN = "unknown"
+
+
+class RestoreSource(enum.StrEnum):
+    """Where every rank of a round loads its checkpoint from ("" for a fresh start)."""
+
+    NONE = ""
+    MEMORY = "memory"
+    STORAGE = "storage"
+
+
+class RoundCause(enum.StrEnum):
+    """Why the master formed a rendezvous round.
+
+    FORMED: enough nodes gathered (the first round, or after the job waited);
+    RESTART: the same members again after a worker failure (spends a restart);
+    SCALE_UP: waiting nodes joined a running job; REFORMED: a member was lost,
+    left or was excluded, and the round went on with the others.
+    """
+
+    FORMED = "formed"
+    RESTART = "restart"
+    SCALE_UP = "scale_up"
+    REFORMED = "reformed"
+
+
+class RequeueReason(enum.StrEnum):
+    """Why leased shards went back to todo."""
+
+    LEASE_EXPIRED = "lease_expired"
+    NODE_LOST = "node_lost"
+    ROUND_RESTARTED = "round_restarted"
 
 
 class RdzvParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,29 +241,23 @@ class RankStat(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- agent facts
 
 
-class NodeJoined(Event, tag="node_joined", frozen=True, kw_only=True):
+class NodeJoined(NodeFact, tag="node_joined", frozen=True, kw_only=True):
     """An agent started (or restarted: a new `incarnation`) on `node`."""
 
-    node: str
     host: str
     pid: int
-    incarnation: str
     nproc_per_node: int = 1
 
 
-class NodeLeft(Event, tag="node_left", frozen=True, kw_only=True):
+class NodeLeft(NodeFact, tag="node_left", frozen=True, kw_only=True):
     """An agent stopped on purpose (SIGTERM, job done) and will not heartbeat again."""
 
-    node: str
-    incarnation: str
     reason: str = ""
 
 
-class Heartbeat(Event, tag="heartbeat", frozen=True, kw_only=True):
+class Heartbeat(NodeFact, tag="heartbeat", frozen=True, kw_only=True):
     """Periodic liveness and metrics of one node and all its ranks (stream ROVE_HB)."""
 
-    node: str
-    incarnation: str
     seq: int
     cpu_percent: float = 0.0
     mem_used_bytes: int = 0
@@ -178,32 +267,26 @@ class Heartbeat(Event, tag="heartbeat", frozen=True, kw_only=True):
     ports: tuple[int, ...] = ()
 
 
-class RdzvJoined(Event, tag="rdzv_joined", frozen=True, kw_only=True):
+class RdzvJoined(NodeFact, tag="rdzv_joined", frozen=True, kw_only=True):
     """`node` wants a place in the next rendezvous round."""
 
-    node: str
-    incarnation: str
     addr: str
     nproc_per_node: int
     ports: tuple[int, ...] = ()
     params: RdzvParams = msgspec.field(default_factory=RdzvParams)
 
 
-class WorkersStarted(Event, tag="workers_started", frozen=True, kw_only=True):
+class WorkersStarted(NodeFact, tag="workers_started", frozen=True, kw_only=True):
     """`node` started its worker processes for `round`."""
 
-    node: str
-    incarnation: str
     round: int
     ranks: tuple[int, ...]
     pids: tuple[int, ...]
 
 
-class WorkerExited(Event, tag="worker_exited", frozen=True, kw_only=True):
+class WorkerExited(NodeFact, tag="worker_exited", frozen=True, kw_only=True):
     """A worker process of `round` ended with an error (diagnosed; log tail bounded)."""
 
-    node: str
-    incarnation: str
     round: int
     rank: int
     local_rank: int
@@ -214,11 +297,9 @@ class WorkerExited(Event, tag="worker_exited", frozen=True, kw_only=True):
     log_tail: str = ""
 
 
-class NetworkCheckReported(Event, tag="network_check_reported", frozen=True, kw_only=True):
+class NetworkCheckReported(NodeFact, tag="network_check_reported", frozen=True, kw_only=True):
     """`node`'s result in network-check round `check_round`."""
 
-    node: str
-    incarnation: str
     check_round: int
     ok: bool
     elapsed_s: float
@@ -227,40 +308,32 @@ class NetworkCheckReported(Event, tag="network_check_reported", frozen=True, kw_
     error: str = ""
 
 
-class CkptInMemory(Event, tag="ckpt_in_memory", frozen=True, kw_only=True):
+class CkptInMemory(NodeFact, tag="ckpt_in_memory", frozen=True, kw_only=True):
     """Every local rank of `node` holds `step` in shared memory."""
 
-    node: str
-    incarnation: str
     step: int
     ranks: tuple[int, ...]
 
 
-class CkptPersisted(Event, tag="ckpt_persisted", frozen=True, kw_only=True):
+class CkptPersisted(NodeFact, tag="ckpt_persisted", frozen=True, kw_only=True):
     """`node` persisted `step` of these ranks to storage (files renamed into place)."""
 
-    node: str
-    incarnation: str
     step: int
     ranks: tuple[int, ...]
     world_size: int
     location: str = ""
 
 
-class CkptFailed(Event, tag="ckpt_failed", frozen=True, kw_only=True):
+class CkptFailed(NodeFact, tag="ckpt_failed", frozen=True, kw_only=True):
     """Persisting `step` failed on `node` (disk full, unwritable path, ...)."""
 
-    node: str
-    incarnation: str
     step: int
     error: str
 
 
-class WorkersSucceeded(Event, tag="workers_succeeded", frozen=True, kw_only=True):
+class WorkersSucceeded(NodeFact, tag="workers_succeeded", frozen=True, kw_only=True):
     """Every worker of `node` in `round` exited with code 0."""
 
-    node: str
-    incarnation: str
     round: int
 
 
@@ -388,7 +461,8 @@ class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True)
     restart_count: int = 0
     reason: str = ""
     restore_step: int | None = None
-    restore_source: str = ""
+    restore_source: RestoreSource = RestoreSource.NONE
+    cause: RoundCause = RoundCause.FORMED
 
 
 class NetworkCheckAssigned(Decision, tag="network_check_assigned", frozen=True, kw_only=True):
@@ -440,11 +514,11 @@ class ShardLeased(Decision, tag="shard_leased", frozen=True, kw_only=True):
 
 
 class ShardRequeued(Decision, tag="shard_requeued", frozen=True, kw_only=True):
-    """Leased shards back to todo: `reason` is lease_expired, node_lost or round_restarted."""
+    """Leased shards back to todo, and why."""
 
     dataset: str
     shards: tuple[ShardRef, ...]
-    reason: str
+    reason: RequeueReason
     client: str = ""
 
 
@@ -517,41 +591,6 @@ AnyEvent = (
     | EventRejected
 )
 
-EVENT_TYPES: Final[dict[str, type[Event]]] = {
-    cls.__struct_config__.tag: cls  # type: ignore[misc]
-    for cls in (
-        DatasetRegistered,
-        ShardRequested,
-        ShardDone,
-        ShardLeased,
-        ShardRequeued,
-        DataRestored,
-        DataRejected,
-        NodeJoined,
-        NodeLeft,
-        Heartbeat,
-        RdzvJoined,
-        WorkersStarted,
-        WorkerExited,
-        WorkersSucceeded,
-        RoundCompleted,
-        NodeExcluded,
-        CkptCommitted,
-        CkptFailed,
-        CkptPersisted,
-        CkptInMemory,
-        NetworkCheckCompleted,
-        NetworkCheckAssigned,
-        NetworkCheckReported,
-        StopRequested,
-        MasterElected,
-        JobConfigured,
-        NodeLost,
-        JobEnded,
-        EventRejected,
-    )
-}
-
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).
 PAYLOAD_HEAD_BYTES: Final = 256
 #: How much of a worker's log a `worker_exited` event carries.
@@ -590,3 +629,7 @@ def kind(event: Event | type[Event]) -> str:
 def make_id(*parts: object) -> str:
     """A deterministic event id from its identifying parts (used as `Nats-Msg-Id`)."""
     return ":".join(str(p) for p in parts)
+
+
+#: Every event type of the catalogue by its tag, from the union (one list to keep).
+EVENT_TYPES: Final[dict[str, type[Event]]] = {kind(cls): cls for cls in typing.get_args(AnyEvent)}

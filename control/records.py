@@ -61,10 +61,10 @@ def dead_letter(
 ) -> ev.EventRejected:
     """The `event_rejected` decision recording `rejection` (id unique per stored message)."""
     return ev.EventRejected(
-        job=job,
-        id=ev.make_id(job, "rejected", rejection.stream, rejection.seq),
-        producer=f"master:{master}",
-        ts=now,
+        # one id per stored message, whichever master records it
+        **ev.envelope(
+            job, f"master:{master}", now, job, "rejected", rejection.stream, rejection.seq
+        ),
         epoch=epoch,
         stream=rejection.stream,
         stream_seq=rejection.seq,

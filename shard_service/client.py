@@ -139,14 +139,9 @@ class DataClient:
 
     # ------------------------------------------------------------------ called from training
 
-    def envelope(self) -> dict[str, Any]:
+    def envelope(self) -> ev.Envelope:
         self._seq += 1
-        return {
-            "job": self.job,
-            "id": ev.make_id(self.client, self._seq),
-            "producer": f"data:{self.client}",
-            "ts": time.time(),
-        }
+        return ev.envelope(self.job, f"data:{self.client}", time.time(), self.client, self._seq)
 
     @property
     def seq(self) -> int:

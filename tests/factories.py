@@ -2,37 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rove.control import events as ev
 
 JOB = "j1"
 
 
-def _fact(node: str, inc: str, ts: float, job: str, *id_parts: object) -> dict[str, Any]:
+def _fact(node: str, inc: str, ts: float, job: str, *id_parts: object) -> ev.NodeEnvelope:
     """The fields every fact of an agent carries."""
-    return {
-        "job": job,
-        "id": ev.make_id(node, inc, *id_parts),
-        "producer": f"agent:{node}",
-        "ts": ts,
-        "node": node,
-        "incarnation": inc,
-    }
+    return ev.node_envelope(job, node, inc, ts, *id_parts)
 
 
 def joined(
     node: str, *, inc: str = "i1", ts: float = 100.0, n: int = 0, job: str = JOB
 ) -> ev.NodeJoined:
     return ev.NodeJoined(
-        job=job,
-        id=ev.make_id(node, inc, "joined", n),
-        producer=f"agent:{node}",
-        ts=ts,
-        node=node,
+        **_fact(node, inc, ts, job, "joined", n),
         host=f"host-{node}",
         pid=1000 + n,
-        incarnation=inc,
         nproc_per_node=2,
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from rove.control import events as ev
 from rove.control.master.decide import decide
 from rove.control.master.evolve import evolve
+from rove.control.master.netcheck import Wait
 from rove.control.master.state import JobState, initial
 from tests import factories
 
@@ -21,6 +22,8 @@ class Sim:
         self.params = params
         self.decisions: list[ev.Decision] = []
         self.liveness: dict[str, ev.Heartbeat] = {}
+        #: why the rendezvous waits, after the last tick
+        self.waiting: Wait | None = None
         self.apply(factories.elected("m1", 1, ts=0.0))
         self.apply(factories.configured(1, node_timeout))
 
@@ -33,7 +36,7 @@ class Sim:
         self.now += seconds
         out: list[ev.Decision] = []
         for _ in range(10):
-            ds = decide(self.state, self.liveness, self.now)
+            ds, self.waiting = decide(self.state, self.liveness, self.now)
             if not ds:
                 break
             for d in ds:

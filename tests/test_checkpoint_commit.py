@@ -60,8 +60,8 @@ def test_commit_decisions_have_stable_ids() -> None:
     s = sim()
     s.apply(factories.persisted("n1", 10, (0, 1)))
     s.apply(factories.persisted("n2", 10, (2, 3)))
-    a = [d.id for d in decide(s.state, {}, 1.0) if isinstance(d, ev.CkptCommitted)]
-    b = [d.id for d in decide(s.state, {}, 2.0) if isinstance(d, ev.CkptCommitted)]
+    a = [d.id for d in decide(s.state, {}, 1.0).decisions if isinstance(d, ev.CkptCommitted)]
+    b = [d.id for d in decide(s.state, {}, 2.0).decisions if isinstance(d, ev.CkptCommitted)]
     assert a == b and len(a) == 1
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rove.control import events as ev
-from rove.control.master.decide import decide
+from rove.control.master import decide as master_decide
 from rove.control.master.evolve import evolve
 from rove.control.master.state import JobState, initial
 from tests import factories
@@ -18,6 +18,10 @@ def running(*events: ev.Event) -> JobState:
     for i, e in enumerate([*base, *events]):
         state = evolve(state, e, i + 1)
     return state
+
+
+def decide(state: JobState, hb: dict[str, ev.Heartbeat], now: float) -> list[ev.Decision]:
+    return master_decide.decide(state, hb, now).decisions
 
 
 def lost_nodes(decisions: list[ev.Decision]) -> list[str]:

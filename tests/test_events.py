@@ -88,3 +88,51 @@ def test_new_fields_in_the_catalogue_have_defaults() -> None:
         assert required <= v1_fields[tag], (
             f"{tag} gained required fields {required - v1_fields[tag]}"
         )
+
+
+def test_every_event_of_the_union_is_in_the_catalogue_by_its_tag() -> None:
+    import typing
+
+    assert set(ev.EVENT_TYPES.values()) == set(typing.get_args(ev.AnyEvent))
+    assert all(ev.kind(cls) == tag for tag, cls in ev.EVENT_TYPES.items())
+
+
+def test_a_strenum_field_reads_what_a_plain_string_field_wrote() -> None:
+    import msgspec
+
+    written = msgspec.msgpack.encode(
+        {
+            "type": "shard_requeued",
+            "job": "j1",
+            "id": "x",
+            "producer": "master:m1",
+            "ts": 1.0,
+            "epoch": 1,
+            "dataset": "d",
+            "shards": [[3, 0]],
+            "reason": "node_lost",
+        }
+    )
+    event = ev.decode(written)
+    assert isinstance(event, ev.ShardRequeued)
+    assert event.reason is ev.RequeueReason.NODE_LOST
+    assert ev.encode(event) == ev.encode(msgspec.structs.replace(event))
+    assert msgspec.msgpack.decode(ev.encode(event))["reason"] == "node_lost"
+
+
+def test_node_facts_share_one_envelope_builder() -> None:
+    env = ev.node_envelope("j1", "n1", "inc7", 5.0, 42)
+    fact = ev.WorkersSucceeded(**env, round=3)
+    assert (fact.node, fact.incarnation, fact.id, fact.producer) == (
+        "n1",
+        "inc7",
+        "n1:inc7:42",
+        "agent:n1",
+    )
+    decision = ev.NodeExcluded(
+        **ev.decision_envelope("j1", 9, "m1", 5.0, "excluded", "n1"),
+        node="n1",
+        incarnation="inc7",
+        reason="r",
+    )
+    assert decision.id == "j1:9:excluded:n1" and decision.epoch == 9

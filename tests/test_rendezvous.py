@@ -265,3 +265,52 @@ def test_a_node_started_again_under_a_finished_job_changes_no_round() -> None:
     text = render(status_view(sim.state, sim.liveness, None, sim.now))
     assert "job j1: finished" in text and "ended after round 1" in text
     assert "re-forming" not in text
+
+
+def test_why_no_round_forms_is_said_and_shown_by_status() -> None:
+    from rove.control.cli.status_cmd import render, status_view
+
+    sim = Sim(params(min_nodes=2, max_nodes=3, last_call_s=5.0))
+    sim.join("n1")
+    sim.tick(1)
+    assert sim.waiting is not None
+    assert "waiting for nodes: 1 node here, 2 needed" in sim.waiting.reason
+    text = render(status_view(sim.state, sim.liveness, None, sim.now))
+    assert "not yet: waiting for nodes: 1 node here, 2 needed (--nnodes)" in text
+    sim.join("n2")
+    sim.tick(1)
+    assert sim.waiting is not None and "last call for more nodes" in sim.waiting.reason
+    text = render(status_view(sim.state, sim.liveness, None, sim.now))
+    assert "2 nodes here of at most 3: last call for more nodes (in 3s)" in text
+    (rnd,) = sim.tick(5)
+    assert isinstance(rnd, ev.RoundCompleted) and rnd.cause is ev.RoundCause.FORMED
+    assert sim.waiting is not None and sim.waiting.reason == "", "running: nothing to wait for"
+
+
+def test_a_communication_failure_says_whose_heartbeat_it_waits_for() -> None:
+    sim = Sim(params())
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.exited("n1", 1, kind=FK.COMMUNICATION, ts=sim.now + 1))
+    sim.now += 2
+    sim.beat("n1")
+    assert sim.tick() == []
+    assert sim.waiting is not None
+    assert "waiting for a heartbeat since from n2" in sim.waiting.reason
+
+
+def test_rounds_say_their_cause() -> None:
+    sim = Sim(params(min_nodes=1, max_nodes=2))
+    sim.join("n1")
+    sim.tick(6)
+    sim.apply(factories.exited("n1", 1, kind=FK.KILLED))
+    (restart,) = sim.tick()
+    sim.join("n2")
+    (scale,) = sim.tick(6)
+    assert [r.cause for r in sim.rounds()] == [  # type: ignore[attr-defined]
+        ev.RoundCause.FORMED,
+        ev.RoundCause.RESTART,
+        ev.RoundCause.SCALE_UP,
+    ]
+    assert restart.restart_count == 1 and scale.restart_count == 1  # type: ignore[attr-defined]

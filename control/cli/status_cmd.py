@@ -16,6 +16,7 @@ from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.cli import common
 from rove.control.errors import UnknownJobError
+from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder
 from rove.control.master.replica import Replica
 from rove.control.master.state import JobState
@@ -79,6 +80,7 @@ def status_view(
         )
     r = state.rdzv
     failure = r.failure or r.last_failure
+    waiting = decide(state, liveness, now).waiting
     return {
         "job": state.job,
         "phase": state.phase.value,
@@ -87,6 +89,15 @@ def status_view(
         "world_size": sum(m.nproc for m in r.members) if r.active else 0,
         "members": [m.node for m in r.members] if r.active else [],
         "waiting": sorted(r.waiting.keys()),
+        # why no round forms or changes now, as the leader sees it (pure: computed here)
+        "not_yet": (
+            {
+                "reason": waiting.reason,
+                "in_s": None if waiting.until is None else round(max(0.0, waiting.until - now), 1),
+            }
+            if waiting is not None and waiting.reason
+            else None
+        ),
         "restarts": r.restarts,
         "max_restarts": r.params.max_restarts if r.params else None,
         "last_failure": (
@@ -223,6 +234,11 @@ def render(view: dict[str, Any]) -> str:
         f"{view['counters']['rejected']} rejected",
         _round_line(view),
     ]
+    if view["not_yet"]:
+        n = view["not_yet"]
+        lines.append(
+            f"not yet: {n['reason']}" + (f" (in {n['in_s']:g}s)" if n["in_s"] is not None else "")
+        )
     if view["last_failure"]:
         f = view["last_failure"]
         lines.append(

@@ -74,8 +74,8 @@ def to_commit(c: CkptState) -> tuple[int, int] | None:
 
 def restore_point(
     c: CkptState, members: list[tuple[str, tuple[int, ...]]]
-) -> tuple[int | None, str]:
-    """(step, "memory" | "storage" | "") every rank of a new round should load.
+) -> tuple[int | None, ev.RestoreSource]:
+    """(step, where from) every rank of a new round should load.
 
     `members` are (node, the ranks it will run). Memory wins when every member
     reported a step in memory for exactly those ranks: the newest step they all
@@ -90,7 +90,7 @@ def restore_point(
             break
         steps.append(held[0])
     if steps and (c.committed is None or min(steps) >= c.committed):
-        return min(steps), "memory"
+        return min(steps), ev.RestoreSource.MEMORY
     if c.committed is not None:
-        return c.committed, "storage"
-    return None, ""
+        return c.committed, ev.RestoreSource.STORAGE
+    return None, ev.RestoreSource.NONE

@@ -292,89 +292,85 @@ def on_rejected(d: DataState, e: ev.DataRejected) -> DataState:
 # --------------------------------------------------------------------------- decisions
 
 
-Announcement = tuple[str, dict[str, object], tuple[object, ...]]
+class Announce(msgspec.Struct, frozen=True, kw_only=True):
+    """Announce `grant`, an allocation the fold already made, to its client."""
+
+    dataset: str
+    grant: Grant
+
+
+class AnnounceRestore(msgspec.Struct, frozen=True, kw_only=True):
+    """`dataset` was rolled back to the lineage of `round` (restored from `step`)."""
+
+    dataset: str
+    round: int
+    step: int | None
+    done_shards: int
+    partial_shards: int
+
+
+class Requeue(msgspec.Struct, frozen=True, kw_only=True):
+    """Give `shards` leased to `client` back to todo; `digest` names these very leases."""
+
+    dataset: str
+    client: str
+    reason: ev.RequeueReason
+    shards: tuple[ev.ShardRef, ...]
+    digest: str
+
+
+class Reject(msgspec.Struct, frozen=True, kw_only=True):
+    """Tell a client its request or acknowledgement was refused, and why."""
+
+    rejection: Rejection
+
+
+DataIntent = Announce | AnnounceRestore | Requeue | Reject
 
 
 def due(
     d: DataState, current_round: int, lost_nodes: frozenset[str], now: float
-) -> list[Announcement]:
-    """What to announce now: (event kind, fields, id parts), for `decide` to wrap."""
-    out: list[Announcement] = []
-    for r in d.rejections:
-        out.append(
-            (
-                "data_rejected",
-                {
-                    "dataset": r.dataset,
-                    "client": r.client,
-                    "event_id": r.event_id,
-                    "reason": r.reason,
-                },
-                (r.event_id, r.client),
-            )
-        )
+) -> list[DataIntent]:
+    """What to announce now, for `decide` to wrap into decisions."""
+    out: list[DataIntent] = [Reject(rejection=r) for r in d.rejections]
     for ds in d.datasets.values():
         if ds.announce_restore:
             out.append(
-                (
-                    "data_restored",
-                    {
-                        "dataset": ds.name,
-                        "round": ds.round,
-                        "step": ds.step,
-                        "done_shards": ds.restored_done,
-                        "partial_shards": ds.restored_partial,
-                    },
-                    (ds.name, ds.round),
+                AnnounceRestore(
+                    dataset=ds.name,
+                    round=ds.round,
+                    step=ds.step,
+                    done_shards=ds.restored_done,
+                    partial_shards=ds.restored_partial,
                 )
             )
-        for g in ds.grants.values():
-            out.append(
-                (
-                    "shard_leased",
-                    {
-                        "dataset": ds.name,
-                        "client": g.client,
-                        "request": g.request,
-                        "node": g.node,
-                        "rank": g.rank,
-                        "shards": g.shards,
-                        "deadline": g.deadline,
-                        "exhausted": g.exhausted,
-                    },
-                    (ds.name, g.client, g.request),
-                )
-            )
+        out.extend(Announce(dataset=ds.name, grant=g) for g in ds.grants.values())
         out.extend(_requeues(ds, current_round, lost_nodes, now))
     return out
 
 
 def _requeues(
     ds: Dataset, current_round: int, lost_nodes: frozenset[str], now: float
-) -> list[Announcement]:
-    groups: dict[tuple[str, str], list[tuple[int, Lease]]] = {}
+) -> list[Requeue]:
+    groups: dict[tuple[str, ev.RequeueReason], list[tuple[int, Lease]]] = {}
     for key, lease in ds.leases.items():
         if lease.node in lost_nodes:
-            reason = "node_lost"
+            reason = ev.RequeueReason.NODE_LOST
         elif 0 < lease.round < current_round:
-            reason = "round_restarted"
+            reason = ev.RequeueReason.ROUND_RESTARTED
         elif lease.deadline < now:
-            reason = "lease_expired"
+            reason = ev.RequeueReason.LEASE_EXPIRED
         else:
             continue
         groups.setdefault((lease.client, reason), []).append((key, lease))
-    out: list[Announcement] = []
+    out = []
     for (client, reason), leases in sorted(groups.items()):
         leases.sort(key=lambda kl: kl[0])
         # the id names these very leases (a shard leased again later is a new requeue)
         text = ",".join(f"{k}/{lease.offset}/{lease.deadline}" for k, lease in leases)
         digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
         refs = tuple(ev.ShardRef(k, lease.offset) for k, lease in leases)
-        fields: dict[str, object] = {
-            "dataset": ds.name,
-            "client": client,
-            "reason": reason,
-            "shards": refs,
-        }
-        out.append(("shard_requeued", fields, (ds.name, client, reason, digest)))
+        out.append(
+            Requeue(dataset=ds.name, client=client, reason=reason, shards=refs, digest=digest)
+        )
     return out

@@ -1,4 +1,4 @@
-"""`decide(state, liveness, now) -> decisions`: what the leading master should do now.
+"""`decide(state, liveness, now) -> Decided`: what the leading master should do now.
 
 Pure: the clock is the `now` argument, heartbeats are the `liveness` argument
 (they are soft state, read from the heartbeat stream, not folded). A decision
@@ -8,6 +8,12 @@ and the state it answers, and the server drops the repeats (`Nats-Msg-Id`).
 The epoch is part of the id so that a deposed leader's copy of a decision is
 refused by the fence, never silently absorbed as a duplicate.
 
+The sub-deciders (`rendezvous`, `netcheck`, `data`, `checkpoints`) return
+small typed intents; this module alone wraps them into decision events with
+their envelope. When the rendezvous has nothing to do, it says why not yet
+(`Decided.waiting`), which the runner logs when it changes and `rove status`
+shows.
+
 Only the elected leader calls this, after its own `master_elected` event has
 been folded (so `state.leader` and `state.epoch` name it).
 """
@@ -15,30 +21,97 @@ been folded (so `state.leader` and `state.epoch` name it).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from rove.control import events as ev
 from rove.control.master import checkpoints as ckpt
-from rove.control.master import data
+from rove.control.master import data, netcheck
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import JobState, NodeStatus
 
 
-def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) -> list[ev.Decision]:
+class Decided(NamedTuple):
+    """The decisions due now, and why the rendezvous waits (None when it has acted)."""
+
+    decisions: list[ev.Decision]
+    waiting: netcheck.Wait | None
+
+
+def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) -> Decided:
     if state.phase.terminal or state.spec is None:
-        return []
+        return Decided([], None)
     decisions: list[ev.Decision] = []
     decisions.extend(_lost_nodes(state, liveness, now))
     decisions.extend(_stop(state, now))
+    waiting = None
     if not decisions:
-        decisions.extend(_rendezvous(state, liveness, now))
+        live = {
+            n.node: n.incarnation for n in state.nodes.values() if n.status is NodeStatus.ACTIVE
+        }
+        outcome = rdzv.decide(state.rdzv, rdzv.Alive(live), liveness, now)
+        if isinstance(outcome, netcheck.Wait):
+            waiting = outcome
+        else:
+            decisions.append(_rendezvous(state, outcome, now))
     decisions.extend(_commit(state, now))
     decisions.extend(_data(state, now))
-    return decisions
+    return Decided(decisions, waiting)
 
 
-_DATA_DECISIONS: dict[str, type[ev.Decision]] = {
-    ev.kind(t): t for t in (ev.ShardLeased, ev.ShardRequeued, ev.DataRestored, ev.DataRejected)
-}
+def _envelope(state: JobState, now: float, *id_parts: object) -> ev.DecisionEnvelope:
+    return ev.decision_envelope(state.job, state.epoch, state.leader, now, *id_parts)
+
+
+def _rendezvous(state: JobState, intent: rdzv.Intent, now: float) -> ev.Decision:
+    match intent:
+        case rdzv.FormRound():
+            step, source = ckpt.restore_point(
+                state.ckpt,
+                [
+                    (m.node, tuple(range(m.first_rank, m.first_rank + m.nproc)))
+                    for m in intent.members
+                ],
+            )
+            return ev.RoundCompleted(
+                **_envelope(state, now, "round", intent.round),
+                round=intent.round,
+                members=intent.members,
+                world_size=intent.world_size,
+                master_addr=intent.master_addr,
+                master_port=intent.master_port,
+                restart_count=intent.restart_count,
+                reason=intent.reason,
+                cause=intent.cause,
+                restore_step=step,
+                restore_source=source,
+            )
+        case rdzv.ExcludeNode():
+            return ev.NodeExcluded(
+                **_envelope(state, now, "excluded", intent.node, intent.incarnation),
+                node=intent.node,
+                incarnation=intent.incarnation,
+                reason=intent.reason,
+            )
+        case netcheck.StartCheck():
+            return ev.NetworkCheckAssigned(
+                **_envelope(state, now, "netcheck", intent.check_round),
+                check_round=intent.check_round,
+                groups=intent.groups,
+                timeout_s=intent.timeout_s,
+            )
+        case netcheck.CompleteCheck():
+            return ev.NetworkCheckCompleted(
+                **_envelope(state, now, "netcheck_done"),
+                results=intent.results,
+                faulty=intent.faulty,
+                stragglers=intent.stragglers,
+            )
+        case rdzv.EndJob():
+            return ev.JobEnded(
+                **_envelope(state, now, "job_ended", intent.phase, state.rdzv.round),
+                phase=intent.phase,
+                reason=intent.reason,
+            )
 
 
 def _data(state: JobState, now: float) -> list[ev.Decision]:
@@ -46,9 +119,58 @@ def _data(state: JobState, now: float) -> list[ev.Decision]:
         return []
     lost = frozenset(n.node for n in state.nodes.values() if n.status is not NodeStatus.ACTIVE)
     return [
-        _DATA_DECISIONS[kind](**_common(state, now, kind, *id_parts), **fields)  # type: ignore[arg-type]
-        for kind, fields, id_parts in data.due(state.data, state.rdzv.round, lost, now)
+        _data_decision(state, intent, now)
+        for intent in data.due(state.data, state.rdzv.round, lost, now)
     ]
+
+
+def _data_decision(state: JobState, intent: data.DataIntent, now: float) -> ev.Decision:
+    match intent:
+        case data.Reject(rejection=r):
+            return ev.DataRejected(
+                **_envelope(state, now, "data_rejected", r.event_id, r.client),
+                dataset=r.dataset,
+                client=r.client,
+                event_id=r.event_id,
+                reason=r.reason,
+            )
+        case data.AnnounceRestore():
+            return ev.DataRestored(
+                **_envelope(state, now, "data_restored", intent.dataset, intent.round),
+                dataset=intent.dataset,
+                round=intent.round,
+                step=intent.step,
+                done_shards=intent.done_shards,
+                partial_shards=intent.partial_shards,
+            )
+        case data.Announce(grant=g):
+            return ev.ShardLeased(
+                **_envelope(state, now, "shard_leased", intent.dataset, g.client, g.request),
+                dataset=intent.dataset,
+                client=g.client,
+                request=g.request,
+                node=g.node,
+                rank=g.rank,
+                shards=g.shards,
+                deadline=g.deadline,
+                exhausted=g.exhausted,
+            )
+        case data.Requeue():
+            return ev.ShardRequeued(
+                **_envelope(
+                    state,
+                    now,
+                    "shard_requeued",
+                    intent.dataset,
+                    intent.client,
+                    intent.reason,
+                    intent.digest,
+                ),
+                dataset=intent.dataset,
+                client=intent.client,
+                reason=intent.reason,
+                shards=intent.shards,
+            )
 
 
 def _commit(state: JobState, now: float) -> list[ev.Decision]:
@@ -58,21 +180,9 @@ def _commit(state: JobState, now: float) -> list[ev.Decision]:
     step, world = due
     return [
         ev.CkptCommitted(
-            **_common(state, now, "ckpt_committed", step),  # type: ignore[arg-type]
-            step=step,
-            world_size=world,
+            **_envelope(state, now, "ckpt_committed", step), step=step, world_size=world
         )
     ]
-
-
-def _common(state: JobState, now: float, *id_parts: object) -> dict[str, object]:
-    return {
-        "job": state.job,
-        "id": ev.make_id(state.job, state.epoch, *id_parts),
-        "producer": f"master:{state.leader}",
-        "ts": now,
-        "epoch": state.epoch,
-    }
 
 
 def _lost_nodes(
@@ -95,7 +205,7 @@ def _lost_nodes(
         if now - last_seen > timeout:
             lost.append(
                 ev.NodeLost(
-                    **_common(state, now, "node_lost", node.node, node.incarnation),  # type: ignore[arg-type]
+                    **_envelope(state, now, "node_lost", node.node, node.incarnation),
                     node=node.node,
                     incarnation=node.incarnation,
                     last_seen=last_seen,
@@ -105,71 +215,13 @@ def _lost_nodes(
     return lost
 
 
-def _rendezvous(
-    state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float
-) -> list[ev.Decision]:
-    live = {n.node: n.incarnation for n in state.nodes.values() if n.status is NodeStatus.ACTIVE}
-    action = rdzv.decide(state.rdzv, rdzv.Alive(live), liveness, now)
-    if action is None:
-        return []
-    kind, fields = action
-    r = state.rdzv
-    match kind:
-        case "round":
-            members = fields["members"]
-            assert isinstance(members, tuple)
-            step, source = ckpt.restore_point(
-                state.ckpt,
-                [(m.node, tuple(range(m.first_rank, m.first_rank + m.nproc))) for m in members],
-            )
-            return [
-                ev.RoundCompleted(
-                    **_common(state, now, "round", fields["round"]),  # type: ignore[arg-type]
-                    **fields,  # type: ignore[arg-type]
-                    restore_step=step,
-                    restore_source=source,
-                )
-            ]
-        case "exclude":
-            return [
-                ev.NodeExcluded(
-                    **_common(state, now, "excluded", fields["node"], fields["incarnation"]),  # type: ignore[arg-type]
-                    **fields,  # type: ignore[arg-type]
-                )
-            ]
-        case "netcheck":
-            return [
-                ev.NetworkCheckAssigned(
-                    **_common(state, now, "netcheck", fields["check_round"]),  # type: ignore[arg-type]
-                    **fields,  # type: ignore[arg-type]
-                )
-            ]
-        case "netcheck_done":
-            return [
-                ev.NetworkCheckCompleted(
-                    **_common(state, now, "netcheck_done"),  # type: ignore[arg-type]
-                    **fields,  # type: ignore[arg-type]
-                )
-            ]
-        case "finished" | "failed":
-            phase = ev.JobPhase.FINISHED if kind == "finished" else ev.JobPhase.FAILED
-            return [
-                ev.JobEnded(
-                    **_common(state, now, "job_ended", phase, r.round),  # type: ignore[arg-type]
-                    phase=phase,
-                    reason=str(fields["reason"]),
-                )
-            ]
-    raise AssertionError(f"unknown rendezvous action {kind}")
-
-
 def _stop(state: JobState, now: float) -> list[ev.Decision]:
     if state.stop_requested is None:
         return []
     reason = state.stop_requested or "stopped by an operator"
     return [
         ev.JobEnded(
-            **_common(state, now, "job_ended", ev.JobPhase.STOPPED),  # type: ignore[arg-type]
+            **_envelope(state, now, "job_ended", ev.JobPhase.STOPPED),
             phase=ev.JobPhase.STOPPED,
             reason=reason,
         )

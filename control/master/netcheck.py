@@ -121,6 +121,29 @@ def on_completed(c: CheckState, e: ev.NetworkCheckCompleted) -> CheckState:
 # --------------------------------------------------------------------------- decide
 
 
+class Wait(msgspec.Struct, frozen=True, kw_only=True):
+    """Nothing to decide now, and why not yet (`until`: when that may change)."""
+
+    reason: str
+    until: float | None = None
+
+
+class StartCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """Assign check round `check_round` to these groups."""
+
+    check_round: int
+    groups: tuple[ev.CheckGroup, ...]
+    timeout_s: float
+
+
+class CompleteCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """The check's verdict."""
+
+    results: tuple[ev.NodeCheck, ...]
+    faulty: tuple[str, ...]
+    stragglers: tuple[str, ...]
+
+
 Member = tuple[str, str, str, int]  # node, incarnation, addr, store port
 
 
@@ -198,21 +221,32 @@ def next_action(
     pool: Sequence[Member],
     now: float,
     ready: bool,
-) -> tuple[str, dict[str, object]] | None:
-    """The check's next decision while it is not done; None means wait.
+    *,
+    timeout_s: float,
+) -> StartCheck | CompleteCheck | Wait:
+    """The check's next decision while it is not done, or why it waits.
 
     `ready`: the job could form its first round now (the check starts then).
     """
     if c.check_round < 0:
         if not ready:
-            return None
-        return ("netcheck", {"check_round": 0, "groups": first_groups(pool)})
+            return Wait(
+                reason=f"the network check starts once enough nodes are here ({len(pool)} now)"
+            )
+        return StartCheck(check_round=0, groups=first_groups(pool), timeout_s=timeout_s)
     if not round_over(c, now, frozenset(m[0] for m in pool)):
-        return None
+        missing = [n for n in c.nodes() if n not in c.reports]
+        return Wait(
+            reason=f"network check round {c.check_round}: waiting for "
+            f"{', '.join(missing)} to report",
+            until=c.assigned_at + backstop_s(c.timeout_s),
+        )
     if c.check_round + 1 < CHECK_ROUNDS:
-        return ("netcheck", {"check_round": c.check_round + 1, "groups": second_groups(c, pool)})
+        return StartCheck(
+            check_round=c.check_round + 1, groups=second_groups(c, pool), timeout_s=timeout_s
+        )
     results, faulty, stragglers = verdict(c)
-    return ("netcheck_done", {"results": results, "faulty": faulty, "stragglers": stragglers})
+    return CompleteCheck(results=results, faulty=faulty, stragglers=stragglers)
 
 
 def to_exclude(

@@ -207,6 +207,42 @@ def on_check_completed(r: RdzvState, e: ev.NetworkCheckCompleted) -> RdzvState:
 # --------------------------------------------------------------------------- decide
 
 
+class FormRound(msgspec.Struct, frozen=True, kw_only=True):
+    """Start round `round` with `members`, in rank order."""
+
+    round: int
+    members: tuple[ev.RoundMember, ...]
+    world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    reason: str
+    cause: ev.RoundCause
+
+
+class ExcludeNode(msgspec.Struct, frozen=True, kw_only=True):
+    """Take `node` out of the job."""
+
+    node: str
+    incarnation: str
+    reason: str
+
+
+class EndJob(msgspec.Struct, frozen=True, kw_only=True):
+    """The job finished or failed."""
+
+    phase: ev.JobPhase
+    reason: str
+
+
+Intent = FormRound | ExcludeNode | EndJob | netcheck.StartCheck | netcheck.CompleteCheck
+#: Nothing to do now; `Wait` says why not yet (`running` when a round runs as it should).
+Outcome = Intent | netcheck.Wait
+
+Wait = netcheck.Wait
+RUNNING = Wait(reason="")
+
+
 class Alive:
     """Which (node, incarnation) pairs are alive, from the node table."""
 
@@ -222,17 +258,21 @@ def decide(
     alive: Alive,
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
-) -> tuple[str, dict[str, object]] | None:
-    """The one rendezvous action due now, as (kind, fields), or None.
+) -> Outcome:
+    """The one rendezvous action due now, or why there is none (`Wait`).
 
-    kinds: "finished", "failed", "exclude", "round". The caller turns it into
-    a decision event with the envelope (`decide.py`).
+    The caller turns an intent into a decision event with its envelope
+    (`decide.py`); a `Wait` is logged when its reason changes and shown by
+    `rove status`.
     """
     p = r.params
     if p is None:
-        return None
+        return Wait(reason="no node has asked to join a round yet")
     if r.active and r.members and r.succeeded >= {m.node for m in r.members}:
-        return ("finished", {"reason": f"all {len(r.members)} nodes finished their workers"})
+        return EndJob(
+            phase=ev.JobPhase.FINISHED,
+            reason=f"all {len(r.members)} nodes finished their workers",
+        )
     if r.active and r.failure is not None:
         return _on_failure(r, p, alive, liveness)
     if r.active:
@@ -246,32 +286,35 @@ def _failure_text(f: Failure) -> str:
 
 def _on_failure(
     r: RdzvState, p: ev.RdzvParams, alive: Alive, liveness: Mapping[str, ev.Heartbeat]
-) -> tuple[str, dict[str, object]] | None:
+) -> Outcome:
     f = r.failure
     assert f is not None
     last = r.last_failure
     if f.kind is ev.FailureKind.USER_ERROR and last is not None and last.signature == f.signature:
-        return (
-            "failed",
-            {"reason": f"the same user code error repeated after a restart: {_failure_text(f)}"},
+        return EndJob(
+            phase=ev.JobPhase.FAILED,
+            reason=f"the same user code error repeated after a restart: {_failure_text(f)}",
         )
     if r.restarts >= p.max_restarts:
-        return (
-            "failed",
-            {
-                "reason": f"worker failed and all {p.max_restarts} restarts "
-                f"(--max-restarts) are used; last failure: {_failure_text(f)}"
-            },
+        return EndJob(
+            phase=ev.JobPhase.FAILED,
+            reason=f"worker failed and all {p.max_restarts} restarts "
+            f"(--max-restarts) are used; last failure: {_failure_text(f)}",
         )
-    if f.kind is ev.FailureKind.COMMUNICATION and not _all_heard_since(r, f.ts, liveness):
-        # A broken connection is often the symptom of a peer that died: wait until
-        # every member has proven alive after it (then restart), or a member is
-        # declared lost (then the round is re-formed without spending a restart).
-        return None
+    if f.kind is ev.FailureKind.COMMUNICATION:
+        unheard = _unheard_since(r, f.ts, liveness)
+        if unheard:
+            # A broken connection is often the symptom of a peer that died: wait until
+            # every member has proven alive after it (then restart), or a member is
+            # declared lost (then the round is re-formed without spending a restart).
+            return Wait(
+                reason=f"a communication failure in round {r.round} ({_failure_text(f)}): "
+                f"waiting for a heartbeat since from {', '.join(unheard)}, or for them to be "
+                "lost, before deciding"
+            )
     if f.kind is ev.FailureKind.HARDWARE:
-        return (
-            "exclude",
-            {"node": f.node, "incarnation": f.incarnation, "reason": f"hardware fault: {f.reason}"},
+        return ExcludeNode(
+            node=f.node, incarnation=f.incarnation, reason=f"hardware fault: {f.reason}"
         )
     members = [m for m in r.members if alive(m.node, m.incarnation)]
     pool = [_as_waiter(m, r, liveness) for m in members]
@@ -279,17 +322,19 @@ def _on_failure(
         r,
         pool,
         liveness,
-        restart=True,
+        cause=ev.RoundCause.RESTART,
         reason=f"restart {r.restarts + 1}/{p.max_restarts} after {_failure_text(f)}",
     )
 
 
-def _all_heard_since(r: RdzvState, ts: float, liveness: Mapping[str, ev.Heartbeat]) -> bool:
+def _unheard_since(r: RdzvState, ts: float, liveness: Mapping[str, ev.Heartbeat]) -> list[str]:
+    """Members with no heartbeat after `ts` from their current incarnation."""
+    unheard = []
     for m in r.members:
         hb = liveness.get(m.node)
         if hb is None or hb.incarnation != m.incarnation or hb.ts <= ts:
-            return False
-    return True
+            unheard.append(m.node)
+    return unheard
 
 
 def _as_waiter(m: ev.RoundMember, r: RdzvState, liveness: Mapping[str, ev.Heartbeat]) -> Waiter:
@@ -317,20 +362,31 @@ def _scale_up(
     alive: Alive,
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
-) -> tuple[str, dict[str, object]] | None:
+) -> Outcome:
     members = {m.node for m in r.members}
     newcomers = [w for w in _waiting_alive(r, alive) if w.node not in members]
-    if not newcomers or len(r.members) >= p.max_nodes:
-        return None
+    if not newcomers:
+        return RUNNING
+    names = ", ".join(w.node for w in newcomers)
+    if len(r.members) >= p.max_nodes:
+        return Wait(reason=f"{names} wait: the round already has the most nodes, {p.max_nodes}")
     size = _size(len(r.members) + len(newcomers), p)
-    if size <= len(r.members) or now - newcomers[0].since < p.last_call_s:
-        return None
+    if size <= len(r.members):
+        return Wait(
+            reason=f"{names} wait: rounds take multiples of {p.node_unit} nodes "
+            f"(--node-unit); {len(r.members) + len(newcomers)} would not be one"
+        )
+    if now - newcomers[0].since < p.last_call_s:
+        return Wait(
+            reason=f"{names} will join round {r.round + 1} (scale up) after the last call",
+            until=newcomers[0].since + p.last_call_s,
+        )
     pool = [_as_waiter(m, r, liveness) for m in r.members] + newcomers
     return _round(
         r,
         pool[:size],
         liveness,
-        restart=False,
+        cause=ev.RoundCause.SCALE_UP,
         reason=f"scale up from {len(r.members)} to {size} nodes",
     )
 
@@ -341,7 +397,7 @@ def _form(
     alive: Alive,
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
-) -> tuple[str, dict[str, object]] | None:
+) -> Outcome:
     old = [
         _as_waiter(m, r, liveness)
         for m in r.members
@@ -360,23 +416,35 @@ def _form(
     if p.network_check and r.round == 0:
         checked = _network_check(r, p, pool, liveness, now, ready)
         if checked is not None:
-            return checked if checked[0] != "wait" else None
+            return checked
     if ready:
-        why = (
-            f"re-formed with {size} nodes after a membership change"
-            if broken
-            else f"{size} of {p.min_nodes}-{p.max_nodes} nodes joined"
+        if broken:
+            why = f"re-formed with {size} nodes after a membership change"
+            cause = ev.RoundCause.REFORMED
+        else:
+            why = f"{size} of {p.min_nodes}-{p.max_nodes} nodes joined"
+            cause = ev.RoundCause.FORMED
+        return _round(r, pool[:size], liveness, cause=cause, reason=why)
+    here = f"{len(pool)} node{'s' if len(pool) != 1 else ''} here"
+    if broken and r.broken_since is not None:
+        if now - r.broken_since > p.below_min_wait_s:
+            return EndJob(
+                phase=ev.JobPhase.FAILED,
+                reason=f"only {len(pool)} nodes alive, fewer than the minimum "
+                f"{p.min_nodes}, for {p.below_min_wait_s:g}s",
+            )
+        return Wait(
+            reason=f"round {r.round} lost members: {here}, fewer than the minimum "
+            f"{p.min_nodes}; the job fails unless nodes join (--below-min-timeout)",
+            until=r.broken_since + p.below_min_wait_s,
         )
-        return _round(r, pool[:size], liveness, restart=False, reason=why)
-    if broken and r.broken_since is not None and now - r.broken_since > p.below_min_wait_s:
-        return (
-            "failed",
-            {
-                "reason": f"only {len(pool)} nodes alive, fewer than the minimum "
-                f"{p.min_nodes}, for {p.below_min_wait_s:g}s"
-            },
-        )
-    return None
+    if size < p.min_nodes or size == 0:
+        unit = f" in multiples of {p.node_unit} (--node-unit)" if p.node_unit > 1 else ""
+        return Wait(reason=f"waiting for nodes: {here}, {p.min_nodes} needed{unit} (--nnodes)")
+    return Wait(
+        reason=f"{here} of at most {p.max_nodes}: last call for more nodes",
+        until=first + p.last_call_s,
+    )
 
 
 def _network_check(
@@ -386,21 +454,15 @@ def _network_check(
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
     ready: bool,
-) -> tuple[str, dict[str, object]] | None:
-    """The check's next step before the first round, ("wait", {}) to hold, None when done."""
+) -> Outcome | None:
+    """The check's next step before the first round; None once it is done."""
     c = r.check
     if not c.done:
         if c.check_round >= 0:
             checked = set(c.nodes())
             pool = [w for w in pool if w.node in checked]
         members = [(w.node, w.incarnation, w.addr, _port(w, liveness, 0)) for w in pool]
-        action = netcheck.next_action(c, members, now, ready)
-        if action is None:
-            return ("wait", {})
-        kind, fields = action
-        if kind == "netcheck":
-            fields["timeout_s"] = p.network_check_timeout_s
-        return kind, fields
+        return netcheck.next_action(c, members, now, ready, timeout_s=p.network_check_timeout_s)
     node = netcheck.to_exclude(c, p.exclude_stragglers, lambda n: n in r.excluded)
     if node is None:
         return None
@@ -412,7 +474,7 @@ def _network_check(
         if node in c.faulty
         else (f"straggler: network check more than {netcheck.STRAGGLER_FACTOR:g}x the median")
     )
-    return ("exclude", {"node": node, "incarnation": incarnation, "reason": why})
+    return ExcludeNode(node=node, incarnation=incarnation, reason=why)
 
 
 def _port(w: Waiter, liveness: Mapping[str, ev.Heartbeat], previous: int) -> int:
@@ -429,11 +491,11 @@ def _round(
     pool: list[Waiter],
     liveness: Mapping[str, ev.Heartbeat],
     *,
-    restart: bool,
+    cause: ev.RoundCause,
     reason: str,
-) -> tuple[str, dict[str, object]] | None:
+) -> Outcome:
     if not pool:
-        return None
+        return Wait(reason=f"no member of round {r.round} is alive to restart it")
     members = []
     rank = 0
     for w in pool:
@@ -443,15 +505,13 @@ def _round(
             )
         )
         rank += w.nproc
-    return (
-        "round",
-        {
-            "round": r.round + 1,
-            "members": tuple(members),
-            "world_size": rank,
-            "master_addr": pool[0].addr,
-            "master_port": _port(pool[0], liveness, r.master_port),
-            "restart_count": r.restarts + 1 if restart else r.restarts,
-            "reason": reason,
-        },
+    return FormRound(
+        round=r.round + 1,
+        members=tuple(members),
+        world_size=rank,
+        master_addr=pool[0].addr,
+        master_port=_port(pool[0], liveness, r.master_port),
+        restart_count=r.restarts + 1 if cause is ev.RoundCause.RESTART else r.restarts,
+        reason=reason,
+        cause=cause,
     )

@@ -25,6 +25,7 @@ from rove.control.errors import FencedError, PublishDeadlineError
 from rove.control.master import snapshots
 from rove.control.master.decide import decide
 from rove.control.master.election import Lease
+from rove.control.master.netcheck import Wait
 from rove.control.master.replica import Replica
 
 log = structlog.get_logger("rove.master")
@@ -72,6 +73,7 @@ class MasterRunner:
         self._wake = asyncio.Event()
         self._last_snapshot_seq = 0
         self._last_snapshot_at = 0.0
+        self._waiting = ""
         self.log = log.bind(job=job, master=master_id)
 
     @property
@@ -168,10 +170,16 @@ class MasterRunner:
         previous = await self._election_fence(epoch)
         await self.replica.wait_applied(previous.seq, timeout_s=self.lease.ttl_s)
         elected = ev.MasterElected(
-            job=self.job,
-            id=ev.make_id(self.job, "elected", epoch, previous.seq),
-            producer=f"master:{self.master_id}",
-            ts=self.clock(),
+            # the same id for every attempt of this election: a retry is stored once
+            **ev.envelope(
+                self.job,
+                f"master:{self.master_id}",
+                self.clock(),
+                self.job,
+                "elected",
+                epoch,
+                previous.seq,
+            ),
             epoch=epoch,
             master=self.master_id,
         )
@@ -188,10 +196,14 @@ class MasterRunner:
         if self.state.spec is None:
             await self._publish(
                 ev.JobConfigured(
-                    job=self.job,
-                    id=ev.make_id(self.job, "job_configured"),
-                    producer=f"master:{self.master_id}",
-                    ts=self.clock(),
+                    # one id whatever the epoch: only the first leader configures the job
+                    **ev.envelope(
+                        self.job,
+                        f"master:{self.master_id}",
+                        self.clock(),
+                        self.job,
+                        "job_configured",
+                    ),
                     epoch=epoch,
                     spec=self.spec,
                 )
@@ -254,7 +266,9 @@ class MasterRunner:
                 )
             )
         answers = []
-        for decision in decide(self.state, self.replica.liveness, now):
+        decisions, waiting = decide(self.state, self.replica.liveness, now)
+        self._say_why_waiting(waiting)
+        for decision in decisions:
             if isinstance(decision, _ANSWERS):
                 answers.append(self._publish(decision))  # independent: publish them together
             else:
@@ -263,6 +277,14 @@ class MasterRunner:
             await asyncio.gather(*answers)
         if self._snapshot_due(now):
             await self._write_snapshot()
+
+    def _say_why_waiting(self, waiting: Wait | None) -> None:
+        """Log why the rendezvous waits, once each time the reason changes."""
+        reason = waiting.reason if waiting is not None else ""
+        if reason != self._waiting:
+            self._waiting = reason
+            if reason:
+                self.log.info(f"not yet: {reason}", round=self.state.rdzv.round)
 
     async def _publish(self, decision: ev.Decision) -> None:
         assert self.fence is not None

@@ -1,0 +1,117 @@
+"""The agent's checkpoint duty: report steps in memory, persist them, commit them.
+
+Workers save flash checkpoints to shared memory the agent owns (`Saver` reads
+the slot headers: no IPC with the workers). Every tick the duty reports a new
+step that every local rank holds (`ckpt_in_memory`) and, with a checkpoint
+directory, persists every `persist_every`-th one off the event loop
+(`ckpt_persisted`, or `ckpt_failed` with the reason: training goes on). Before
+a failure or a signal is acted on (`breakpoint`) it reports the newest step
+and, with `--save-at-breakpoint`, persists it first. The node of group rank 0
+records a commit when the master decides `ckpt_committed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import structlog
+
+from rove.agent.facts import NodeFacts
+from rove.agent.saver import Saver
+from rove.checkpoint.engine import CheckpointError
+from rove.control import events as ev
+
+log = structlog.get_logger("rove.agent")
+
+
+class CheckpointDuty:
+    def __init__(
+        self,
+        facts: NodeFacts,
+        checkpoint_dir: Path | None,
+        *,
+        keep: int = 3,
+        persist_every: int = 1,
+        save_at_breakpoint: bool = False,
+    ) -> None:
+        self.facts = facts
+        self.saver = Saver(facts.job, checkpoint_dir, keep=keep)
+        self.persist_every = persist_every
+        self.save_at_breakpoint = save_at_breakpoint
+        self.log = log.bind(job=facts.job, node=facts.node)
+        self._persisting: asyncio.Task[None] | None = None
+        self._world_size = 0
+        self._group_rank: int | None = None
+
+    def round(self, ranks: tuple[int, ...], world_size: int, group_rank: int, run: str) -> None:
+        """This node runs `ranks` of `world_size` in a new round of `run` of the job."""
+        self.saver.ranks(ranks, run)
+        self._world_size = world_size
+        self._group_rank = group_rank
+
+    def tick(self) -> None:
+        """Report a new step in memory; start persisting it when one is due."""
+        step = self._report_in_memory()
+        busy = self._persisting is not None and not self._persisting.done()
+        due = step is not None and step - max(0, self.saver.persisted_step) >= self.persist_every
+        if due and step is not None and self.saver.storage is not None and not busy:
+            self._persisting = asyncio.create_task(self._persist(step))
+
+    async def breakpoint(self) -> None:
+        """Before a failure or a signal is acted on: report, and persist if asked."""
+        self._report_in_memory()
+        if self._persisting is not None:
+            await asyncio.gather(self._persisting, return_exceptions=True)
+        step = self.saver.common_step()
+        if (
+            self.save_at_breakpoint
+            and self.saver.storage is not None
+            and step is not None
+            and step > self.saver.persisted_step
+        ):
+            self.log.info(f"saving at breakpoint: persisting step {step} from memory")
+            await self._persist(step)
+
+    async def commit(self, step: int) -> None:
+        """The master committed `step`: the node of group rank 0 records it on storage."""
+        if self._group_rank != 0 or self.saver.storage is None:
+            return
+        try:
+            await asyncio.to_thread(self.saver.commit, step)
+            self.log.debug(f"checkpoint step {step} committed")
+        except CheckpointError as exc:
+            self.log.warning(f"could not record the commit of step {step}: {exc}")
+
+    def job_finished(self) -> None:
+        """The job is done: free its shared memory."""
+        self.saver.unlink()
+
+    def _report_in_memory(self) -> int | None:
+        step = self.saver.new_in_memory()
+        if step is not None:
+            self.facts.emit(
+                ev.CkptInMemory(
+                    **self.facts.envelope(), step=step, ranks=tuple(sorted(self.saver.engines))
+                )
+            )
+        return step
+
+    async def _persist(self, step: int) -> None:
+        try:
+            done = await asyncio.to_thread(self.saver.persist, step)
+        except CheckpointError as exc:
+            self.log.warning(f"could not persist checkpoint step {step}: {exc}")
+            self.facts.emit(
+                ev.CkptFailed(**self.facts.envelope(), step=step, error=str(exc)[: ev.REASON_CHARS])
+            )
+            return
+        self.facts.emit(
+            ev.CkptPersisted(
+                **self.facts.envelope(),
+                step=step,
+                ranks=done.ranks,
+                world_size=self._world_size or len(done.ranks),
+                location=done.location,
+            )
+        )

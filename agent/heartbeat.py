@@ -1,0 +1,133 @@
+"""The agent's heartbeat: liveness, progress and resource use, every interval.
+
+One `heartbeat` per interval on the node's subject of the heartbeat stream
+(only the newest per node is kept). It carries the node's CPU and memory, and
+for each worker its step, throughput (samples per second between two
+heartbeats), CPU, memory and, on GPUs, memory and utilisation (pynvml), plus
+fresh free ports the next round's store may use. A heartbeat that cannot be
+sent is skipped: the next one supersedes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from rove.agent.facts import NodeFacts
+from rove.agent.metrics import Sampler
+from rove.agent.runtime import WorkerRuntime
+from rove.control import events as ev
+from rove.control.bus import Bus
+from rove.control.errors import PublishDeadlineError
+
+log = structlog.get_logger("rove.agent")
+
+
+def free_ports(addr: str, n: int = 2) -> tuple[int, ...]:
+    """`n` ports free on `addr` right now (for the next round's rendezvous store)."""
+    ports = []
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
+            socks.append(s)
+            ports.append(int(s.getsockname()[1]))
+    except OSError:
+        pass
+    finally:
+        for s in socks:
+            s.close()
+    return tuple(ports)
+
+
+@dataclass
+class _RankRate:
+    samples: float = 0.0
+    at: float = 0.0
+    rate: float = 0.0
+
+
+class Heartbeat:
+    """Builds and publishes this node's heartbeats.
+
+    `where()` tells the current round and the first global rank of this
+    node's workers (0 and 0 outside a round).
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        facts: NodeFacts,
+        runtime: WorkerRuntime,
+        addr: str,
+        where: Callable[[], tuple[int, int]],
+        *,
+        interval_s: float = 1.0,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.bus = bus
+        self.facts = facts
+        self.runtime = runtime
+        self.addr = addr
+        self.where = where
+        self.interval_s = interval_s
+        self.sampler = sampler or Sampler()
+        self._seq = 0
+        self._rates: dict[int, _RankRate] = {}
+        self._rates_round = -1
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.bus.publish(self.event(), deadline_s=2.0)
+            except PublishDeadlineError:
+                log.debug("heartbeat not sent: bus unavailable", node=self.facts.node)
+            await asyncio.sleep(self.interval_s)
+
+    def event(self) -> ev.Heartbeat:
+        self._seq += 1
+        rnd, first = self.where()
+        if rnd != self._rates_round:
+            self._rates, self._rates_round = {}, rnd
+        cpu, used, total = self.sampler.node()
+        pids = self.runtime.pids() if self.runtime.running else {}
+        progress = self.runtime.progress() if pids else {}
+        ranks = []
+        for local_rank, pid in sorted(pids.items()):
+            pcpu, rss = self.sampler.process(pid)
+            p = progress.get(local_rank)
+            rate = self._rates.setdefault(local_rank, _RankRate())
+            if p is not None and rate.at and p.at > rate.at:
+                rate.rate = (p.samples - rate.samples) / (p.at - rate.at)
+            if p is not None:
+                rate.samples, rate.at = p.samples, p.at
+            gpu_mem, gpu_util = self.sampler.gpu(local_rank)
+            ranks.append(
+                ev.RankStat(
+                    rank=first + local_rank,
+                    local_rank=local_rank,
+                    pid=pid,
+                    step=p.step if p else 0,
+                    samples_per_s=round(rate.rate, 2),
+                    cpu_percent=pcpu,
+                    rss_bytes=rss,
+                    gpu_mem_bytes=gpu_mem,
+                    gpu_util_percent=gpu_util,
+                )
+            )
+        self.sampler.forget(set(pids.values()))
+        return ev.Heartbeat(
+            **self.facts.envelope("hb", self._seq),
+            seq=self._seq,
+            cpu_percent=cpu,
+            mem_used_bytes=used,
+            mem_total_bytes=total,
+            ranks=tuple(ranks),
+            round=rnd,
+            ports=free_ports(self.addr),
+        )

@@ -1,0 +1,87 @@
+"""The worker runtime port: how an agent runs its node's worker processes.
+
+The agent decides *when* workers start and stop (rounds, failures, signals);
+a `WorkerRuntime` knows *what* a worker is and how to run it. Today that is
+torch (`rove.agent.workers.TorchRuntime`: torch's own `start_processes`, the
+`@record` error file, fresh or warm-started interpreters); a TensorFlow
+runtime (parameter servers, workers, a coordinator) sits beside it.
+"""
+
+from __future__ import annotations
+
+import abc
+import signal
+from dataclasses import dataclass
+
+from rove.agent.diagnosis import Diagnosis
+from rove.agent.progress import Progress
+
+
+@dataclass(frozen=True)
+class RootFailure:
+    """The failure that ended a round's workers on this node (not the teardown it caused)."""
+
+    local_rank: int
+    pid: int
+    exit_code: int
+    diagnosis: Diagnosis
+    log_tail: str
+
+
+@dataclass(frozen=True)
+class WorkersEnded:
+    """How one round's workers on this node ended: all with code 0, or `failure`."""
+
+    round: int
+    failure: RootFailure | None
+
+
+class WorkerRuntime(abc.ABC):
+    """Runs one round's worker processes on this node, one per local rank.
+
+    The whole contract:
+
+    * `start(round, envs)` starts one process per local rank, each with its
+      environment, and returns local rank -> pid. It is only called while no
+      workers run (the agent stops the previous round's first).
+    * `wait()` returns once the round's workers ended: every one with code 0,
+      or one failed and the others were torn down, with the failure that
+      started it (diagnosed). It waits on the processes themselves (no polling
+      loop) and may be cancelled at any time; a cancelled `wait` leaves the
+      workers running.
+    * `stop(sig, timeout_s)` ends every worker: `sig`, then SIGKILL after
+      `timeout_s`. It blocks (call it from a thread) and does nothing when no
+      workers run.
+    * `running`, `round`, `pids()` and `progress()` (each local rank's last
+      reported step) describe the workers now; `progress()` reads files and
+      may be called from any thread.
+
+    Implementations are safe to call from several threads: `wait` does its
+    blocking work in one while `stop` may run in another.
+
+    Raises:
+        OSError: `start` could not start a process (the message names it).
+    """
+
+    @property
+    @abc.abstractmethod
+    def running(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def round(self) -> int: ...
+
+    @abc.abstractmethod
+    def start(self, round_: int, envs: dict[int, dict[str, str]]) -> dict[int, int]: ...
+
+    @abc.abstractmethod
+    async def wait(self) -> WorkersEnded: ...
+
+    @abc.abstractmethod
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None: ...
+
+    @abc.abstractmethod
+    def pids(self) -> dict[int, int]: ...
+
+    @abc.abstractmethod
+    def progress(self) -> dict[int, Progress]: ...

@@ -1,0 +1,139 @@
+"""The worker runtime port's contract, run against each way torch workers start.
+
+`fresh`: a new interpreter per worker (`python -m rove.agent.child python -u SCRIPT`);
+`warm`: a function entrypoint forked from the warm server. A TensorFlow runtime
+will pass the same suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+from rove.agent import warm
+from rove.agent.runtime import WorkerRuntime
+from rove.agent.workers import TorchRuntime
+from rove.control.events import FailureKind
+from tests.support import pid_alive
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """
+import os, sys, time
+from rove.agent.progress import report
+rank = int(os.environ["LOCAL_RANK"])
+report(int(os.environ.get("STEP", "1")), samples=8)
+time.sleep(float(os.environ.get("SLEEP", "0")))
+if os.environ.get("FAIL_RANK") == str(rank):
+    raise SystemExit(int(os.environ.get("CODE", "3")))
+if os.environ.get("RAISE_RANK") == str(rank):
+    raise ValueError("rank refuses")
+"""
+
+
+@pytest.fixture(params=["fresh", "warm"])
+def runtime(request: pytest.FixtureRequest, tmp_path: Path) -> WorkerRuntime:
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    # as `rove run` sets them: stderr on the console and in a file, for the diagnosis
+    logs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.NONE, tee=Std.ERR)
+    if request.param == "warm":
+        warm.start(())
+        return TorchRuntime(
+            warm.run_script,
+            ["script", str(script)],
+            logs,
+            tmp_path / "progress",
+            start_method="forkserver",
+        )
+    return TorchRuntime(
+        sys.executable,
+        ["-m", "rove.agent.child", sys.executable, "-u", str(script)],
+        logs,
+        tmp_path / "progress",
+    )
+
+
+def envs(n: int, **extra: str) -> dict[int, dict[str, str]]:
+    base = {"WORLD_SIZE": str(n), "PYTHONPATH": os.pathsep.join(sys.path)}
+    return {lr: {**base, "RANK": str(lr), "LOCAL_RANK": str(lr), **extra} for lr in range(n)}
+
+
+async def test_workers_that_all_exit_0_end_the_round_without_a_failure(
+    runtime: WorkerRuntime,
+) -> None:
+    pids = runtime.start(1, envs(2))
+    assert sorted(pids) == [0, 1] and runtime.running and runtime.round == 1
+    ended = await asyncio.wait_for(runtime.wait(), 120)
+    assert ended.round == 1 and ended.failure is None
+    assert not runtime.running
+
+
+async def test_a_failed_worker_is_the_rounds_failure_and_the_others_are_torn_down(
+    runtime: WorkerRuntime,
+) -> None:
+    runtime.start(2, envs(2, FAIL_RANK="1", CODE="3", SLEEP="0.2"))
+    ended = await asyncio.wait_for(runtime.wait(), 120)
+    assert ended.failure is not None
+    assert ended.failure.local_rank == 1 and ended.failure.exit_code == 3
+    assert not runtime.running
+
+
+async def test_a_python_error_is_diagnosed_from_the_log(runtime: WorkerRuntime) -> None:
+    runtime.start(1, envs(1, RAISE_RANK="0"))
+    ended = await asyncio.wait_for(runtime.wait(), 120)
+    assert ended.failure is not None
+    assert ended.failure.diagnosis.kind is FailureKind.USER_ERROR
+    assert "ValueError: rank refuses" in ended.failure.diagnosis.reason
+
+
+async def test_waiting_uses_the_processes_not_a_polling_loop(
+    runtime: WorkerRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    polls = 0
+    real_poll = runtime._poll  # type: ignore[attr-defined]
+
+    def counted() -> object:
+        nonlocal polls
+        polls += 1
+        return real_poll()
+
+    monkeypatch.setattr(runtime, "_poll", counted)
+    runtime.start(1, envs(2, SLEEP="2"))
+    ended = await asyncio.wait_for(runtime.wait(), 120)
+    assert ended.failure is None
+    # once at the start, once per worker's return and exit: not every 0.1 s for 2 s
+    assert polls <= 8, polls
+
+
+async def test_a_cancelled_wait_leaves_the_workers_running_and_stop_ends_them(
+    runtime: WorkerRuntime,
+) -> None:
+    pids = runtime.start(1, envs(2, SLEEP="60"))
+    waiter = asyncio.create_task(runtime.wait())
+    await asyncio.sleep(0.5)
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert runtime.running and all(pid_alive(p) for p in pids.values())
+    await asyncio.to_thread(runtime.stop, signal.SIGTERM, 10.0)
+    assert not runtime.running
+    assert not any(pid_alive(p) for p in pids.values())
+
+
+async def test_progress_reports_each_ranks_step(runtime: WorkerRuntime) -> None:
+    runtime.start(1, envs(2, STEP="7", SLEEP="60"))
+    try:
+        for _ in range(600):
+            if len(runtime.progress()) == 2:
+                break
+            await asyncio.sleep(0.1)
+        steps = {lr: p.step for lr, p in runtime.progress().items()}
+        assert steps == {0: 7, 1: 7}
+    finally:
+        await asyncio.to_thread(runtime.stop, signal.SIGTERM, 10.0)
