@@ -1,7 +1,7 @@
 # rove's task file. Every target sets up the virtual environment it needs first.
 #   make demo   - install and run the main job on the embedded default
 #   make test   - install test tools, lint, and run the whole test suite (what CI runs)
-#   make lint   - ruff (check + format) and mypy (strict on the control-plane domain code)
+#   make lint   - ruff (check + format), mypy (strict on every module), import-linter (layers)
 #   make bench  - run the benchmarks; each prints one JSON line
 
 PYTHON ?= python3
@@ -55,6 +55,7 @@ lint: $(VENV)/.installed-tests typecheck-view
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	PYTHONPATH=.typecheck $(BIN)/lint-imports
 
 format: $(VENV)/.installed-tests
 	$(BIN)/ruff format .

@@ -31,8 +31,8 @@ from rove.agent import warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.control import aio, embedded, logs, subjects
 from rove.control import events as ev
+from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.cli import common
 from rove.control.errors import ConfigError
 from rove.control.master.runner import SupervisedMaster
 

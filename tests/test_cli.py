@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.cli import common
 from rove.control.embedded import EmbeddedServer
 from tests import factories
 from tests.support import free_port, rove_cli

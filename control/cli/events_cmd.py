@@ -9,8 +9,8 @@ import sys
 
 from rove.control import aio, records, subjects
 from rove.control import events as ev
+from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.cli import common
 from rove.control.cli.format import event_json, event_line
 from rove.control.errors import ConfigError, UnknownJobError
 

@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 
 from rove.control import logs
-from rove.control.cli import common, events_cmd, master_cmd, status_cmd, stop_cmd
+from rove.control import options as common
+from rove.control.cli import events_cmd, master_cmd, status_cmd, stop_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,8 @@ import socket
 import structlog
 
 from rove.control import aio, embedded, events, subjects
+from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.cli import common
 from rove.control.master.runner import MasterRunner
 
 log = structlog.get_logger("rove.master")

@@ -13,8 +13,8 @@ import msgspec
 
 from rove.control import aio, shards, subjects
 from rove.control import events as ev
+from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.cli import common
 from rove.control.errors import UnknownJobError
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder

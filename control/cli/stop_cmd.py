@@ -11,8 +11,8 @@ import uuid
 
 from rove.control import aio, subjects
 from rove.control import events as ev
+from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.cli import common
 from rove.control.errors import UnknownJobError
 
 

@@ -27,6 +27,7 @@ from rove.control.master.decide import decide
 from rove.control.master.election import Lease
 from rove.control.master.netcheck import Wait
 from rove.control.master.replica import Replica
+from rove.control.master.state import JobState
 
 log = structlog.get_logger("rove.master")
 
@@ -77,7 +78,7 @@ class MasterRunner:
         self.log = log.bind(job=job, master=master_id)
 
     @property
-    def state(self):  # type: ignore[no-untyped-def]
+    def state(self) -> JobState:
         return self.replica.state
 
     # ------------------------------------------------------------------ hooks from the replica

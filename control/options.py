@@ -1,4 +1,4 @@
-"""Arguments and helpers shared by the CLI commands: NATS options, exit codes, durations."""
+"""Command-line options shared by `rove run` and the CLI: NATS, argument types, exit codes."""
 
 from __future__ import annotations
 
