@@ -7,11 +7,15 @@ the master (`rove.control`).
 
 from typing import Any
 
-__all__ = ["DataError", "ShardSampler", "ShardedIterable", "ShardedLoader"]
+__all__ = ["DataError", "LeaseKeeper", "ShardSampler", "ShardedIterable", "ShardedLoader"]
 
 
 def __getattr__(name: str) -> Any:
     # torch is imported only when a torch data source is used
+    if name in ("DataError", "LeaseKeeper"):  # torch-free
+        from rove.shard_service import keeper
+
+        return getattr(keeper, name)
     if name == "ShardedIterable":
         from rove.shard_service import iterable
 

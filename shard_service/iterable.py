@@ -24,7 +24,7 @@ works as with `ShardSampler` (docs/data.md).
 from __future__ import annotations
 
 import functools
-import queue
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,20 +34,9 @@ from torch.utils.data._utils.collate import default_collate
 
 from rove.control import events as ev
 from rove.control import shards
-from rove.shard_service.client import (
-    DataClient,
-    client_name,
-    dataset_spec,
-    first_request,
-    placement,
-)
-from rove.shard_service.sampler import (
-    DataError,
-    _distributed,
-    deliveries,
-    position_state,
-    read_position,
-)
+from rove.shard_service.client import DataClient, client_name, dataset_spec, placement
+from rove.shard_service.keeper import MAX_AHEAD, LeaseKeeper
+from rove.shard_service.sampler import _distributed, deliveries, position_state, read_position
 
 log = structlog.get_logger("rove.data")
 
@@ -65,7 +54,9 @@ class ShardedIterable(IterableDataset[Any]):
         seed: int = 0,
         shuffle: bool = True,
         prefetch: int = 2,
+        cover_s: float = 10.0,
         lease_s: float = 600.0,
+        answer_timeout_s: float = 60.0,
         nats: str | None = None,
         job: str | None = None,
         node: str | None = None,
@@ -87,6 +78,8 @@ class ShardedIterable(IterableDataset[Any]):
             "sharded dataset", nats=nats, job=job, node=node, rank=rank, round=round
         )
         self.prefetch = prefetch
+        self.cover_s = cover_s
+        self.answer_timeout_s = answer_timeout_s
         self.base_client = client_name(self.where.node, self.where.rank)
         self.restore: ev.DataPosition | None = None
         self.iterated = False
@@ -110,38 +103,30 @@ class ShardedIterable(IterableDataset[Any]):
 
     def _samples(self, c: DataClient) -> Iterator[Tagged]:
         c.register(self.spec)
+        keeper = LeaseKeeper(
+            c,
+            self.spec,
+            prefetch=self.prefetch,
+            cover_s=self.cover_s,
+            answer_timeout_s=self.answer_timeout_s,
+        )
+        keeper.restore = self.restore
         held: list[ev.ShardRef] = []
-        first, exhausted, outstanding = True, False, False
+        # shards handed to the loader, maybe not yet acknowledged by the main process:
+        # their leases are renewed too (the loader holds a bounded number of batches)
+        recent: deque[int] = deque(maxlen=4 * MAX_AHEAD)
         while True:
-            if len(held) < self.prefetch and not outstanding and not exhausted:
-                restore = first_request(self.name, self.restore) if first else {}
-                first = False
-                c.request(self.prefetch - len(held), tuple(r.key for r in held), **restore)
-                outstanding = True
-            if not held or outstanding:
-                try:
-                    answer = c.answers.get(timeout=60.0 if not held else 0.0)
-                except queue.Empty:
-                    answer = None
-                    if not held:
-                        log.warning(
-                            "no answer from the master yet; still waiting",
-                            dataset=self.name,
-                            job=self.where.job,
-                        )
-                if isinstance(answer, ev.DataRejected):
-                    raise DataError(f"dataset {self.name}: {answer.reason}")
-                if answer is not None:
-                    outstanding = False
-                    held.extend(answer.shards)
-                    exhausted = answer.exhausted and not answer.shards
+            keeper.top_up(len(held), [*(r.key for r in held), *recent])
+            held.extend(keeper.poll(wait=not held and keeper.waiting))
             if not held:
-                if exhausted:
+                if not keeper.waiting:
                     return
                 continue
             ref = held.pop(0)
+            recent.append(ref.key)
             for pos, index in enumerate(shards.indices(self.spec, ref), start=ref.offset):
                 yield self.dataset[index], ref.key, pos, index, c.client
+            keeper.measure(shards.shard_len(self.spec, ref.key) - ref.offset)
 
     # ------------------------------------------------------------------ main process
 

@@ -30,8 +30,6 @@ environment; elsewhere pass `nats=`, `job=`.
 
 from __future__ import annotations
 
-import queue
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,18 +42,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from rove.control import events as ev
 from rove.control import shards
-from rove.shard_service.client import DataClient, dataset_spec, first_request, placement
+from rove.shard_service.client import DataClient, dataset_spec, placement
+from rove.shard_service.keeper import LeaseKeeper
 from rove.shard_service.tracker import Tracker
 
 log = structlog.get_logger("rove.data")
 
 STATE_VERSION = 1
-#: The most shards a sampler holds ahead of use, however fast it trains.
-MAX_AHEAD = 64
-
-
-class DataError(RuntimeError):
-    """The master refused this client's registration or request (the reason says why)."""
 
 
 class ShardSampler(Sampler[list[int]]):
@@ -101,17 +94,10 @@ class ShardSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.prefetch = prefetch
         self.cover_s = cover_s
-        self._rate = 0.0  # samples/s delivered, smoothed
-        self._rate_mark: tuple[float, int] | None = None
-        self._delivered_samples = 0
         self.answer_timeout_s = answer_timeout_s
         self.tracker = Tracker(self.spec)
-        self._client: DataClient | None = None
+        self._keeper: LeaseKeeper | None = None
         self._restore: ev.DataPosition | None = None
-        self._requested = False
-        self._outstanding: set[int] = set()
-        self._exhausted = False
-        self._last_request = 0.0
         self._taken: deque[tuple[list[int], list[tuple[int, int]]]] = deque()
         self._last: tuple[list[int], list[tuple[int, int]]] = ([], [])
         self.shards_done = 0
@@ -119,88 +105,50 @@ class ShardSampler(Sampler[list[int]]):
     # ------------------------------------------------------------------ bus
 
     @property
+    def keeper(self) -> LeaseKeeper:
+        """The lease keeper (connects and registers the dataset on first use)."""
+        if self._keeper is None:
+            client = DataClient.at(self.where, self.name)
+            client.register(self.spec)
+            self._keeper = LeaseKeeper(
+                client,
+                self.spec,
+                prefetch=self.prefetch,
+                cover_s=self.cover_s,
+                answer_timeout_s=self.answer_timeout_s,
+            )
+            self._keeper.restore = self._restore
+        return self._keeper
+
+    @property
     def client(self) -> DataClient:
-        if self._client is None:
-            self._client = DataClient.at(self.where, self.name)
-            self._client.register(self.spec)
-        return self._client
+        return self.keeper.client
 
     def connect(self) -> None:
         """Connect and register now, instead of at the first batch."""
-        _ = self.client
-
-    def _request(self, count: int) -> None:
-        first = {} if self._requested else first_request(self.name, self._restore)
-        self._requested = True
-        request = self.client.request(count, tuple(self.tracker.held), **first)
-        if count:
-            self._outstanding.add(request)
-        self._last_request = time.monotonic()
-
-    def _take_answer(self, answer: ev.ShardLeased | ev.DataRejected) -> None:
-        if isinstance(answer, ev.DataRejected):
-            raise DataError(f"dataset {self.name}: {answer.reason}")
-        self._outstanding.discard(answer.request)
-        self.tracker.add(answer.shards)
-        self._exhausted = answer.exhausted and not answer.shards
-
-    def _poll(self, wait: bool) -> None:
-        c = self.client
-        try:
-            self._take_answer(
-                c.answers.get(timeout=self.answer_timeout_s) if wait else c.answers.get_nowait()
-            )
-        except queue.Empty:
-            if wait:
-                log.warning(
-                    "no answer from the master yet; still waiting (is a rove master running?)",
-                    dataset=self.name,
-                    job=self.where.job,
-                    waited_s=self.answer_timeout_s,
-                )
-            return
-        while True:
-            try:
-                self._take_answer(c.answers.get_nowait())
-            except queue.Empty:
-                return
+        _ = self.keeper
 
     def ahead(self) -> int:
         """How many untaken shards to hold: `prefetch`, or `cover_s` seconds' worth."""
-        covering = -(-int(self._rate * self.cover_s) // self.spec.shard_size)
-        return max(self.prefetch, min(covering, MAX_AHEAD))
+        return self.keeper.ahead()
 
-    def _measure(self, samples: int) -> None:
-        now = time.monotonic()
-        self._delivered_samples += samples
-        if self._rate_mark is None:
-            self._rate_mark = (now, self._delivered_samples)
-            return
-        since, count = self._rate_mark
-        if now - since >= 1.0:  # one estimate a second, smoothed
-            rate = (self._delivered_samples - count) / (now - since)
-            self._rate = rate if not self._rate else 0.5 * self._rate + 0.5 * rate
-            self._rate_mark = (now, self._delivered_samples)
+    def _poll(self, wait: bool) -> None:
+        self.tracker.add(tuple(self.keeper.poll(wait)))
 
     def _top_up(self) -> None:
-        missing = self.ahead() - self.tracker.untaken_shards()
-        short = self.batch_size - self.tracker.untaken()
-        if short > 0:  # enough shards for a full batch, however small they are
-            missing = max(missing, -(-short // self.spec.shard_size))
-        if missing > 0 and not self._outstanding and not self._exhausted:
-            self._request(missing)
-        elif time.monotonic() - self._last_request > self.spec.lease_s / 3:
-            self._request(0)  # renew the leases held
+        t = self.tracker
+        self.keeper.top_up(t.untaken_shards(), t.held, short_samples=self.batch_size - t.untaken())
 
     # ------------------------------------------------------------------ torch Sampler
 
     def __iter__(self) -> Iterator[list[int]]:
-        self._exhausted = False
+        keeper = self.keeper
+        keeper.exhausted = False
         while True:
             self._poll(wait=False)
             self._top_up()
             enough = self.tracker.untaken() >= self.batch_size
-            if not enough and (self._outstanding or not self._exhausted):
+            if not enough and keeper.waiting:
                 self._poll(wait=True)
                 continue
             batch = self.tracker.take(self.batch_size)
@@ -217,10 +165,11 @@ class ShardSampler(Sampler[list[int]]):
         if not self._taken:
             return
         self._last = self._taken.popleft()
-        self._measure(len(self._last[0]))
+        keeper = self.keeper
+        keeper.measure(len(self._last[0]))
         for ref in self.tracker.delivered():
             self.shards_done += 1
-            self.client.done(ref)
+            keeper.client.done(ref)
 
     @property
     def last_delivered(self) -> list[tuple[int, int]]:
@@ -248,16 +197,18 @@ class ShardSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a saved position (before iterating)."""
-        if self._requested:
+        if self._keeper is not None and self._keeper.requested:
             raise RuntimeError("load_state_dict() must be called before the first batch is drawn")
         position = read_position(state, self.name, self.spec)
         self.tracker.restore(position)
         self._restore = position
+        if self._keeper is not None:
+            self._keeper.restore = position
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._keeper is not None:
+            self._keeper.client.close()
+            self._keeper = None
 
 
 class ShardedLoader:

@@ -1,0 +1,155 @@
+"""Keeping shards leased ahead of use, for one data client (no torch: any framework).
+
+Every data source of rove (the torch `ShardSampler` and `ShardedIterable`, the
+`tf.data` source, the Kafka stream source) asks the master for shards the same
+way, through a `LeaseKeeper`:
+
+* **ahead**: it holds at least `prefetch` untaken shards, and enough to train
+  `cover_s` seconds at the rate it has been consuming (capped at `MAX_AHEAD`),
+  so a master failover (lease TTL, then catch-up) does not stall training;
+* **renewal**: leases it still holds are renewed by every request, and by an
+  empty request every `lease_s / 3` when it asks for nothing;
+* **restore**: its first request carries the data position of the restored
+  checkpoint, and the master rolls the dataset back to it;
+* **answers**: a lease adds shards; a refusal raises `DataError` with the
+  master's reason; no answer for `answer_timeout_s` logs a warning and goes on
+  waiting (a master may be failing over).
+
+The caller says what it holds and consumes (`top_up`, `measure`) and takes the
+new leases (`poll`); the keeper decides when to ask. The clock is injected.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterable
+
+import structlog
+
+from rove.control import events as ev
+from rove.control.errors import PermanentError
+from rove.shard_service.client import DataClient, first_request
+
+log = structlog.get_logger("rove.data")
+
+#: The most shards a client holds ahead of use, however fast it trains.
+MAX_AHEAD = 64
+
+
+class DataError(PermanentError):
+    """The master refused this client's registration or request (the reason says why)."""
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        client: DataClient,
+        spec: ev.DatasetSpec,
+        *,
+        prefetch: int = 2,
+        cover_s: float = 10.0,
+        answer_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1 shard, not {prefetch}")
+        self.client = client
+        self.spec = spec
+        self.prefetch = prefetch
+        self.cover_s = cover_s
+        self.answer_timeout_s = answer_timeout_s
+        self.clock = clock
+        self.restore: ev.DataPosition | None = None
+        self.requested = False
+        self.outstanding: set[int] = set()
+        self.exhausted = False
+        self.rate = 0.0  # samples/s consumed, smoothed
+        self._rate_mark: tuple[float, int] | None = None
+        self._consumed = 0
+        self._last_request = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.client.dataset
+
+    # ------------------------------------------------------------------ asking
+
+    def ahead(self) -> int:
+        """How many untaken shards to hold: `prefetch`, or `cover_s` seconds' worth."""
+        covering = -(-int(self.rate * self.cover_s) // self.spec.shard_size)
+        return max(self.prefetch, min(covering, MAX_AHEAD))
+
+    def top_up(self, untaken_shards: int, held: Iterable[int], short_samples: int = 0) -> None:
+        """Ask for the shards missing to be `ahead()` (and `short_samples` more samples),
+        or renew the `held` leases when it is time; at most one request in flight."""
+        missing = self.ahead() - untaken_shards
+        if short_samples > 0:
+            missing = max(missing, -(-short_samples // self.spec.shard_size))
+        if missing > 0 and not self.outstanding and not self.exhausted:
+            self._request(missing, held)
+        elif self.clock() - self._last_request > self.spec.lease_s / 3:
+            self._request(0, held)
+
+    def _request(self, count: int, held: Iterable[int]) -> None:
+        first = {} if self.requested else first_request(self.name, self.restore)
+        self.requested = True
+        request = self.client.request(count, tuple(held), **first)
+        if count:
+            self.outstanding.add(request)
+        self._last_request = self.clock()
+
+    # ------------------------------------------------------------------ answers
+
+    def poll(self, wait: bool) -> list[ev.ShardRef]:
+        """New leases: every answer that has come, after waiting for one if `wait`.
+
+        Raises:
+            DataError: the master refused a request (its reason is the message).
+        """
+        answers = self.client.answers
+        got: list[ev.ShardRef] = []
+        try:
+            first = answers.get(timeout=self.answer_timeout_s) if wait else answers.get_nowait()
+        except queue.Empty:
+            if wait:
+                log.warning(
+                    "no answer from the master yet; still waiting (is a rove master running?)",
+                    dataset=self.name,
+                    job=self.client.job,
+                    waited_s=self.answer_timeout_s,
+                )
+            return got
+        got.extend(self._take(first))
+        while True:
+            try:
+                got.extend(self._take(answers.get_nowait()))
+            except queue.Empty:
+                return got
+
+    def _take(self, answer: ev.ShardLeased | ev.DataRejected) -> tuple[ev.ShardRef, ...]:
+        if isinstance(answer, ev.DataRejected):
+            raise DataError(f"dataset {self.name}: {answer.reason}")
+        self.outstanding.discard(answer.request)
+        self.exhausted = answer.exhausted and not answer.shards
+        return answer.shards
+
+    @property
+    def waiting(self) -> bool:
+        """Worth waiting for an answer: a request is out, or the data is not exhausted."""
+        return bool(self.outstanding) or not self.exhausted
+
+    # ------------------------------------------------------------------ consumption
+
+    def measure(self, samples: int) -> None:
+        """`samples` more were consumed: one rate estimate a second, smoothed."""
+        now = self.clock()
+        self._consumed += samples
+        if self._rate_mark is None:
+            self._rate_mark = (now, self._consumed)
+            return
+        since, count = self._rate_mark
+        if now - since >= 1.0:
+            rate = (self._consumed - count) / (now - since)
+            self.rate = rate if not self.rate else 0.5 * self.rate + 0.5 * rate
+            self._rate_mark = (now, self._consumed)

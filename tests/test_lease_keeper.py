@@ -1,0 +1,134 @@
+"""The lease keeper's decisions, with scripted answers and an injected clock (pure logic)."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from rove.control import events as ev
+from rove.shard_service.keeper import MAX_AHEAD, DataError, LeaseKeeper
+
+
+@dataclass
+class ScriptedClient:
+    """Records requests; answers are put in `answers` by the test."""
+
+    dataset: str = "d"
+    job: str = "j1"
+    answers: queue.Queue[Any] = field(default_factory=queue.Queue)
+    requests: list[tuple[int, tuple[int, ...], dict[str, Any]]] = field(default_factory=list)
+
+    def request(self, count: int, held: tuple[int, ...], **first: Any) -> int:
+        self.requests.append((count, held, first))
+        return len(self.requests)
+
+    def lease(self, request: int, *keys: int, exhausted: bool = False) -> None:
+        self.answers.put(
+            ev.ShardLeased(
+                job="j1",
+                id=f"a{request}",
+                producer="m",
+                ts=0.0,
+                epoch=1,
+                dataset="d",
+                client="c",
+                request=request,
+                shards=tuple(ev.ShardRef(k) for k in keys),
+                deadline=1e9,
+                exhausted=exhausted,
+            )
+        )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SPEC = ev.DatasetSpec(size=10_000, shard_size=100, lease_s=30.0)
+
+
+def keeper(**kw: Any) -> tuple[LeaseKeeper, ScriptedClient, Clock]:
+    client, clock = ScriptedClient(), Clock()
+    return LeaseKeeper(client, SPEC, clock=clock, **kw), client, clock  # type: ignore[arg-type]
+
+
+def test_the_first_request_asks_for_prefetch_shards_and_carries_the_restore_point() -> None:
+    k, c, _ = keeper(prefetch=3)
+    k.restore = ev.DataPosition(done=((0, 4),))
+    k.top_up(0, [])
+    ((count, held, first),) = c.requests
+    assert count == 3 and held == ()
+    assert first["restore"] == k.restore
+    k.top_up(0, [])
+    assert len(c.requests) == 1, "one request in flight at a time"
+    c.lease(1, 5, 6, 7)
+    assert [r.key for r in k.poll(wait=False)] == [5, 6, 7]
+    k.top_up(2, [5, 6, 7])
+    assert c.requests[-1][0] == 1 and "restore" not in c.requests[-1][2]
+
+
+def test_it_keeps_cover_s_seconds_of_shards_ahead_at_the_measured_rate() -> None:
+    k, _, clock = keeper(prefetch=2, cover_s=10.0)
+    assert k.ahead() == 2
+    k.measure(0)
+    clock.now = 1.0
+    k.measure(500)  # 500 samples/s: 10 s is 5000 samples, 50 shards of 100
+    assert k.ahead() == 50
+    clock.now = 2.0
+    k.measure(100_000)
+    assert k.ahead() == MAX_AHEAD, "capped, however fast it trains"
+
+
+def test_held_leases_are_renewed_by_an_empty_request_every_third_of_the_lease() -> None:
+    k, c, clock = keeper(prefetch=1)
+    k.top_up(0, [])
+    c.lease(1, 0)
+    k.poll(wait=False)
+    clock.now = 9.0
+    k.top_up(1, [0])
+    assert len(c.requests) == 1, "not yet: nothing missing, lease fresh"
+    clock.now = 10.5
+    k.top_up(1, [0])
+    assert c.requests[-1][:2] == (0, (0,)), "an empty request renews shard 0"
+
+
+def test_a_short_batch_asks_for_enough_samples() -> None:
+    k, c, _ = keeper(prefetch=1)
+    k.top_up(1, [], short_samples=350)
+    assert c.requests[-1][0] == 4, "4 shards of 100 for 350 samples"
+
+
+def test_exhausted_data_ends_the_wait_and_a_refusal_names_the_reason() -> None:
+    k, c, _ = keeper()
+    k.top_up(0, [])
+    assert k.waiting
+    c.lease(1, exhausted=True)
+    assert k.poll(wait=True) == [] and not k.waiting
+    c.answers.put(
+        ev.DataRejected(
+            job="j1",
+            id="r",
+            producer="m",
+            ts=0.0,
+            epoch=1,
+            dataset="d",
+            client="c",
+            event_id="e",
+            reason="count must be between 0 and 1024, not 5000",
+        )
+    )
+    with pytest.raises(DataError, match="dataset d: count must be between"):
+        k.poll(wait=False)
+
+
+def test_data_errors_are_rove_errors_that_say_retrying_cannot_help() -> None:
+    from rove.control.errors import PermanentError, RoveError
+
+    assert issubclass(DataError, PermanentError) and issubclass(DataError, RoveError)
