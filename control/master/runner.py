@@ -26,8 +26,7 @@ from rove.control.master import snapshots
 from rove.control.master.decide import decide
 from rove.control.master.election import Lease
 from rove.control.master.netcheck import Wait
-from rove.control.master.replica import Replica
-from rove.control.master.state import JobState
+from rove.control.service import JobService
 
 log = structlog.get_logger("rove.master")
 
@@ -40,8 +39,8 @@ _WAKE_ON = (ev.ShardRequested, ev.DatasetRegistered)
 _ANSWERS = (ev.ShardLeased, ev.DataRejected)
 
 
-class MasterRunner:
-    """Runs one master candidate for `job` until `stop()`."""
+class MasterRunner(JobService):
+    """Runs one master candidate for `job` until `stop()` (a `JobService` that leads)."""
 
     def __init__(
         self,
@@ -55,52 +54,41 @@ class MasterRunner:
         snapshot_every_events: int = 1000,
         snapshot_every_s: float = 30.0,
     ) -> None:
-        self.bus = bus
-        self.job = subjects.check_name("job", job)
+        super().__init__(bus, job, name=f"master {master_id}", clock=clock, tick_s=tick_s)
         self.master_id = master_id
         self.spec = spec
-        self.clock = clock
-        self.tick_s = tick_s
         self.snapshot_every_events = snapshot_every_events
         self.snapshot_every_s = snapshot_every_s
-        self.replica = Replica(bus, job, on_applied=self._applied, on_rejected=self._rejected)
         self.role = "starting"
         self.fence: Fence | None = None
         self.lease: Lease | None = None
         self._inflight: dict[str, float] = {}
         self._unrecorded: dict[tuple[str, int], records.Rejection] = {}
         self._recorded: set[tuple[str, int]] = set()
-        self._stopping = asyncio.Event()
-        self._wake = asyncio.Event()
         self._last_snapshot_seq = 0
         self._last_snapshot_at = 0.0
         self._waiting = ""
         self.log = log.bind(job=job, master=master_id)
 
-    @property
-    def state(self) -> JobState:
-        return self.replica.state
-
     # ------------------------------------------------------------------ hooks from the replica
 
-    def _applied(self, rec: records.Recorded) -> None:
+    def on_event(self, rec: records.Recorded) -> None:
         self._inflight.pop(rec.event.id, None)
         if type(rec.event) in _WAKE_ON:
-            self._wake.set()  # a data client waits for its answer: decide now
+            self.wake()  # a data client waits for its answer: decide now
         if isinstance(rec.event, ev.EventRejected):
             key = (rec.event.stream, rec.event.stream_seq)
             self._recorded.add(key)
             self._unrecorded.pop(key, None)
 
-    def _rejected(self, rej: records.Rejection) -> None:
+    def on_rejected(self, rej: records.Rejection) -> None:
         key = (rej.stream, rej.seq)
         if key not in self._recorded:
             self._unrecorded[key] = rej
 
     # ------------------------------------------------------------------ main loop
 
-    async def run(self) -> None:
-        await self.replica.start()
+    async def serve(self) -> None:
         self._last_snapshot_seq = self.replica.snapshot_seq
         kv, ttl = await self.bus.lease_bucket()
         self.lease = Lease(kv, self.job, self.master_id, ttl)
@@ -112,10 +100,10 @@ class MasterRunner:
             epoch=self.state.epoch,
         )
         try:
-            while not self._stopping.is_set():
+            while not self.stopping:
                 epoch = await self.lease.try_acquire()
                 if epoch is None:
-                    await self._sleep(min(self.lease.renew_every_s, 1.0) / 2)
+                    await self.sleep(min(self.lease.renew_every_s, 1.0) / 2)
                     continue
                 await self._hold(epoch)
                 self.fence = None
@@ -125,12 +113,11 @@ class MasterRunner:
                 await self._write_snapshot()
             if self.lease is not None:
                 await self.lease.release()
-            await self.replica.stop()
 
     async def _hold(self, epoch: int) -> None:
         """Lead while the lease is ours; return when it is lost or we stop."""
         assert self.lease is not None
-        while not self._stopping.is_set():
+        while not self.stopping:
             try:
                 await self._lead(epoch)
                 return
@@ -142,7 +129,7 @@ class MasterRunner:
                     self.log.warning(
                         "fence broken by a non-election message; re-electing", error=str(exc)
                     )
-                    await self._sleep(0.05)
+                    await self.sleep(0.05)
                     continue
                 self.log.warning("deposed: stepping down to standby", epoch=epoch, reason=str(exc))
                 return
@@ -153,15 +140,6 @@ class MasterRunner:
                 )
                 await self.lease.release()
                 return
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    async def _sleep(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self._stopping.wait(), seconds)
-        except TimeoutError:
-            pass
 
     async def _lead(self, epoch: int) -> None:
         assert self.lease is not None
@@ -211,7 +189,7 @@ class MasterRunner:
             )
         await self._write_snapshot()
         next_renew = time.monotonic() + self.lease.renew_every_s
-        while not self._stopping.is_set():
+        while not self.stopping:
             # Decide before renewing: a leader that was paused past its lease
             # tries its writes and the server refuses them (the fence), which
             # is the guarantee; the lease check below is only the fast path.
@@ -220,18 +198,7 @@ class MasterRunner:
                 if not await self.lease.renew():
                     raise FencedError("the leader lease expired or was taken")
                 next_renew = time.monotonic() + self.lease.renew_every_s
-            await self._doze(self.tick_s)
-
-    async def _doze(self, seconds: float) -> None:
-        """Sleep until the next tick, or until an event someone waits on is folded."""
-        wake = asyncio.ensure_future(self._wake.wait())
-        stop = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait((wake, stop), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            wake.cancel()
-            stop.cancel()
-        self._wake.clear()
+            await self.doze()
 
     async def _election_fence(self, epoch: int) -> Fence:
         """Fence for our `master_elected`: the last message now on the election subject.

@@ -1,0 +1,57 @@
+"""The job-following service base: follow the job, act on what is folded, publish facts."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rove.control import events as ev
+from rove.control import records
+from rove.control.bus import Bus
+from rove.control.service import JobService
+from tests import factories
+from tests.support import stored_events
+
+
+class StopWhenTwoNodesJoined(JobService):
+    """A toy service: once two nodes have joined, it asks the job to stop."""
+
+    def __init__(self, bus: Bus) -> None:
+        super().__init__(bus, "j1", name="probe", tick_s=30.0)
+        self.seen: list[str] = []
+
+    def on_event(self, rec: records.Recorded) -> None:
+        self.seen.append(ev.kind(rec.event))
+        if isinstance(rec.event, ev.NodeJoined):
+            self.wake()  # act now, not at the next 30 s tick
+
+    async def serve(self) -> None:
+        while not self.stopping:
+            if len(self.state.nodes) >= 2:
+                self.emit(
+                    ev.StopRequested(
+                        **ev.envelope("j1", "service:probe", self.clock(), "j1", "probe-stop"),
+                        reason="two nodes are enough",
+                    )
+                )
+                return
+            await self.doze()
+
+
+async def test_a_service_catches_up_acts_on_folded_events_and_publishes_facts(bus: Bus) -> None:
+    await bus.publish(factories.joined("n1"))  # before the service starts: caught up
+    service = StopWhenTwoNodesJoined(bus)
+    task = asyncio.create_task(service.run())
+    await asyncio.sleep(0.2)
+    assert not task.done() and service.seen == ["node_joined"]
+    await bus.publish(factories.joined("n2", n=1))
+    await asyncio.wait_for(task, 10)  # woken by the fold, long before its 30 s tick
+    stops = [r.event for r in await stored_events(bus) if isinstance(r.event, ev.StopRequested)]
+    assert [s.reason for s in stops] == ["two nodes are enough"]
+
+
+async def test_stop_ends_a_dozing_service(bus: Bus) -> None:
+    service = StopWhenTwoNodesJoined(bus)
+    task = asyncio.create_task(service.run())
+    await asyncio.sleep(0.2)
+    service.stop()
+    await asyncio.wait_for(task, 10)
