@@ -205,10 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--warm-start",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="fork workers from a server that imported torch once, so a restart skips "
-        "interpreter start and imports (default: fresh interpreters, as torchrun; "
-        "see docs/runtime.md)",
+        "interpreter start and imports (default: on); --no-warm-start starts every "
+        "worker as a fresh interpreter, as torchrun does (see docs/runtime.md)",
     )
     g.add_argument(
         "--preload",

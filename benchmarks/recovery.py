@@ -3,8 +3,9 @@
 Every run trains `examples/train.py` and kills rank 1 with SIGKILL when it
 reaches --kill-step. torchrun runs with torch.save checkpoints every
 --ckpt-every steps (what a torchrun user has); rove runs the same, and with
-flash checkpoints every step restored from memory (`_flash`), with
---warm-start and without it (`_cold`, every worker a fresh interpreter).
+flash checkpoints every step restored from memory (`_flash`),
+with warm start (the default) and without it (`_cold`: --no-warm-start, every
+worker a fresh interpreter).
 Shapes: one node of 2 workers (`--standalone` for both launchers) and 2 nodes
 x 2 workers (two agents each; torchrun with c10d rendezvous).
 
@@ -212,7 +213,8 @@ def run_rove(
     """`nodes` rove agents and a rove master; with 1, rove run --standalone.
 
     `flash`: flash checkpoints every step (restore from memory) instead of torch.save.
-    `warm`: adds --warm-start (workers forked from a server that imported torch).
+    `warm`: warm start (the default; workers forked from a server that imported torch);
+    else --no-warm-start (every worker a fresh interpreter).
     """
     rove = [sys.executable, "-m", "rove.control.cli.main"]
     job = f"bench-{work.name.replace('_', '-')}"
@@ -220,8 +222,7 @@ def run_rove(
     train = train_args(work, a.steps, 1 if flash else a.ckpt_every, a.step_sleep)
     if flash:
         train.append("--flash")
-    if warm:
-        train = ["--warm-start", *train]
+    train = ["--warm-start" if warm else "--no-warm-start", *train]
     master = None
     procs = []
     try:

@@ -58,7 +58,7 @@ def _reports(tmp_path: Path) -> dict[str, dict[str, object]]:
 def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
     tmp_path: Path,
 ) -> None:
-    code, log = _run(tmp_path, "--warm-start")
+    code, log = _run(tmp_path)  # warm start is the default
     assert code == 0, log[-3000:]
     reports = _reports(tmp_path)
     assert sorted(reports) == ["0", "1"]
@@ -76,7 +76,7 @@ def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
 
 @pytest.mark.slow
 def test_without_warm_start_workers_are_fresh_interpreters(tmp_path: Path) -> None:
-    code, log = _run(tmp_path)
+    code, log = _run(tmp_path, "--no-warm-start")
     assert code == 0, log[-3000:]
     reports = _reports(tmp_path)
     assert sorted(reports) == ["0", "1"]
