@@ -8,7 +8,10 @@
 2. Sampler overhead: the same small training loop over generated data, one
    epoch fed by a `DistributedSampler`, one fed by `ShardSampler` (leases
    from the master, acknowledgements, position tracking), alternating, the
-   median of `--repeats`. The ratio is sharded time / plain time.
+   median of `--repeats` (7). The ratio is sharded time / plain time; the
+   range of the paired ratios shows the machine's noise, and the CPU the
+   sharded epoch adds (in the trainer, and in the master and nats-server that
+   share its cores) shows where the time goes.
 
 Prints one JSON line: `runs` (clients, leases_per_s, p50_ms, p99_ms),
 `sampler_overhead_ratio`, and the times it came from.
@@ -29,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -126,16 +130,27 @@ async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dic
     }
 
 
-def train_epoch(loader, model, opt) -> float:  # type: ignore[no-untyped-def]
-    started = time.perf_counter()
+def train_epoch(loader, model, opt) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(wall seconds, CPU seconds of this process) of one epoch."""
+    started, cpu = time.perf_counter(), time.process_time()
     for x, y in loader:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
 
 
-def sampler_overhead(url: str, repeats: int) -> dict[str, float]:
+def _cpu_s(pids: tuple[int, ...]) -> float:
+    return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
+
+
+def sampler_overhead(url: str, repeats: int, others: tuple[int, ...]) -> dict[str, float]:
+    """Epochs fed by DistributedSampler and by ShardSampler, alternating.
+
+    Besides wall time it records where the sharded epoch's extra work goes: this
+    process's CPU (the sampler, its bus thread), and the CPU of `others` (the
+    master and the nats-server), which share the machine's cores with training.
+    """
     from rove.shard_service import ShardSampler
 
     torch.manual_seed(0)
@@ -151,12 +166,15 @@ def sampler_overhead(url: str, repeats: int) -> dict[str, float]:
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     plain_s, sharded_s, startup_s = [], [], []
+    plain_cpu, sharded_cpu, others_cpu = [], [], []
     for r in range(repeats):
         for side in ("plain", "sharded") if r % 2 == 0 else ("sharded", "plain"):
             if side == "plain":
                 sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=r)
                 loader = DataLoader(data, batch_size=batch, sampler=sampler)
-                plain_s.append(train_epoch(loader, model, opt))
+                wall, cpu = train_epoch(loader, model, opt)
+                plain_s.append(wall)
+                plain_cpu.append(cpu)
             else:
                 t = time.perf_counter()
                 sharded = ShardSampler(
@@ -164,14 +182,23 @@ def sampler_overhead(url: str, repeats: int) -> dict[str, float]:
                 )
                 sharded.connect()  # once per process: its own NATS connection
                 startup_s.append(time.perf_counter() - t)
-                sharded_s.append(train_epoch(sharded.loader(data), model, opt))
+                before = _cpu_s(others)
+                wall, cpu = train_epoch(sharded.loader(data), model, opt)
+                others_cpu.append(_cpu_s(others) - before)
+                sharded_s.append(wall)
+                sharded_cpu.append(cpu)
                 sharded.close()
     plain, shard = statistics.median(plain_s), statistics.median(sharded_s)
+    pairs = sorted(s / p for s, p in zip(sharded_s, plain_s, strict=True))
     return {
         "plain_epoch_s": round(plain, 3),
         "sharded_epoch_s": round(shard, 3),
         "startup_s": round(statistics.median(startup_s), 3),
         "ratio": shard / plain,
+        "ratio_min": pairs[0],
+        "ratio_max": pairs[-1],
+        "trainer_cpu_extra_s": statistics.median(sharded_cpu) - statistics.median(plain_cpu),
+        "master_and_server_cpu_s": statistics.median(others_cpu),
     }
 
 
@@ -186,7 +213,7 @@ async def leases(url: str, seconds: float) -> list[dict[str, float]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     logs.configure(level="WARNING")
     with tempfile.TemporaryDirectory() as tmp:
@@ -209,9 +236,12 @@ def main() -> None:
             env={**os.environ, "ROVE_LOG_LEVEL": os.environ.get("BENCH_MASTER_LOG", "warning")},
         )
         try:
-            time.sleep(1.0)  # the master starts; the warm-up lease waits for its election
+            time.sleep(1.0)  # the master starts; the first request waits for its election
+            assert server.proc is not None
+            # the sampler first, while the master holds only its dataset (as a training
+            # job's master does), then the lease runs (which leave ~50,000 done shards)
+            overhead = sampler_overhead(server.url, args.repeats, (master.pid, server.proc.pid))
             runs = run_async(leases(server.url, args.seconds))
-            overhead = sampler_overhead(server.url, args.repeats)
         except BaseException:
             sys.stderr.write((Path(tmp) / "master.log").read_text()[-3000:])
             raise
@@ -227,6 +257,12 @@ def main() -> None:
                 "plain_epoch_s": overhead["plain_epoch_s"],
                 "sharded_epoch_s": overhead["sharded_epoch_s"],
                 "sampler_startup_s": overhead["startup_s"],
+                "sampler_ratio_range": [
+                    round(overhead["ratio_min"], 4),
+                    round(overhead["ratio_max"], 4),
+                ],
+                "sampler_trainer_cpu_extra_s": round(overhead["trainer_cpu_extra_s"], 3),
+                "sampler_master_and_server_cpu_s": round(overhead["master_and_server_cpu_s"], 3),
                 "targets": {"leases_per_s": 2000, "p99_ms": 20, "sampler_overhead_ratio": 1.03},
             }
         )

@@ -76,8 +76,26 @@ def indices(spec: DatasetSpec, ref: ShardRef) -> list[int]:
     start = sid * spec.shard_size
     out = list(range(start, min(spec.size, start + spec.shard_size)))
     if spec.shuffle:
-        random.Random((spec.seed * 1_000_003 + epoch_of(spec, ref.key)) * 7_919 + sid).shuffle(out)
+        shuffle(out, random.Random((spec.seed * 1_000_003 + epoch_of(spec, ref.key)) * 7_919 + sid))
     return out[ref.offset :]
+
+
+def shuffle(items: list[int], rng: random.Random) -> None:
+    """`rng.shuffle(items)`, in place, with the very same result, about twice as fast.
+
+    The same Fisher-Yates walk and the same draws as CPython's `Random.shuffle`
+    (`_randbelow_with_getrandbits`: the bits of the bound, redrawn while too big),
+    with the method lookups taken out of the loop: a sampler shuffles each shard it
+    trains, on the training thread. A test checks it against `Random.shuffle`.
+    """
+    getrandbits = rng.getrandbits
+    for i in range(len(items) - 1, 0, -1):
+        bound = i + 1
+        bits = bound.bit_length()
+        j = getrandbits(bits)
+        while j >= bound:
+            j = getrandbits(bits)
+        items[i], items[j] = items[j], items[i]
 
 
 def to_ranges(keys: Iterable[int]) -> tuple[tuple[int, int], ...]:

@@ -258,3 +258,17 @@ def test_exactly_once_in_the_lineage_across_random_failures(seed: int, ranks: in
     samples = sorted(x for v in lineage.values() for x in v)
     expected = sorted((e, i) for e in range(spec.epochs) for i in range(spec.size))
     assert samples == expected
+
+
+def test_the_fast_shuffle_gives_exactly_pythons_shuffle() -> None:
+    """Positions saved in checkpoints point into this order: it must never change."""
+    import random
+
+    from rove.control.shards import shuffle
+
+    for seed in range(100):
+        for n in (0, 1, 2, 3, 255, 256, 257, 512):
+            expected, got = list(range(n)), list(range(n))
+            random.Random(seed).shuffle(expected)
+            shuffle(got, random.Random(seed))
+            assert got == expected, (seed, n)
