@@ -27,7 +27,7 @@ def rove_cli(
         [sys.executable, "-m", "rove.control.cli.main", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=patience(timeout),
         check=check,
         env={**os.environ, **env} if env else None,
     )
@@ -100,10 +100,24 @@ class Cluster:
             n.stop()
 
 
+def patience(seconds: float) -> float:
+    """`seconds` stretched by how busy the machine is now (and `ROVE_TEST_TIMEOUT_SCALE`).
+
+    A bound that a quiet machine meets in `seconds` is given more on a loaded one:
+    times the 1-minute load average per core, when that is above 1. Tests use it for
+    every wait on real processes, so a busy CI machine does not fail them.
+    """
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    scale = float(os.environ.get("ROVE_TEST_TIMEOUT_SCALE", "1") or 1)
+    return seconds * max(1.0, load) * scale
+
+
 async def eventually(
     check: Callable[[], Awaitable[Any] | Any], *, timeout: float = 20.0, every: float = 0.05
 ) -> Any:
-    """Poll `check` until it returns a truthy value; return it, or fail after `timeout`."""
+    """Poll `check` until it returns a truthy value; return it, or fail after `timeout`
+    (stretched by `patience`)."""
+    timeout = patience(timeout)
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -322,7 +336,8 @@ class RunProc:
         return self.log_path.read_text(errors="replace")
 
     def wait(self, timeout: float = 180) -> int:
-        return self.proc.wait(timeout)
+        """The exit code; fails (with the log tail in the report) after `patience(timeout)`."""
+        return self.proc.wait(patience(timeout))
 
     def kill(self) -> None:
         self.proc.kill()

@@ -14,7 +14,7 @@ from rove.control.bus import Bus, BusOptions, Fence
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import BusUnavailableError, ConfigError, FencedError, PublishDeadlineError
 from tests import factories
-from tests.support import eventually, free_port
+from tests.support import eventually, free_port, patience
 
 
 async def stored(bus: Bus, job: str = "j1") -> list[records.Recorded | records.Rejection]:
@@ -168,7 +168,7 @@ async def test_caught_up_is_set_for_an_empty_job_and_after_the_backlog(bus: Bus)
     feed = await bus.subscribe(
         subjects.EVENTS_STREAM, subjects.job_events("empty"), lambda r: None, lambda r: None
     )
-    await asyncio.wait_for(feed.caught_up.wait(), 5)
+    await asyncio.wait_for(feed.caught_up.wait(), patience(5))
     await feed.stop()
     await bus.publish_many([factories.joined(f"n{i}", n=i) for i in range(50)])
     seen: list[int] = []
@@ -178,7 +178,7 @@ async def test_caught_up_is_set_for_an_empty_job_and_after_the_backlog(bus: Bus)
         lambda r: seen.append(r.seq),
         lambda r: None,
     )
-    await asyncio.wait_for(feed.caught_up.wait(), 5)
+    await asyncio.wait_for(feed.caught_up.wait(), patience(5))
     assert seen == list(range(1, 51))
     await bus.publish(factories.joined("late", n=99))
     await eventually(lambda: len(seen) == 51)

@@ -14,7 +14,7 @@ from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.embedded import EmbeddedServer
 from tests import factories
-from tests.support import free_port, rove_cli
+from tests.support import free_port, patience, rove_cli
 
 
 async def seed(bus: Bus) -> None:
@@ -93,7 +93,7 @@ async def test_events_follow_prints_new_events_as_they_arrive(bus: Bus) -> None:
         assert "node=n7" in second
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(patience(10))
 
 
 async def test_status_shows_leader_nodes_and_heartbeats(bus: Bus) -> None:

@@ -9,7 +9,7 @@ import pytest
 from rove.control import subjects
 from rove.control.bus import Bus, BusOptions
 from tests import factories
-from tests.support import Cluster, stored_events
+from tests.support import Cluster, patience, stored_events
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ async def test_kill_9_of_a_cluster_node_while_publishing_stores_every_event_once
         while len(sent) < 100:
             await asyncio.sleep(0.01)
         victim.kill()  # the stream leader dies mid-stream
-        await asyncio.wait_for(publisher, 120)
+        await asyncio.wait_for(publisher, patience(120))
 
         recs = await stored_events(bus)
         assert [r.event for r in recs] == sent, "each event once, in publish order"

@@ -16,7 +16,7 @@ from rove.control.master import snapshots
 from rove.control.master.election import current_holder
 from rove.control.master.state import NodeStatus
 from tests.conftest import TEST_LEASE_TTL
-from tests.support import Agents, MasterProc, eventually, fold_records, stored_events
+from tests.support import Agents, MasterProc, eventually, fold_records, patience, stored_events
 
 pytestmark = pytest.mark.slow
 
@@ -193,4 +193,4 @@ async def test_an_in_process_master_that_crashes_is_restarted_and_leads(
         assert len(calls) == 2, "restarted once after the crash"
     finally:
         supervised.stop()
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(task, patience(30))

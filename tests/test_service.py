@@ -9,7 +9,7 @@ from rove.control import records
 from rove.control.bus import Bus
 from rove.control.service import JobService
 from tests import factories
-from tests.support import stored_events
+from tests.support import patience, stored_events
 
 
 class StopWhenTwoNodesJoined(JobService):
@@ -44,7 +44,7 @@ async def test_a_service_catches_up_acts_on_folded_events_and_publishes_facts(bu
     await asyncio.sleep(0.2)
     assert not task.done() and service.seen == ["node_joined"]
     await bus.publish(factories.joined("n2", n=1))
-    await asyncio.wait_for(task, 10)  # woken by the fold, long before its 30 s tick
+    await asyncio.wait_for(task, patience(10))  # woken by the fold, before its 30 s tick
     stops = [r.event for r in await stored_events(bus) if isinstance(r.event, ev.StopRequested)]
     assert [s.reason for s in stops] == ["two nodes are enough"]
 
@@ -54,4 +54,4 @@ async def test_stop_ends_a_dozing_service(bus: Bus) -> None:
     task = asyncio.create_task(service.run())
     await asyncio.sleep(0.2)
     service.stop()
-    await asyncio.wait_for(task, 10)
+    await asyncio.wait_for(task, patience(10))

@@ -20,7 +20,7 @@ from rove.agent import warm
 from rove.agent.runtime import WorkerRuntime
 from rove.agent.workers import TorchRuntime
 from rove.control.events import FailureKind
-from tests.support import pid_alive
+from tests.support import patience, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ async def test_workers_that_all_exit_0_end_the_round_without_a_failure(
 ) -> None:
     pids = runtime.start(1, envs(2))
     assert sorted(pids) == [0, 1] and runtime.running and runtime.round == 1
-    ended = await asyncio.wait_for(runtime.wait(), 120)
+    ended = await asyncio.wait_for(runtime.wait(), patience(120))
     assert ended.round == 1 and ended.failure is None
     assert not runtime.running
 
@@ -79,7 +79,7 @@ async def test_a_failed_worker_is_the_rounds_failure_and_the_others_are_torn_dow
     runtime: WorkerRuntime,
 ) -> None:
     runtime.start(2, envs(2, FAIL_RANK="1", CODE="3", SLEEP="0.2"))
-    ended = await asyncio.wait_for(runtime.wait(), 120)
+    ended = await asyncio.wait_for(runtime.wait(), patience(120))
     assert ended.failure is not None
     assert ended.failure.local_rank == 1 and ended.failure.exit_code == 3
     assert not runtime.running
@@ -87,7 +87,7 @@ async def test_a_failed_worker_is_the_rounds_failure_and_the_others_are_torn_dow
 
 async def test_a_python_error_is_diagnosed_from_the_log(runtime: WorkerRuntime) -> None:
     runtime.start(1, envs(1, RAISE_RANK="0"))
-    ended = await asyncio.wait_for(runtime.wait(), 120)
+    ended = await asyncio.wait_for(runtime.wait(), patience(120))
     assert ended.failure is not None
     assert ended.failure.diagnosis.kind is FailureKind.USER_ERROR
     assert "ValueError: rank refuses" in ended.failure.diagnosis.reason
@@ -106,7 +106,7 @@ async def test_waiting_uses_the_processes_not_a_polling_loop(
 
     monkeypatch.setattr(runtime, "_poll", counted)
     runtime.start(1, envs(2, SLEEP="2"))
-    ended = await asyncio.wait_for(runtime.wait(), 120)
+    ended = await asyncio.wait_for(runtime.wait(), patience(120))
     assert ended.failure is None
     # once at the start, once per worker's return and exit: not every 0.1 s for 2 s
     assert polls <= 8, polls

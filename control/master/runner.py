@@ -32,9 +32,20 @@ log = structlog.get_logger("rove.master")
 
 #: How long a published decision is not re-published while we wait to see it folded.
 INFLIGHT_S = 5.0
-#: Facts whose producer waits for an answer: the leader decides as soon as it folds one.
+#: Facts someone waits on: the leader decides as soon as it folds one, not at the next
+#: tick. Data clients wait for their leases; a failed or finished round, a node that
+#: joins or leaves, a network-check report or a stop wait for the next round or the end.
 #: (An acknowledgement is answered only when refused; that waits for the next tick.)
-_WAKE_ON = (ev.ShardRequested, ev.DatasetRegistered)
+_WAKE_ON = (
+    ev.ShardRequested,
+    ev.DatasetRegistered,
+    ev.WorkerExited,
+    ev.WorkersSucceeded,
+    ev.RdzvJoined,
+    ev.NodeLeft,
+    ev.NetworkCheckReported,
+    ev.StopRequested,
+)
 #: Answers to data clients: many at a time, independent of each other.
 _ANSWERS = (ev.ShardLeased, ev.DataRejected)
 
