@@ -347,7 +347,9 @@ class Agent:
             extra=self._restore_env(r),
         )
         ranks = tuple(range(member.first_rank, member.first_rank + member.nproc))
-        self.checkpoints.round(ranks, r.world_size, group_rank, self.job_run)
+        await self.checkpoints.new_round(
+            r.round, r.restore_step, ranks, r.world_size, group_rank, self.job_run
+        )
         self._group_rank = group_rank
         pids = self.workers.start(r.round, envs)
         # torch's start_processes installs signal handlers of its own (they raise

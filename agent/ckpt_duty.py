@@ -43,10 +43,37 @@ class CheckpointDuty:
         self._persisting: asyncio.Task[None] | None = None
         self._world_size = 0
         self._group_rank: int | None = None
+        self._round = 0
 
-    def round(self, ranks: tuple[int, ...], world_size: int, group_rank: int, run: str) -> None:
-        """This node runs `ranks` of `world_size` in a new round of `run` of the job."""
+    async def new_round(
+        self,
+        round_: int,
+        restore_step: int | None,
+        ranks: tuple[int, ...],
+        world_size: int,
+        group_rank: int,
+        run: str,
+    ) -> None:
+        """Before the workers of a new round start: this node runs `ranks` of `world_size`
+        in round `round_` of `run` of the job, which goes on from `restore_step`.
+
+        The round starts a new lineage at `restore_step`: every newer step of the old
+        one (in this node's memory, and on storage) is dropped first, so that no rank
+        ever loads it once the new lineage saves steps of the same numbers. A persist
+        of the old lineage still running is waited for, so none lands afterwards.
+        """
+        if self._persisting is not None:
+            await asyncio.gather(self._persisting, return_exceptions=True)
         self.saver.ranks(ranks, run)
+        dropped, removed = await asyncio.to_thread(self.saver.cut, restore_step)
+        if dropped or removed:
+            self.log.info(
+                f"round {round_} goes on from step {restore_step}: dropped newer steps of "
+                "the abandoned lineage",
+                memory=dropped,
+                storage=removed,
+            )
+        self._round = round_
         self._world_size = world_size
         self._group_rank = group_rank
 
@@ -92,12 +119,16 @@ class CheckpointDuty:
         if step is not None:
             self.facts.emit(
                 ev.CkptInMemory(
-                    **self.facts.envelope(), step=step, ranks=tuple(sorted(self.saver.engines))
+                    **self.facts.envelope(),
+                    step=step,
+                    ranks=tuple(sorted(self.saver.engines)),
+                    round=self._round,
                 )
             )
         return step
 
     async def _persist(self, step: int) -> None:
+        round_ = self._round  # the lineage this step belongs to
         try:
             done = await asyncio.to_thread(self.saver.persist, step)
         except CheckpointError as exc:
@@ -113,5 +144,6 @@ class CheckpointDuty:
                 ranks=done.ranks,
                 world_size=self._world_size or len(done.ranks),
                 location=done.location,
+                round=round_,
             )
         )

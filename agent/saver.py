@@ -55,6 +55,29 @@ class Saver:
                 log.info("removing shared memory of an earlier run of the job", path=str(path))
                 path.unlink(missing_ok=True)
 
+    def cut(self, step: int | None) -> tuple[list[int], list[int]]:
+        """The job goes on from `step` (None: from scratch) on a new lineage: drop every
+        newer step, in this node's shared memory (every rank's slots of this run, not
+        only the ranks it runs now) and on storage. Blocking: run it in a thread.
+
+        Returns (steps dropped from memory, steps removed from storage).
+        """
+        keep = -1 if step is None else step
+        dropped: set[int] = set()
+        prefix = f"rove-ckpt-{self.name}-r"
+        ranks = {
+            int(path.name[len(prefix) :].split("-", 1)[0])
+            for path in default_dir().glob(f"{prefix}*-s*")
+            if path.name[len(prefix) :].split("-", 1)[0].isdigit()
+        }
+        for rank in ranks | set(self.engines):
+            engine = self.engines.get(rank) or FlashEngine(self.name, rank)
+            dropped.update(engine.discard_newer(keep))
+        removed = self.storage.discard_newer(keep) if self.storage is not None else []
+        self.reported_step = min(self.reported_step, keep)
+        self.persisted_step = min(self.persisted_step, keep)
+        return sorted(dropped), removed
+
     def common_step(self) -> int | None:
         """The newest step every local rank holds complete in memory."""
         if not self.engines:

@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
-from rove.checkpoint.restore import agree, candidates, job_and_storage
+from rove.checkpoint.restore import agree, begin_lineage, candidates, job_and_storage
 
 log = structlog.get_logger("rove.checkpoint")
 
@@ -83,6 +83,7 @@ class FlashCheckpointer:
                     log.warning(
                         "restored an older step", wanted=step, step=candidate, problems=tried
                     )
+                begin_lineage(self.engine, self.storage, candidate)
                 return candidate, loaded
             if loaded is not None:
                 tried.append(f"step {candidate}: another rank could not read it")

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
-from rove.checkpoint.restore import candidates, job_and_storage
+from rove.checkpoint.restore import begin_lineage, candidates, job_and_storage
 from rove.checkpoint.storage import Storage
 
 #: the key of a rank's DCP items in its slot, and of the metadata in the coordinator's
@@ -283,6 +283,7 @@ class DistributedCheckpointer:
             finally:
                 reader.close()
             self.restored_from = "memory" if reader.sources == {"memory"} else "storage"
+            begin_lineage(self.engine, self.storage, candidate)
             return candidate
         if not steps:
             return None

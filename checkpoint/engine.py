@@ -25,7 +25,15 @@ import torch
 import xxhash
 
 from rove.checkpoint import layout
-from rove.checkpoint.shm import COMPLETE, HEADER_SIZE, WRITING, Header, Segment, ShmFullError
+from rove.checkpoint.shm import (
+    COMPLETE,
+    EMPTY,
+    HEADER_SIZE,
+    WRITING,
+    Header,
+    Segment,
+    ShmFullError,
+)
 
 
 class CheckpointError(RuntimeError):
@@ -145,6 +153,24 @@ class FlashEngine:
             )
         )
         return digest
+
+    def discard_newer(self, step: int) -> list[int]:
+        """Drop every complete slot of a step newer than `step`; returns the steps dropped.
+
+        A job restored to `step` goes on on a new lineage: the newer steps of the old
+        one must never be loaded (the new lineage will save steps of the same numbers).
+        A slot is dropped by marking it EMPTY with a new generation, so a reader or a
+        persist that was reading it sees it changed and refuses it.
+        """
+        dropped = []
+        for seg in self.segments:
+            if seg.map is None and seg.path.exists():
+                seg._open()
+            h = seg.header()
+            if h is not None and h.state == COMPLETE and h.step > step:
+                seg.write_header(Header(EMPTY, h.generation + 1, h.step, 0, 0, 0, 0, False))
+                dropped.append(h.step)
+        return dropped
 
     # ------------------------------------------------------------------ load
 

@@ -100,3 +100,16 @@ def job_and_storage(
     job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID") or "local"
     directory = checkpoint_dir or env.get("ROVE_CKPT_DIR")
     return job, FileStorage(Path(directory)) if directory else None
+
+
+def begin_lineage(engine: FlashEngine, storage: Storage | None, step: int) -> None:
+    """Training goes on from `step`: drop this rank's newer slots and the newer steps on
+    storage, which belong to an abandoned lineage (the new one reuses their numbers).
+
+    Under `rove run` the agent has already done so for the step its round restores;
+    this covers a rank that had to fall back to an older step, and jobs run without
+    an agent.
+    """
+    engine.discard_newer(step)
+    if storage is not None:
+        storage.discard_newer(step)

@@ -78,6 +78,14 @@ class Storage(abc.ABC):
     def committed(self) -> int | None: ...
 
     @abc.abstractmethod
+    def discard_newer(self, step: int) -> list[int]:
+        """Remove every persisted step newer than `step` (all ranks); returns them.
+
+        Called when a job is restored to `step`: the newer steps belong to a lineage
+        that was abandoned, and the new lineage will persist steps of the same numbers.
+        """
+
+    @abc.abstractmethod
     def load(self, step: int, rank: int) -> Any:
         """Raises CheckpointError when the files are missing, torn or corrupted."""
 
@@ -178,6 +186,12 @@ class FileStorage(Storage):
         committed_or_older = [s for s in self.steps() if s <= step]
         for old in committed_or_older[: max(0, len(committed_or_older) - keep)]:
             shutil.rmtree(self._step_dir(old), ignore_errors=True)
+
+    def discard_newer(self, step: int) -> list[int]:
+        newer = [s for s in self.steps() if s > step]
+        for s in newer:
+            shutil.rmtree(self._step_dir(s), ignore_errors=True)
+        return newer
 
     def committed(self) -> int | None:
         try:

@@ -309,19 +309,22 @@ class NetworkCheckReported(NodeFact, tag="network_check_reported", frozen=True, 
 
 
 class CkptInMemory(NodeFact, tag="ckpt_in_memory", frozen=True, kw_only=True):
-    """Every local rank of `node` holds `step` in shared memory."""
+    """Every local rank of `node` holds `step` in shared memory (saved in `round`)."""
 
     step: int
     ranks: tuple[int, ...]
+    round: int = 0
 
 
 class CkptPersisted(NodeFact, tag="ckpt_persisted", frozen=True, kw_only=True):
-    """`node` persisted `step` of these ranks to storage (files renamed into place)."""
+    """`node` persisted `step` of these ranks to storage (files renamed into place);
+    `round`: the round whose lineage the step belongs to."""
 
     step: int
     ranks: tuple[int, ...]
     world_size: int
     location: str = ""
+    round: int = 0
 
 
 class CkptFailed(NodeFact, tag="ckpt_failed", frozen=True, kw_only=True):

@@ -293,24 +293,33 @@ def every_event() -> list[ev.Event]:
 
 
 def in_memory(
-    node: str, step: int, ranks: tuple[int, ...], *, inc: str = "i1", job: str = JOB
+    node: str, step: int, ranks: tuple[int, ...], *, inc: str = "i1", job: str = JOB, rnd: int = 1
 ) -> ev.CkptInMemory:
     return ev.CkptInMemory(
-        **_fact(node, inc, 100.0, job, "mem", step),
+        **_fact(node, inc, 100.0, job, "mem", step, rnd),
         step=step,
         ranks=ranks,
+        round=rnd,
     )
 
 
 def persisted(
-    node: str, step: int, ranks: tuple[int, ...], world: int = 4, *, inc: str = "i1", job: str = JOB
+    node: str,
+    step: int,
+    ranks: tuple[int, ...],
+    world: int = 4,
+    *,
+    inc: str = "i1",
+    job: str = JOB,
+    rnd: int = 1,
 ) -> ev.CkptPersisted:
     return ev.CkptPersisted(
-        **_fact(node, inc, 100.0, job, "persisted", step),
+        **_fact(node, inc, 100.0, job, "persisted", step, rnd),
         step=step,
         ranks=ranks,
         world_size=world,
         location="/ckpt",
+        round=rnd,
     )
 
 

@@ -127,3 +127,38 @@ def test_memory_older_than_the_committed_step_is_not_used() -> None:
     s.apply(factories.exited("n1", 1))
     s.tick()
     assert rounds(s)[-1].restore_source == "storage"
+
+
+def test_a_restore_starts_a_new_lineage_and_never_commits_a_mix_of_two() -> None:
+    """Step 94 persisted by n2 in round 1, then round 2 restores step 93: the new lineage
+    saves its own step 94. n1's step 94 of round 2 with n2's of round 1 is no step."""
+    s = sim()
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    s.apply(factories.in_memory("n1", 93, (0, 1), rnd=1))
+    s.apply(factories.in_memory("n2", 93, (2, 3), rnd=1))
+    s.apply(factories.persisted("n2", 94, (2, 3), rnd=1))
+    s.apply(factories.exited("n1", 1))
+    s.tick()
+    assert (rounds(s)[-1].round, rounds(s)[-1].restore_step) == (2, 93)
+    assert 94 not in s.state.ckpt.persisted, "the abandoned lineage's step 94 is forgotten"
+    s.apply(factories.persisted("n2", 94, (2, 3), rnd=1))  # a late report of it: ignored
+    s.apply(factories.persisted("n1", 94, (0, 1), rnd=2))
+    s.tick()
+    assert commits(s) == [], "ranks 2 and 3 of step 94 belong to the abandoned lineage"
+    s.apply(factories.persisted("n2", 94, (2, 3), rnd=2))
+    s.tick()
+    assert commits(s) == [94]
+
+
+def test_a_fresh_restart_forgets_every_step_of_the_old_lineage() -> None:
+    s = sim()
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    s.apply(factories.persisted("n1", 5, (0, 1), rnd=1))
+    s.apply(factories.exited("n1", 1))
+    s.tick()
+    assert rounds(s)[-1].restore_step is None
+    assert len(s.state.ckpt.persisted) == 0 and s.state.ckpt.cuts[-1] == (2, -1)

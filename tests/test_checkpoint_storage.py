@@ -126,8 +126,8 @@ def test_a_corrupted_committed_step_falls_back_to_the_older_one(
     ckpt = FlashCheckpointer(tmp_path / "ckpt", job="j1", rank=0)
     step, state = ckpt.load()  # type: ignore[misc]
     assert step == 3 and state["step"] == 3 and ckpt.restored_from == "storage"
+    assert storage.steps() == [3], "training goes on from 3: the broken step 4 is dropped"
 
-    path.unlink()
     (tmp_path / "ckpt" / "step-00000003" / "rank-00000.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"step 4 or any older one.*manifest of step 3"):
         FlashCheckpointer(tmp_path / "ckpt", job="j1", rank=0).load()
@@ -148,3 +148,24 @@ def test_a_rank_the_step_was_not_saved_by_loads_the_lowest_ranks_copy(
     monkeypatch.setenv("ROVE_RESTORE_SOURCE", "storage")
     step, state = FlashCheckpointer(tmp_path / "ckpt", job="j1", rank=3).load()  # type: ignore[misc]
     assert step == 5 and torch.equal(state["w"], torch.full((1000,), 5.0))
+
+
+def test_steps_of_an_abandoned_lineage_are_discarded_from_memory_and_storage(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    from rove.checkpoint.engine import FlashEngine
+    from rove.checkpoint.storage import FileStorage
+
+    engine = FlashEngine("lineage", 0, directory=tmp_path / "shm")
+    storage = FileStorage(tmp_path / "ckpt")
+    for step in (93, 94):
+        stats = engine.save(step, {"w": torch.full((4,), float(step))})
+        storage.persist(engine, stats.slot, 0)
+    assert engine.discard_newer(93) == [94]
+    assert [s.step for s in engine.slots()] == [93]
+    assert storage.discard_newer(93) == [94] and storage.steps() == [93]
+    stats = engine.save(94, {"w": torch.full((4,), -94.0)})  # the new lineage's step 94
+    assert engine.load(step=94)[1]["w"][0].item() == -94.0
+    assert engine.load(step=93)[1]["w"][0].item() == 93.0

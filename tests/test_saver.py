@@ -35,3 +35,31 @@ def test_workers_name_their_slots_by_the_run_the_agent_gives(
     assert namespace("j1") == "j1.bbbb"
     monkeypatch.delenv("ROVE_JOB_RUN")
     assert namespace("j1") == "j1", "outside rove run: the job name alone"
+
+
+def test_a_round_restored_to_a_step_drops_every_newer_step_of_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 2 ran ranks 2 and 3 here up to step 94; round 3 restores step 93 with this
+    node as ranks 0 and 1: step 94 of ranks 2 and 3 must not survive to be loaded when
+    the world grows back and the new lineage reaches 94 again."""
+    from rove.checkpoint.storage import FileStorage
+
+    monkeypatch.setenv("ROVE_SHM_DIR", str(tmp_path / "shm"))
+    name = namespace("j1", "run1")
+    storage = FileStorage(tmp_path / "ckpt")
+    for rank in (2, 3):
+        engine = FlashEngine(name, rank)
+        for step in (93, 94):
+            stats = engine.save(step, {"w": torch.full((2,), float(step))})
+            storage.persist(engine, stats.slot, rank)
+    saver = Saver("j1", tmp_path / "ckpt")
+    saver.ranks((0, 1), "run1")
+    saver.reported_step = saver.persisted_step = 94
+    dropped, removed = saver.cut(93)
+    assert (dropped, removed) == ([94], [94])
+    for rank in (2, 3):
+        assert [s.step for s in FlashEngine(name, rank).slots()] == [93]
+    assert storage.steps() == [93]
+    assert (saver.reported_step, saver.persisted_step) == (93, 93), "94 will be new again"
+    assert saver.cut(None) == ([93], [93]), "a fresh start keeps nothing"

@@ -1,7 +1,10 @@
 """What the master knows about checkpoints, and when a step is committed (pure).
 
 Agents report the steps their ranks hold in memory (`ckpt_in_memory`) and the
-steps they persisted (`ckpt_persisted`). A step is committed, by one
+steps they persisted (`ckpt_persisted`), each with the round whose workers saved
+it. A round that restores step S starts a new lineage there: the steps after S
+of the old one are forgotten, and a late report of one is ignored, so a commit
+never mixes the ranks of two lineages that reuse the same step numbers. A step is committed, by one
 `ckpt_committed` decision, once the ranks persisted for it cover the whole
 world it was saved in; only the newest such step is committed, and a
 committed step never goes back. Steps at or below the committed one are
@@ -29,9 +32,39 @@ class CkptState(msgspec.Struct, frozen=True, kw_only=True):
     )
     failures: int = 0
     last_error: str = ""
+    #: (round, step it restored, -1 for a fresh start) of the recent rounds: where
+    #: each started a new lineage (the newest `MAX_CUTS`)
+    cuts: tuple[tuple[int, int], ...] = ()
+
+
+#: How many lineage cuts the state remembers (a report older than all of them is stale).
+MAX_CUTS = 32
+
+
+def _stale(c: CkptState, step: int, round_: int) -> bool:
+    """A step saved in `round_` that a later round abandoned (it restored an older step)."""
+    return any(round_ < r and step > kept for r, kept in c.cuts)
+
+
+def on_round(c: CkptState, e: ev.RoundCompleted) -> CkptState:
+    """A round restores `e.restore_step` (None: starts afresh): a new lineage starts
+    there, and every newer step of the old one is forgotten."""
+    if c.cuts and e.round <= c.cuts[-1][0]:
+        return c
+    keep = -1 if e.restore_step is None else e.restore_step
+    persisted = c.persisted
+    for step in [s for s in persisted if s > keep]:
+        persisted = persisted.delete(step)
+    memory = c.memory
+    for node in [n for n, (step, _) in memory.items() if step > keep]:
+        memory = memory.delete(node)
+    cuts = (*c.cuts, (e.round, keep))[-MAX_CUTS:]
+    return replace(c, persisted=persisted, memory=memory, cuts=cuts)
 
 
 def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
+    if _stale(c, e.step, e.round):
+        return c  # a late report of a step a newer round abandoned
     known = c.memory.get(e.node)
     if known is not None and known[0] >= e.step:
         return c
@@ -41,6 +74,8 @@ def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
 def on_persisted(c: CkptState, e: ev.CkptPersisted) -> CkptState:
     if c.committed is not None and e.step <= c.committed:
         return c
+    if _stale(c, e.step, e.round):
+        return c  # persisted by a lineage a newer round abandoned: never to be committed
     world, ranks = c.persisted.get(e.step, (e.world_size, frozenset()))
     return replace(c, persisted=c.persisted.set(e.step, (world, ranks | set(e.ranks))))
 

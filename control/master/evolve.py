@@ -177,6 +177,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
             return replace(
                 state,
                 rdzv=_rdzv_unless_ended(state, rdzv.on_round_completed, event),
+                ckpt=ckpt.on_round(state.ckpt, event),
                 counters=replace(c, events=c.events + 1, rounds=c.rounds + 1),
                 applied_seq=seq,
             )
