@@ -298,8 +298,8 @@ class Agent:
                 await self._round(item)
             case ev.NetworkCheckAssigned():
                 self._network_check(item)
-            case ev.CkptCommitted(step=step):
-                await self.checkpoints.commit(step)
+            case ev.CkptCommitted(step=step, round=rnd):
+                await self.checkpoints.commit(step, rnd)
             case ev.NodeLost(node=node, incarnation=inc) if self.facts.is_me(node, inc):
                 self.log.warning("the master lost sight of this node; joining again")
                 await self._stop_workers()
@@ -380,7 +380,17 @@ class Agent:
 
     async def _watch(self) -> None:
         """Wait for this round's workers to end; hand that to the actor."""
-        self._inbox.put_nowait(await self.workers.wait())
+        try:
+            ended = await self.workers.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # The agent must never lose sight of its workers: say so loudly and stop
+            # this node (its agent's exit takes the workers down with it).
+            self.log.exception("lost track of the workers; leaving the job")
+            self._finish(EXIT_FAILED, "the agent lost track of its workers (see the log)")
+            return
+        self._inbox.put_nowait(ended)
 
     def _restore_env(self, r: ev.RoundCompleted) -> dict[str, str]:
         env = {

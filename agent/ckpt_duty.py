@@ -44,6 +44,7 @@ class CheckpointDuty:
         self._world_size = 0
         self._group_rank: int | None = None
         self._round = 0
+        self._kept = -1  # the step the current round's lineage started from
 
     async def new_round(
         self,
@@ -74,6 +75,7 @@ class CheckpointDuty:
                 storage=removed,
             )
         self._round = round_
+        self._kept = -1 if restore_step is None else restore_step
         self._world_size = world_size
         self._group_rank = group_rank
 
@@ -100,9 +102,13 @@ class CheckpointDuty:
             self.log.info(f"saving at breakpoint: persisting step {step} from memory")
             await self._persist(step)
 
-    async def commit(self, step: int) -> None:
-        """The master committed `step`: the node of group rank 0 records it on storage."""
+    async def commit(self, step: int, round_: int) -> None:
+        """The master committed `step` (of round `round_`'s lineage): the node of group
+        rank 0 records it on storage, unless a newer round abandoned that step."""
         if self._group_rank != 0 or self.saver.storage is None:
+            return
+        if round_ < self._round and step > self._kept:
+            self.log.info(f"not recording the commit of step {step}: its lineage was abandoned")
             return
         try:
             await asyncio.to_thread(self.saver.commit, step)

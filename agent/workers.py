@@ -159,7 +159,9 @@ class _Sentinels:
     """What wakes the agent about its workers: one pidfd per worker (readable when it
     exits, Linux 5.3+), and the read ends of their return queues (`_return_fds`).
 
-    Where pidfds are not available it falls back to checking every 0.1 s.
+    The agent also looks once a second whatever happens (a backstop, in case torch's
+    internals change under `_return_fds`); where pidfds are not available it looks
+    every 0.1 s.
     """
 
     def __init__(self, pids: dict[int, int], shared_fds: list[int]) -> None:
@@ -176,8 +178,9 @@ class _Sentinels:
                 self._fallback = True
                 break
 
-    async def next_exit(self) -> bool:
-        """Wait until one more sentinel fires; False when none is left to watch."""
+    async def next_exit(self, backstop_s: float = 1.0) -> bool:
+        """Wait until one more sentinel fires, or `backstop_s` passed (a safety net: the
+        caller looks at the workers again either way); False when none is left."""
         if self._fallback:
             await asyncio.sleep(0.1)
             return True
@@ -191,7 +194,9 @@ class _Sentinels:
         for fd in self._fds:
             loop.add_reader(fd, _resolve, fired, fd)
         try:
-            fd = await fired
+            fd = await asyncio.wait_for(fired, backstop_s)
+        except TimeoutError:
+            return True
         finally:
             for other in self._fds:
                 loop.remove_reader(other)

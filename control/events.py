@@ -486,10 +486,12 @@ class NetworkCheckCompleted(Decision, tag="network_check_completed", frozen=True
 
 
 class CkptCommitted(Decision, tag="ckpt_committed", frozen=True, kw_only=True):
-    """Every rank of the world persisted `step`: it is the job's restore point on storage."""
+    """Every rank of the world persisted `step`: it is the job's restore point on storage.
+    `round`: the round of the lineage it belongs to."""
 
     step: int
     world_size: int
+    round: int = 0
 
 
 class NodeExcluded(Decision, tag="node_excluded", frozen=True, kw_only=True):

@@ -162,3 +162,29 @@ def test_a_fresh_restart_forgets_every_step_of_the_old_lineage() -> None:
     s.tick()
     assert rounds(s)[-1].restore_step is None
     assert len(s.state.ckpt.persisted) == 0 and s.state.ckpt.cuts[-1] == (2, -1)
+
+
+def test_no_commit_is_decided_with_a_round_and_a_stale_one_is_not_folded() -> None:
+    s = sim()
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    s.apply(factories.in_memory("n1", 103, (0, 1), rnd=1))
+    s.apply(factories.in_memory("n2", 103, (2, 3), rnd=1))
+    s.apply(factories.persisted("n1", 105, (0, 1), rnd=1))
+    s.apply(factories.persisted("n2", 105, (2, 3), rnd=1))
+    s.apply(factories.exited("n1", 1))  # the failure and the complete step 105 in one tick
+    decided = decide(s.state, s.liveness, s.now).decisions
+    assert any(isinstance(d, ev.RoundCompleted) and d.restore_step == 103 for d in decided)
+    assert not any(isinstance(d, ev.CkptCommitted) for d in decided), "not with the round"
+    s.tick()
+    assert commits(s) == [] and s.state.ckpt.committed is None
+    # a commit of 105 decided before the round (a slower master's tick) comes late
+    late = ev.CkptCommitted(
+        **ev.decision_envelope("j1", 1, "m1", 0.0, "ckpt_committed", 105),
+        step=105,
+        world_size=4,
+        round=1,
+    )
+    s.apply(late)
+    assert s.state.ckpt.committed is None, "step 105 belongs to the abandoned lineage"

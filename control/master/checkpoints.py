@@ -91,6 +91,8 @@ def on_failed(c: CkptState, e: ev.CkptFailed) -> CkptState:
 def on_committed(c: CkptState, e: ev.CkptCommitted) -> CkptState:
     if c.committed is not None and e.step <= c.committed:
         return c
+    if _stale(c, e.step, e.round):
+        return c  # decided before a round abandoned that step
     persisted = c.persisted
     for step in [s for s in persisted if s <= e.step]:
         persisted = persisted.delete(step)

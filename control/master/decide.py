@@ -53,7 +53,9 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
             waiting = outcome
         else:
             decisions.append(_rendezvous(state, outcome, now))
-    decisions.extend(_commit(state, now))
+    if not any(isinstance(d, ev.RoundCompleted) for d in decisions):
+        # a round formed now starts a new lineage: what to commit is decided after it
+        decisions.extend(_commit(state, now))
     decisions.extend(_data(state, now))
     return Decided(decisions, waiting)
 
@@ -180,7 +182,10 @@ def _commit(state: JobState, now: float) -> list[ev.Decision]:
     step, world = due
     return [
         ev.CkptCommitted(
-            **_envelope(state, now, "ckpt_committed", step), step=step, world_size=world
+            **_envelope(state, now, "ckpt_committed", step),
+            step=step,
+            world_size=world,
+            round=state.rdzv.round,
         )
     ]
 
