@@ -61,6 +61,10 @@ def _subject(cls: type[ev.Event]) -> str:
         values["spec"] = ev.DatasetSpec(size=1, shard_size=1)
     if cls is ev.ShardDone:
         values["shard"] = ev.ShardRef(0)
+    if cls is ev.JobSubmitted:
+        values["workload"] = ev.Workload(argv=(), cwd="", min_nodes=1, max_nodes=1)
+    if cls is ev.ScalePlan:
+        values["rule"] = ev.ScaleRule.GROW
     event = msgspec.convert(
         {k: v for k, v in values.items() if v is not None}, cls, from_attributes=True
     )
@@ -75,6 +79,7 @@ def _type_name(tp: object) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp.__name__
     text = str(tp).replace("typing.", "").replace("rove.control.events.", "")
+    text = text.replace("rove.control.scale_events.", "")
     text = text.replace("<class '", "").replace("'>", "")
     return text
 
@@ -136,7 +141,8 @@ def render() -> str:
             ],
         ),
         ("Data clients (trainers)", [ev.DatasetRegistered, ev.ShardRequested, ev.ShardDone]),
-        ("Operator commands", [ev.StopRequested]),
+        ("Operator commands", [ev.StopRequested, ev.JobSubmitted]),
+        ("Scaler facts", [ev.PlanApplied, ev.PlanFailed]),
         ("Master decisions", [c for c in ev.EVENT_TYPES.values() if issubclass(c, ev.Decision)]),
     ]
     listed = {c for _, cs in groups for c in cs}

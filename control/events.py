@@ -23,9 +23,32 @@ from __future__ import annotations
 
 import enum
 import typing
-from typing import Final, TypedDict
+from typing import Final
 
 import msgspec
+
+# re-exported (`x as x`): callers import every event from here
+from rove.control.event_base import Decision as Decision
+from rove.control.event_base import DecisionEnvelope as DecisionEnvelope
+from rove.control.event_base import Envelope as Envelope
+from rove.control.event_base import Event as Event
+from rove.control.event_base import NodeEnvelope as NodeEnvelope
+from rove.control.event_base import NodeFact as NodeFact
+from rove.control.event_base import decision_envelope as decision_envelope
+from rove.control.event_base import envelope as envelope
+from rove.control.event_base import make_id as make_id
+from rove.control.event_base import node_envelope as node_envelope
+from rove.control.scale_events import GIB as GIB
+from rove.control.scale_events import JobSubmitted as JobSubmitted
+from rove.control.scale_events import NodeLaunch as NodeLaunch
+from rove.control.scale_events import PlanApplied as PlanApplied
+from rove.control.scale_events import PlanFailed as PlanFailed
+from rove.control.scale_events import Resources as Resources
+from rove.control.scale_events import ScalePlan as ScalePlan
+from rove.control.scale_events import ScalePolicy as ScalePolicy
+from rove.control.scale_events import ScaleRule as ScaleRule
+from rove.control.scale_events import Workload as Workload
+from rove.control.scale_events import node_name as node_name
 
 
 class JobPhase(enum.StrEnum):
@@ -47,83 +70,6 @@ class JobPhase(enum.StrEnum):
 
 
 _TERMINAL: Final = frozenset({JobPhase.FINISHED, JobPhase.FAILED, JobPhase.STOPPED})
-
-
-class Event(msgspec.Struct, tag_field="type", frozen=True, kw_only=True):
-    """Fields every event carries."""
-
-    job: str
-    id: str
-    producer: str
-    ts: float
-
-
-class Decision(Event, frozen=True, kw_only=True):
-    """An event the leading master decided; `epoch` fences stale masters."""
-
-    epoch: int
-
-
-class NodeFact(Event, frozen=True, kw_only=True):
-    """A fact an agent reports about its node; `incarnation` names the agent's run."""
-
-    node: str
-    incarnation: str
-
-
-# --------------------------------------------------------------------------- envelopes
-
-
-class Envelope(TypedDict):
-    """The fields every event carries, built by `envelope` (a typed `**` for any event)."""
-
-    job: str
-    id: str
-    producer: str
-    ts: float
-
-
-class DecisionEnvelope(Envelope):
-    epoch: int
-
-
-class NodeEnvelope(Envelope):
-    node: str
-    incarnation: str
-
-
-def envelope(job: str, producer: str, ts: float, *id_parts: object) -> Envelope:
-    """The common fields of an event whose deterministic id is made of `id_parts`."""
-    return {"job": job, "id": make_id(*id_parts), "producer": producer, "ts": ts}
-
-
-def decision_envelope(
-    job: str, epoch: int, master: str, ts: float, *id_parts: object
-) -> DecisionEnvelope:
-    """The common fields of a master decision: its id names the job, the epoch and
-    what it answers, so a repeat in the same epoch is deduplicated and a deposed
-    master's copy is refused by the fence, never absorbed."""
-    return {
-        "job": job,
-        "id": make_id(job, epoch, *id_parts),
-        "producer": f"master:{master}",
-        "ts": ts,
-        "epoch": epoch,
-    }
-
-
-def node_envelope(
-    job: str, node: str, incarnation: str, ts: float, *id_parts: object
-) -> NodeEnvelope:
-    """The common fields of an agent's fact: its id names the node and its incarnation."""
-    return {
-        "job": job,
-        "id": make_id(node, incarnation, *id_parts),
-        "producer": f"agent:{node}",
-        "ts": ts,
-        "node": node,
-        "incarnation": incarnation,
-    }
 
 
 # --------------------------------------------------------------------------- values
@@ -236,6 +182,8 @@ class RankStat(msgspec.Struct, frozen=True, kw_only=True):
     rss_bytes: int = 0
     gpu_mem_bytes: int | None = None
     gpu_util_percent: float | None = None
+    #: mean seconds per step the rank spent on its own work (`progress.report(busy_s=)`)
+    busy_s: float | None = None
 
 
 # --------------------------------------------------------------------------- agent facts
@@ -265,6 +213,8 @@ class Heartbeat(NodeFact, tag="heartbeat", frozen=True, kw_only=True):
     ranks: tuple[RankStat, ...] = ()
     round: int = 0
     ports: tuple[int, ...] = ()
+    #: what the node has: CPUs, its memory limit (or total), GPUs (pynvml)
+    capacity: Resources | None = None
 
 
 class RdzvJoined(NodeFact, tag="rdzv_joined", frozen=True, kw_only=True):
@@ -594,6 +544,10 @@ AnyEvent = (
     | NodeLost
     | JobEnded
     | EventRejected
+    | JobSubmitted
+    | ScalePlan
+    | PlanApplied
+    | PlanFailed
 )
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).
@@ -629,11 +583,6 @@ def kind(event: Event | type[Event]) -> str:
     tag = event.__struct_config__.tag
     assert isinstance(tag, str)
     return tag
-
-
-def make_id(*parts: object) -> str:
-    """A deterministic event id from its identifying parts (used as `Nats-Msg-Id`)."""
-    return ":".join(str(p) for p in parts)
 
 
 #: Every event type of the catalogue by its tag, from the union (one list to keep).

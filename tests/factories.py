@@ -393,4 +393,49 @@ def all_events() -> list[ev.Event]:
         ckpt_failed("n1", 6),
         committed(5, 7),
         *data_events(),
+        *scale_events(),
+    ]
+
+
+def workload(lo: int = 1, hi: int = 2) -> ev.Workload:
+    return ev.Workload(
+        argv=("--nproc-per-node", "1", "train.py"),
+        cwd="/tmp",
+        min_nodes=lo,
+        max_nodes=hi,
+        resources=ev.Resources(cpu=1.0, memory_bytes=2 * ev.GIB),
+    )
+
+
+def scale_events(job: str = JOB) -> list[ev.Event]:
+    launch = ev.NodeLaunch(
+        node="n0-a1", slot=0, attempt=1, resources=ev.Resources(memory_bytes=4 * ev.GIB)
+    )
+    return [
+        ev.JobSubmitted(**ev.envelope(job, "cli", 100.0, "submitted"), workload=workload()),
+        ev.ScalePlan(
+            **ev.decision_envelope(job, 7, "m1", 100.0, "scale_plan", 1),
+            plan=1,
+            rule=ev.ScaleRule.OOM,
+            reason="n0-a0 ran out of memory",
+            cause="x",
+            launch=(launch,),
+            remove=("n0-a0",),
+            target=1,
+        ),
+        ev.PlanApplied(
+            **ev.envelope(job, "scaler:s1", 100.0, "applied", 1),
+            plan=1,
+            scaler="s1",
+            backend="local",
+            created=("n0-a1",),
+            removed=("n0-a0",),
+        ),
+        ev.PlanFailed(
+            **ev.envelope(job, "scaler:s1", 100.0, "failed", 2),
+            plan=2,
+            scaler="s1",
+            backend="local",
+            error="no room",
+        ),
     ]

@@ -22,8 +22,9 @@ class Sim:
         self.params = params
         self.decisions: list[ev.Decision] = []
         self.liveness: dict[str, ev.Heartbeat] = {}
-        #: why the rendezvous waits, after the last tick
+        #: why the rendezvous waits, and why no scale plan is made, after the last tick
         self.waiting: Wait | None = None
+        self.scale_waiting: Wait | None = None
         self.apply(factories.elected("m1", 1, ts=0.0))
         self.apply(factories.configured(1, node_timeout))
 
@@ -36,7 +37,7 @@ class Sim:
         self.now += seconds
         out: list[ev.Decision] = []
         for _ in range(10):
-            ds, self.waiting = decide(self.state, self.liveness, self.now)
+            ds, self.waiting, self.scale_waiting = decide(self.state, self.liveness, self.now)
             if not ds:
                 break
             for d in ds:

@@ -21,6 +21,15 @@ def test_every_event_type_round_trips_through_msgpack() -> None:
         assert ev.decode(ev.encode(event)) == event
 
 
+def _as_written(got: object, want: object) -> object:
+    """`got` restricted to the fields `want` has, at every depth (later fields have defaults)."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        return {k: _as_written(got[k], v) for k, v in want.items() if k in got}
+    if isinstance(want, list) and isinstance(got, list):
+        return [_as_written(g, w) for g, w in zip(got, want, strict=False)]
+    return got
+
+
 def test_payloads_written_by_the_first_catalogue_still_decode() -> None:
     payloads = msgspec.msgpack.decode((DATA / "events_v1.msgpack").read_bytes())
     expected = json.loads((DATA / "events_v1.json").read_text())
@@ -28,7 +37,7 @@ def test_payloads_written_by_the_first_catalogue_still_decode() -> None:
     for payload, want in zip(payloads, expected, strict=True):
         event = ev.decode(payload)
         got = json.loads(msgspec.json.encode(event))
-        assert {k: got[k] for k in want} == want, "v1 fields decode to the same values"
+        assert _as_written(got, want) == want, "v1 fields decode to the same values"
         fields, values = event.__struct_fields__, event.__struct_defaults__
         defaults = dict(zip(fields[len(fields) - len(values) :], values, strict=True))
         for added in set(got) - set(want):

@@ -25,16 +25,18 @@ from typing import NamedTuple
 
 from rove.control import events as ev
 from rove.control.master import checkpoints as ckpt
-from rove.control.master import data, netcheck
+from rove.control.master import data, netcheck, optimizer
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import JobState, NodeStatus
 
 
 class Decided(NamedTuple):
-    """The decisions due now, and why the rendezvous waits (None when it has acted)."""
+    """The decisions due now, why the rendezvous waits (None when it has acted), and
+    why the optimiser plans nothing yet (None when it has nothing to wait for)."""
 
     decisions: list[ev.Decision]
     waiting: netcheck.Wait | None
+    scale_waiting: netcheck.Wait | None = None
 
 
 def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) -> Decided:
@@ -43,12 +45,19 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
     decisions: list[ev.Decision] = []
     decisions.extend(_lost_nodes(state, liveness, now))
     decisions.extend(_stop(state, now))
-    waiting = None
+    waiting = scale_waiting = None
+    if not decisions and state.scale.workload is not None:
+        planned = optimizer.decide(state.scale, state.rdzv, liveness, now)
+        if isinstance(planned, netcheck.Wait):
+            scale_waiting = planned
+        elif planned is not None:
+            decisions.append(_scale(state, planned, now))
     if not decisions:
         live = {
             n.node: n.incarnation for n in state.nodes.values() if n.status is NodeStatus.ACTIVE
         }
-        outcome = rdzv.decide(state.rdzv, rdzv.Alive(live), liveness, now)
+        leaving = optimizer.leaving(state.scale)
+        outcome = rdzv.decide(state.rdzv, rdzv.Alive(live), liveness, now, leaving)
         if isinstance(outcome, netcheck.Wait):
             waiting = outcome
         else:
@@ -57,7 +66,28 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
         # a round formed now starts a new lineage: what to commit is decided after it
         decisions.extend(_commit(state, now))
     decisions.extend(_data(state, now))
-    return Decided(decisions, waiting)
+    return Decided(decisions, waiting, scale_waiting)
+
+
+def _scale(state: JobState, intent: optimizer.Plan | optimizer.FailJob, now: float) -> ev.Decision:
+    if isinstance(intent, optimizer.FailJob):
+        return ev.JobEnded(
+            **_envelope(state, now, "job_ended", ev.JobPhase.FAILED, "scale"),
+            phase=ev.JobPhase.FAILED,
+            reason=intent.reason,
+        )
+    number = state.scale.plans + 1
+    return ev.ScalePlan(
+        **_envelope(state, now, "scale_plan", number),
+        plan=number,
+        rule=intent.rule,
+        reason=intent.reason,
+        cause=intent.cause,
+        launch=intent.launch,
+        remove=intent.remove,
+        target=intent.target,
+        speed=intent.speed,
+    )
 
 
 def _envelope(state: JobState, now: float, *id_parts: object) -> ev.DecisionEnvelope:

@@ -16,7 +16,7 @@ from msgspec.structs import replace
 
 from rove.control import events as ev
 from rove.control.master import checkpoints as ckpt
-from rove.control.master import data
+from rove.control.master import data, scaling
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import (
     RECENT_REJECTIONS,
@@ -50,6 +50,14 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
 
 
 def evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
+    new = _evolve(state, event, seq)
+    scale = scaling.FOLDS.get(type(event))
+    if scale is None or (isinstance(event, ev.Decision) and event.epoch < state.epoch):
+        return new
+    return replace(new, scale=scale(new.scale, event))
+
+
+def _evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
     c = state.counters
     if isinstance(event, ev.Decision) and event.epoch < state.epoch:
         counters = replace(c, events=c.events + 1, stale_decisions=c.stale_decisions + 1)

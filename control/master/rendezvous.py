@@ -252,14 +252,22 @@ class Alive:
     def __call__(self, node: str, incarnation: str) -> bool:
         return self._live.get(node) == incarnation
 
+    def without(self, nodes: frozenset[str]) -> Alive:
+        """The same, less `nodes`."""
+        return Alive({n: i for n, i in self._live.items() if n not in nodes})
+
 
 def decide(
     r: RdzvState,
     alive: Alive,
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
+    leaving: frozenset[str] = frozenset(),
 ) -> Outcome:
     """The one rendezvous action due now, or why there is none (`Wait`).
+
+    `leaving`: nodes a scale plan is stopping or relaunching. A failure on one
+    of them waits for the plan (no restart is spent), and no new round takes them.
 
     The caller turns an intent into a decision event with its envelope
     (`decide.py`); a `Wait` is logged when its reason changes and shown by
@@ -273,7 +281,14 @@ def decide(
             phase=ev.JobPhase.FINISHED,
             reason=f"all {len(r.members)} nodes finished their workers",
         )
+    if leaving:
+        alive = alive.without(leaving)
     if r.active and r.failure is not None:
+        if r.failure.node in leaving:
+            return Wait(
+                reason=f"{_failure_text(r.failure)}; a scale plan relaunches node "
+                f"{r.failure.node}: the round re-forms once it has left"
+            )
         return _on_failure(r, p, alive, liveness)
     if r.active:
         return _scale_up(r, p, alive, liveness, now)

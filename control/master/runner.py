@@ -45,6 +45,10 @@ _WAKE_ON = (
     ev.NodeLeft,
     ev.NetworkCheckReported,
     ev.StopRequested,
+    ev.JobSubmitted,
+    ev.PlanApplied,
+    ev.PlanFailed,
+    ev.NodeJoined,
 )
 #: Answers to data clients: many at a time, independent of each other.
 _ANSWERS = (ev.ShardLeased, ev.DataRejected)
@@ -79,6 +83,7 @@ class MasterRunner(JobService):
         self._last_snapshot_seq = 0
         self._last_snapshot_at = 0.0
         self._waiting = ""
+        self._scale_waiting = ""
         self.log = log.bind(job=job, master=master_id)
 
     # ------------------------------------------------------------------ hooks from the replica
@@ -245,8 +250,9 @@ class MasterRunner(JobService):
                 )
             )
         answers = []
-        decisions, waiting = decide(self.state, self.replica.liveness, now)
+        decisions, waiting, scale_waiting = decide(self.state, self.replica.liveness, now)
         self._say_why_waiting(waiting)
+        self._say_why_no_plan(scale_waiting)
         for decision in decisions:
             if isinstance(decision, _ANSWERS):
                 answers.append(self._publish(decision))  # independent: publish them together
@@ -264,6 +270,14 @@ class MasterRunner(JobService):
             self._waiting = reason
             if reason:
                 self.log.info(f"not yet: {reason}", round=self.state.rdzv.round)
+
+    def _say_why_no_plan(self, waiting: Wait | None) -> None:
+        """Log why the optimiser plans nothing yet, once each time the reason changes."""
+        reason = waiting.reason if waiting is not None else ""
+        if reason != self._scale_waiting:
+            self._scale_waiting = reason
+            if reason:
+                self.log.info(f"no plan yet: {reason}", plans=self.state.scale.plans)
 
     async def _publish(self, decision: ev.Decision) -> None:
         assert self.fence is not None

@@ -21,6 +21,7 @@ from rove.control.events import EventRejected, JobPhase, JobSpec
 from rove.control.master.checkpoints import CkptState
 from rove.control.master.data import DataState
 from rove.control.master.rendezvous import RdzvState
+from rove.control.master.scaling import ScaleState
 
 #: How many dead letters the state keeps for `rove status` (the count is unbounded).
 RECENT_REJECTIONS = 20
@@ -87,6 +88,7 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     rdzv: RdzvState = msgspec.field(default_factory=RdzvState)
     ckpt: CkptState = msgspec.field(default_factory=CkptState)
     data: DataState = msgspec.field(default_factory=DataState)
+    scale: ScaleState = msgspec.field(default_factory=ScaleState)
     applied_seq: int = 0
 
 

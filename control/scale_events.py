@@ -1,0 +1,167 @@
+"""The scaling part of the event catalogue: submitted workloads, scale plans, outcomes.
+
+A *managed* job is one whose workload was submitted (`job_submitted`): the
+master plans its nodes (`scale_plan`, a fenced decision) and a scaler applies
+each plan through a backend, reporting `plan_applied` or `plan_failed`. Node
+names are deterministic per slot and attempt (`node_name`), so a plan applied
+twice (a replay, a restarted scaler) creates nothing twice.
+
+`rove.control.events` re-exports everything here; import from there.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from rove.control.event_base import Decision, Event
+
+GIB = 1 << 30
+
+
+class Resources(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node gets (in a plan) or has (in a heartbeat); 0 means not set / no limit."""
+
+    cpu: float = 0.0
+    memory_bytes: int = 0
+    gpus: int = 0
+
+    def describe(self) -> str:
+        parts = []
+        if self.cpu:
+            parts.append(f"{self.cpu:g} CPU")
+        if self.memory_bytes:
+            parts.append(f"{self.memory_bytes / GIB:.3g} GiB")
+        if self.gpus:
+            parts.append(f"{self.gpus} GPU")
+        return ", ".join(parts) or "no limits"
+
+
+class ScalePolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """The optimiser's thresholds (`docs/scaling.md` explains each; defaults shown)."""
+
+    #: OOM: the relaunched node gets memory x this ...
+    oom_memory_factor: float = 2.0
+    #: ... but at most this much more per relaunch (DLRover: +8 GiB) ...
+    oom_max_step_bytes: int = 8 * GIB
+    #: ... and never more than this in total: an OOM at the cap fails the job.
+    max_memory_bytes: int = 64 * GIB
+    #: Replace a node that was lost, left unasked, or was excluded as faulty.
+    replace_failed: bool = True
+    #: Replace a node whose workers' busy time per step is this many times the median.
+    straggler_factor: float = 2.0
+    #: Grow by one node while the last added node brings at least this share of a
+    #: node's speed (DLRover stops below 0.2); shrink back when it does not.
+    min_marginal_speed: float = 0.2
+    #: Grow and judge only after a round has run this long (warm-up excluded).
+    settle_s: float = 20.0
+    #: A launched node that has not joined after this long is retried smaller.
+    pending_timeout_s: float = 120.0
+    #: Fewest seconds between two plans (a failing plan backs off: x2 per failure).
+    plan_interval_s: float = 2.0
+    #: Most plans a job may make; then it stops planning and says so.
+    max_plans: int = 100
+    #: Consecutive failed plans after which the job fails.
+    max_failed_plans: int = 5
+    #: Most attempts per slot (relaunches of one node).
+    max_attempts: int = 5
+    #: Grow with throughput (on by default when --nnodes MIN < MAX).
+    auto_grow: bool = True
+
+
+class Workload(msgspec.Struct, frozen=True, kw_only=True):
+    """What runs on every node of a managed job.
+
+    `argv`: the `rove run` arguments every node gets (flags, script and its
+    arguments), without the node's own (`--node-id`, `--nats`, `--job`).
+    """
+
+    argv: tuple[str, ...]
+    cwd: str
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int = 1
+    resources: Resources = msgspec.field(default_factory=Resources)
+    policy: ScalePolicy = msgspec.field(default_factory=ScalePolicy)
+
+
+class ScaleRule(enum.StrEnum):
+    """Which optimiser rule made a plan."""
+
+    INITIAL = "initial"
+    REPLACE = "replace"
+    OOM = "oom"
+    STRAGGLER = "straggler"
+    PENDING = "pending"
+    GROW = "grow"
+    SHRINK = "shrink"
+
+
+class NodeLaunch(msgspec.Struct, frozen=True, kw_only=True):
+    """One node a plan starts: slot `slot`, attempt `attempt`, named `node_name(...)`.
+
+    `replaces`: the node (an earlier attempt of the slot) it takes over from.
+    """
+
+    node: str
+    slot: int
+    attempt: int
+    resources: Resources
+    replaces: str = ""
+
+
+def node_name(slot: int, attempt: int) -> str:
+    """The deterministic name of a managed node: `n<slot>-a<attempt>`."""
+    return f"n{slot}-a{attempt}"
+
+
+class JobSubmitted(Event, tag="job_submitted", frozen=True, kw_only=True):
+    """An operator (`rove submit`, `rove run --auto-scale`) asks rove to run and scale
+    `workload`; the first submission of a job is the one that counts."""
+
+    workload: Workload
+
+
+class ScalePlan(Decision, tag="scale_plan", frozen=True, kw_only=True):
+    """Plan number `plan` of the job: start `launch`, stop `remove`.
+
+    A relaunch (OOM, replacement) is a `launch` whose `replaces` names the old
+    node, which is in `remove` when it still runs. `cause` is the id of the
+    event that led to it (never two plans for one cause); `speed` is the job's
+    samples/s when it was made (a grow plan's baseline).
+    """
+
+    plan: int
+    rule: ScaleRule
+    reason: str
+    cause: str
+    launch: tuple[NodeLaunch, ...] = ()
+    remove: tuple[str, ...] = ()
+    target: int = 0
+    speed: float = 0.0
+
+
+class PlanApplied(Event, tag="plan_applied", frozen=True, kw_only=True):
+    """The scaler applied plan `plan`: `created` nodes started (or found already
+    there), `removed` stopped (or already gone)."""
+
+    plan: int
+    scaler: str
+    backend: str
+    created: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    elapsed_s: float = 0.0
+
+
+class PlanFailed(Event, tag="plan_failed", frozen=True, kw_only=True):
+    """The scaler could not apply plan `plan` within its deadline; `created` and
+    `removed` say what it did before failing; `retryable`: a later plan may succeed."""
+
+    plan: int
+    scaler: str
+    backend: str
+    error: str
+    retryable: bool = True
+    created: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()

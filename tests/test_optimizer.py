@@ -1,0 +1,396 @@
+"""The resource optimiser, with an injected clock: plans as a managed job lives.
+
+`Managed` plays the scaler and the agents around the pure master: it folds
+each plan, reports it applied (or failed), and lets launched nodes join and
+heartbeat with a speed the test chooses.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, given, settings
+
+from rove.control import events as ev
+from rove.control.master import optimizer
+from rove.control.master.scaling import SlotPhase
+from tests import factories
+from tests.sim import Sim
+
+GIB = ev.GIB
+POLICY = ev.ScalePolicy(settle_s=10.0, plan_interval_s=2.0, pending_timeout_s=60.0)
+
+
+def workload(lo: int = 2, hi: int = 2, memory: int = 2 * GIB, **policy: object) -> ev.Workload:
+    return ev.Workload(
+        argv=("train.py",),
+        cwd="/tmp",
+        min_nodes=lo,
+        max_nodes=hi,
+        nproc_per_node=1,
+        resources=ev.Resources(cpu=1, memory_bytes=memory),
+        policy=ev.msgspec.structs.replace(POLICY, **policy) if policy else POLICY,
+    )
+
+
+class Managed(Sim):
+    def __init__(self, w: ev.Workload, *, auto_apply: bool = True, auto_join: bool = True) -> None:
+        super().__init__(ev.RdzvParams(min_nodes=w.min_nodes, max_nodes=w.max_nodes, last_call_s=1))
+        self.auto_apply = auto_apply
+        self.auto_join = auto_join
+        self.speed: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
+        self.apply(
+            ev.JobSubmitted(**ev.envelope(factories.JOB, "cli", self.now, "submit"), workload=w)
+        )
+
+    def plans(self) -> list[ev.ScalePlan]:
+        return [d for d in self.decisions if isinstance(d, ev.ScalePlan)]
+
+    def step(self, seconds: float = 0.0) -> list[ev.Decision]:
+        """Tick; apply each new plan as a scaler would, and let its nodes join."""
+        out = []
+        self.now += seconds
+        self.heartbeats()  # live nodes beat all along
+        for _ in range(6):
+            ds = self.tick()
+            out.extend(ds)
+            plans = [d for d in ds if isinstance(d, ev.ScalePlan)]
+            if not plans:
+                break
+            for plan in plans:
+                if self.auto_apply:
+                    self.applied(plan)
+                if self.auto_join:
+                    for launch in plan.launch:
+                        self.join(launch.node, nproc=1)
+                for node in plan.remove:
+                    if node in self.state.nodes:
+                        inc = self.state.nodes[node].incarnation
+                        self.apply(factories.left(node, inc=inc, ts=self.now))
+        self.heartbeats()
+        return out
+
+    def applied(self, plan: ev.ScalePlan) -> None:
+        self.apply(
+            ev.PlanApplied(
+                **ev.envelope(factories.JOB, "scaler", self.now, "applied", plan.plan),
+                plan=plan.plan,
+                scaler="s1",
+                backend="sim",
+                created=tuple(n.node for n in plan.launch),
+                removed=plan.remove,
+            )
+        )
+
+    def failed(self, plan: ev.ScalePlan, error: str = "quota exceeded") -> None:
+        self.apply(
+            ev.PlanFailed(
+                **ev.envelope(factories.JOB, "scaler", self.now, "failed", plan.plan),
+                plan=plan.plan,
+                scaler="s1",
+                backend="sim",
+                error=error,
+            )
+        )
+
+    def heartbeats(self) -> None:
+        """Every active node beats at `now`, in the current round, at its speed."""
+        r = self.state.rdzv
+        for node in self.state.nodes.values():
+            if node.status.value != "active":
+                continue
+            seq = self.liveness[node.node].seq + 1 if node.node in self.liveness else 1
+            self.liveness[node.node] = ev.Heartbeat(
+                **ev.node_envelope(factories.JOB, node.node, node.incarnation, self.now, "hb", seq),
+                seq=seq,
+                round=r.round if r.member(node.node) else 0,
+                ranks=(
+                    ev.RankStat(
+                        rank=0,
+                        local_rank=0,
+                        pid=1,
+                        samples_per_s=self.speed.get(node.node, 100.0),
+                        busy_s=self.busy.get(node.node),
+                    ),
+                ),
+            )
+
+    def lose(self, node: str) -> ev.NodeLost:
+        """The master declares `node` lost now."""
+        inc = self.state.nodes[node].incarnation
+        event = ev.NodeLost(
+            **ev.decision_envelope(factories.JOB, 1, "m1", self.now, "node_lost", node, inc),
+            node=node,
+            incarnation=inc,
+            last_seen=self.now - 10,
+            timeout_s=10.0,
+        )
+        self.apply(event)
+        return event
+
+    def live(self) -> list[str]:
+        return [s.node for s in self.state.scale.live()]
+
+
+def test_a_submitted_job_gets_its_minimum_nodes_in_one_plan_and_forms_a_round() -> None:
+    m = Managed(workload(2, 2))
+    m.step()
+    [plan] = m.plans()
+    assert plan.rule is ev.ScaleRule.INITIAL
+    assert [n.node for n in plan.launch] == ["n0-a0", "n1-a0"]
+    assert all(n.resources.memory_bytes == 2 * GIB for n in plan.launch)
+    m.step(2.0)
+    assert m.members() == ["n0-a0", "n1-a0"]
+    assert m.step(30.0) == [] or not m.plans()[1:]  # at the target: nothing more to plan
+
+
+def test_a_lost_node_is_replaced_once_by_the_next_attempt_of_its_slot() -> None:
+    m = Managed(workload(2, 2))
+    m.step()
+    m.step(2.0)
+    loss = m.lose("n1-a0")
+    m.step(5.0)
+    plans = m.plans()
+    assert [p.rule for p in plans] == [ev.ScaleRule.INITIAL, ev.ScaleRule.REPLACE]
+    assert [n.node for n in plans[1].launch] == ["n1-a1"]
+    assert plans[1].launch[0].replaces == "n1-a0"
+    assert plans[1].cause == loss.id
+    for _ in range(5):
+        m.step(5.0)
+    assert len(m.plans()) == 2  # no second plan for the same loss
+    assert m.members() == ["n0-a0", "n1-a1"]
+
+
+def test_an_oom_relaunches_the_node_with_twice_the_memory_without_spending_a_restart() -> None:
+    m = Managed(workload(1, 1, memory=2 * GIB))
+    m.step()
+    m.step(2.0)
+    rnd = m.state.rdzv.round
+    m.apply(
+        factories.exited(
+            "n0-a0", rnd, kind=ev.FailureKind.OOM, reason="MemoryError", ts=m.now, inc="i1"
+        )
+    )
+    m.step(3.0)
+    oom = m.plans()[-1]
+    assert oom.rule is ev.ScaleRule.OOM
+    assert oom.remove == ("n0-a0",)
+    assert oom.launch[0].node == "n0-a1"
+    assert oom.launch[0].resources.memory_bytes == 4 * GIB
+    m.step(2.0)
+    assert m.members() == ["n0-a1"]
+    assert m.state.rdzv.restarts == 0
+    assert not m.state.phase.terminal
+
+
+def test_oom_memory_grows_by_at_most_the_step_cap_and_the_job_fails_at_the_total_cap() -> None:
+    m = Managed(
+        workload(1, 1, memory=6 * GIB, oom_max_step_bytes=4 * GIB, max_memory_bytes=12 * GIB)
+    )
+    m.step()
+    m.step(2.0)
+    sizes = []
+    for _ in range(3):
+        node = m.members()[0]
+        inc = m.state.nodes[node].incarnation
+        m.apply(
+            factories.exited(
+                node, m.state.rdzv.round, kind=ev.FailureKind.OOM, reason="oom", inc=inc, ts=m.now
+            )
+        )
+        m.step(3.0)
+        m.step(3.0)
+        sizes.append(
+            m.plans()[-1].launch[0].resources.memory_bytes // GIB if m.plans()[-1].launch else None
+        )
+    assert sizes[:2] == [10, 12]  # +4 (step cap), then the 12 GiB total cap
+    assert m.state.phase is ev.JobPhase.FAILED
+    assert "ran out of memory with 12 GiB" in m.state.end_reason
+
+
+def test_without_a_memory_limit_an_oom_is_left_to_the_rendezvous() -> None:
+    m = Managed(workload(1, 1, memory=0))
+    m.step()
+    m.step(2.0)
+    m.apply(factories.exited("n0-a0", m.state.rdzv.round, kind=ev.FailureKind.OOM, ts=m.now))
+    m.step(3.0)
+    assert len(m.plans()) == 1
+
+
+def test_a_failed_plan_backs_off_and_enough_failures_in_a_row_fail_the_job() -> None:
+    m = Managed(workload(1, 1, max_failed_plans=3), auto_apply=False, auto_join=False)
+    gaps = []
+    last = None
+    for _ in range(40):
+        m.step(1.0)
+        plans = m.plans()
+        if plans and plans[-1].plan != (last.plan if last else None):
+            if last is not None:
+                gaps.append(plans[-1].ts - last.ts)
+            last = plans[-1]
+            m.failed(last)
+        if m.state.phase.terminal:
+            break
+    assert gaps == [4.0, 8.0]  # plan_interval_s x 2 per failure in a row
+    assert m.state.phase is ev.JobPhase.FAILED
+    assert "3 scale plans in a row failed" in m.state.end_reason
+    assert "quota exceeded" in m.state.end_reason
+
+
+def test_a_node_that_never_joins_is_retried_smaller_then_the_job_goes_on_with_fewer() -> None:
+    m = Managed(workload(1, 2, memory=4 * GIB))
+    m.step()
+    m.step(2.0)
+    m.auto_join = False
+    m.step(11.0)  # grows: n1-a0 is launched, and never joins
+    assert m.plans()[-1].rule is ev.ScaleRule.GROW
+    m.step(61.0)
+    pending = [p for p in m.plans() if p.rule is ev.ScaleRule.PENDING]
+    assert pending and pending[0].remove == ("n1-a0",)  # above the minimum: fewer nodes
+    assert pending[0].target == 1
+
+    m2 = Managed(workload(1, 1, memory=4 * GIB), auto_join=False)
+    m2.step()
+    m2.step(61.0)
+    [retry] = [p for p in m2.plans() if p.rule is ev.ScaleRule.PENDING]
+    assert retry.launch[0].node == "n0-a1"
+    assert retry.launch[0].resources.memory_bytes == 2 * GIB
+
+
+def test_the_job_grows_while_the_new_node_pays_and_shrinks_back_when_it_does_not() -> None:
+    m = Managed(workload(1, 4))
+    m.step()
+    m.step(2.0)
+    m.speed = {"n0-a0": 100.0}
+    m.step(11.0)  # settled: grow to 2
+    assert m.plans()[-1].rule is ev.ScaleRule.GROW
+    assert m.plans()[-1].speed == 100.0
+    m.step(2.0)
+    assert len(m.members()) == 2
+    m.speed = {"n0-a0": 90.0, "n1-a0": 90.0}  # 180: the second node brought 0.8 of a node
+    m.step(11.0)
+    assert m.plans()[-1].rule is ev.ScaleRule.GROW
+    m.step(2.0)
+    assert len(m.members()) == 3
+    m.speed = {"n0-a0": 62.0, "n1-a0": 62.0, "n2-a0": 62.0}  # 186: +6, 0.07 of a node
+    m.step(11.0)
+    shrink = m.plans()[-1]
+    assert shrink.rule is ev.ScaleRule.SHRINK
+    assert shrink.remove == ("n2-a0",) and shrink.target == 2
+    m.step(2.0)
+    for _ in range(10):
+        m.step(11.0)
+    assert len(m.members()) == 2  # never grows to 3 again
+    assert m.plans()[-1].rule is ev.ScaleRule.SHRINK
+
+
+def test_growth_stops_at_max_nodes() -> None:
+    m = Managed(workload(1, 2))
+    m.step()
+    for _ in range(10):
+        m.step(11.0)
+        m.speed = {n: 100.0 for n in m.members()}
+    assert len(m.members()) == 2
+    assert [p.rule for p in m.plans()] == [ev.ScaleRule.INITIAL, ev.ScaleRule.GROW]
+
+
+def test_a_straggler_is_replaced_by_a_new_attempt_of_its_slot() -> None:
+    m = Managed(workload(3, 3))
+    m.step()
+    m.step(2.0)
+    m.busy = {"n0-a0": 0.1, "n1-a0": 0.11, "n2-a0": 0.35}
+    m.step(11.0)
+    plan = m.plans()[-1]
+    assert plan.rule is ev.ScaleRule.STRAGGLER
+    assert plan.remove == ("n2-a0",) and plan.launch[0].node == "n2-a1"
+    assert "3.3x" in plan.reason
+
+
+def test_the_plan_budget_stops_planning_and_says_why() -> None:
+    m = Managed(workload(1, 1, max_plans=2))
+    m.step()
+    m.step(2.0)
+    for _ in range(3):
+        node = m.members()[0] if m.members() else m.live()[0]
+        m.lose(node)
+        m.step(5.0)
+        m.step(5.0)
+    assert len(m.plans()) == 2
+    assert m.scale_waiting is not None and "budget of 2 plans" in m.scale_waiting.reason
+
+
+def test_leaving_names_the_nodes_a_plan_stops() -> None:
+    m = Managed(workload(1, 1))
+    m.step()
+    m.step(2.0)
+    m.apply(factories.exited("n0-a0", m.state.rdzv.round, kind=ev.FailureKind.OOM, ts=m.now))
+    assert optimizer.leaving(m.state.scale) == {"n0-a0"}
+
+
+# --------------------------------------------------------------------------- properties
+
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["lose", "oom", "fail_next", "wait", "slow", "fast", "stall"]),
+        st.integers(0, 5),
+        st.floats(0.5, 40.0),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lo=st.integers(1, 3), extra=st.integers(0, 2), actions=ACTIONS)
+def test_plans_stay_in_bounds_one_per_cause_within_budget(
+    lo: int, extra: int, actions: list[tuple[str, int, float]]
+) -> None:
+    hi = lo + extra
+    m = Managed(workload(lo, hi, max_plans=12, max_failed_plans=4))
+    fail_next = False
+    for action, pick, dt in actions:
+        if m.state.phase.terminal:
+            break
+        live = [n for n in m.state.nodes.values() if n.status.value == "active"]
+        target = live[pick % len(live)] if live else None
+        if action == "lose" and target is not None:
+            m.lose(target.node)
+        elif action == "oom" and target is not None and m.state.rdzv.member(target.node):
+            m.apply(
+                factories.exited(
+                    target.node,
+                    m.state.rdzv.round,
+                    kind=ev.FailureKind.OOM,
+                    inc=target.incarnation,
+                    ts=m.now,
+                )
+            )
+        elif action == "fail_next":
+            fail_next = True
+        elif action == "slow":
+            m.speed = {n.node: 10.0 for n in live}
+        elif action == "fast":
+            m.speed = {n.node: 100.0 * (i + 1) for i, n in enumerate(live)}
+        m.auto_apply = not fail_next
+        m.auto_join = action != "stall"
+        before = len(m.plans())
+        m.step(dt)
+        if fail_next and len(m.plans()) > before:
+            for plan in m.plans()[before:]:
+                m.failed(plan)
+            fail_next = False
+        s = m.state.scale
+        assert lo <= s.target <= hi
+        assert len(s.live()) <= hi
+        assert len(m.state.rdzv.members) <= hi
+    plans = m.plans()
+    assert len(plans) <= 12
+    causes = [p.cause for p in plans]
+    assert len(causes) == len(set(causes)), "two plans for one cause"
+    launched = [n.node for p in plans for n in p.launch]
+    assert len(launched) == len(set(launched)), "a node name launched twice"
+    for a, b in itertools.pairwise(plans):
+        assert b.ts - a.ts >= POLICY.plan_interval_s - 1e-9
+    for slot in m.state.scale.slots.values():
+        assert slot.phase in SlotPhase
