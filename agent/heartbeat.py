@@ -50,6 +50,9 @@ class _RankRate:
     samples: float = 0.0
     at: float = 0.0
     rate: float = 0.0
+    step: int = 0
+    busy_s: float = 0.0
+    busy_per_step: float | None = None
 
 
 class Heartbeat:
@@ -104,8 +107,10 @@ class Heartbeat:
             rate = self._rates.setdefault(local_rank, _RankRate())
             if p is not None and rate.at and p.at > rate.at:
                 rate.rate = (p.samples - rate.samples) / (p.at - rate.at)
+                if p.step > rate.step and p.busy_s > rate.busy_s:
+                    rate.busy_per_step = (p.busy_s - rate.busy_s) / (p.step - rate.step)
             if p is not None:
-                rate.samples, rate.at = p.samples, p.at
+                rate.samples, rate.at, rate.step, rate.busy_s = p.samples, p.at, p.step, p.busy_s
             gpu_mem, gpu_util = self.sampler.gpu(local_rank)
             ranks.append(
                 ev.RankStat(
@@ -118,6 +123,7 @@ class Heartbeat:
                     rss_bytes=rss,
                     gpu_mem_bytes=gpu_mem,
                     gpu_util_percent=gpu_util,
+                    busy_s=None if rate.busy_per_step is None else round(rate.busy_per_step, 4),
                 )
             )
         self.sampler.forget(set(pids.values()))
@@ -130,4 +136,5 @@ class Heartbeat:
             ranks=tuple(ranks),
             round=rnd,
             ports=free_ports(self.addr),
+            capacity=self.sampler.capacity(),
         )

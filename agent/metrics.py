@@ -1,12 +1,22 @@
-"""Resource use of a node and of its worker processes: psutil, and pynvml on GPUs."""
+"""Resource use of a node and of its worker processes: psutil, and pynvml on GPUs.
+
+A node's capacity (what heartbeats report and plans size) is its CPUs (the
+affinity mask), its memory limit (cgroup v2 `memory.max`, else the address-space
+limit `RLIMIT_AS`, else the machine's memory) and its GPUs.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
+from pathlib import Path
 from typing import Any
 
 import psutil
 import structlog
+
+from rove.control import events as ev
 
 log = structlog.get_logger("rove.metrics")
 
@@ -18,6 +28,7 @@ class Sampler:
         self._procs: dict[int, psutil.Process] = {}
         psutil.cpu_percent(None)
         self._nvml: Any = None
+        self._capacity: ev.Resources | None = None
         try:
             import pynvml
 
@@ -54,7 +65,33 @@ class Sampler:
             return int(mem.used), float(util.gpu)
         return None, None
 
+    def capacity(self) -> ev.Resources:
+        """What this node has: CPUs, its memory limit, GPUs."""
+        if self._capacity is None:
+            self._capacity = ev.Resources(
+                cpu=float(len(os.sched_getaffinity(0))),
+                memory_bytes=memory_limit(),
+                gpus=self.gpus,
+            )
+        return self._capacity
+
     def forget(self, keep: set[int]) -> None:
         for pid in list(self._procs):
             if pid not in keep:
                 del self._procs[pid]
+
+
+def memory_limit() -> int:
+    """The memory this process may use: cgroup v2 `memory.max`, `RLIMIT_AS`, or all of it."""
+    limits = [int(psutil.virtual_memory().total)]
+    with contextlib.suppress(OSError, ValueError):
+        own = Path("/proc/self/cgroup").read_text().strip().splitlines()
+        unified = next((line.split(":", 2)[2] for line in own if line.startswith("0::")), None)
+        if unified is not None:
+            text = (Path("/sys/fs/cgroup") / unified.lstrip("/") / "memory.max").read_text()
+            if text.strip() != "max":
+                limits.append(int(text))
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(int(soft))
+    return min(limits)

@@ -4,11 +4,17 @@ In the training script (a no-op when not run under `rove run`):
 
     from rove.agent.progress import report
     report(step, samples=batch_size)      # once per step
+    report(step, samples=batch_size, busy_s=compute_seconds)   # also straggler detection
 
-The agent gives each worker a file (`ROVE_PROGRESS_FILE`) holding three
-numbers: the last step, the samples seen so far, and when the step ended.
-It reads them for heartbeats (step, throughput) and for hang detection: a
-worker alive but without progress for `--hang-timeout` seconds is hung.
+The agent gives each worker a file (`ROVE_PROGRESS_FILE`) holding four
+numbers: the last step, the samples seen so far, when the step ended, and the
+seconds of the worker's own work so far (`busy_s`: the step's time outside
+collectives and data waits, as the script measures it). It reads them for
+heartbeats (step, throughput, busy time per step) and for hang detection: a
+worker alive but without progress for `--hang-timeout` seconds is hung. The
+optimiser replaces a node whose busy time per step is far above the others'
+(`docs/scaling.md`): in synchronous training every rank steps at the
+slowest one's pace, so throughput alone cannot name the straggler.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-_LAYOUT = struct.Struct("<qdd")  # step, samples, unix time of the report
+_LAYOUT = struct.Struct("<qddd")  # step, samples, unix time of the report, busy seconds
 ENV = "ROVE_PROGRESS_FILE"
 
 
@@ -28,6 +34,7 @@ class Progress(NamedTuple):
     step: int
     samples: float
     at: float
+    busy_s: float = 0.0
 
 
 class _Writer:
@@ -38,14 +45,16 @@ class _Writer:
         finally:
             os.close(fd)
         self.samples = 0.0
+        self.busy_s = 0.0
 
 
 _writer: _Writer | None = None
 _checked = False
 
 
-def report(step: int, samples: float = 0.0) -> None:
-    """Record that `step` finished after `samples` more samples (cheap: one memory write)."""
+def report(step: int, samples: float = 0.0, busy_s: float = 0.0) -> None:
+    """Record that `step` finished after `samples` more samples and `busy_s` seconds of
+    this worker's own work (cheap: one memory write)."""
     global _writer, _checked
     if not _checked:
         _checked = True
@@ -55,7 +64,8 @@ def report(step: int, samples: float = 0.0) -> None:
     if _writer is None:
         return
     _writer.samples += samples
-    _LAYOUT.pack_into(_writer.map, 0, int(step), _writer.samples, time.time())
+    _writer.busy_s += busy_s
+    _LAYOUT.pack_into(_writer.map, 0, int(step), _writer.samples, time.time(), _writer.busy_s)
 
 
 def create(path: Path) -> None:
@@ -70,8 +80,8 @@ def read(path: Path) -> Progress | None:
         return None
     if len(data) < _LAYOUT.size:
         return None
-    step, samples, at = _LAYOUT.unpack_from(data)
-    return Progress(step, samples, at) if at > 0 else None
+    step, samples, at, busy = _LAYOUT.unpack_from(data)
+    return Progress(step, samples, at, busy) if at > 0 else None
 
 
 def silent(

@@ -40,6 +40,7 @@ from rove.control.event_base import make_id as make_id
 from rove.control.event_base import node_envelope as node_envelope
 from rove.control.scale_events import GIB as GIB
 from rove.control.scale_events import JobSubmitted as JobSubmitted
+from rove.control.scale_events import NodeGone as NodeGone
 from rove.control.scale_events import NodeLaunch as NodeLaunch
 from rove.control.scale_events import PlanApplied as PlanApplied
 from rove.control.scale_events import PlanFailed as PlanFailed
@@ -548,6 +549,7 @@ AnyEvent = (
     | ScalePlan
     | PlanApplied
     | PlanFailed
+    | NodeGone
 )
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).

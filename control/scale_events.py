@@ -165,3 +165,15 @@ class PlanFailed(Event, tag="plan_failed", frozen=True, kw_only=True):
     retryable: bool = True
     created: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+
+
+class NodeGone(Event, tag="node_gone", frozen=True, kw_only=True):
+    """The scaler saw the process (or pod) of `node` end: the master takes it as lost
+    at once instead of waiting for its heartbeats to time out. `incarnation` is the
+    agent's, as the scaler last knew it ("" if it never joined)."""
+
+    node: str
+    incarnation: str = ""
+    scaler: str
+    reason: str
+    exit_code: int | None = None

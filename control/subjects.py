@@ -135,6 +135,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.ScalePlan: lambda e: plan(e.job),
     ev.PlanApplied: lambda e: scaler(e.job),
     ev.PlanFailed: lambda e: scaler(e.job),
+    ev.NodeGone: lambda e: scaler(e.job),
     ev.DatasetRegistered: lambda e: data(e.job, e.dataset),
     ev.ShardRequested: lambda e: data(e.job, e.dataset),
     ev.ShardDone: lambda e: data(e.job, e.dataset),

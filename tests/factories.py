@@ -438,4 +438,16 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
             backend="local",
             error="no room",
         ),
+        gone("n0-a1", job=job),
     ]
+
+
+def gone(node: str, *, inc: str = "i1", ts: float = 100.0, job: str = JOB) -> ev.NodeGone:
+    return ev.NodeGone(
+        **ev.envelope(job, "scaler:s1", ts, "gone", node, inc),
+        node=node,
+        incarnation=inc,
+        scaler="s1",
+        reason="process exited with code -9",
+        exit_code=-9,
+    )

@@ -394,3 +394,16 @@ def test_plans_stay_in_bounds_one_per_cause_within_budget(
         assert b.ts - a.ts >= POLICY.plan_interval_s - 1e-9
     for slot in m.state.scale.slots.values():
         assert slot.phase in SlotPhase
+
+
+def test_a_node_the_scaler_saw_die_is_lost_and_replaced_at_once() -> None:
+    m = Managed(workload(2, 2))
+    m.step()
+    m.step(2.0)
+    m.apply(factories.gone("n0-a0", ts=m.now))
+    assert m.state.nodes["n0-a0"].status.value == "lost"
+    assert "gone: process exited" in m.state.nodes["n0-a0"].reason
+    m.step(0.5)
+    assert m.plans()[-1].launch[0].node == "n0-a1"
+    m.step(0.5)
+    assert set(m.members()) == {"n0-a1", "n1-a0"}

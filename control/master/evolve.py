@@ -111,18 +111,22 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 nodes=state.nodes.set(event.node, left),
                 counters=replace(c, events=c.events + 1, nodes_left=c.nodes_left + 1),
             )
-        case ev.NodeLost():
+        case ev.NodeLost() | ev.NodeGone():
             node = state.nodes.get(event.node)
             if (
                 node is None
                 or node.status is not NodeStatus.ACTIVE
-                or node.incarnation != event.incarnation
+                or (event.incarnation and node.incarnation != event.incarnation)
             ):
                 return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
             lost = replace(
                 node,
                 status=NodeStatus.LOST,
-                reason=f"no heartbeat for {event.timeout_s:g}s",
+                reason=(
+                    f"no heartbeat for {event.timeout_s:g}s"
+                    if isinstance(event, ev.NodeLost)
+                    else f"gone: {event.reason}"
+                ),
             )
             return replace(
                 state,

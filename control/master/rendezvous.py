@@ -102,7 +102,7 @@ def _break(r: RdzvState, node: str, ts: float) -> RdzvState:
     return replace(r, waiting=waiting, active=False, broken_since=ts, failure=None)
 
 
-def on_node_gone(r: RdzvState, event: ev.NodeLeft | ev.NodeLost) -> RdzvState:
+def on_node_gone(r: RdzvState, event: ev.NodeLeft | ev.NodeLost | ev.NodeGone) -> RdzvState:
     """A node was lost or left."""
     return _break(r, event.node, event.ts)
 

@@ -250,6 +250,12 @@ def on_lost(s: ScaleState, e: ev.NodeLost) -> ScaleState:
     return _gone(s, e.node, e.incarnation, e.id, f"lost: no heartbeat for {e.timeout_s:g}s")
 
 
+def on_gone(s: ScaleState, e: ev.NodeGone) -> ScaleState:
+    slot = s.current(e.node)
+    incarnation = e.incarnation or (slot.incarnation if slot is not None else "")
+    return _gone(s, e.node, incarnation, e.id, f"gone: {e.reason}")
+
+
 def on_excluded(s: ScaleState, e: ev.NodeExcluded) -> ScaleState:
     return _gone(s, e.node, e.incarnation, e.id, f"excluded: {e.reason}")
 
@@ -276,6 +282,7 @@ FOLDS: dict[type[ev.Event], Callable[[ScaleState, Any], ScaleState]] = {
     ev.NodeJoined: on_joined,
     ev.NodeLeft: on_left,
     ev.NodeLost: on_lost,
+    ev.NodeGone: on_gone,
     ev.NodeExcluded: on_excluded,
     ev.WorkerExited: on_worker_exited,
     ev.RoundCompleted: on_round,
