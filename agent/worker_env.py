@@ -49,6 +49,7 @@ def worker_envs(
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "ROVE_JOB": job,
             "ROVE_ROUND": str(round_.round),
+            "ROVE_NODE": member.node,
         }
         if "OMP_NUM_THREADS" in os.environ:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]

@@ -51,7 +51,7 @@ def nats_server_binary() -> str:
     )
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -119,7 +119,7 @@ class EmbeddedServer:
                 # Own session: a Ctrl-C meant for rove must not stop the server
                 # before rove has written its last events; rove stops it after.
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         finally:
             out.close()

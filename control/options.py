@@ -179,3 +179,19 @@ def positive(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNIT = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """'2G', '512Mi', '1.5GiB', '4096' (bytes) -> bytes (binary units: 1G = 2**30)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use a number with an optional unit K, M, G or T "
+            "(binary: 1G = 1024M), e.g. 4G"
+        )
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * _SIZE_UNIT[unit])

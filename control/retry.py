@@ -61,6 +61,8 @@ async def call(
     wait_initial: float = 0.05,
     wait_max: float = 1.0,
     attempt_s: float = 2.0,
+    advice: str = "is the NATS server up and does JetStream have a leader?",
+    failed: str = "no acknowledgement",
 ) -> T:
     """`await fn(timeout)` until it succeeds; retryable failures are tried again.
 
@@ -70,7 +72,7 @@ async def call(
 
     Raises:
         PublishDeadlineError: retryable failures lasted past `deadline_s`
-            (naming `what`, the tries and the last error).
+            (naming `what`, the tries, the last error and `advice`).
         Exception: the first failure that `backoff` says is not worth retrying.
     """
     started = time.monotonic()
@@ -110,7 +112,6 @@ async def call(
             raise
         last = exc
     raise PublishDeadlineError(
-        f"{what}: no acknowledgement after {tries} tries in {deadline_s:g}s (last error: "
-        f"{type(last).__name__}: {last}); is the NATS server up and does JetStream have a "
-        "leader?"
+        f"{what}: {failed} after {tries} tries in {deadline_s:g}s (last error: "
+        f"{type(last).__name__}: {last}); {advice}"
     ) from last

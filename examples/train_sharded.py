@@ -12,6 +12,17 @@ restart the ranks resume exactly where the restored model stood.
 `--trace FILE` appends one JSON line per rank and step with the (epoch, index)
 of every sample trained in it: the tests rebuild the final model's lineage from
 it and check that each index was trained exactly once per epoch.
+
+Each step reports its busy time (the forward pass and the step's own work, not
+the gradient allreduce that waits for the slowest rank) to rove's agent, which
+is how rove's optimiser tells a straggler. Two options make this job misbehave
+on purpose, to watch rove's scaler handle it (docs/scaling.md):
+
+    --needs-memory 2.5G   allocate that much at step 5: with `--node-memory 2G`
+                          the worker runs out of memory, and rove relaunches
+                          the node with twice the memory
+    --slow-nodes n1-a0 --slow-s 0.2   the workers of node n1-a0 take 0.2 s more
+                          per step: rove replaces the straggler
 """
 
 from __future__ import annotations
@@ -50,6 +61,12 @@ class Generated(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, (x * self.w).sum(0, keepdim=True)
 
 
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--samples", type=int, default=2000)
@@ -61,7 +78,11 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--trace", default="")
+    p.add_argument("--needs-memory", default="", help="allocate this much (e.g. 2.5G) at step 5")
+    p.add_argument("--slow-nodes", default="", help="comma-separated rove nodes that are slow")
+    p.add_argument("--slow-s", type=float, default=0.2, help="extra seconds per step there")
     args = p.parse_args()
+    slow = os.environ.get("ROVE_NODE", "") in args.slow_nodes.split(",")
 
     dist.init_process_group("gloo", timeout=dt.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -111,14 +132,21 @@ def main() -> None:
         else:
             x, y = batch
         opt.zero_grad()
+        work_began = time.perf_counter()
         out = ddp(x)
+        if slow:
+            time.sleep(args.slow_s)
+        if step == 5 and args.needs_memory:
+            need = torch.empty(_bytes(args.needs_memory), dtype=torch.uint8)  # MemoryError if short
+            del need
+        busy = time.perf_counter() - work_began
         loss = loss_fn(out, y) if len(x) else out.sum() * 0.0
         loss.backward()
         opt.step()
         trained += len(x)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        report(step, samples=len(x))
+        report(step, samples=len(x), busy_s=busy)
         samples = sampler.last_delivered if batch is not None else []
         log({"step": step, "t": time.time(), "samples": samples})
         if step % args.ckpt_every == 0:

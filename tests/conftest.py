@@ -45,6 +45,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.sections.append(
                 (f"log of {proc.name} ({proc.log_path})", support.log_tail(proc.log_path))
             )
+            for name, path in getattr(proc, "extra_logs", list)():
+                report.sections.append((f"log of {name} ({path})", support.log_tail(path)))
 
 
 @pytest.fixture

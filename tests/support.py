@@ -368,3 +368,75 @@ def pid_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+class ScalerProc:
+    """A `rove scaler` subprocess (local backend), its nodes' markers and logs in `state_dir`.
+
+    `stop()` also kills every node it started: local nodes run in their own sessions
+    and outlive their scaler on purpose.
+    """
+
+    def __init__(self, url: str, job: str, scaler_id: str, log_dir: Path, *extra: str) -> None:
+        self.job = job
+        self.name = f"rove scaler {scaler_id}"
+        self.state_dir = log_dir / "nodes"
+        self.log_path = log_dir / f"scaler-{scaler_id}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rove.control.cli.main",
+                    "scaler",
+                    *("--job", job, "--id", scaler_id, "--nats", url),
+                    *("--state-dir", str(self.state_dir)),
+                    *extra,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        _registered(self)
+
+    def markers(self) -> dict[str, dict[str, Any]]:
+        import json
+
+        out = {}
+        for path in sorted((self.state_dir / self.job).glob("*.json")):
+            try:
+                out[path.stem] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def node_pid(self, node: str) -> int:
+        return int(self.markers()[node]["pid"])
+
+    def extra_logs(self) -> list[tuple[str, Path]]:
+        return [(f"node {p.stem}", p) for p in sorted((self.state_dir / self.job).glob("*.log"))]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for marker in self.markers().values():
+            if marker.get("pid"):
+                try:
+                    os.killpg(int(marker["pid"]), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+async def job_events(bus: Any, job: str) -> list[Any]:
+    """The events of `job` as stored (decoded), in stream order."""
+    return [r.event for r in await stored_events(bus, job)]

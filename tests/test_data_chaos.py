@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import os
 import random
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from rove.control import events as ev
 from rove.control.bus import Bus
+from tests.lineage import lineage, progress, rows
 from tests.support import ROOT, MasterProc, RunProc, eventually, pid_alive, stored_events
 
 pytestmark = pytest.mark.slow
@@ -34,39 +33,6 @@ pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "examples" / "train_sharded.py"
 SAMPLES, EPOCHS = 1500, 2
 JOB = "chaos"
-
-
-def rows(trace: Path) -> list[dict[str, Any]]:
-    out = []
-    if trace.exists():
-        for line in trace.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by kill -9
-    return out
-
-
-def lineage(trace: Path) -> list[tuple[int, int]]:
-    """(epoch, index) of every sample trained in the lineage of the final model."""
-    by_round: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
-    for row in rows(trace):
-        by_round[row["round"]].append(row)
-    steps: dict[int, list[tuple[int, int]]] = {}
-    for rnd in sorted(by_round):
-        starts = {r["restored"] for r in by_round[rnd] if "restored" in r}
-        assert len(starts) == 1, f"round {rnd}: ranks restored different steps {starts}"
-        restored = starts.pop()
-        steps = {s: v for s, v in steps.items() if s <= restored}
-        for r in by_round[rnd]:
-            if "step" in r:
-                steps.setdefault(r["step"], []).extend(tuple(x) for x in r["samples"])
-    return [x for s in sorted(steps) for x in steps[s]]
-
-
-def progress(trace: Path) -> int:
-    """The highest step any rank has trained."""
-    return max((r["step"] for r in rows(trace) if "step" in r), default=0)
 
 
 async def leader(bus: Bus) -> str:

@@ -12,7 +12,16 @@ from collections.abc import Sequence
 
 from rove.control import logs
 from rove.control import options as common
-from rove.control.cli import events_cmd, master_cmd, status_cmd, stop_cmd
+from rove.control.cli import (
+    events_cmd,
+    master_cmd,
+    scaler_cmd,
+    status_cmd,
+    stop_cmd,
+    submit_cmd,
+)
+
+_DAEMONS = frozenset({"master", "scaler"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sub.add_parser("run", help="run a training job (torchrun's flags, plus rove's)", add_help=False)
-    for module in (master_cmd, events_cmd, status_cmd, stop_cmd):
+    for module in (master_cmd, scaler_cmd, submit_cmd, events_cmd, status_cmd, stop_cmd):
         module.add_parser(sub)
     return p
 
@@ -41,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Daemons tell what they do; one-shot commands print their answer and only warnings.
-    logs.configure(args.log_level or ("info" if args.command == "master" else "warning"))
+    logs.configure(args.log_level or ("info" if args.command in _DAEMONS else "warning"))
     return common.run_reporting(f"rove {args.command}", lambda: int(args.func(args)))
 
 

@@ -96,6 +96,8 @@ class ScaleState(msgspec.Struct, frozen=True, kw_only=True):
     by_node: immutables.Map[str, int] = msgspec.field(default_factory=immutables.Map)
     plans: int = 0
     pending: int = 0
+    #: the plan the scaler is applying (a restarted scaler applies it again)
+    pending_plan: ev.ScalePlan | None = None
     last_plan_ts: float = 0.0
     failed_in_row: int = 0
     last_error: str = ""
@@ -181,6 +183,7 @@ def on_plan(s: ScaleState, e: ev.ScalePlan) -> ScaleState:
         by_node=by_node,
         plans=e.plan,
         pending=e.plan,
+        pending_plan=e,
         last_plan_ts=e.ts,
         target=e.target or s.target,
         causes=s.causes | {e.cause},
@@ -197,6 +200,7 @@ def on_applied(s: ScaleState, e: ev.PlanApplied) -> ScaleState:
     return replace(
         s,
         pending=0,
+        pending_plan=None,
         failed_in_row=0,
         recent=_record(s, e.plan, status=PlanStatus.APPLIED, done_ts=e.ts),
     )
@@ -216,6 +220,7 @@ def on_failed(s: ScaleState, e: ev.PlanFailed) -> ScaleState:
         s,
         slots=slots,
         pending=0,
+        pending_plan=None,
         failed_in_row=s.failed_in_row + (0 if not e.retryable else 1),
         last_error=e.error,
         recent=_record(s, e.plan, status=PlanStatus.FAILED, error=e.error, done_ts=e.ts),

@@ -1,0 +1,109 @@
+"""`rove submit`: hand a job to rove to run and scale (a managed job).
+
+    rove submit --job j1 --nats URL --node-memory 4G -- --nnodes 1:4 --nproc-per-node 2 train.py
+
+Everything after `--` is what every node's `rove run` gets (without --job,
+--node-id and --nats, which the scaler adds). The master plans the nodes
+(`--nnodes MIN:MAX`), and `rove scaler --job j1` starts them. Submitting a job
+twice changes nothing: the first submission is the job's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rove.control import aio, subjects
+from rove.control import events as ev
+from rove.control import options as common
+from rove.control.bus import Bus
+from rove.control.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "submit",
+        help="hand a job to rove's master and scaler to run and scale",
+        description=__doc__,
+    )
+    p.add_argument("--job", required=True, help="job name")
+    p.add_argument(
+        "--node-memory",
+        type=common.byte_size,
+        default=None,
+        metavar="SIZE",
+        help="memory limit of each node, e.g. 4G (doubled after an OOM)",
+    )
+    p.add_argument(
+        "--node-cpu", type=common.positive, default=None, metavar="CPUS", help="CPUs of each node"
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an optimiser setting (repeatable; docs/scaling.md)",
+    )
+    p.add_argument(
+        "--cwd", type=Path, default=None, help="the nodes' working directory (default: this one)"
+    )
+    p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then `rove run` arguments")
+    common.add_nats_args(p)
+    p.set_defaults(func=run)
+
+
+def build(args: argparse.Namespace) -> ev.Workload:
+    """The workload from `rove submit`'s arguments (validated as `rove run` would)."""
+    from rove.agent import launcher  # torch's parser: only when submitting
+
+    run_args = list(args.run_args)
+    if run_args[:1] == ["--"]:
+        run_args = run_args[1:]
+    if not run_args:
+        raise ConfigError("nothing to run: give `rove run` arguments after --, e.g. -- train.py")
+    parser = launcher.build_parser()
+    try:
+        parsed = parser.parse_args(run_args)
+    except SystemExit as exc:
+        raise ConfigError(f"bad `rove run` arguments after --: {' '.join(run_args)}") from exc
+    head = run_args[: len(run_args) - len(parsed.training_script_args) - 1]
+    for flag in ("--standalone", "--auto-scale", "--node-id", "--job", "--nats"):
+        if any(a == flag or a.startswith(flag + "=") for a in head):
+            raise ConfigError(
+                f"{flag} does not belong after --: the scaler gives each node its --job, "
+                "--node-id and --nats"
+            )
+    cwd = (args.cwd or Path.cwd()).resolve()
+    script = Path(parsed.training_script)
+    if not (parsed.module or parsed.no_python) and not (cwd / script).is_file():
+        raise ConfigError(f"training script {script} not found in {cwd}")
+    parsed.node_memory, parsed.node_cpu, parsed.policy = (
+        args.node_memory,
+        args.node_cpu,
+        args.policy,
+    )
+    return launcher.workload(run_args, parsed, str(cwd))
+
+
+def run(args: argparse.Namespace) -> int:
+    subjects.check_name("job", args.job)
+    spec = build(args)
+    return aio.run(_submit(args, spec))
+
+
+async def _submit(args: argparse.Namespace, spec: ev.Workload) -> int:
+    bus = await Bus.connect(common.bus_options(args, name="rove-submit", job=args.job))
+    try:
+        await bus.publish(
+            ev.JobSubmitted(**ev.envelope(args.job, "cli", time.time(), "submitted"), workload=spec)
+        )
+    finally:
+        await bus.close()
+    print(
+        f"submitted job {args.job}: {spec.min_nodes}-{spec.max_nodes} nodes "
+        f"({spec.resources.describe()} each) running {' '.join(spec.argv)}; "
+        f"start a scaler with `rove scaler --job {args.job}` and watch it with "
+        f"`rove status --job {args.job}`"
+    )
+    return common.EXIT_OK

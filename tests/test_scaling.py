@@ -1,0 +1,236 @@
+"""The scaler with real processes: a real nats-server, `rove master`, `rove scaler`
+(local backend), and nodes that are real `rove run` processes training
+examples/train_sharded.py over gloo, with leased data and flash checkpoints.
+
+Each test submits a managed job (`rove submit`) and checks what the optimiser
+planned, what the scaler did, and that the final model's lineage trained every
+sample exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rove.control import events as ev
+from rove.control.bus import Bus
+from rove.control.embedded import EmbeddedServer
+from tests.lineage import lineage, progress
+from tests.support import (
+    ROOT,
+    MasterProc,
+    ScalerProc,
+    eventually,
+    job_events,
+    pid_alive,
+    rove_cli,
+)
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = ROOT / "examples" / "train_sharded.py"
+SAMPLES = 600
+
+
+def submit(
+    url: str, job: str, tmp: Path, *run_args: str, submit_args: tuple[str, ...] = ()
+) -> None:
+    done = rove_cli(
+        "submit",
+        *("--job", job, "--nats", url, "--cwd", str(tmp)),
+        *submit_args,
+        "--",
+        *run_args,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"submitted job {job}" in done.stdout
+
+
+def train_args(
+    tmp: Path, *extra: str, nnodes: str = "1", samples: int = SAMPLES
+) -> tuple[str, ...]:
+    return (
+        *("--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3"),
+        *("--checkpoint-dir", str(tmp / "ckpt"), "--last-call-timeout", "1"),
+        str(SCRIPT),
+        *("--samples", str(samples), "--epochs", "1", "--trace", str(tmp / "trace.jsonl")),
+        *extra,
+    )
+
+
+async def ended(bus: Bus, job: str, timeout: float = 240) -> ev.JobEnded:
+    async def check() -> ev.JobEnded | None:
+        return next((e for e in await job_events(bus, job) if isinstance(e, ev.JobEnded)), None)
+
+    result: ev.JobEnded = await eventually(check, timeout=timeout, every=0.5)
+    return result
+
+
+def plans(events: list[Any]) -> list[ev.ScalePlan]:
+    return [e for e in events if isinstance(e, ev.ScalePlan)]
+
+
+def assert_exactly_once(tmp: Path, samples: int = SAMPLES) -> None:
+    trained = collections.Counter(lineage(tmp / "trace.jsonl"))
+    assert set(trained) == {(0, i) for i in range(samples)}, "every sample trained"
+    assert max(trained.values()) == 1, "no sample trained twice in the final lineage"
+
+
+@pytest.fixture
+def master(nats_server: EmbeddedServer, tmp_path: Path) -> MasterProc:
+    assert nats_server.url is not None
+    return MasterProc(nats_server.url, "scaled", "m1", tmp_path, "--node-timeout", "20")
+
+
+async def test_an_oom_relaunches_the_node_with_twice_the_memory_and_the_data_stays_exactly_once(
+    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    assert url is not None
+    scaler = ScalerProc(url, "scaled", "s1", tmp_path)
+    submit(
+        url,
+        "scaled",
+        tmp_path,
+        *train_args(tmp_path, "--needs-memory", "2.5G"),
+        submit_args=("--node-memory", "2G"),
+    )
+    end = await ended(bus, "scaled")
+    assert end.phase is ev.JobPhase.FINISHED, end.reason
+    events = await job_events(bus, "scaled")
+    [initial, oom] = plans(events)
+    assert initial.launch[0].resources.memory_bytes == 2 * ev.GIB
+    assert oom.rule is ev.ScaleRule.OOM
+    assert oom.remove == ("n0-a0",)
+    assert [(n.node, n.resources.memory_bytes) for n in oom.launch] == [("n0-a1", 4 * ev.GIB)]
+    exits = [e for e in events if isinstance(e, ev.WorkerExited)]
+    assert exits and all(e.kind is ev.FailureKind.OOM and e.node == "n0-a0" for e in exits)
+    assert "Cannot allocate memory" in exits[0].reason
+    applied = [e for e in events if isinstance(e, ev.PlanApplied)]
+    assert [(a.plan, a.created) for a in applied] == [(1, ("n0-a0",)), (2, ("n0-a1",))]
+    assert set(scaler.markers()) == {"n0-a0", "n0-a1"}
+    assert scaler.markers()["n0-a1"]["limit"].startswith(("RLIMIT_AS 4 GiB", "memory.max 4 GiB"))
+    assert_exactly_once(tmp_path)
+
+
+async def test_a_killed_node_is_replaced_and_the_job_returns_to_two_nodes(
+    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    assert url is not None
+    scaler = ScalerProc(url, "scaled", "s1", tmp_path)
+    submit(url, "scaled", tmp_path, *train_args(tmp_path, "--step-sleep", "0.05", nnodes="2"))
+    trace = tmp_path / "trace.jsonl"
+    await eventually(lambda: progress(trace) >= 10, timeout=180)
+    victim = scaler.node_pid("n1-a0")
+    os.killpg(victim, signal.SIGKILL)  # the whole node: its agent and its workers
+    end = await ended(bus, "scaled")
+    assert end.phase is ev.JobPhase.FINISHED, end.reason
+    events = await job_events(bus, "scaled")
+    gone = [e for e in events if isinstance(e, ev.NodeGone)]
+    assert [g.node for g in gone] == ["n1-a0"] and "SIGKILL" in gone[0].reason
+    replace = [p for p in plans(events) if p.rule is ev.ScaleRule.REPLACE]
+    assert [[n.node for n in p.launch] for p in replace] == [["n1-a1"]]
+    assert replace[0].cause == gone[0].id
+    last_round = [e for e in events if isinstance(e, ev.RoundCompleted)][-1]
+    assert sorted(m.node for m in last_round.members) == ["n0-a0", "n1-a1"]
+    assert not pid_alive(victim)
+    assert_exactly_once(tmp_path)
+
+
+async def test_a_scaler_killed_while_applying_a_plan_creates_nothing_twice_and_forgets_nothing(
+    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    assert url is not None
+    first = ScalerProc(url, "scaled", "s1", tmp_path, "--create-interval", "2")
+    submit(url, "scaled", tmp_path, *train_args(tmp_path, "--step-sleep", "0.05", nnodes="3"))
+    await eventually(lambda: "n0-a0" in first.markers(), timeout=60)
+    first.kill()  # plan 1 is half applied: n0-a0 started, n1-a0 and n2-a0 not yet
+    assert set(first.markers()) == {"n0-a0"}
+    ScalerProc(url, "scaled", "s2", tmp_path)
+    end = await ended(bus, "scaled")
+    assert end.phase is ev.JobPhase.FINISHED, end.reason
+    events = await job_events(bus, "scaled")
+    assert len(plans(events)) == 1, "one plan, applied by two scalers"
+    applied = [e for e in events if isinstance(e, ev.PlanApplied)]
+    assert [(a.plan, a.scaler, a.created) for a in applied] == [
+        (1, "s2", ("n0-a0", "n1-a0", "n2-a0"))
+    ]
+    joined = collections.Counter(e.node for e in events if isinstance(e, ev.NodeJoined))
+    assert joined == {"n0-a0": 1, "n1-a0": 1, "n2-a0": 1}, "each node created once"
+    first_round = next(e for e in events if isinstance(e, ev.RoundCompleted))
+    assert len(first_round.members) == 3
+    assert_exactly_once(tmp_path)
+
+
+async def test_a_straggler_is_replaced(
+    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    assert url is not None
+    ScalerProc(url, "scaled", "s1", tmp_path)
+    submit(
+        url,
+        "scaled",
+        tmp_path,
+        *train_args(tmp_path, "--slow-nodes", "n1-a0", "--slow-s", "0.15", nnodes="2"),
+        submit_args=("--policy", "settle_s=3"),
+    )
+    end = await ended(bus, "scaled", timeout=300)
+    assert end.phase is ev.JobPhase.FINISHED, end.reason
+    events = await job_events(bus, "scaled")
+    [straggler] = [p for p in plans(events) if p.rule is ev.ScaleRule.STRAGGLER]
+    assert straggler.remove == ("n1-a0",)
+    assert [n.node for n in straggler.launch] == ["n1-a1"]
+    last_round = [e for e in events if isinstance(e, ev.RoundCompleted)][-1]
+    assert sorted(m.node for m in last_round.members) == ["n0-a0", "n1-a1"]
+    assert_exactly_once(tmp_path)
+
+
+async def test_a_job_grows_while_nodes_pay_and_never_beyond_max(
+    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    assert url is not None
+    ScalerProc(url, "scaled", "s1", tmp_path)
+    # Sleep-bound steps: each node adds its full speed, so growing pays up to MAX.
+    submit(
+        url,
+        "scaled",
+        tmp_path,
+        *train_args(tmp_path, "--step-sleep", "0.1", nnodes="1:3", samples=4000),
+        submit_args=("--policy", "settle_s=4"),
+    )
+    end = await ended(bus, "scaled", timeout=300)
+    assert end.phase is ev.JobPhase.FINISHED, end.reason
+    events = await job_events(bus, "scaled")
+    rules = [p.rule for p in plans(events)]
+    assert rules[:3] == [ev.ScaleRule.INITIAL, ev.ScaleRule.GROW, ev.ScaleRule.GROW], rules
+    assert ev.ScaleRule.SHRINK not in rules
+    sizes = [len(e.members) for e in events if isinstance(e, ev.RoundCompleted)]
+    assert max(sizes) == 3 and sizes[0] == 1
+    assert_exactly_once(tmp_path, 4000)
+
+
+def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script(tmp_path: Path) -> None:
+    done = rove_cli(
+        "submit",
+        *("--job", "j", "--nats", "nats://127.0.0.1:1"),
+        "--",
+        *("--node-id", "x", str(SCRIPT)),
+    )
+    assert done.returncode == 2
+    assert "--node-id does not belong after --" in done.stderr
+    done = rove_cli("submit", "--job", "j", "--nats", "nats://127.0.0.1:1", "--", "nope.py")
+    assert done.returncode == 2 and "training script nope.py not found" in done.stderr
+    done = rove_cli(
+        "submit", "--job", "j", "--policy", "grow=yes", "--", str(SCRIPT), "--nats", "x"
+    )
+    assert done.returncode == 2 and "--policy grow=yes: use KEY=VALUE" in done.stderr
