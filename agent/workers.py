@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import structlog
 from torch.distributed.elastic.multiprocessing import (
     DefaultLogsSpecs,
     LogsSpecs,
@@ -35,6 +36,8 @@ from rove.agent.diagnosis import Diagnosis, classify, read_tail
 from rove.agent.runtime import RootFailure, WorkerRuntime, WorkersEnded
 from rove.control.events import FailureKind
 
+log = structlog.get_logger("rove.agent")
+
 
 class TorchRuntime(WorkerRuntime):
     """One round's torch worker processes on this node (see `WorkerRuntime`)."""
@@ -48,8 +51,10 @@ class TorchRuntime(WorkerRuntime):
         *,
         start_method: str = "spawn",
         name: str = "default",
+        exit_grace_s: float = 10.0,
     ) -> None:
         self.name = name
+        self.exit_grace_s = exit_grace_s
         self.entrypoint = entrypoint
         self.args = list(args)
         self.logs_specs = logs_specs or DefaultLogsSpecs()
@@ -99,18 +104,52 @@ class TorchRuntime(WorkerRuntime):
 
     async def wait(self) -> WorkersEnded:
         rnd = self._round
-        watched = _Sentinels(self.pids(), _return_fds(self.pcontext))
+        pids = self.pids()
+        watched = _Sentinels(pids, _return_fds(self.pcontext))
+        reaped: set[int] = set()
+        reaper = asyncio.create_task(self._reap_lingering(pids, reaped))
         try:
             while True:
                 result = await asyncio.to_thread(self._poll)
                 if result is not None:
-                    return WorkersEnded(rnd, root_failure(result) if result.is_failed() else None)
+                    failed = result.is_failed() and not (
+                        reaped and {f.pid for f in result.failures.values()} <= reaped
+                    )
+                    return WorkersEnded(rnd, root_failure(result) if failed else None)
                 if not await watched.next_exit():
                     # every process we watch has exited, yet torch reports the group as
                     # running: look again (torch reaps them on its own schedule)
                     await asyncio.sleep(0.05)
         finally:
+            reaper.cancel()
             watched.close()
+
+    async def _reap_lingering(self, pids: dict[int, int], reaped: set[int]) -> None:
+        """Kill a worker that returned from its function but does not exit.
+
+        Once every worker of a function entrypoint has returned, torch tells them to
+        exit and waits for each, without a timeout, holding the agent's poll: a
+        process stuck on its way out (an atexit hook, a thread that never ends) would
+        leave the agent waiting forever while the job waits for this node. After
+        `exit_grace_s` such a process is killed (`reaped`); its work was done, so
+        the round still counts as succeeded.
+        """
+        finished = getattr(self.pcontext, "_worker_finished_event", None)
+        if finished is None:
+            return  # a subprocess context: torch waits with a timeout there
+        while not finished.is_set():  # noqa: ASYNC110 - a multiprocessing Event, not asyncio's
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(self.exit_grace_s)
+        for local_rank, pid in sorted(pids.items()):
+            if _alive(pid):
+                log.warning(
+                    f"worker {local_rank} returned but has not exited after "
+                    f"{self.exit_grace_s:g}s: killing it",
+                    pid=pid,
+                )
+                reaped.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     def _poll(self) -> RunProcsResult | None:
         """None while all run; else the result (the others are torn down first). Blocking."""
@@ -138,6 +177,14 @@ class TorchRuntime(WorkerRuntime):
             if p is not None:
                 out[local_rank] = p
         return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _return_fds(pcontext: PContext | None) -> list[int]:

@@ -34,6 +34,9 @@ if os.environ.get("FAIL_RANK") == str(rank):
     raise SystemExit(int(os.environ.get("CODE", "3")))
 if os.environ.get("RAISE_RANK") == str(rank):
     raise ValueError("rank refuses")
+if os.environ.get("LINGER_RANK") == str(rank):  # returns, then never exits
+    import threading
+    threading.Thread(target=time.sleep, args=(3600,)).start()
 """
 
 
@@ -137,3 +140,24 @@ async def test_progress_reports_each_ranks_step(runtime: WorkerRuntime) -> None:
         assert steps == {0: 7, 1: 7}
     finally:
         await asyncio.to_thread(runtime.stop, signal.SIGTERM, 10.0)
+
+
+async def test_a_warm_worker_that_returns_but_never_exits_is_killed_after_a_grace(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    warm.start(())
+    runtime = TorchRuntime(
+        warm.run_script,
+        ["script", str(script)],
+        DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.NONE, tee=Std.ERR),
+        tmp_path / "progress",
+        start_method="forkserver",
+        exit_grace_s=1.0,
+    )
+    pids = runtime.start(1, envs(2, LINGER_RANK="1"))
+    ended = await asyncio.wait_for(runtime.wait(), patience(60))
+    assert ended.failure is None, "its work was done: the round succeeded"
+    assert not runtime.running
+    assert not any(pid_alive(p) for p in pids.values())
