@@ -57,6 +57,21 @@ def test_the_same_decision_gets_the_same_id_on_every_tick() -> None:
     assert [d.id for d in a] == [d.id for d in b]
 
 
+def test_a_node_lost_again_after_it_joined_again_is_a_new_decision() -> None:
+    """Regression (a CI run): a node declared lost under load joined again with the same
+    incarnation; killed later, its second loss got the first one's id, the server
+    dropped it as a duplicate, and the job never noticed the node was gone."""
+    state = running(factories.joined("n1", ts=100.0))
+    (first,) = decide(state, {}, now=100.0 + TIMEOUT + 1)
+    state = evolve(state, first, 10)
+    state = evolve(state, factories.joined("n1", ts=120.0, n=1), 11)  # "joining again"
+    assert state.nodes["n1"].status.value == "active"
+    (second,) = decide(state, {}, now=120.0 + TIMEOUT + 1)
+    assert isinstance(second, ev.NodeLost)
+    assert second.id != first.id
+    assert evolve(state, second, 12).nodes["n1"].status.value == "lost"
+
+
 def test_a_lost_node_is_not_decided_again_once_folded() -> None:
     state = running(factories.joined("n1", ts=100.0))
     (d,) = decide(state, {}, now=200.0)

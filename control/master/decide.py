@@ -240,7 +240,11 @@ def _lost_nodes(
         if now - last_seen > timeout:
             lost.append(
                 ev.NodeLost(
-                    **_envelope(state, now, "node_lost", node.node, node.incarnation),
+                    # joined_ts: an agent the master lost that joined again (same
+                    # incarnation) and goes silent again is a new loss, not a duplicate
+                    **_envelope(
+                        state, now, "node_lost", node.node, node.incarnation, node.joined_ts
+                    ),
                     node=node.node,
                     incarnation=node.incarnation,
                     last_seen=last_seen,
