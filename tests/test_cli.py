@@ -224,3 +224,24 @@ def test_an_unknown_job_exits_4(nats_server: EmbeddedServer) -> None:
 )
 def test_durations(text: str, seconds: float) -> None:
     assert common.duration(text) == pytest.approx(seconds)
+
+
+async def test_status_and_events_show_scale_plans_and_their_outcomes(bus: Bus) -> None:
+    now = time.time()
+    await bus.publish(factories.elected("m1", 7, ts=now))
+    await bus.publish(factories.configured(7, 30.0))
+    for event in factories.scale_events()[:3]:  # submitted, plan 1 (oom), applied
+        await bus.publish(event)
+    out = await asyncio.to_thread(rove_cli, "status", "--job", "j1", "--nats", bus.url)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    scaling = next(line for line in lines if line.startswith("scaling:"))
+    assert "of 1-2 nodes live (target 1), 1 CPU, 2 GiB each" in scaling
+    plan = next(line for line in lines if line.strip().startswith("plan 1"))
+    assert "plan 1 oom applied" in plan and "+n0-a1 -n0-a0" in plan
+    assert "n0-a0 ran out of memory" in plan
+    events = await asyncio.to_thread(
+        rove_cli, "events", "--job", "j1", "--nats", bus.url, "--type", "scale_plan"
+    )
+    [line] = events.stdout.splitlines()
+    assert "rule=oom" in line and "launch='n0-a1(4 GiB)'" in line and "remove=n0-a0" in line

@@ -31,7 +31,28 @@ def _value(v: Any, key: str = "") -> str:
 
 def key_fields(event: ev.Event) -> dict[str, Any]:
     """The fields that say what this event is about (everything but the envelope)."""
-    return {f: getattr(event, f) for f in event.__struct_fields__ if f not in _COMMON}
+    fields = {f: getattr(event, f) for f in event.__struct_fields__ if f not in _COMMON}
+    match event:
+        case ev.ScalePlan():
+            fields["launch"] = ",".join(_launch(n) for n in event.launch) or None
+            fields["remove"] = ",".join(event.remove) or None
+            fields["speed"] = event.speed or None
+        case ev.JobSubmitted(workload=w):
+            del fields["workload"]
+            fields["nodes"] = f"{w.min_nodes}-{w.max_nodes}"
+            fields["each"] = w.resources.describe()
+            fields["runs"] = " ".join(w.argv)
+        case ev.PlanApplied() | ev.PlanFailed():
+            fields["created"] = ",".join(event.created) or None
+            fields["removed"] = ",".join(event.removed) or None
+    return fields
+
+
+def _launch(n: ev.NodeLaunch) -> str:
+    extra = ", ".join(
+        x for x in (n.resources.describe(), f"replaces {n.replaces}" if n.replaces else "") if x
+    )
+    return f"{n.node}({extra})"
 
 
 def event_line(rec: Recorded) -> str:

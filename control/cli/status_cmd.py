@@ -80,7 +80,8 @@ def status_view(
         )
     r = state.rdzv
     failure = r.failure or r.last_failure
-    waiting = decide(state, liveness, now).waiting
+    decided = decide(state, liveness, now)
+    waiting = decided.waiting
     return {
         "job": state.job,
         "phase": state.phase.value,
@@ -119,6 +120,7 @@ def status_view(
             "last_error": state.ckpt.last_error or None,
         },
         "datasets": [_dataset_view(ds) for ds in state.data.datasets.values()],
+        "scaling": _scaling_view(state, decided.scale_waiting, now),
         "network_check": (
             {
                 "done": r.check.done,
@@ -203,6 +205,69 @@ def _dataset_view(ds: Any) -> dict[str, Any]:
     }
 
 
+def _scaling_view(state: Any, waiting: Any, now: float) -> dict[str, Any] | None:
+    s = state.scale
+    w = s.workload
+    if w is None:
+        return None
+    return {
+        "min_nodes": w.min_nodes,
+        "max_nodes": w.max_nodes,
+        "target": s.target,
+        "resources": w.resources.describe(),
+        "slots": [
+            {
+                "node": x.node,
+                "phase": x.phase.value,
+                "resources": x.resources.describe(),
+                "reason": x.reason,
+            }
+            for x in sorted(s.slots.values(), key=lambda x: x.slot)
+        ],
+        "pending_plan": s.pending or None,
+        "plans": [
+            {
+                "plan": p.plan,
+                "rule": p.rule.value,
+                "status": p.status.value,
+                "reason": p.reason,
+                "error": p.error or None,
+                "launch": list(p.launch),
+                "remove": list(p.remove),
+                "age_s": round(now - p.ts, 1),
+            }
+            for p in s.recent
+        ],
+        "no_plan_yet": waiting.reason if waiting is not None and waiting.reason else None,
+    }
+
+
+def _scaling_lines(sc: dict[str, Any]) -> list[str]:
+    live = [x for x in sc["slots"] if x["phase"] in ("launching", "joined")]
+    lines = [
+        f"scaling: {len(live)} of {sc['min_nodes']}-{sc['max_nodes']} nodes live "
+        f"(target {sc['target']}), {sc['resources']} each"
+        + (f"; plan {sc['pending_plan']} being applied" if sc["pending_plan"] else "")
+    ]
+    for p in sc["plans"][-5:]:
+        what = " ".join(
+            x
+            for x in (
+                f"+{','.join(p['launch'])}" if p["launch"] else "",
+                f"-{','.join(p['remove'])}" if p["remove"] else "",
+            )
+            if x
+        )
+        error = f" ({p['error']})" if p["error"] else ""
+        lines.append(
+            f"  plan {p['plan']} {p['rule']} {p['status']}{error}, {p['age_s']:g}s ago: "
+            f"{what}: {p['reason']}"
+        )
+    if sc["no_plan_yet"]:
+        lines.append(f"  no plan yet: {sc['no_plan_yet']}")
+    return lines
+
+
 def _dataset_line(ds: dict[str, Any]) -> str:
     per_node = "; ".join(
         f"{node or '(no node)'} {n['shards']} shards"
@@ -259,6 +324,8 @@ def render(view: dict[str, Any]) -> str:
         lines.append(line)
     for ds in view["datasets"]:
         lines.append(_dataset_line(ds))
+    if view["scaling"] is not None:
+        lines.extend(_scaling_lines(view["scaling"]))
     check = view["network_check"]
     if check is not None:
         if not check["done"]:
