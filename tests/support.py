@@ -440,3 +440,45 @@ class ScalerProc:
 async def job_events(bus: Any, job: str) -> list[Any]:
     """The events of `job` as stored (decoded), in stream order."""
     return [r.event for r in await stored_events(bus, job)]
+
+
+class DaemonProc:
+    """A `rove agent --pool` subprocess."""
+
+    def __init__(self, url: str, pool: str, agent: str, log_dir: Path, *extra: str) -> None:
+        self.name = f"rove agent {agent}"
+        self.log_path = log_dir / f"agent-{agent}.log"
+        self.state_dir = log_dir / f"nodes-{agent}"
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "rove.control.cli.main", "agent"),
+                    *("--pool", pool, "--id", agent, "--nats", url),
+                    *("--state-dir", str(self.state_dir), *extra),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        _registered(self)
+
+    def node_pid(self, job: str, node: str) -> int:
+        import json
+
+        return int(json.loads((self.state_dir / job / f"{node}.json").read_text())["pid"])
+
+    def has(self, node: str) -> bool:
+        """Whether this daemon ran `node` (of any job)."""
+        return any(self.state_dir.glob(f"*/{node}.json"))
+
+    def extra_logs(self) -> list[tuple[str, Path]]:
+        return [(f"node {p.stem}", p) for p in sorted(self.state_dir.glob("*/*.log"))]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

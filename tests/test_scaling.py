@@ -23,6 +23,7 @@ from rove.control.embedded import EmbeddedServer
 from tests.lineage import lineage, progress
 from tests.support import (
     ROOT,
+    DaemonProc,
     MasterProc,
     ScalerProc,
     eventually,
@@ -217,6 +218,34 @@ async def test_a_job_grows_while_nodes_pay_and_never_beyond_max(
     sizes = [len(e.members) for e in events if isinstance(e, ev.RoundCompleted)]
     assert max(sizes) == 3 and sizes[0] == 1
     assert_exactly_once(tmp_path, 4000)
+
+
+async def test_a_killed_node_is_replaced_from_the_pool_of_agents(
+    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    assert url is not None
+    daemons = {a: DaemonProc(url, "p", a, tmp_path) for a in ("a1", "a2", "a3")}
+    ScalerProc(url, "scaled", "s1", tmp_path, "--backend", "pool", "--pool", "p")
+    submit(url, "scaled", tmp_path, *train_args(tmp_path, "--step-sleep", "0.05", nnodes="2"))
+    trace = tmp_path / "trace.jsonl"
+    await eventually(lambda: progress(trace) >= 10, timeout=180)
+    where = {n: a for a, d in daemons.items() for n in ("n0-a0", "n1-a0") if d.has(n)}
+    victim = daemons[where["n1-a0"]].node_pid("scaled", "n1-a0")
+    os.killpg(victim, signal.SIGKILL)  # the node's agent and its workers
+    end = await ended(bus, "scaled")
+    assert end.phase is ev.JobPhase.FINISHED, end.reason
+    events = await job_events(bus, "scaled")
+    gone = [e for e in events if isinstance(e, ev.NodeGone)]
+    assert [g.node for g in gone] == ["n1-a0"]
+    assert gone[0].scaler == f"pool:{where['n1-a0']}"
+    replace = [p for p in plans(events) if p.rule is ev.ScaleRule.REPLACE]
+    assert [[n.node for n in p.launch] for p in replace] == [["n1-a1"]]
+    spare = {a for a, d in daemons.items() if d.has("n1-a1")}
+    assert len(spare) == 1 and spare != {where["n0-a0"]}, "a daemon that was free ran it"
+    last_round = [e for e in events if isinstance(e, ev.RoundCompleted)][-1]
+    assert sorted(m.node for m in last_round.members) == ["n0-a0", "n1-a1"]
+    assert_exactly_once(tmp_path)
 
 
 def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script(tmp_path: Path) -> None:

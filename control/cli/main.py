@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from rove.control import logs
 from rove.control import options as common
 from rove.control.cli import (
+    agent_cmd,
     events_cmd,
     master_cmd,
     scaler_cmd,
@@ -21,7 +22,7 @@ from rove.control.cli import (
     submit_cmd,
 )
 
-_DAEMONS = frozenset({"master", "scaler"})
+_DAEMONS = frozenset({"master", "scaler", "agent"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sub.add_parser("run", help="run a training job (torchrun's flags, plus rove's)", add_help=False)
-    for module in (master_cmd, scaler_cmd, submit_cmd, events_cmd, status_cmd, stop_cmd):
+    for module in (
+        master_cmd,
+        scaler_cmd,
+        submit_cmd,
+        agent_cmd,
+        events_cmd,
+        status_cmd,
+        stop_cmd,
+    ):
         module.add_parser(sub)
     return p
 

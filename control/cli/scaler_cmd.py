@@ -23,6 +23,7 @@ from rove.control.bus import Bus
 from rove.control.errors import ConfigError
 from rove.control.scaler.backend import Backend
 from rove.control.scaler.local import LocalBackend
+from rove.control.scaler.pool import PoolBackend
 from rove.control.scaler.service import Scaler
 
 log = structlog.get_logger("rove.scaler")
@@ -30,16 +31,20 @@ log = structlog.get_logger("rove.scaler")
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "scaler", help="apply a managed job's scale plans (local processes)", description=__doc__
+        "scaler",
+        help="apply a managed job's scale plans (local processes or a pool of agents)",
+        description=__doc__,
     )
     p.add_argument("--job", required=True, help="job name")
     p.add_argument("--id", dest="scaler_id", help="this scaler's id (default: host-pid)")
     p.add_argument(
         "--backend",
-        choices=["local"],
+        choices=["local", "pool"],
         default="local",
-        help="where nodes run: local = `rove run` processes on this machine (default)",
+        help="where nodes run: local = `rove run` processes on this machine (default); "
+        "pool = idle `rove agent --pool` daemons",
     )
+    p.add_argument("--pool", default="default", help="with --backend pool: the pool (default)")
     p.add_argument(
         "--plan-deadline",
         type=common.positive,
@@ -76,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace, scaler_id: str) -> int:
     options = common.bus_options(args, name=f"rove-scaler-{scaler_id}", job=args.job, daemon=True)
     bus = await Bus.connect(options)
-    backend: Backend = LocalBackend(bus.url, state_dir=args.state_dir)
+    backend: Backend = (
+        PoolBackend(bus, subjects.check_name("pool", args.pool))
+        if args.backend == "pool"
+        else LocalBackend(bus.url, state_dir=args.state_dir)
+    )
     scaler = Scaler(
         bus,
         args.job,

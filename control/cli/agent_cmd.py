@@ -1,0 +1,69 @@
+"""`rove agent --pool P`: a long-lived node agent that scalers assign to jobs.
+
+Run one per machine (the Kubernetes DaemonSet does): it waits idle in pool P
+until a scaler (`rove scaler --backend pool --pool P`) assigns it a node of a
+job, runs that node as `rove run` would, and comes back to the pool when the
+node ends. A replacement node then starts in seconds on a machine that is
+already there. See docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+from pathlib import Path
+
+from rove.control import aio, subjects
+from rove.control import options as common
+from rove.control.bus import Bus
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "agent", help="a pool agent (daemon) that scalers assign to jobs", description=__doc__
+    )
+    p.add_argument("--pool", required=True, help="the pool to join, e.g. default")
+    p.add_argument("--id", dest="agent_id", help="this agent's id (default: host-pid)")
+    p.add_argument(
+        "--memory",
+        type=common.byte_size,
+        default=0,
+        metavar="SIZE",
+        help="memory this agent offers to a node (default: the machine's limit)",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="where node logs go (default ~/.rove/jobs/<job>/scaler)",
+    )
+    common.add_nats_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    subjects.check_name("pool", args.pool)
+    agent_id = args.agent_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+    subjects.check_name("agent", agent_id)
+    return aio.run(_run(args, agent_id))
+
+
+async def _run(args: argparse.Namespace, agent_id: str) -> int:
+    from rove.agent.daemon import PoolDaemon
+
+    options = common.bus_options(args, name=f"rove-agent-{agent_id}", daemon=True)
+    bus = await Bus.connect(options)
+    daemon = PoolDaemon(
+        bus, args.pool, agent_id, memory_bytes=args.memory, state_dir=args.state_dir
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop)
+    try:
+        await daemon.run()
+    finally:
+        await bus.close()
+    return common.EXIT_OK

@@ -1,0 +1,152 @@
+"""The backend contract (`rove.control.scaler.backend.Backend`), against every backend.
+
+Real processes and a real nats-server: `local` starts `rove run` processes;
+`pool` assigns them to real `rove agent --pool` daemons. The node processes
+here never train (no master runs): the contract is about creating and stopping
+nodes, not about the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rove.control import events as ev
+from rove.control.bus import Bus
+from rove.control.errors import TemporaryError
+from rove.control.scaler.backend import Backend
+from rove.control.scaler.local import LocalBackend
+from rove.control.scaler.pool import PoolBackend
+from tests.support import DaemonProc, eventually, job_events, patience
+
+pytestmark = pytest.mark.slow
+
+JOB = "contract"
+
+
+def workload(tmp: Path, *extra: str) -> ev.Workload:
+    script = tmp / "idle.py"
+    script.write_text("import time\ntime.sleep(3600)\n")
+    return ev.Workload(
+        argv=("--nproc-per-node", "1", *extra, str(script)), cwd=str(tmp), min_nodes=1, max_nodes=4
+    )
+
+
+def spec(node: str, memory: int = 0) -> ev.NodeLaunch:
+    return ev.NodeLaunch(node=node, slot=0, attempt=0, resources=ev.Resources(memory_bytes=memory))
+
+
+@pytest.fixture(params=["local", "pool"])
+async def backend(
+    request: pytest.FixtureRequest, bus: Bus, tmp_path: Path
+) -> AsyncIterator[Backend]:
+    made: Backend
+    if request.param == "local":
+        made = LocalBackend(bus.url, state_dir=tmp_path / "nodes")
+    else:
+        for agent in ("a1", "a2"):
+            DaemonProc(bus.url, "p", agent, tmp_path)
+        made = PoolBackend(bus, "p")
+        from rove.control import pool as registry
+
+        kv = await registry.bucket(bus)
+        await eventually(lambda: _idle(kv), timeout=60, every=0.2)
+    yield made
+    for info in await made.nodes(JOB):
+        if info.running:
+            await made.remove(JOB, info.node, time.monotonic() + patience(30))
+    await made.close()
+
+
+async def _idle(kv: Any) -> bool:
+    from rove.control import pool as registry
+
+    return len([e for e, _ in await registry.entries(kv, "p") if e.state.value == "idle"]) == 2
+
+
+def deadline(seconds: float = 30) -> float:
+    return time.monotonic() + patience(seconds)
+
+
+async def running(backend: Backend) -> set[str]:
+    return {n.node for n in await backend.nodes(JOB) if n.running}
+
+
+async def test_launch_is_idempotent_and_remove_stops_the_node(
+    backend: Backend, tmp_path: Path
+) -> None:
+    w = workload(tmp_path)
+    first = await backend.launch(JOB, spec("n0-a0"), w, deadline())
+    again = await backend.launch(JOB, spec("n0-a0"), w, deadline())
+    assert "before" in again or "found" in again, (first, again)
+    await eventually(lambda: running(backend), timeout=30)
+    assert await running(backend) == {"n0-a0"}
+    assert [n.node for n in await backend.nodes(JOB)] == ["n0-a0"], "one node, not two"
+    await backend.remove(JOB, "n0-a0", deadline())
+    await eventually(lambda: _not_running(backend, "n0-a0"), timeout=30)
+    await backend.remove(JOB, "n0-a0", deadline())  # already gone: still success
+    await backend.remove(JOB, "never-was", deadline())
+
+
+async def _not_running(backend: Backend, node: str) -> bool:
+    return node not in await running(backend)
+
+
+async def test_a_node_name_is_never_started_twice_even_after_it_ended(
+    backend: Backend, tmp_path: Path
+) -> None:
+    w = workload(tmp_path)
+    await backend.launch(JOB, spec("n1-a0"), w, deadline())
+    await eventually(lambda: running(backend), timeout=30)
+    await backend.remove(JOB, "n1-a0", deadline())
+    await eventually(lambda: _not_running(backend, "n1-a0"), timeout=30)
+    where = await backend.launch(JOB, spec("n1-a0"), w, deadline())
+    assert "before" in where
+    await asyncio.sleep(1.0)
+    assert "n1-a0" not in await running(backend)
+
+
+async def test_a_node_that_ends_on_its_own_is_reported(
+    backend: Backend, bus: Bus, tmp_path: Path
+) -> None:
+    bad = ev.Workload(
+        argv=("--nproc-per-node", "1", str(tmp_path / "missing.py")),
+        cwd=str(tmp_path),
+        min_nodes=1,
+        max_nodes=1,
+    )
+    await backend.launch(JOB, spec("n2-a0"), bad, deadline())
+
+    async def reported() -> bool:
+        if any(e.node == "n2-a0" for e in await backend.ended(JOB)):
+            return True
+        return any(isinstance(e, ev.NodeGone) and e.node == "n2-a0" for e in await _events(bus))
+
+    await eventually(reported, timeout=60, every=0.2)
+
+
+async def _events(bus: Bus) -> list[Any]:
+    try:
+        return await job_events(bus, JOB)
+    except Exception:
+        return []
+
+
+async def test_the_pool_says_when_no_agent_is_free_or_big_enough(bus: Bus, tmp_path: Path) -> None:
+    DaemonProc(bus.url, "small", "s1", tmp_path, "--memory", "1G")
+    pool = PoolBackend(bus, "small")
+    from rove.control import pool as registry
+
+    kv = await registry.bucket(bus)
+    await eventually(lambda: registry.entries(kv, "small"), timeout=60, every=0.2)
+    with pytest.raises(TemporaryError, match=r"no idle agent in pool small can run node n0-a0"):
+        await pool.launch(JOB, spec("n0-a0", memory=2 * ev.GIB), workload(tmp_path), deadline())
+    await pool.launch(JOB, spec("n1-a0", memory=ev.GIB // 2), workload(tmp_path), deadline())
+    with pytest.raises(TemporaryError, match="0 idle"):
+        await pool.launch(JOB, spec("n2-a0"), workload(tmp_path), deadline())
+    await pool.remove(JOB, "n1-a0", deadline())
