@@ -56,8 +56,9 @@ class NodeEnvelope(Envelope):
 
 
 def envelope(job: str, producer: str, ts: float, *id_parts: object) -> Envelope:
-    """The common fields of an event whose deterministic id is made of `id_parts`."""
-    return {"job": job, "id": make_id(*id_parts), "producer": producer, "ts": ts}
+    """The common fields of an event whose deterministic id is made of the job and
+    `id_parts` (the stream is shared by every job: ids must differ across jobs)."""
+    return {"job": job, "id": make_id(job, *id_parts), "producer": producer, "ts": ts}
 
 
 def decision_envelope(

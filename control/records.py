@@ -62,9 +62,7 @@ def dead_letter(
     """The `event_rejected` decision recording `rejection` (id unique per stored message)."""
     return ev.EventRejected(
         # one id per stored message, whichever master records it
-        **ev.envelope(
-            job, f"master:{master}", now, job, "rejected", rejection.stream, rejection.seq
-        ),
+        **ev.envelope(job, f"master:{master}", now, "rejected", rejection.stream, rejection.seq),
         epoch=epoch,
         stream=rejection.stream,
         stream_seq=rejection.seq,

@@ -145,3 +145,13 @@ def test_node_facts_share_one_envelope_builder() -> None:
         reason="r",
     )
     assert decision.id == "j1:9:excluded:n1" and decision.epoch == 9
+
+
+def test_event_ids_differ_across_jobs_for_the_same_parts() -> None:
+    """Regression: one stream holds every job, and the server drops a repeated
+    Nats-Msg-Id: a second job's `job_submitted` (or plan outcome) was lost as a
+    duplicate of the first job's."""
+    a = ev.envelope("job-a", "cli", 1.0, "submitted")["id"]
+    b = ev.envelope("job-b", "cli", 1.0, "submitted")["id"]
+    assert a != b
+    assert ev.envelope("job-a", "cli", 2.0, "submitted")["id"] == a, "still deterministic"

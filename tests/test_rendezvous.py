@@ -248,6 +248,24 @@ def test_a_communication_failure_caused_by_a_dead_peer_costs_no_restart() -> Non
     assert sim.members() == ["n1"] and sim.state.rdzv.restarts == 0
 
 
+def test_with_no_restarts_allowed_a_dead_peers_communication_failure_still_waits() -> None:
+    """Regression: with --max-restarts 0 the job failed on the survivor's broken
+    connection before the dead peer could be declared lost (a loss costs no restart)."""
+    sim = Sim(params(min_nodes=1, max_nodes=2, max_restarts=0), node_timeout=10)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(
+        factories.exited(
+            "n1", 1, kind=FK.COMMUNICATION, reason="gloo: connection closed", ts=sim.now
+        )
+    )
+    assert sim.tick(0.5) == [], "waits for n2 to prove alive or be lost"
+    decisions = sim.wait(11, "n1")
+    assert [ev.kind(d) for d in decisions] == ["node_lost", "round_completed"]
+    assert not sim.state.phase.terminal
+
+
 def test_a_node_started_again_under_a_finished_job_changes_no_round() -> None:
     from rove.control.cli.status_cmd import render, status_view
 

@@ -36,7 +36,7 @@ async def _run(args: argparse.Namespace) -> int:
         if not await bus.job_exists(args.job):
             raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
         event = ev.StopRequested(
-            **ev.envelope(args.job, f"cli:{who}", time.time(), args.job, "stop", uuid.uuid4().hex),
+            **ev.envelope(args.job, f"cli:{who}", time.time(), "stop", uuid.uuid4().hex),
             reason=args.reason or f"requested by {who}",
         )
         seq = await bus.publish(event)

@@ -15,13 +15,14 @@ old order, then alive waiting nodes by arrival):
   * below `min_nodes` the job waits `below_min_wait_s` for nodes, then fails.
 
 A worker failure in the running round (the first one reported wins) leads to
-the decisions below; a communication failure is acted on only once every member
-has sent a heartbeat after it (a peer's death shows up as one, and is handled
-as a lost node instead, without spending a restart):
+the decisions below, in this order:
   * a user-code error identical to the one that caused the previous restart:
     the job fails fast, naming the error;
-  * `max_restarts` restarts already used: the job fails, naming the last failure;
+  * a communication failure waits until every member has sent a heartbeat after
+    it (a peer's death shows up as one, and is handled as a lost node instead,
+    without spending a restart);
   * a hardware fault: the node is excluded (then the round is re-formed);
+  * `max_restarts` restarts already used: the job fails, naming the last failure;
   * anything else: a restart, i.e. a new round with the same members.
 """
 
@@ -310,12 +311,6 @@ def _on_failure(
             phase=ev.JobPhase.FAILED,
             reason=f"the same user code error repeated after a restart: {_failure_text(f)}",
         )
-    if r.restarts >= p.max_restarts:
-        return EndJob(
-            phase=ev.JobPhase.FAILED,
-            reason=f"worker failed and all {p.max_restarts} restarts "
-            f"(--max-restarts) are used; last failure: {_failure_text(f)}",
-        )
     if f.kind is ev.FailureKind.COMMUNICATION:
         unheard = _unheard_since(r, f.ts, liveness)
         if unheard:
@@ -330,6 +325,12 @@ def _on_failure(
     if f.kind is ev.FailureKind.HARDWARE:
         return ExcludeNode(
             node=f.node, incarnation=f.incarnation, reason=f"hardware fault: {f.reason}"
+        )
+    if r.restarts >= p.max_restarts:
+        return EndJob(
+            phase=ev.JobPhase.FAILED,
+            reason=f"worker failed and all {p.max_restarts} restarts "
+            f"(--max-restarts) are used; last failure: {_failure_text(f)}",
         )
     members = [m for m in r.members if alive(m.node, m.incarnation)]
     pool = [_as_waiter(m, r, liveness) for m in members]

@@ -1,0 +1,241 @@
+"""Node replacement and OOM recovery by rove's scaler: from a node's death to full size.
+
+A managed 2-node job (`rove submit`, `rove master`, `rove scaler`) trains
+`examples/train_sharded.py` with leased data and flash checkpoints. When it
+has trained --kill-step steps, the whole node n1-a0 (its `rove run` agent and
+its workers) is killed with SIGKILL. Measured: seconds from the kill to the
+first step trained again by a round of full size (2 nodes), with
+
+* `pool_replace_s`: the replacement assigned to an idle `rove agent --pool`
+  daemon already running (`--backend pool`);
+* `fresh_replace_s`: the replacement started as a new `rove run` process by
+  the local backend (`--backend local`).
+
+On one machine both start the same `rove run` process; what a pool saves on a
+cluster (a pod schedule and an image pull) is not part of this measurement.
+Then `oom_recover_s`: a 1-node job with `--node-memory 2G` whose worker needs
+2.5 GiB at step 5: seconds from the worker's out-of-memory exit to the first
+step of the node relaunched with 4 GiB. torchrun cannot replace a node at all
+(its rendezvous waits for the same node to come back, or the job fails), which
+is recorded as `torchrun_replace_s: null`.
+
+Each measurement runs --repeats times; the JSON gives the median and all trials.
+
+    python benchmarks/relaunch.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rove.control import events as ev
+from rove.control import logs, subjects
+from rove.control.aio import run as run_async
+from rove.control.bus import Bus, BusOptions
+from rove.control.embedded import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_sharded.py"
+CLI = [sys.executable, "-m", "rove.control.cli.main"]
+
+
+def rows(trace: Path) -> list[dict[str, Any]]:
+    out = []
+    if trace.exists():
+        for line in trace.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def wait_for(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f}s")
+
+
+def spawn(work: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
+    with (work / f"{name}.log").open("ab") as out:
+        return subprocess.Popen(
+            [*CLI, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+async def job_ended(url: str, job: str) -> ev.JobEnded | None:
+    async with await Bus.connect(BusOptions(url=url)) as bus:
+        got: list[Any] = []
+        feed = await bus.subscribe(
+            subjects.EVENTS_STREAM, subjects.job_events(job), got.append, lambda r: None
+        )
+        await feed.caught_up.wait()
+        await feed.stop()
+    return next((r.event for r in got if isinstance(r.event, ev.JobEnded)), None)
+
+
+async def worker_oom_ts(url: str, job: str) -> float | None:
+    async with await Bus.connect(BusOptions(url=url)) as bus:
+        got: list[Any] = []
+        feed = await bus.subscribe(
+            subjects.EVENTS_STREAM, subjects.job_events(job), got.append, lambda r: None
+        )
+        await feed.caught_up.wait()
+        await feed.stop()
+    exits = [r.event.ts for r in got if isinstance(r.event, ev.WorkerExited)]
+    return min(exits) if exits else None
+
+
+def trial(work: Path, url: str, job: str, backend: str, kill_step: int, oom: bool) -> float:
+    trace = work / "trace.jsonl"
+    procs = [spawn(work, "master", "master", "--job", job, "--nats", url, "--node-timeout", "20")]
+    try:
+        if backend == "pool":
+            for a in ("a1", "a2", "a3"):
+                procs.append(
+                    spawn(
+                        work,
+                        f"agent-{a}",
+                        "agent",
+                        "--pool",
+                        "bench",
+                        "--id",
+                        a,
+                        "--nats",
+                        url,
+                        "--state-dir",
+                        str(work / f"nodes-{a}"),
+                    )
+                )
+            scaler = ["--backend", "pool", "--pool", "bench"]
+        else:
+            scaler = ["--state-dir", str(work / "nodes")]
+        procs.append(spawn(work, "scaler", "scaler", "--job", job, "--nats", url, *scaler))
+        submit = [
+            "submit",
+            "--job",
+            job,
+            "--nats",
+            url,
+            "--cwd",
+            str(work),
+            *(("--node-memory", "2G") if oom else ()),
+            "--",
+            "--nnodes",
+            "1" if oom else "2",
+            "--nproc-per-node",
+            "1",
+            "--checkpoint-dir",
+            str(work / "ckpt"),
+            "--last-call-timeout",
+            "1",
+            str(SCRIPT),
+            "--samples",
+            "3000",
+            "--epochs",
+            "1",
+            "--step-sleep",
+            "0.05",
+            "--trace",
+            str(trace),
+            *(("--needs-memory", "2.5G") if oom else ()),
+        ]
+        subprocess.run([*CLI, *submit], check=True, capture_output=True, timeout=120)
+        if oom:
+            failed_at = wait_for(lambda: run_async(worker_oom_ts(url, job)), 180, "the OOM")
+            since, full = failed_at, 1
+        else:
+            wait_for(
+                lambda: max((r.get("step", 0) for r in rows(trace)), default=0) >= kill_step,
+                180,
+                f"step {kill_step}",
+            )
+            markers = list(work.glob("nodes*/" + job + "/n1-a0.json"))
+            pid = int(json.loads(markers[0].read_text())["pid"])
+            since, full = time.time(), 2
+            os.killpg(pid, signal.SIGKILL)
+
+        def back() -> float | None:
+            late = [r for r in rows(trace) if "step" in r and r["t"] > since]
+            worlds = {r["round"]: r["world"] for r in rows(trace) if "world" in r}
+            full_size = [r["t"] for r in late if worlds.get(r["round"]) == full and r["round"] > 1]
+            return min(full_size) if full_size else None
+
+        resumed = wait_for(back, 240, "training at full size again")
+        wait_for(lambda: run_async(job_ended(url, job)), 300, "the job's end")
+        return round(resumed - since, 3)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for marker in work.glob("nodes*/*/*.json"):
+            try:
+                os.killpg(int(json.loads(marker.read_text())["pid"]), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, ValueError, KeyError):
+                pass
+
+
+def main() -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kill-step", type=int, default=20)
+    a = p.parse_args()
+    logs.configure("warning")
+    results: dict[str, list[float]] = {"pool": [], "fresh": [], "oom": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(os.environ.get("RELAUNCH_DIR") or tmp)
+        print(f"working in {root}", file=sys.stderr, flush=True)
+        os.environ["ROVE_HOME"] = str(root / "home")
+        server = EmbeddedServer(root / "nats")
+        server.start()
+        assert server.url is not None
+        try:
+            n = 0
+            for _ in range(a.repeats):
+                for kind in ("pool", "fresh", "oom"):
+                    n += 1
+                    work = root / f"t{n}"
+                    work.mkdir()
+                    backend = "pool" if kind == "pool" else "local"
+                    took = trial(work, server.url, f"bench{n}", backend, a.kill_step, kind == "oom")
+                    results[kind].append(took)
+                    print(f"{kind}: {took:.2f}s", file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    return {
+        "benchmark": "relaunch",
+        "pool_replace_s": statistics.median(results["pool"]),
+        "fresh_replace_s": statistics.median(results["fresh"]),
+        "oom_recover_s": statistics.median(results["oom"]),
+        "torchrun_replace_s": None,
+        "torchrun_note": "torchrun cannot replace a node: its rendezvous waits for the "
+        "same node to return (or the job fails)",
+        "trials": results,
+        "target_pool_replace_s": 5.0,
+    }
+
+
+if __name__ == "__main__":
+    sys.stdout.write(json.dumps(main()) + "\n")
