@@ -25,12 +25,18 @@ def test_readme_opens_with_the_two_commands() -> None:
 
 
 def _code_commands(path: Path) -> list[str]:
-    commands, inside = [], False
+    """`rove ...` lines of the code blocks, with backslash continuations joined."""
+    commands, inside, pending = [], False, ""
     for line in path.read_text().splitlines():
         if line.startswith("```"):
             inside = not inside
             continue
         text = line.split("#", 1)[0].strip()
+        if pending:
+            text, pending = f"{pending} {text}", ""
+        if text.endswith("\\"):
+            pending = text[:-1].strip()
+            continue
         if inside and text.startswith("rove "):
             commands.append(text)
     return commands
