@@ -25,6 +25,7 @@ from tests.support import (
     ROOT,
     DaemonProc,
     MasterProc,
+    RunProc,
     ScalerProc,
     eventually,
     job_events,
@@ -195,12 +196,13 @@ async def test_a_straggler_is_replaced(
     assert_exactly_once(tmp_path)
 
 
-async def test_a_job_grows_while_nodes_pay_and_never_beyond_max(
+async def test_a_job_grows_from_the_pool_while_nodes_pay_and_never_beyond_max(
     bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
 ) -> None:
     url = nats_server.url
     assert url is not None
-    ScalerProc(url, "scaled", "s1", tmp_path)
+    daemons = [DaemonProc(url, "p", a, tmp_path) for a in ("a1", "a2", "a3", "a4")]
+    ScalerProc(url, "scaled", "s1", tmp_path, "--backend", "pool", "--pool", "p")
     # Sleep-bound steps: each node adds its full speed, so growing pays up to MAX.
     submit(
         url,
@@ -217,6 +219,7 @@ async def test_a_job_grows_while_nodes_pay_and_never_beyond_max(
     assert ev.ScaleRule.SHRINK not in rules
     sizes = [len(e.members) for e in events if isinstance(e, ev.RoundCompleted)]
     assert max(sizes) == 3 and sizes[0] == 1
+    assert sum(d.has(n) for d in daemons for n in ("n0-a0", "n1-a0", "n2-a0", "n3-a0")) == 3
     assert_exactly_once(tmp_path, 4000)
 
 
@@ -245,6 +248,25 @@ async def test_a_killed_node_is_replaced_from_the_pool_of_agents(
     assert len(spare) == 1 and spare != {where["n0-a0"]}, "a daemon that was free ran it"
     last_round = [e for e in events if isinstance(e, ev.RoundCompleted)][-1]
     assert sorted(m.node for m in last_round.members) == ["n0-a0", "n1-a1"]
+    assert_exactly_once(tmp_path)
+
+
+def test_auto_scale_on_one_machine_relaunches_an_oom_node_with_more_memory(
+    tmp_path: Path,
+) -> None:
+    """`rove run --standalone --auto-scale`: master, scaler and NATS in the launcher."""
+    run = RunProc(
+        tmp_path,
+        "auto",
+        *("--standalone", "--auto-scale", "--job", "auto", "--node-memory", "2G"),
+        *train_args(tmp_path, "--needs-memory", "2.5G"),
+        cwd=tmp_path,
+    )
+    assert run.wait(300) == 0, run.log()[-3000:]
+    out = run.log()
+    assert "auto-scaled, 1-1 nodes, 2 GiB each" in out
+    assert "applying plan 2 (oom)" in out and "relaunched as n0-a1 with 4 GiB" in out
+    assert "rove: job finished" in out
     assert_exactly_once(tmp_path)
 
 
