@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import resource
 import signal
@@ -332,8 +331,3 @@ def _exit_text(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"its process was killed by {signal.Signals(-code).name}"
     return f"its process exited with code {code}"
-
-
-def describe_markers(path: Path) -> list[dict[str, object]]:
-    """The markers under `path`, for debugging (`rove scaler --list`)."""
-    return [json.loads(p.read_text()) for p in sorted(path.glob("*.json"))]

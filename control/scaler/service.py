@@ -60,8 +60,6 @@ class Scaler(JobService):
         self.create_interval_s = create_interval_s
         self.end_grace_s = end_grace_s
         self._reported: set[int] = set()
-        #: what the last `serve` step did, for tests and `rove status`
-        self.applied: list[ev.PlanApplied | ev.PlanFailed] = []
         self.log = log.bind(job=job, scaler=scaler_id, backend=backend.name)
 
     def on_event(self, rec: records.Recorded) -> None:
@@ -147,7 +145,6 @@ class Scaler(JobService):
                 elapsed_s=round(time.monotonic() - started, 3),
             )
         self._reported.add(plan.plan)
-        self.applied.append(outcome)
         self.emit(outcome)
 
     async def _call(self, fn: Callable[[], Awaitable[T]], what: str, deadline: float) -> T:
