@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import socket
 import sys
 import time
@@ -229,27 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --standalone: rove starts, replaces and resizes the job's nodes itself, as "
         "local processes within --nnodes MIN:MAX (a master and a scaler run in this process)",
     )
-    a.add_argument(
-        "--node-memory",
-        type=common.byte_size,
-        default=None,
-        metavar="SIZE",
-        help="memory limit of each node the scaler starts, e.g. 4G (doubled after an OOM)",
-    )
-    a.add_argument(
-        "--node-cpu",
-        type=common.positive,
-        default=None,
-        metavar="CPUS",
-        help="CPUs of each node the scaler starts (a request for the backend)",
-    )
-    a.add_argument(
-        "--policy",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an optimiser setting, e.g. --policy settle_s=30 (repeatable; docs/scaling.md)",
-    )
+    common.add_node_resource_args(a)
     common.add_nats_args(p)
     return p
 
@@ -463,10 +442,8 @@ async def _run_managed(args: argparse.Namespace, cfg: AgentConfig, argv: Sequenc
         asyncio.create_task(runner.run(), name="master"),
         asyncio.create_task(scaler.run(), name="scaler"),
     ]
-    loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+    aio.stop_on_signals(stopping.set)
     try:
         if bus.server is not None:
             embedded.url_file(cfg.job).write_text(bus.url + "\n")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-from pathlib import Path
 from typing import Any
 
 import psutil
 import structlog
 
+from rove.control import cgroups
 from rove.control import events as ev
 
 log = structlog.get_logger("rove.metrics")
@@ -84,12 +84,11 @@ class Sampler:
 def memory_limit() -> int:
     """The memory this process may use: cgroup v2 `memory.max`, `RLIMIT_AS`, or all of it."""
     limits = [int(psutil.virtual_memory().total)]
-    with contextlib.suppress(OSError, ValueError):
-        own = Path("/proc/self/cgroup").read_text().strip().splitlines()
-        unified = next((line.split(":", 2)[2] for line in own if line.startswith("0::")), None)
-        if unified is not None:
-            text = (Path("/sys/fs/cgroup") / unified.lstrip("/") / "memory.max").read_text()
-            if text.strip() != "max":
+    own = cgroups.own_dir()
+    if own is not None:
+        with contextlib.suppress(OSError, ValueError):
+            text = (own / "memory.max").read_text().strip()
+            if text != "max":
                 limits.append(int(text))
     soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -195,3 +196,34 @@ def byte_size(text: str) -> int:
         )
     unit = (m.group(2) or "").lower()[:1]
     return int(float(m.group(1)) * _SIZE_UNIT[unit])
+
+
+def process_id() -> str:
+    """The default id of a daemon (master, scaler, pool agent): `<short host name>-<pid>`."""
+    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+def add_node_resource_args(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """What a managed job's nodes get: `--node-memory`, `--node-cpu`, `--policy`
+    (shared by `rove run --auto-scale` and `rove submit`)."""
+    g.add_argument(
+        "--node-memory",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="memory limit of each node the scaler starts, e.g. 4G (doubled after an OOM)",
+    )
+    g.add_argument(
+        "--node-cpu",
+        type=positive,
+        default=None,
+        metavar="CPUS",
+        help="CPUs of each node the scaler starts (a request for the backend)",
+    )
+    g.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an optimiser setting, e.g. --policy settle_s=30 (repeatable; docs/scaling.md)",
+    )

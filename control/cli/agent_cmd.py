@@ -10,10 +10,6 @@ already there. See docs/scaling.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-import signal
-import socket
 from pathlib import Path
 
 from rove.control import aio, subjects
@@ -46,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     subjects.check_name("pool", args.pool)
-    agent_id = args.agent_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+    agent_id = args.agent_id or common.process_id()
     subjects.check_name("agent", agent_id)
     return aio.run(_run(args, agent_id))
 
@@ -59,9 +55,7 @@ async def _run(args: argparse.Namespace, agent_id: str) -> int:
     daemon = PoolDaemon(
         bus, args.pool, agent_id, memory_bytes=args.memory, state_dir=args.state_dir
     )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, daemon.stop)
+    aio.stop_on_signals(daemon.stop)
     try:
         await daemon.run()
     finally:

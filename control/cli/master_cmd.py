@@ -7,10 +7,6 @@ follow the stream and take over within the lease TTL when the leader dies.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-import signal
-import socket
 
 import structlog
 
@@ -62,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     subjects.check_name("job", args.job)
-    master_id = args.master_id or f"{socket.gethostname()}-{os.getpid()}"
+    master_id = args.master_id or common.process_id()
     subjects.check_name("master id", master_id)
     return aio.run(_run(args, master_id))
 
@@ -89,9 +85,7 @@ async def _run(args: argparse.Namespace, master_id: str) -> int:
         snapshot_every_events=args.snapshot_every,
         snapshot_every_s=args.snapshot_interval,
     )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, runner.stop)
+    aio.stop_on_signals(runner.stop)
     try:
         await runner.run()
     finally:

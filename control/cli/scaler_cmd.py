@@ -9,10 +9,6 @@ adopts them. See docs/scaling.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-import signal
-import socket
 from pathlib import Path
 
 import structlog
@@ -71,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     subjects.check_name("job", args.job)
-    scaler_id = args.scaler_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+    scaler_id = args.scaler_id or common.process_id()
     subjects.check_name("scaler id", scaler_id)
     if args.create_interval < 0:
         raise ConfigError(f"--create-interval must be 0 or more, got {args.create_interval}")
@@ -94,9 +90,7 @@ async def _run(args: argparse.Namespace, scaler_id: str) -> int:
         plan_deadline_s=args.plan_deadline,
         create_interval_s=args.create_interval,
     )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, scaler.stop)
+    aio.stop_on_signals(scaler.stop)
     try:
         await scaler.run()
     finally:

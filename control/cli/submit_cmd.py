@@ -28,23 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=__doc__,
     )
     p.add_argument("--job", required=True, help="job name")
-    p.add_argument(
-        "--node-memory",
-        type=common.byte_size,
-        default=None,
-        metavar="SIZE",
-        help="memory limit of each node, e.g. 4G (doubled after an OOM)",
-    )
-    p.add_argument(
-        "--node-cpu", type=common.positive, default=None, metavar="CPUS", help="CPUs of each node"
-    )
-    p.add_argument(
-        "--policy",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an optimiser setting (repeatable; docs/scaling.md)",
-    )
+    common.add_node_resource_args(p)
     p.add_argument(
         "--cwd", type=Path, default=None, help="the nodes' working directory (default: this one)"
     )

@@ -33,7 +33,7 @@ import msgspec
 import psutil
 import structlog
 
-from rove.control import embedded
+from rove.control import cgroups, embedded
 from rove.control import events as ev
 from rove.control.errors import PermanentError, TemporaryError
 from rove.control.scaler.backend import Backend, Ended, NodeInfo
@@ -82,17 +82,13 @@ def _identity(cmdline: list[str]) -> tuple[str, str] | None:
 
 def _cgroup_root() -> Path | None:
     """Our cgroup v2 directory if a child cgroup with a memory limit can be made there."""
+    root = cgroups.own_dir()
     try:
-        own = Path("/proc/self/cgroup").read_text().splitlines()
-        unified = next((x.split(":", 2)[2] for x in own if x.startswith("0::")), None)
-        if unified is None or not Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        if root is None or "memory" not in (root / "cgroup.subtree_control").read_text().split():
             return None
-        root = Path("/sys/fs/cgroup") / unified.lstrip("/")
-        if "memory" not in (root / "cgroup.subtree_control").read_text().split():
-            return None
-        return root if os.access(root, os.W_OK) else None
     except OSError:
         return None
+    return root if os.access(root, os.W_OK) else None
 
 
 class LocalBackend(Backend):
