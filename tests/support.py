@@ -149,58 +149,77 @@ def log_tail(path: Path, limit: int = 6000) -> str:
     return text if len(text) <= limit else "[...]\n" + text[-limit:]
 
 
-class MasterProc:
-    """A `rove master` subprocess with its log captured to a file."""
+class CliProc:
+    """A `rove COMMAND ...` subprocess, its output captured to `log_path`, stopped (and its
+    log attached to a failed test's report) by conftest."""
 
-    def __init__(self, url: str, job: str, master_id: str, log_dir: Path, *extra: str) -> None:
-        self.master_id = master_id
-        self.name = f"rove master {master_id}"
-        self.log_path = log_dir / f"master-{master_id}.log"
-        env = {**os.environ, "ROVE_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
-        with self.log_path.open("wb") as out:
+    name: str
+    log_path: Path
+    #: seconds `stop()` gives it after SIGTERM before SIGKILL
+    grace_s = 20.0
+
+    def _spawn(
+        self,
+        name: str,
+        log_path: Path,
+        *command: str,
+        env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+        cwd: Path | None = None,
+        append: bool = False,
+    ) -> None:
+        self.name = name
+        self.log_path = log_path
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with log_path.open("ab" if append else "wb") as out:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rove.control.cli.main",
-                    "master",
-                    "--job",
-                    job,
-                    "--id",
-                    master_id,
-                    "--nats",
-                    url,
-                    *extra,
-                ],
+                [sys.executable, "-m", "rove.control.cli.main", *command],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=full_env,
+                preexec_fn=preexec,
+                cwd=cwd,
             )
         _registered(self)
 
     def log(self) -> str:
-        return self.log_path.read_text()
+        return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # in case a test paused it
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class MasterProc(CliProc):
+    """A `rove master` subprocess with its log captured to a file."""
+
+    grace_s = 15.0
+
+    def __init__(self, url: str, job: str, master_id: str, log_dir: Path, *extra: str) -> None:
+        self.master_id = master_id
+        self._spawn(
+            f"rove master {master_id}",
+            log_dir / f"master-{master_id}.log",
+            *("master", "--job", job, "--id", master_id, "--nats", url, *extra),
+            env={"ROVE_LOG_FORMAT": "json"},
+        )
 
     def pause(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 class Agents:
@@ -306,7 +325,7 @@ ROOT = Path(__file__).parent.parent
 TRAIN = ROOT / "examples" / "train.py"
 
 
-class RunProc:
+class RunProc(CliProc):
     """A `rove run` subprocess (one node), its output captured to a file."""
 
     def __init__(
@@ -318,39 +337,19 @@ class RunProc:
         preexec: Callable[[], None] | None = None,
         cwd: Path | None = None,
     ):
-        self.name = f"rove run {name}"
-        self.log_path = log_dir / f"run-{name}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rove.control.cli.main", "run", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=full_env,
-                preexec_fn=preexec,
-                cwd=cwd,
-            )
-        _registered(self)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        self._spawn(
+            f"rove run {name}",
+            log_dir / f"run-{name}.log",
+            "run",
+            *args,
+            env=env,
+            preexec=preexec,
+            cwd=cwd,
+        )
 
     def wait(self, timeout: float = 180) -> int:
         """The exit code; fails (with the log tail in the report) after `patience(timeout)`."""
         return self.proc.wait(patience(timeout))
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def trace_rows(path: Path) -> list[dict[str, Any]]:
@@ -370,7 +369,7 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-class ScalerProc:
+class ScalerProc(CliProc):
     """A `rove scaler` subprocess (local backend), its nodes' markers and logs in `state_dir`.
 
     `stop()` also kills every node it started: local nodes run in their own sessions
@@ -379,26 +378,14 @@ class ScalerProc:
 
     def __init__(self, url: str, job: str, scaler_id: str, log_dir: Path, *extra: str) -> None:
         self.job = job
-        self.name = f"rove scaler {scaler_id}"
         self.state_dir = log_dir / "nodes"
-        self.log_path = log_dir / f"scaler-{scaler_id}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rove.control.cli.main",
-                    "scaler",
-                    *("--job", job, "--id", scaler_id, "--nats", url),
-                    *("--state-dir", str(self.state_dir)),
-                    *extra,
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        _registered(self)
+        self._spawn(
+            f"rove scaler {scaler_id}",
+            log_dir / f"scaler-{scaler_id}.log",
+            *("scaler", "--job", job, "--id", scaler_id, "--nats", url),
+            *("--state-dir", str(self.state_dir), *extra),
+            append=True,
+        )
 
     def markers(self) -> dict[str, dict[str, Any]]:
         import json
@@ -417,24 +404,15 @@ class ScalerProc:
     def extra_logs(self) -> list[tuple[str, Path]]:
         return [(f"node {p.stem}", p) for p in sorted((self.state_dir / self.job).glob("*.log"))]
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def stop(self) -> int:
+        code = super().stop()
         for marker in self.markers().values():
             if marker.get("pid"):
                 try:
                     os.killpg(int(marker["pid"]), signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+        return code
 
 
 async def job_events(bus: Any, job: str) -> list[Any]:
@@ -442,25 +420,20 @@ async def job_events(bus: Any, job: str) -> list[Any]:
     return [r.event for r in await stored_events(bus, job)]
 
 
-class DaemonProc:
+class DaemonProc(CliProc):
     """A `rove agent --pool` subprocess."""
 
+    grace_s = 30.0
+
     def __init__(self, url: str, pool: str, agent: str, log_dir: Path, *extra: str) -> None:
-        self.name = f"rove agent {agent}"
-        self.log_path = log_dir / f"agent-{agent}.log"
         self.state_dir = log_dir / f"nodes-{agent}"
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "rove.control.cli.main", "agent"),
-                    *("--pool", pool, "--id", agent, "--nats", url),
-                    *("--state-dir", str(self.state_dir), *extra),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        _registered(self)
+        self._spawn(
+            f"rove agent {agent}",
+            log_dir / f"agent-{agent}.log",
+            *("agent", "--pool", pool, "--id", agent, "--nats", url),
+            *("--state-dir", str(self.state_dir), *extra),
+            append=True,
+        )
 
     def node_pid(self, job: str, node: str) -> int:
         import json
@@ -473,12 +446,3 @@ class DaemonProc:
 
     def extra_logs(self) -> list[tuple[str, Path]]:
         return [(f"node {p.stem}", p) for p in sorted(self.state_dir.glob("*/*.log"))]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
