@@ -12,6 +12,15 @@ def sim() -> Sim:
     return Sim(ev.RdzvParams(min_nodes=2, max_nodes=2))
 
 
+def running() -> Sim:
+    """Nodes n1 (ranks 0-1) and n2 (ranks 2-3) in round 1."""
+    s = sim()
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    return s
+
+
 def commits(s: Sim) -> list[int]:
     return [d.step for d in s.decisions if isinstance(d, ev.CkptCommitted)]
 
@@ -68,10 +77,7 @@ def test_commit_decisions_have_stable_ids() -> None:
 def test_status_says_when_nothing_was_ever_persisted() -> None:
     from rove.control.cli.status_cmd import render, status_view
 
-    s = sim()
-    s.join("n1")
-    s.join("n2")
-    s.tick()
+    s = running()
     s.apply(factories.in_memory("n1", 7, (0, 1)))
     text = render(status_view(s.state, s.liveness, None, s.now))
     assert "nothing persisted yet" in text and "n1 step 7" in text
@@ -86,10 +92,7 @@ def rounds(s: Sim) -> list[ev.RoundCompleted]:
 
 
 def test_a_restart_restores_the_newest_step_every_rank_holds_in_memory() -> None:
-    s = sim()
-    s.join("n1")
-    s.join("n2")
-    s.tick()
+    s = running()
     assert rounds(s)[0].restore_step is None, "a fresh job starts from nothing"
     s.apply(factories.in_memory("n1", 12, (0, 1)))
     s.apply(factories.in_memory("n2", 11, (2, 3)))  # n2 lags one save behind
@@ -100,10 +103,7 @@ def test_a_restart_restores_the_newest_step_every_rank_holds_in_memory() -> None
 
 
 def test_without_memory_for_every_rank_the_committed_step_is_restored() -> None:
-    s = sim()
-    s.join("n1")
-    s.join("n2")
-    s.tick()
+    s = running()
     s.apply(factories.persisted("n1", 10, (0, 1)))
     s.apply(factories.persisted("n2", 10, (2, 3)))
     s.tick()
@@ -115,10 +115,7 @@ def test_without_memory_for_every_rank_the_committed_step_is_restored() -> None:
 
 
 def test_memory_older_than_the_committed_step_is_not_used() -> None:
-    s = sim()
-    s.join("n1")
-    s.join("n2")
-    s.tick()
+    s = running()
     s.apply(factories.in_memory("n1", 5, (0, 1)))
     s.apply(factories.in_memory("n2", 5, (2, 3)))
     s.apply(factories.persisted("n1", 10, (0, 1)))
@@ -132,10 +129,7 @@ def test_memory_older_than_the_committed_step_is_not_used() -> None:
 def test_a_restore_starts_a_new_lineage_and_never_commits_a_mix_of_two() -> None:
     """Step 94 persisted by n2 in round 1, then round 2 restores step 93: the new lineage
     saves its own step 94. n1's step 94 of round 2 with n2's of round 1 is no step."""
-    s = sim()
-    s.join("n1")
-    s.join("n2")
-    s.tick()
+    s = running()
     s.apply(factories.in_memory("n1", 93, (0, 1), rnd=1))
     s.apply(factories.in_memory("n2", 93, (2, 3), rnd=1))
     s.apply(factories.persisted("n2", 94, (2, 3), rnd=1))
@@ -153,10 +147,7 @@ def test_a_restore_starts_a_new_lineage_and_never_commits_a_mix_of_two() -> None
 
 
 def test_a_fresh_restart_forgets_every_step_of_the_old_lineage() -> None:
-    s = sim()
-    s.join("n1")
-    s.join("n2")
-    s.tick()
+    s = running()
     s.apply(factories.persisted("n1", 5, (0, 1), rnd=1))
     s.apply(factories.exited("n1", 1))
     s.tick()
@@ -165,10 +156,7 @@ def test_a_fresh_restart_forgets_every_step_of_the_old_lineage() -> None:
 
 
 def test_no_commit_is_decided_with_a_round_and_a_stale_one_is_not_folded() -> None:
-    s = sim()
-    s.join("n1")
-    s.join("n2")
-    s.tick()
+    s = running()
     s.apply(factories.in_memory("n1", 103, (0, 1), rnd=1))
     s.apply(factories.in_memory("n2", 103, (2, 3), rnd=1))
     s.apply(factories.persisted("n1", 105, (0, 1), rnd=1))

@@ -85,16 +85,19 @@ def assert_exactly_once(tmp: Path, samples: int = SAMPLES) -> None:
 
 
 @pytest.fixture
-def master(nats_server: EmbeddedServer, tmp_path: Path) -> MasterProc:
+def url(nats_server: EmbeddedServer) -> str:
     assert nats_server.url is not None
-    return MasterProc(nats_server.url, "scaled", "m1", tmp_path, "--node-timeout", "20")
+    return nats_server.url
+
+
+@pytest.fixture
+def master(url: str, tmp_path: Path) -> MasterProc:
+    return MasterProc(url, "scaled", "m1", tmp_path, "--node-timeout", "20")
 
 
 async def test_an_oom_relaunches_the_node_with_twice_the_memory_and_the_data_stays_exactly_once(
-    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+    bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
-    url = nats_server.url
-    assert url is not None
     scaler = ScalerProc(url, "scaled", "s1", tmp_path)
     submit(
         url,
@@ -122,10 +125,8 @@ async def test_an_oom_relaunches_the_node_with_twice_the_memory_and_the_data_sta
 
 
 async def test_a_killed_node_is_replaced_and_the_job_returns_to_two_nodes(
-    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+    bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
-    url = nats_server.url
-    assert url is not None
     scaler = ScalerProc(url, "scaled", "s1", tmp_path)
     submit(url, "scaled", tmp_path, *train_args(tmp_path, "--step-sleep", "0.05", nnodes="2"))
     trace = tmp_path / "trace.jsonl"
@@ -147,10 +148,8 @@ async def test_a_killed_node_is_replaced_and_the_job_returns_to_two_nodes(
 
 
 async def test_a_scaler_killed_while_applying_a_plan_creates_nothing_twice_and_forgets_nothing(
-    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+    bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
-    url = nats_server.url
-    assert url is not None
     first = ScalerProc(url, "scaled", "s1", tmp_path, "--create-interval", "2")
     submit(url, "scaled", tmp_path, *train_args(tmp_path, "--step-sleep", "0.05", nnodes="3"))
     await eventually(lambda: "n0-a0" in first.markers(), timeout=60)
@@ -173,10 +172,8 @@ async def test_a_scaler_killed_while_applying_a_plan_creates_nothing_twice_and_f
 
 
 async def test_a_straggler_is_replaced(
-    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+    bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
-    url = nats_server.url
-    assert url is not None
     ScalerProc(url, "scaled", "s1", tmp_path)
     submit(
         url,
@@ -197,10 +194,8 @@ async def test_a_straggler_is_replaced(
 
 
 async def test_a_job_grows_from_the_pool_while_nodes_pay_and_never_beyond_max(
-    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+    bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
-    url = nats_server.url
-    assert url is not None
     daemons = [DaemonProc(url, "p", a, tmp_path) for a in ("a1", "a2", "a3", "a4")]
     ScalerProc(url, "scaled", "s1", tmp_path, "--backend", "pool", "--pool", "p")
     # Sleep-bound steps: each node adds its full speed, so growing pays up to MAX.
@@ -224,10 +219,8 @@ async def test_a_job_grows_from_the_pool_while_nodes_pay_and_never_beyond_max(
 
 
 async def test_a_killed_node_is_replaced_from_the_pool_of_agents(
-    bus: Bus, nats_server: EmbeddedServer, master: MasterProc, tmp_path: Path
+    bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
-    url = nats_server.url
-    assert url is not None
     daemons = {a: DaemonProc(url, "p", a, tmp_path) for a in ("a1", "a2", "a3")}
     ScalerProc(url, "scaled", "s1", tmp_path, "--backend", "pool", "--pool", "p")
     submit(url, "scaled", tmp_path, *train_args(tmp_path, "--step-sleep", "0.05", nnodes="2"))
