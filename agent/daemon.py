@@ -165,11 +165,12 @@ class PoolDaemon:
         await self.backend.ended(entry.job)  # consume its end: no news, it was asked to go
 
     async def _report_gone(self, entry: PoolEntry, reason: str, code: int | None) -> None:
-        event = ev.NodeGone(
-            **ev.envelope(entry.job, f"pool:{self.agent}", time.time(), "node_gone", entry.node),
-            node=entry.node,
-            scaler=f"pool:{self.agent}",
+        event = ev.node_gone(
+            entry.job,
+            entry.node,
+            reporter=f"pool:{self.agent}",
             reason=reason,
+            ts=time.time(),
             exit_code=code,
         )
         try:

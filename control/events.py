@@ -49,6 +49,7 @@ from rove.control.scale_events import ScalePlan as ScalePlan
 from rove.control.scale_events import ScalePolicy as ScalePolicy
 from rove.control.scale_events import ScaleRule as ScaleRule
 from rove.control.scale_events import Workload as Workload
+from rove.control.scale_events import node_gone as node_gone
 from rove.control.scale_events import node_name as node_name
 
 

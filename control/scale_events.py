@@ -15,7 +15,7 @@ import enum
 
 import msgspec
 
-from rove.control.event_base import Decision, Event
+from rove.control.event_base import Decision, Event, make_id
 
 GIB = 1 << 30
 
@@ -177,3 +177,27 @@ class NodeGone(Event, tag="node_gone", frozen=True, kw_only=True):
     scaler: str
     reason: str
     exit_code: int | None = None
+
+
+def node_gone(
+    job: str,
+    node: str,
+    *,
+    reporter: str,
+    reason: str,
+    ts: float,
+    exit_code: int | None = None,
+    incarnation: str = "",
+) -> NodeGone:
+    """The `node_gone` fact `reporter` (a scaler, or `pool:<agent>`) publishes for `node`."""
+    return NodeGone(
+        job=job,
+        id=make_id(job, "node_gone", node, incarnation),
+        producer=f"scaler:{reporter}",
+        ts=ts,
+        node=node,
+        incarnation=incarnation,
+        scaler=reporter,
+        reason=reason,
+        exit_code=exit_code,
+    )

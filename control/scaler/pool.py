@@ -18,6 +18,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.js.kv import KeyValue
 
 from rove.control import events as ev
 from rove.control import pool as registry
@@ -51,11 +52,16 @@ class PoolBackend(Backend):
     def __init__(self, bus: Bus, pool: str) -> None:
         self.bus = bus
         self.pool = pool
+        self._kv: KeyValue | None = None
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            self._kv = await registry.bucket(self.bus)
+        return self._kv
 
     async def _entries(self) -> list[tuple[PoolEntry, int]]:
         try:
-            kv = await registry.bucket(self.bus)
-            return await registry.entries(kv, self.pool)
+            return await registry.entries(await self._bucket(), self.pool)
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
             raise TemporaryError(f"cannot read pool {self.pool}: {exc}") from exc
 
@@ -75,7 +81,7 @@ class PoolBackend(Backend):
             and now - e.seen < STALE_S
             and fits(e.capacity, spec.resources)
         ]
-        kv = await registry.bucket(self.bus)
+        kv = await self._bucket()
         for entry, rev in sorted(idle, key=lambda x: x[0].agent):
             assigned = msgspec.structs.replace(
                 entry,
@@ -108,7 +114,7 @@ class PoolBackend(Backend):
                 return  # not there (or released and idle again)
             entry, rev = found[0]
             if entry.state is not PoolState.RELEASING:
-                kv = await registry.bucket(self.bus)
+                kv = await self._bucket()
                 released = msgspec.structs.replace(entry, state=PoolState.RELEASING, note="plan")
                 try:
                     await kv.update(entry.key, registry.encode(released), last=rev)

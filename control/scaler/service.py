@@ -184,13 +184,14 @@ class Scaler(JobService):
             incarnation = record.incarnation if record is not None else ""
             self.log.info(f"node {gone.node} is gone: {gone.reason}")
             self.emit(
-                ev.NodeGone(
-                    **self._envelope("node_gone", gone.node, incarnation),
-                    node=gone.node,
-                    incarnation=incarnation,
-                    scaler=self.scaler_id,
+                ev.node_gone(
+                    self.job,
+                    gone.node,
+                    reporter=self.scaler_id,
                     reason=gone.reason,
+                    ts=self.clock(),
                     exit_code=gone.exit_code,
+                    incarnation=incarnation,
                 )
             )
 
