@@ -281,15 +281,20 @@ def _add_other_failures(pcontext: PContext, result: RunProcsResult) -> None:
         code = proc.exitcode
         if local_rank in result.failures or code in (None, 0):
             continue
-        failure = ProcessFailure(
-            local_rank=local_rank,
-            pid=proc.pid,
-            exitcode=code,
-            error_file=pcontext.error_files.get(local_rank, ""),
-        )
+        failure = _failure(local_rank, proc.pid, code, pcontext.error_files.get(local_rank, ""))
         if not failure.error_file_data:
             failure.timestamp = earliest
         result.failures[local_rank] = failure
+
+
+def _failure(local_rank: int, pid: int, code: int, error_file: str) -> ProcessFailure:
+    """A `ProcessFailure`, without its error file when that cannot be read: a worker
+    torch terminated while `@record` was writing it leaves a cut file behind, and
+    torch's reader would raise (the agent once lost track of its workers that way)."""
+    try:
+        return ProcessFailure(local_rank=local_rank, pid=pid, exitcode=code, error_file=error_file)
+    except ValueError:  # json.JSONDecodeError: a file cut short
+        return ProcessFailure(local_rank=local_rank, pid=pid, exitcode=code, error_file="")
 
 
 class PreformattedTraceback(logging.Filter):

@@ -161,3 +161,18 @@ async def test_a_warm_worker_that_returns_but_never_exits_is_killed_after_a_grac
     assert ended.failure is None, "its work was done: the round succeeded"
     assert not runtime.running
     assert not any(pid_alive(p) for p in pids.values())
+
+
+def test_a_cut_error_file_of_a_terminated_worker_does_not_break_the_diagnosis(
+    tmp_path: Path,
+) -> None:
+    from rove.agent.workers import _failure
+
+    cut = tmp_path / "error.json"
+    cut.write_text('{"message": {"mess')
+    failure = _failure(1, 4242, -15, str(cut))
+    assert (failure.local_rank, failure.exitcode) == (1, -15)
+    assert failure.error_file == "<N/A>", "read as no error file (torch's placeholder)"
+    whole = tmp_path / "whole.json"
+    whole.write_text('{"message": {"message": "ValueError: x", "extraInfo": {"timestamp": "1"}}}')
+    assert _failure(0, 1, 1, str(whole)).error_file == str(whole)
