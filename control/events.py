@@ -42,6 +42,7 @@ from rove.control.scale_events import GIB as GIB
 from rove.control.scale_events import JobSubmitted as JobSubmitted
 from rove.control.scale_events import NodeGone as NodeGone
 from rove.control.scale_events import NodeLaunch as NodeLaunch
+from rove.control.scale_events import NodePending as NodePending
 from rove.control.scale_events import PlanApplied as PlanApplied
 from rove.control.scale_events import PlanFailed as PlanFailed
 from rove.control.scale_events import Resources as Resources
@@ -551,6 +552,7 @@ AnyEvent = (
     | PlanApplied
     | PlanFailed
     | NodeGone
+    | NodePending
 )
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).

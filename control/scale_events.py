@@ -179,6 +179,16 @@ class NodeGone(Event, tag="node_gone", frozen=True, kw_only=True):
     exit_code: int | None = None
 
 
+class NodePending(Event, tag="node_pending", frozen=True, kw_only=True):
+    """The scaler's backend cannot place `node` (e.g. a pod the Kubernetes scheduler
+    finds no room for, `reason` quoting it): the master's optimiser need not wait for
+    its pending timeout to retry the node smaller or go on without it."""
+
+    node: str
+    scaler: str
+    reason: str
+
+
 def node_gone(
     job: str,
     node: str,

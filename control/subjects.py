@@ -136,6 +136,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.PlanApplied: lambda e: scaler(e.job),
     ev.PlanFailed: lambda e: scaler(e.job),
     ev.NodeGone: lambda e: scaler(e.job),
+    ev.NodePending: lambda e: scaler(e.job),
     ev.DatasetRegistered: lambda e: data(e.job, e.dataset),
     ev.ShardRequested: lambda e: data(e.job, e.dataset),
     ev.ShardDone: lambda e: data(e.job, e.dataset),

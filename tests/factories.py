@@ -439,6 +439,12 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
             error="no room",
         ),
         gone("n0-a1", job=job),
+        ev.NodePending(
+            **ev.envelope(job, "scaler:s1", 100.0, "node_pending", "n0-a2"),
+            node="n0-a2",
+            scaler="s1",
+            reason="unschedulable for 120s: 0/3 nodes are available: 3 Insufficient memory.",
+        ),
     ]
 
 

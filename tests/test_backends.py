@@ -1,7 +1,10 @@
 """The backend contract (`rove.control.scaler.backend.Backend`), against every backend.
 
 Real processes and a real nats-server: `local` starts `rove run` processes;
-`pool` assigns them to real `rove agent --pool` daemons. The node processes
+`pool` assigns them to real `rove agent --pool` daemons; `kubernetes` creates
+pods through the official client against `kmock`'s API emulator over HTTP, and
+`tests.kubelet` runs those pods as local `rove run` processes (no real API
+server or kubelet can run here). The node processes
 here never train (no master runs): the contract is about creating and stopping
 nodes, not about the job.
 """
@@ -9,19 +12,23 @@ nodes, not about the job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import kmock
 import pytest
 
 from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.errors import TemporaryError
 from rove.control.scaler.backend import Backend
+from rove.control.scaler.kubernetes import KubernetesBackend, api_client
 from rove.control.scaler.local import LocalBackend
 from rove.control.scaler.pool import PoolBackend
+from tests.kubelet import Kubelet
 from tests.support import DaemonProc, eventually, job_events, patience
 
 pytestmark = pytest.mark.slow
@@ -41,10 +48,15 @@ def spec(node: str, memory: int = 0) -> ev.NodeLaunch:
     return ev.NodeLaunch(node=node, slot=0, attempt=0, resources=ev.Resources(memory_bytes=memory))
 
 
-@pytest.fixture(params=["local", "pool"])
+@pytest.fixture(params=["local", "pool", "kubernetes"])
 async def backend(
     request: pytest.FixtureRequest, bus: Bus, tmp_path: Path
 ) -> AsyncIterator[Backend]:
+    if request.param == "kubernetes":
+        async with kubernetes_backend(bus, tmp_path) as made_k8s:
+            yield made_k8s
+            await _remove_all(made_k8s)
+        return
     made: Backend
     if request.param == "local":
         made = LocalBackend(bus.url, state_dir=tmp_path / "nodes")
@@ -57,10 +69,32 @@ async def backend(
         kv = await registry.bucket(bus)
         await eventually(lambda: _idle(kv), timeout=60, every=0.2)
     yield made
+    await _remove_all(made)
+
+
+async def _remove_all(made: Backend) -> None:
     for info in await made.nodes(JOB):
         if info.running:
             await made.remove(JOB, info.node, time.monotonic() + patience(30))
     await made.close()
+
+
+@contextlib.asynccontextmanager
+async def kubernetes_backend(
+    bus: Bus, tmp_path: Path, memory: int = 0, pending_timeout_s: float = 120.0
+) -> AsyncIterator[KubernetesBackend]:
+    async with (
+        kmock.KubernetesEmulator() as emulator,
+        kmock.Server(emulator) as server,
+        Kubelet(emulator, "rove-jobs", tmp_path, memory=memory),
+    ):
+        yield KubernetesBackend(
+            namespace="rove-jobs",
+            image="rove:test",
+            nats_url=bus.url,
+            api=api_client(str(server.url).rstrip("/")),
+            pending_timeout_s=pending_timeout_s,
+        )
 
 
 async def _idle(kv: Any) -> bool:

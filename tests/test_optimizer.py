@@ -407,3 +407,28 @@ def test_a_node_the_scaler_saw_die_is_lost_and_replaced_at_once() -> None:
     assert m.plans()[-1].launch[0].node == "n0-a1"
     m.step(0.5)
     assert set(m.members()) == {"n0-a1", "n1-a0"}
+
+
+def test_a_node_the_backend_cannot_place_is_retried_smaller_without_waiting_the_timeout() -> None:
+    m = Managed(workload(1, 1, memory=4 * GIB), auto_join=False)
+    m.step()
+    m.step(2.0)  # launched, not joined, well inside the 60 s pending timeout
+    assert not [p for p in m.plans() if p.rule is ev.ScaleRule.PENDING]
+    said = "unschedulable for 3s: 0/4 nodes are available: 4 Insufficient memory."
+    pending = ev.NodePending(
+        **ev.envelope(factories.JOB, "scaler:s1", m.now, "node_pending", "n0-a0"),
+        node="n0-a0",
+        scaler="s1",
+        reason=said,
+    )
+    m.apply(pending)
+    m.apply(pending)  # told twice: one plan
+    m.step(2.5)
+    [retry] = [p for p in m.plans() if p.rule is ev.ScaleRule.PENDING]
+    assert retry.launch[0].node == "n0-a1"
+    assert retry.launch[0].resources.memory_bytes == 2 * GIB
+    assert "Insufficient memory" in retry.reason
+    # a late word about the old attempt changes nothing
+    m.apply(pending)
+    m.step(2.5)
+    assert len([p for p in m.plans() if p.rule is ev.ScaleRule.PENDING]) == 1

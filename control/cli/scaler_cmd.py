@@ -3,7 +3,9 @@
 Run one per job (a second one is harmless: plan outcomes are deduplicated, and
 backends create each node name once). `--backend local` starts nodes as
 processes on this machine; they outlive the scaler, and a restarted scaler
-adopts them. See docs/scaling.md.
+adopts them. `--backend kubernetes` creates one pod per node (run it in the
+cluster with deploy/'s service account). See docs/scaling.md and
+docs/kubernetes.md.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--id", dest="scaler_id", help="this scaler's id (default: host-pid)")
     p.add_argument(
         "--backend",
-        choices=["local", "pool"],
+        choices=["local", "pool", "kubernetes"],
         default="local",
         help="where nodes run: local = `rove run` processes on this machine (default); "
-        "pool = idle `rove agent --pool` daemons",
+        "pool = idle `rove agent --pool` daemons; kubernetes = one pod per node",
     )
     p.add_argument("--pool", default="default", help="with --backend pool: the pool (default)")
     p.add_argument(
@@ -61,6 +63,36 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="local backend: where node markers and logs go (default ~/.rove/jobs/<job>/scaler)",
     )
+    k8s = p.add_argument_group("kubernetes backend")
+    k8s.add_argument(
+        "--namespace", default="rove-jobs", help="namespace of the node pods (default rove-jobs)"
+    )
+    k8s.add_argument("--image", help="container image of the node pods (required)")
+    k8s.add_argument(
+        "--pod-nats-url",
+        metavar="URL",
+        help="NATS URL as the pods reach it (default: --nats)",
+    )
+    k8s.add_argument(
+        "--pod-template",
+        type=Path,
+        metavar="FILE",
+        help="a Pod in YAML whose nodeSelector, tolerations, volumes, env... every node pod "
+        "starts from; rove sets the command, resources, labels and restart policy",
+    )
+    k8s.add_argument(
+        "--pending-timeout",
+        type=common.positive,
+        default=120.0,
+        metavar="SECONDS",
+        help="a pod the scheduler cannot place for this long is reported to the master, "
+        "which retries it smaller or goes on without it (default 120)",
+    )
+    k8s.add_argument(
+        "--kube-api",
+        metavar="URL",
+        help="the API server's URL (default: in-cluster config, else ~/.kube/config)",
+    )
     common.add_nats_args(p)
     p.set_defaults(func=run)
 
@@ -71,17 +103,37 @@ def run(args: argparse.Namespace) -> int:
     subjects.check_name("scaler id", scaler_id)
     if args.create_interval < 0:
         raise ConfigError(f"--create-interval must be 0 or more, got {args.create_interval}")
+    if args.backend == "kubernetes" and not args.image:
+        raise ConfigError("--backend kubernetes needs --image: the image the node pods run")
     return aio.run(_run(args, scaler_id))
+
+
+def _backend(args: argparse.Namespace, bus: Bus) -> Backend:
+    if args.backend == "pool":
+        return PoolBackend(bus, subjects.check_name("pool", args.pool))
+    if args.backend == "kubernetes":
+        try:
+            from rove.control.scaler import kubernetes
+        except ImportError as exc:
+            raise ConfigError(
+                f"--backend kubernetes needs the kubernetes client ({exc}): "
+                "pip install 'rove[kubernetes]'"
+            ) from exc
+        return kubernetes.KubernetesBackend(
+            namespace=args.namespace,
+            image=args.image,
+            nats_url=args.pod_nats_url or bus.url,
+            api=kubernetes.api_client(args.kube_api),
+            template=kubernetes.load_template(args.pod_template),
+            pending_timeout_s=args.pending_timeout,
+        )
+    return LocalBackend(bus.url, state_dir=args.state_dir)
 
 
 async def _run(args: argparse.Namespace, scaler_id: str) -> int:
     options = common.bus_options(args, name=f"rove-scaler-{scaler_id}", job=args.job, daemon=True)
     bus = await Bus.connect(options)
-    backend: Backend = (
-        PoolBackend(bus, subjects.check_name("pool", args.pool))
-        if args.backend == "pool"
-        else LocalBackend(bus.url, state_dir=args.state_dir)
-    )
+    backend = _backend(args, bus)
     scaler = Scaler(
         bus,
         args.job,

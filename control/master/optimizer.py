@@ -9,8 +9,9 @@ function of the state and `now`; the first rule that proposes a plan wins:
              `max_memory_bytes` (an OOM at the cap fails the job, naming it);
   replace    a node was lost, left unasked, was excluded (faulty, network check)
              or its launch failed: relaunch its slot (next attempt), one per plan;
-  pending    a launched node has not joined after `pending_timeout_s`: fewer
-             nodes if the job is above its minimum, else retry with half the memory;
+  pending    a launched node has not joined after `pending_timeout_s`, or the
+             backend said it cannot place it (`node_pending`): fewer nodes if the
+             job is above its minimum, else retry with half the memory;
   straggler  a node's ranks spend `straggler_factor` x the others' median busy
              time per step (`progress.report(busy_s=)`): replace it;
   grow       the job runs `settle_s` at its target size below `--nnodes` MAX:
@@ -224,9 +225,14 @@ def _pending(s: ScaleState, w: ev.Workload, now: float) -> Iterator[Plan]:
     p = w.policy
     live = s.live()
     for slot in live:
-        if slot.phase is not SlotPhase.LAUNCHING or now - slot.since <= p.pending_timeout_s:
+        if slot.phase is not SlotPhase.LAUNCHING:
             continue
-        waited = f"{slot.node} has not joined {now - slot.since:.0f}s after its launch"
+        if slot.unplaceable:
+            waited = f"{slot.node} cannot be placed ({slot.unplaceable})"
+        elif now - slot.since > p.pending_timeout_s:
+            waited = f"{slot.node} has not joined {now - slot.since:.0f}s after its launch"
+        else:
+            continue
         if len(live) > w.min_nodes:
             yield Plan(
                 rule=ev.ScaleRule.PENDING,

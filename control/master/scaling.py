@@ -61,6 +61,8 @@ class Slot(msgspec.Struct, frozen=True, kw_only=True):
     #: an OOM of this attempt's workers: the `worker_exited` id and its reason
     oom: str = ""
     oom_reason: str = ""
+    #: the backend said it cannot place this attempt (`node_pending`), and why
+    unplaceable: str = ""
 
 
 class PlanStatus(enum.StrEnum):
@@ -274,6 +276,13 @@ def on_worker_exited(s: ScaleState, e: ev.WorkerExited) -> ScaleState:
     return _set(s, replace(slot, oom=e.id, oom_reason=e.reason))
 
 
+def on_pending(s: ScaleState, e: ev.NodePending) -> ScaleState:
+    slot = s.current(e.node)
+    if slot is None or slot.phase is not SlotPhase.LAUNCHING or slot.unplaceable:
+        return s
+    return _set(s, replace(slot, unplaceable=e.reason))
+
+
 def on_round(s: ScaleState, e: ev.RoundCompleted) -> ScaleState:
     return replace(s, round_since=e.ts, round_size=len(e.members))
 
@@ -288,6 +297,7 @@ FOLDS: dict[type[ev.Event], Callable[[ScaleState, Any], ScaleState]] = {
     ev.NodeLeft: on_left,
     ev.NodeLost: on_lost,
     ev.NodeGone: on_gone,
+    ev.NodePending: on_pending,
     ev.NodeExcluded: on_excluded,
     ev.WorkerExited: on_worker_exited,
     ev.RoundCompleted: on_round,

@@ -33,6 +33,13 @@ class Ended(msgspec.Struct, frozen=True, kw_only=True):
     exit_code: int | None = None
 
 
+class Pending(msgspec.Struct, frozen=True, kw_only=True):
+    """A node the backend cannot place (no machine has room for it), and why."""
+
+    node: str
+    reason: str
+
+
 class Backend(abc.ABC):
     """Creates and stops nodes. The whole contract:
 
@@ -50,6 +57,9 @@ class Backend(abc.ABC):
     * `ended(job)`: nodes of `job` whose process ended since the last call
       (each reported once), so the scaler can tell the master without waiting
       for heartbeats to time out.
+    * `pending(job)`: nodes that the backend knows cannot be placed (a pod the
+      scheduler finds no room for), each reported once; optional (default: none,
+      the master then only sees that the node never joined).
     * Errors: `TemporaryError` (retrying may succeed: no room yet, an API
       unavailable; `retry_after` when the backend knows), `PermanentError`
       (retrying cannot help: a bad spec). Nothing else escapes.
@@ -74,6 +84,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def ended(self, job: str) -> list[Ended]: ...
+
+    async def pending(self, job: str) -> list[Pending]:
+        return []
 
     async def close(self) -> None:  # noqa: B027 - optional
         """Release clients; nodes keep running."""

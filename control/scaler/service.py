@@ -6,7 +6,7 @@ retried with backoff (`rove.control.retry`) inside one total deadline per
 plan, and reports `plan_applied` or `plan_failed` (ids made of the plan
 number: a report sent twice is stored once). It also tells the master at once
 when a node's process ends (`node_gone`), instead of leaving it to heartbeat
-timeouts.
+timeouts, and when the backend cannot place a node (`node_pending`).
 
 Crash safety: the plan being applied is part of the folded state
 (`scale.pending_plan`) until its outcome is folded, so a scaler killed half-way
@@ -78,6 +78,7 @@ class Scaler(JobService):
             if plan is not None and plan.plan not in self._reported:
                 await self._apply(plan)
             await self._report_ended()
+            await self._report_pending()
             if self.state.phase.terminal:
                 ended_at = ended_at or time.monotonic()
                 if await self._all_stopped() or time.monotonic() - ended_at > self.end_grace_s:
@@ -192,6 +193,36 @@ class Scaler(JobService):
                     ts=self.clock(),
                     exit_code=gone.exit_code,
                     incarnation=incarnation,
+                )
+            )
+
+    async def _report_pending(self) -> None:
+        """Nodes the backend cannot place (`node_pending`), so the optimiser need not
+        wait for its pending timeout to retry them smaller or go on without them."""
+        if self.state.phase.terminal:
+            return
+        try:
+            stuck = await self.backend.pending(self.job)
+        except (TemporaryError, PermanentError) as exc:
+            self.log.warning("cannot tell which nodes are pending", error=str(exc))
+            return
+        for item in stuck:
+            slot = self.state.scale.current(item.node)
+            if slot is None or slot.unplaceable:
+                continue
+            self.log.warning(f"node {item.node} cannot be placed: {item.reason}")
+            self.emit(
+                ev.NodePending(
+                    **ev.envelope(
+                        self.job,
+                        f"scaler:{self.scaler_id}",
+                        self.clock(),
+                        "node_pending",
+                        item.node,
+                    ),
+                    node=item.node,
+                    scaler=self.scaler_id,
+                    reason=item.reason,
                 )
             )
 
