@@ -71,7 +71,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     k8s.add_argument(
         "--pod-nats-url",
         metavar="URL",
-        help="NATS URL as the pods reach it (default: --nats)",
+        help="NATS URL(s) as the pods reach them (default: --nats); credentials go in "
+        "the pod template's env (ROVE_NATS_USER, ROVE_NATS_PASSWORD), not here",
     )
     k8s.add_argument(
         "--pod-template",
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     return aio.run(_run(args, scaler_id))
 
 
-def _backend(args: argparse.Namespace, bus: Bus) -> Backend:
+def _backend(args: argparse.Namespace, bus: Bus, url: str) -> Backend:
     if args.backend == "pool":
         return PoolBackend(bus, subjects.check_name("pool", args.pool))
     if args.backend == "kubernetes":
@@ -122,7 +123,7 @@ def _backend(args: argparse.Namespace, bus: Bus) -> Backend:
         return kubernetes.KubernetesBackend(
             namespace=args.namespace,
             image=args.image,
-            nats_url=args.pod_nats_url or bus.url,
+            nats_url=args.pod_nats_url or url,
             api=kubernetes.api_client(args.kube_api),
             template=kubernetes.load_template(args.pod_template),
             pending_timeout_s=args.pending_timeout,
@@ -133,7 +134,7 @@ def _backend(args: argparse.Namespace, bus: Bus) -> Backend:
 async def _run(args: argparse.Namespace, scaler_id: str) -> int:
     options = common.bus_options(args, name=f"rove-scaler-{scaler_id}", job=args.job, daemon=True)
     bus = await Bus.connect(options)
-    backend = _backend(args, bus)
+    backend = _backend(args, bus, options.url or bus.url)
     scaler = Scaler(
         bus,
         args.job,

