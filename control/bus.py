@@ -136,6 +136,20 @@ OnRecorded = Callable[[records.Recorded], Awaitable[None] | None]
 OnRejected = Callable[[records.Rejection], Awaitable[None] | None]
 
 
+#: A feed that has not moved for this many checks while its stream holds newer
+#: messages for it is resubscribed (`Feed.watch`).
+STALL_CHECKS = 3
+#: Seconds between two of those checks.
+STALL_CHECK_S = 5.0
+
+
+def stalled(history: list[int], newest: int, checks: int = STALL_CHECKS) -> bool:
+    """Whether a feed is stuck: its last delivered sequence was the same at each of the
+    last `checks` checks (`history`, oldest first) while the stream has `newest` > it."""
+    recent = history[-checks:]
+    return len(recent) == checks and len(set(recent)) == 1 and newest > recent[-1]
+
+
 @dataclass
 class Feed:
     """A running subscription; `caught_up` is set once the backlog has been delivered."""
@@ -144,12 +158,63 @@ class Feed:
     target_seq: int
     caught_up: asyncio.Event = field(default_factory=asyncio.Event)
     last_seq: int = 0
+    resubscribed: int = 0
+    watchdog: asyncio.Task[None] | None = None
+
+    async def watch(
+        self,
+        newest: Callable[[], Awaitable[int]],
+        resubscribe: Callable[[int], Awaitable[Any]],
+        *,
+        what: str,
+        every_s: float = STALL_CHECK_S,
+    ) -> None:
+        """Resubscribe from the next sequence when this feed stalls (`stalled`).
+
+        nats-py's ordered consumer heals itself after missed heartbeats, but not
+        when recreating its consumer fails and the healing task dies with it: a
+        master or agent would then follow a frozen stream, alive and silent.
+        Messages delivered twice across the switch are skipped by sequence.
+        """
+        history: list[int] = []
+        while True:
+            await asyncio.sleep(every_s)
+            history = [*history[-(STALL_CHECKS - 1) :], self.last_seq]
+            if len(history) < STALL_CHECKS or len(set(history)) > 1:
+                continue
+            try:
+                ahead = await newest()
+            except RoveError:
+                continue
+            if not stalled(history, ahead):
+                continue
+            log.warning(
+                "subscription stalled: resubscribing",
+                feed=what,
+                delivered=self.last_seq,
+                stream_has=ahead,
+            )
+            old = self.sub
+            try:
+                self.sub = await resubscribe(self.last_seq + 1)
+            except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                log.warning("could not resubscribe; will try again", feed=what, error=repr(exc))
+                continue
+            self.resubscribed += 1
+            history = []
+            await _unsubscribe(old)
 
     async def stop(self) -> None:
-        try:
-            await self.sub.unsubscribe()
-        except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
-            pass
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        await _unsubscribe(self.sub)
+
+
+async def _unsubscribe(sub: Any) -> None:
+    try:
+        await sub.unsubscribe()
+    except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
+        pass
 
 
 def _tls_context(o: BusOptions) -> ssl.SSLContext | None:
@@ -191,6 +256,9 @@ class Bus:
         self.options = options
         self.server = server
         self._lease_kv: KeyValue | None = None
+        #: seconds between two stall checks of each feed (`Feed.watch`)
+        self.stall_check_s = STALL_CHECK_S
+        self._watchdogs: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -292,6 +360,8 @@ class Bus:
         return nc
 
     async def close(self) -> None:
+        for task in list(self._watchdogs):
+            task.cancel()
         await _quiet_close(self.nc)
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
@@ -620,6 +690,28 @@ class Bus:
             ordered_consumer=True,
             config=config,
         )
+
+        async def from_seq(seq: int) -> Any:
+            return await self.js.subscribe(
+                subject_filter,
+                stream=stream,
+                cb=on_msg,
+                ordered_consumer=True,
+                config=ConsumerConfig(
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq
+                ),
+            )
+
+        async def newest() -> int:
+            return await self.last_seq(stream, subject_filter)
+
+        feed.watchdog = asyncio.create_task(
+            feed.watch(
+                newest, from_seq, what=f"{stream} {subject_filter}", every_s=self.stall_check_s
+            )
+        )
+        self._watchdogs.add(feed.watchdog)
+        feed.watchdog.add_done_callback(self._watchdogs.discard)
         return feed
 
 

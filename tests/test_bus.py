@@ -10,7 +10,7 @@ import pytest
 
 from rove.control import events as ev
 from rove.control import records, subjects
-from rove.control.bus import Bus, BusOptions, Fence
+from rove.control.bus import Bus, BusOptions, Fence, stalled
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import BusUnavailableError, ConfigError, FencedError, PublishDeadlineError
 from tests import factories
@@ -90,6 +90,36 @@ async def test_garbage_is_handed_to_on_rejected_and_the_feed_goes_on(bus: Bus) -
     assert "not msgpack" in rejections[0].error
     assert "belongs on rove.ev.j1.node.n9" in rejections[2].error
     assert [r.seq for r in rejections] == [2, 3, 4]
+
+
+def test_a_feed_is_stalled_only_when_it_stood_still_for_every_check_while_behind() -> None:
+    assert stalled([7, 7, 7], newest=9)
+    assert not stalled([7, 7, 7], newest=7), "caught up: just quiet"
+    assert not stalled([6, 7, 7], newest=9), "moved during the window"
+    assert not stalled([7, 7], newest=9), "not watched long enough"
+
+
+async def test_a_feed_whose_consumer_dies_unhealed_is_resubscribed_and_loses_nothing(
+    bus: Bus,
+) -> None:
+    """What the ordered consumer of nats-py does not survive: its server-side consumer
+    is gone and its own healing task died (here: cancelled). The feed's watchdog
+    resubscribes from the next sequence; every event arrives once, in order."""
+    bus.stall_check_s = 0.2
+    got: list[records.Recorded | records.Rejection] = []
+    feed = await bus.subscribe(
+        subjects.EVENTS_STREAM, subjects.job_events("j1"), got.append, got.append
+    )
+    await bus.publish(factories.joined("n1"))
+    await eventually(lambda: len(got) == 1, timeout=30)
+    feed.sub._sub._jsi._hbtask.cancel()  # nats-py's healing, gone
+    await bus.js.delete_consumer(subjects.EVENTS_STREAM, feed.sub._consumer)
+    for n in range(2, 6):
+        await bus.publish(factories.joined(f"n{n}", n=n))
+    await eventually(lambda: len(got) == 5, timeout=60)
+    assert [r.seq for r in got] == [1, 2, 3, 4, 5]
+    assert feed.resubscribed >= 1
+    await feed.stop()
 
 
 async def test_publish_survives_a_server_restart_within_its_deadline(tmp_path: Path) -> None:

@@ -26,9 +26,19 @@ import pytest
 from rove.control import events as ev
 from rove.control.bus import Bus
 from tests.lineage import lineage, progress, rows
-from tests.support import ROOT, MasterProc, RunProc, eventually, pid_alive, stored_events
+from tests.support import (
+    ROOT,
+    CliProc,
+    MasterProc,
+    RunProc,
+    eventually,
+    patience,
+    pid_alive,
+    stored_events,
+)
 
-pytestmark = pytest.mark.slow
+# the job's own end is bounded (with a diagnosis) by `finished`, inside this
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPT = ROOT / "examples" / "train_sharded.py"
 SAMPLES, EPOCHS = 1500, 2
@@ -80,6 +90,31 @@ async def test_training_goes_on_while_no_master_leads(bus: Bus, tmp_path: Path) 
     middle = sum(leaderless) / 2
     assert any(leaderless[0] < t < middle for t in times), "steps right after the kill"
     assert any(middle < t < leaderless[1] for t in times), "and still before the new leader"
+
+
+async def finished(bus: Bus, nodes: dict[str, RunProc], procs: list[CliProc]) -> dict[str, int]:
+    """The nodes' exit codes. If they do not end, fail with a short diagnosis first
+    (each process's last lines, the job's last events), before the full logs."""
+    deadline = time.monotonic() + min(patience(150), 420)
+    while time.monotonic() < deadline:
+        if all(p.proc.poll() is not None for p in nodes.values()):
+            return {n: p.proc.returncode for n, p in nodes.items()}
+        await asyncio.sleep(0.5)
+    tails = [
+        f"--- {p.name} ({'running' if p.proc.poll() is None else p.proc.returncode}):\n"
+        + "\n".join(p.log().splitlines()[-6:])
+        for p in procs
+    ]
+    recent = [
+        f"#{r.seq} {type(r.event).__name__} {r.event.producer}"
+        for r in await stored_events(bus, JOB)
+    ][-15:]
+    pytest.fail(
+        "the job did not end; last lines:\n"
+        + "\n".join(tails)
+        + "\nlast events:\n"
+        + "\n".join(recent)
+    )
 
 
 async def chaos(
@@ -136,7 +171,7 @@ async def chaos(
                 nodes[node] = agent(node, f"{node}-2")
                 everyone.append(nodes[node])
             done_actions.append(action)
-        codes = {n: await asyncio.to_thread(p.wait, 300) for n, p in nodes.items()}
+        codes = await finished(bus, nodes, [*everyone, *masters.values()])
         assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
     finally:
         for p in everyone:
