@@ -71,6 +71,8 @@ class Kubelet:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Kubelet:
+        # a real API server lists no pods as an empty list; kmock wants them declared
+        self.emulator.resources["v1/pods"] = {}
         self._task = asyncio.create_task(self._loop())
         return self
 

@@ -278,3 +278,55 @@ def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script(tmp_path
         "submit", "--job", "j", "--policy", "grow=yes", "--", str(SCRIPT), "--nats", "x"
     )
     assert done.returncode == 2 and "--policy grow=yes: use KEY=VALUE" in done.stderr
+
+
+async def test_on_kubernetes_a_pod_that_cannot_be_placed_is_retried_smaller_and_the_job_trains(
+    bus: Bus, url: str, master: MasterProc, tmp_path: Path
+) -> None:
+    """`rove scaler --backend kubernetes` against kmock's API emulator over HTTP, whose
+    pods tests.kubelet runs here with 3 GiB to give: the first pod asks for 4 GiB and
+    stays unschedulable; the scaler says so (`node_pending`), the optimiser retries it
+    with 2 GiB at once, and that pod trains the job to its end."""
+    import kmock
+
+    from tests.kubelet import PODS, Kubelet
+
+    async with (
+        kmock.KubernetesEmulator() as emulator,
+        kmock.Server(emulator) as server,
+        Kubelet(emulator, "rove-jobs", tmp_path, memory=3 * ev.GIB),
+    ):
+        ScalerProc(
+            url,
+            "scaled",
+            "s1",
+            tmp_path,
+            *("--backend", "kubernetes", "--image", "rove:test", "--pending-timeout", "1"),
+            *("--kube-api", str(server.url).rstrip("/")),
+        )
+        submit(url, "scaled", tmp_path, *train_args(tmp_path), submit_args=("--node-memory", "4G"))
+        end = await ended(bus, "scaled")
+        assert end.phase is ev.JobPhase.FINISHED, end.reason
+
+        def succeeded() -> bool:
+            obj = emulator.objects[PODS, "rove-jobs", "rove-scaled-n0-a1"]
+            return bool((obj.get("status") or {}).get("phase") == "Succeeded")
+
+        await eventually(succeeded, timeout=60)
+        pods = {name: obj for (res, _, name), obj in emulator.objects.items() if res == PODS}
+    events = await job_events(bus, "scaled")
+    [initial, retry] = plans(events)
+    assert [(n.node, n.resources.memory_bytes) for n in initial.launch] == [("n0-a0", 4 * ev.GIB)]
+    assert retry.rule is ev.ScaleRule.PENDING
+    assert [(n.node, n.resources.memory_bytes) for n in retry.launch] == [("n0-a1", 2 * ev.GIB)]
+    assert "Insufficient memory" in retry.reason
+    [pending] = [e for e in events if isinstance(e, ev.NodePending)]
+    assert pending.node == "n0-a0"
+    assert pods["rove-scaled-n0-a0"].deleted, "the unplaceable pod was removed by the plan"
+    done = pods["rove-scaled-n0-a1"]
+    assert done["status"]["phase"] == "Succeeded"
+    limits = done["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == done["spec"]["containers"][0]["resources"]["requests"]
+    assert limits["memory"] == str(2 * ev.GIB)
+    assert done["metadata"]["ownerReferences"][0]["name"] == "rove-scaled"
+    assert_exactly_once(tmp_path)
