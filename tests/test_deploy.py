@@ -281,3 +281,92 @@ def test_security_posture() -> None:
         d for d in render("examples/pool") if d["metadata"]["name"].startswith("rove-master")
     ]
     assert masters["spec"]["replicas"] == 2
+
+
+@pytest.mark.slow
+async def test_the_nats_users_of_deploy_work_and_the_readonly_and_agent_ones_are_refused(
+    tmp_path: Path,
+) -> None:
+    """A real nats-server with deploy's users and permissions (auth.conf as rendered):
+    the master's user runs the control plane, the cli user reads a job's events and
+    status but cannot publish, and the agent's user cannot delete a stream."""
+    import asyncio
+    import os
+
+    import nats
+    import nats.errors
+
+    from rove.control import subjects
+    from rove.control.bus import Bus, BusOptions
+    from tests import factories
+    from tests.support import free_port, rove_cli
+
+    [config] = [
+        d
+        for d in render("overlays/dev")
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("rove-nats-config")
+    ]
+    (tmp_path / "auth.conf").write_text(config["data"]["auth.conf"])
+    port = free_port()
+    (tmp_path / "server.conf").write_text(
+        f"listen: 127.0.0.1:{port}\njetstream {{ store_dir: {tmp_path}/js }}\ninclude ./auth.conf\n"
+    )
+    passwords = {r: f"pw-{r.lower()}" for r in ("ADMIN", "MASTER", "SCALER", "AGENT", "CLI")}
+    server = subprocess.Popen(
+        [str(NATS_SERVER), "-c", str(tmp_path / "server.conf")],
+        env={**os.environ, **{f"ROVE_NATS_{r}_PASSWORD": p for r, p in passwords.items()}},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        master = None
+        for _ in range(100):
+            try:
+                master = await Bus.connect(
+                    BusOptions(url=url, user="master", password=passwords["MASTER"])
+                )
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        assert master is not None, "the master's user connects and creates rove's streams"
+        await master.publish(factories.joined("n1"))
+
+        def as_cli(*args: str) -> subprocess.CompletedProcess[str]:
+            env = {"ROVE_NATS_USER": "cli", "ROVE_NATS_PASSWORD": passwords["CLI"]}
+            return rove_cli(*args, "--nats", url, timeout=60, env=env)
+
+        events = as_cli("events", "--job", "j1")
+        assert events.returncode == 0 and "node_joined" in events.stdout, events.stderr
+        status = as_cli("status", "--job", "j1")
+        assert status.returncode == 0, status.stderr
+
+        denied: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            denied.append(str(exc))
+
+        cli = await nats.connect(
+            url, user="cli", password=passwords["CLI"], error_cb=on_error, allow_reconnect=False
+        )
+        await cli.publish(subjects.cmd("j1"), b"x")
+        await cli.flush()
+        agent = await nats.connect(
+            url, user="agent", password=passwords["AGENT"], error_cb=on_error, allow_reconnect=False
+        )
+        js = agent.jetstream()
+        with pytest.raises((nats.errors.Error, TimeoutError)):  # no reply to a denied request
+            await js.delete_stream(subjects.EVENTS_STREAM)
+        for _ in range(50):
+            if len(denied) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert any("permissions violation" in d and "rove.ev.j1.cmd" in d for d in denied), denied
+        assert any("permissions violation" in d and "stream.delete" in d.lower() for d in denied)
+        assert await master.js.stream_info(subjects.EVENTS_STREAM)
+        await cli.close()
+        await agent.close()
+        await master.close()
+    finally:
+        server.terminate()
+        server.wait()

@@ -221,6 +221,7 @@ def _scaling_view(state: Any, waiting: Any, now: float) -> dict[str, Any] | None
                 "phase": x.phase.value,
                 "resources": x.resources.describe(),
                 "reason": x.reason,
+                "unplaceable": x.unplaceable or None,
             }
             for x in sorted(s.slots.values(), key=lambda x: x.slot)
         ],
@@ -263,6 +264,9 @@ def _scaling_lines(sc: dict[str, Any]) -> list[str]:
             f"  plan {p['plan']} {p['rule']} {p['status']}{error}, {p['age_s']:g}s ago: "
             f"{what}: {p['reason']}"
         )
+    for x in live:
+        if x.get("unplaceable"):
+            lines.append(f"  {x['node']} cannot be placed: {x['unplaceable']}")
     if sc["no_plan_yet"]:
         lines.append(f"  no plan yet: {sc['no_plan_yet']}")
     return lines
