@@ -24,6 +24,7 @@ from typing import Any
 
 import kmock
 
+from rove.control.scaler.kubernetes import KubernetesBackend, api_client
 from tests.support import CliProc
 
 PODS = kmock.resource("", "v1", "pods")
@@ -169,3 +170,16 @@ def _unschedulable(memory: str) -> dict[str, Any]:
             }
         ],
     }
+
+
+def backend_for(
+    server: kmock.Server, nats_url: str = "nats://127.0.0.1:4222", **kw: Any
+) -> KubernetesBackend:
+    """A kubernetes backend for namespace rove-jobs, talking to `server` over HTTP."""
+    return KubernetesBackend(
+        namespace="rove-jobs",
+        image="rove:test",
+        nats_url=nats_url,
+        api=api_client(str(server.url).rstrip("/")),
+        **kw,
+    )

@@ -25,10 +25,10 @@ from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.errors import TemporaryError
 from rove.control.scaler.backend import Backend
-from rove.control.scaler.kubernetes import KubernetesBackend, api_client
+from rove.control.scaler.kubernetes import KubernetesBackend
 from rove.control.scaler.local import LocalBackend
 from rove.control.scaler.pool import PoolBackend
-from tests.kubelet import Kubelet
+from tests.kubelet import Kubelet, backend_for
 from tests.support import DaemonProc, eventually, job_events, patience
 
 pytestmark = pytest.mark.slow
@@ -88,13 +88,7 @@ async def kubernetes_backend(
         kmock.Server(emulator) as server,
         Kubelet(emulator, "rove-jobs", tmp_path, memory=memory),
     ):
-        yield KubernetesBackend(
-            namespace="rove-jobs",
-            image="rove:test",
-            nats_url=bus.url,
-            api=api_client(str(server.url).rstrip("/")),
-            pending_timeout_s=pending_timeout_s,
-        )
+        yield backend_for(server, bus.url, pending_timeout_s=pending_timeout_s)
 
 
 async def _idle(kv: Any) -> bool:

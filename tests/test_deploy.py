@@ -33,7 +33,7 @@ import yaml
 
 from rove.control import events as ev
 from rove.control.cli.main import build_parser
-from rove.control.scaler.kubernetes import KubernetesBackend, api_client
+from tests.kubelet import backend_for
 from tests.support import ROOT
 
 DEPLOY = ROOT / "deploy"
@@ -178,13 +178,7 @@ _VERBS = {
 
 async def test_the_scalers_role_grants_exactly_what_the_kubernetes_backend_uses() -> None:
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
-        backend = KubernetesBackend(
-            namespace="rove-jobs",
-            image="rove:test",
-            nats_url="nats://127.0.0.1:4222",
-            api=api_client(str(server.url).rstrip("/")),
-            pending_timeout_s=0,
-        )
+        backend = backend_for(server, pending_timeout_s=0)
         w = ev.Workload(argv=("train.py",), cwd="", min_nodes=1, max_nodes=2)
         deadline = time.monotonic() + 30
         for node in ("n0-a0", "n0-a0", "n1-a0"):

@@ -18,7 +18,8 @@ from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.errors import ConfigError, PermanentError, TemporaryError
 from rove.control.scaler import pods
-from rove.control.scaler.kubernetes import KubernetesBackend, api_client, load_template
+from rove.control.scaler.kubernetes import load_template
+from tests.kubelet import backend_for
 from tests.support import eventually
 from tests.test_backends import kubernetes_backend, workload
 
@@ -171,12 +172,7 @@ async def test_refusals_and_server_errors_become_rove_errors_that_say_what_to_do
     status: int, error: type[Exception], says: str
 ) -> None:
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
-        backend = KubernetesBackend(
-            namespace="rove-jobs",
-            image="rove:test",
-            nats_url="nats://127.0.0.1:4222",
-            api=api_client(str(server.url).rstrip("/")),
-        )
+        backend = backend_for(server)
         w = ev.Workload(argv=("train.py",), cwd="", min_nodes=1, max_nodes=1)
         emulator["post", re.compile(r".*/pods$")] << status
         with pytest.raises(error, match=says) as raised:
