@@ -47,6 +47,12 @@ PRELOAD = (
 )
 
 
+#: The warm server's pid, as every worker forked from it inherits it: this module is
+#: imported by the server itself before it forks (it is in PRELOAD). (If the server
+#: could not preload it, a worker imports it itself and this is the worker's own pid.)
+SERVER_PID = os.getpid()
+
+
 def start(extra: tuple[str, ...] = ()) -> None:
     """Start the warm server now (it imports in the background); idempotent."""
     multiprocessing.set_forkserver_preload([*PRELOAD, *extra])
@@ -66,6 +72,10 @@ def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
 def run_script(kind: str, target: str, *argv: str) -> None:
     """Run the training script or module in this (forked) process as `__main__`."""
     die_with_parent()  # the server's death; it dies with the agent
+    if SERVER_PID != os.getpid() and os.getppid() != SERVER_PID:
+        # The server (so the agent) died between the fork and the line above: the signal
+        # was armed too late and would never come. An orphan must not train on.
+        os._exit(1)
     # Forked from a forkserver, this process inherited "forkserver" as its start
     # method; a fresh interpreter has the platform's default (what DataLoader
     # workers and the script's own processes expect).

@@ -101,3 +101,33 @@ def test_run_path_runs_the_script_in_a_child_as_main_without_a_new_command(
     assert sorted(reports) == ["0", "1"]
     for r in reports.values():
         assert r["name"] == "__main__" and r["argv"] == [str(SCRIPT), str(tmp_path)]
+
+
+def test_a_worker_forked_as_its_server_dies_does_not_train_as_an_orphan(tmp_path: Path) -> None:
+    """The kernel kills a warm worker when its server (so its agent) dies, but only once
+    the worker asked for it: a worker forked just before the server died would train on
+    unsupervised. Here the worker's parent is not the server it was forked from."""
+    import subprocess
+
+    marker = tmp_path / "trained"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write('yes')\n")
+    code = (
+        "from rove.agent import warm\n"
+        "warm.SERVER_PID = -1  # the server this worker came from is gone\n"
+        f"warm.run_script('script', {str(script)!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert not marker.exists(), "the orphan ran the training script"
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code.replace("warm.SERVER_PID = -1", "import os; warm.SERVER_PID = os.getppid()"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0 and marker.read_text() == "yes", ok.stderr
