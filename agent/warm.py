@@ -72,7 +72,7 @@ def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
 def run_script(kind: str, target: str, *argv: str) -> None:
     """Run the training script or module in this (forked) process as `__main__`."""
     die_with_parent()  # the server's death; it dies with the agent
-    if SERVER_PID != os.getpid() and os.getppid() != SERVER_PID:
+    if os.getpid() != SERVER_PID and os.getppid() != SERVER_PID:
         # The server (so the agent) died between the fork and the line above: the signal
         # was armed too late and would never come. An orphan must not train on.
         os._exit(1)
