@@ -143,6 +143,7 @@ def render() -> str:
         ("Data clients (trainers)", [ev.DatasetRegistered, ev.ShardRequested, ev.ShardDone]),
         ("Operator commands", [ev.StopRequested, ev.JobSubmitted]),
         ("Scaler facts", [ev.PlanApplied, ev.PlanFailed, ev.NodeGone, ev.NodePending]),
+        ("Stream bridges", [ev.StreamShardsAdded]),
         ("Master decisions", [c for c in ev.EVENT_TYPES.values() if issubclass(c, ev.Decision)]),
     ]
     listed = {c for _, cs in groups for c in cs}

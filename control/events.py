@@ -52,6 +52,9 @@ from rove.control.scale_events import ScaleRule as ScaleRule
 from rove.control.scale_events import Workload as Workload
 from rove.control.scale_events import node_gone as node_gone
 from rove.control.scale_events import node_name as node_name
+from rove.control.stream_events import StreamShard as StreamShard
+from rove.control.stream_events import StreamShardsAdded as StreamShardsAdded
+from rove.control.stream_events import Watermark as Watermark
 
 
 class JobPhase(enum.StrEnum):
@@ -553,6 +556,7 @@ AnyEvent = (
     | PlanFailed
     | NodeGone
     | NodePending
+    | StreamShardsAdded
 )
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).

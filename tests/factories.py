@@ -445,6 +445,14 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
             scaler="s1",
             reason="unschedulable for 120s: 0/3 nodes are available: 3 Insufficient memory.",
         ),
+        ev.StreamShardsAdded(
+            **ev.envelope(job, "bridge:b1", 100.0, "stream", "clicks", 0, 0, 2),
+            dataset="clicks",
+            topic="clicks",
+            bridge="b1",
+            shards=(ev.StreamShard(0, 0, 256), ev.StreamShard(1, 0, 40)),
+            watermarks=(ev.Watermark(0, 0, 300), ev.Watermark(1, 0, 40)),
+        ),
     ]
 
 

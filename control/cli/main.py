@@ -15,6 +15,7 @@ from rove.control import options as common
 from rove.control.cli import (
     agent_cmd,
     events_cmd,
+    kafka_cmd,
     master_cmd,
     scaler_cmd,
     status_cmd,
@@ -22,7 +23,7 @@ from rove.control.cli import (
     submit_cmd,
 )
 
-_DAEMONS = frozenset({"master", "scaler", "agent"})
+_DAEMONS = frozenset({"master", "scaler", "agent", "kafka-bridge"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         scaler_cmd,
         submit_cmd,
         agent_cmd,
+        kafka_cmd,
         events_cmd,
         status_cmd,
         stop_cmd,

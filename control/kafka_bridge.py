@@ -1,0 +1,188 @@
+"""The Kafka bridge: cuts a topic into stream shards as records arrive (`rove kafka-bridge`).
+
+A `JobService`: it follows the job, so it knows where the shards already
+published end (`state.streams`, folded by every master alike), and every
+`poll_s` it reads the topic's partitions and their watermarks from the
+brokers, cuts the new records into shards (`rove.control.streaming.cut`) and
+publishes them as one `stream_shards` fact. A bridge killed and started again
+continues where the folded shards end; two bridges are harmless (the fold
+ignores shards published before). Partitions added to the topic while it
+runs are picked up on the next read.
+
+It reads metadata and watermarks only: trainers read the records themselves,
+from the leased offset ranges. Brokers that cannot be reached, or a topic
+that does not exist, are retried until `connect_deadline_s`, then end the
+bridge with an error that says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import structlog
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from rove.control import events as ev
+from rove.control import subjects
+from rove.control.bus import Bus
+from rove.control.errors import ConfigError, TemporaryError
+from rove.control.service import JobService
+from rove.control.streaming import cut
+
+log = structlog.get_logger("rove.kafka")
+
+
+class BrokerReader:
+    """Partitions and watermarks of one topic, read with a consumer that never joins a
+    group or fetches a record (blocking calls: run it in a thread)."""
+
+    def __init__(self, bootstrap: str, topic: str, *, timeout_s: float = 5.0) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.timeout_s = timeout_s
+        self.consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"rove-bridge-{topic}",
+                "enable.auto.commit": False,
+                "allow.auto.create.topics": False,
+                "logger": _LIBRDKAFKA,
+            }
+        )
+
+    def watermarks(self) -> list[ev.Watermark]:
+        try:
+            meta = self.consumer.list_topics(self.topic, timeout=self.timeout_s)
+        except KafkaException as exc:
+            raise TemporaryError(
+                f"cannot reach the Kafka brokers {self.bootstrap}: {exc.args[0]}"
+            ) from exc
+        topic = meta.topics.get(self.topic)
+        if topic is None or topic.error is not None:
+            code = topic.error.code() if topic is not None and topic.error is not None else None
+            if code == KafkaError.UNKNOWN_TOPIC_OR_PART or topic is None:
+                raise TemporaryError(f"topic {self.topic} does not exist on {self.bootstrap}")
+            raise TemporaryError(f"topic {self.topic}: {topic.error}")
+        marks = []
+        for partition in sorted(topic.partitions):
+            try:
+                low, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, partition), timeout=self.timeout_s
+                )
+            except KafkaException as exc:
+                raise TemporaryError(
+                    f"cannot read the offsets of {self.topic}[{partition}]: {exc.args[0]}"
+                ) from exc
+            marks.append(ev.Watermark(partition, max(0, low), max(0, high)))
+        return marks
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+#: librdkafka's own log lines (connection retries every second) stay out of rove's
+#: output: the bridge says what matters itself.
+_LIBRDKAFKA = logging.getLogger("rove.kafka.librdkafka")
+_LIBRDKAFKA.addHandler(logging.NullHandler())
+_LIBRDKAFKA.propagate = False
+
+
+class KafkaBridge(JobService):
+    def __init__(
+        self,
+        bus: Bus,
+        job: str,
+        reader: BrokerReader,
+        *,
+        dataset: str,
+        bridge_id: str,
+        shard_records: int = 256,
+        linger_s: float = 1.0,
+        poll_s: float = 0.5,
+        connect_deadline_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(bus, job, name=f"kafka bridge {bridge_id}", clock=clock)
+        if shard_records < 1:
+            raise ConfigError(f"--shard-records must be at least 1, got {shard_records}")
+        self.reader = reader
+        self.dataset = subjects.check_name("dataset", dataset)
+        self.bridge_id = bridge_id
+        self.shard_records = shard_records
+        self.linger_s = linger_s
+        self.poll_s = poll_s
+        self.connect_deadline_s = connect_deadline_s
+        self._waiting: dict[int, float] = {}
+        self._published: dict[int, int] = {}
+        self.log = log.bind(job=job, dataset=dataset, topic=reader.topic, bridge=bridge_id)
+
+    def _next(self) -> dict[int, int]:
+        stream = self.state.streams.streams.get(self.dataset)
+        folded = dict(stream.next) if stream is not None else {}
+        for p, end in self._published.items():  # emitted, maybe not folded back yet
+            folded[p] = max(folded.get(p, 0), end)
+        return folded
+
+    async def serve(self) -> None:
+        self.log.info("bridge is following the job", next=self._next() or None)
+        failing_since: float | None = None
+        while not self.stopping and not self.state.phase.terminal:
+            try:
+                marks = await asyncio.to_thread(self.reader.watermarks)
+            except TemporaryError as exc:
+                failing_since = failing_since or time.monotonic()
+                waited = time.monotonic() - failing_since
+                if waited > self.connect_deadline_s:
+                    raise ConfigError(
+                        f"{exc} (still after {waited:.0f}s): check --bootstrap and --topic"
+                    ) from exc
+                self.log.warning(f"{exc}; retrying", waited_s=round(waited, 1))
+                await self.sleep(min(5.0, max(self.poll_s, 1.0)))
+                continue
+            if failing_since is not None:
+                self.log.info("brokers and topic reachable again")
+            failing_since = None
+            self._cut(marks)
+            await self.sleep(self.poll_s)
+        self.log.info("bridge done", phase=self.state.phase.value)
+
+    def _cut(self, marks: list[ev.Watermark]) -> None:
+        shards, self._waiting = cut(
+            self._next(),
+            marks,
+            shard_records=self.shard_records,
+            linger_s=self.linger_s,
+            waiting_since=self._waiting,
+            now=self.clock(),
+        )
+        if not shards:
+            return
+        first = shards[0]
+        self.emit(
+            ev.StreamShardsAdded(
+                **ev.envelope(
+                    self.job,
+                    f"bridge:{self.bridge_id}",
+                    self.clock(),
+                    "stream",
+                    self.dataset,
+                    first.partition,
+                    first.start,
+                    len(shards),
+                ),
+                dataset=self.dataset,
+                topic=self.reader.topic,
+                bridge=self.bridge_id,
+                shards=tuple(shards),
+                watermarks=tuple(marks),
+            )
+        )
+        for s in shards:
+            self._published[s.partition] = max(self._published.get(s.partition, 0), s.end)
+        self.log.info(
+            f"published {len(shards)} shards, {sum(s.records for s in shards)} records",
+            partitions=sorted({s.partition for s in shards}),
+        )

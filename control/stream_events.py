@@ -1,0 +1,51 @@
+"""The streaming part of the event catalogue: shards of a Kafka topic, cut as data arrives.
+
+A *stream* dataset is fed by `rove kafka-bridge`: it watches a topic's
+partitions and their high watermarks and publishes `stream_shards`, each shard
+a `(partition, start, end)` range of offsets (end exclusive). Within a
+partition the bridge's shards are contiguous: the master's fold
+(`rove.control.master.streams`) keeps, per partition, the end of the last
+shard, so a restarted or second bridge continues there and creates nothing
+twice; a shard starting beyond it is a *gap* (records the bridge never saw:
+expired by retention), recorded and shown, never silently skipped.
+
+`rove.control.events` re-exports everything here; import from there.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from rove.control.event_base import Event
+
+
+class StreamShard(msgspec.Struct, frozen=True, array_like=True):
+    """Offsets `start` (inclusive) to `end` (exclusive) of `partition`."""
+
+    partition: int
+    start: int
+    end: int
+
+    @property
+    def records(self) -> int:
+        return self.end - self.start
+
+
+class Watermark(msgspec.Struct, frozen=True, array_like=True):
+    """A partition's oldest kept offset and its next offset, as the bridge last read them."""
+
+    partition: int
+    low: int
+    high: int
+
+
+class StreamShardsAdded(Event, tag="stream_shards", frozen=True, kw_only=True):
+    """The bridge `bridge` cut new `shards` of `topic` for dataset `dataset`, having read
+    the partitions' `watermarks`. Shards already published (a restarted bridge's
+    repeat) are ignored by the fold."""
+
+    dataset: str
+    topic: str
+    bridge: str
+    shards: tuple[StreamShard, ...] = ()
+    watermarks: tuple[Watermark, ...] = ()

@@ -1,0 +1,130 @@
+"""`rove kafka-bridge` against librdkafka's mock cluster (a real Kafka-protocol server on
+loopback, held by tests/scripts/kafka_mock.py) and a real nats-server.
+
+What is tested: shards cover every produced offset once and in order, also when
+the bridge is killed -9 and started again while records arrive; a missing topic
+and unreachable brokers end the bridge with an error that says which.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rove.control import events as ev
+from rove.control.bus import Bus
+from rove.control.master import streams
+from tests import factories
+from tests.support import CliProc, eventually, job_events, rove_cli
+
+pytestmark = pytest.mark.slow
+
+MOCK = Path(__file__).parent / "scripts" / "kafka_mock.py"
+JOB = factories.JOB
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(MOCK)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.bootstrap = self.proc.stdout.readline().strip()
+        assert self.bootstrap, "the mock cluster did not start"
+
+    def produce(self, topic: str, partition: int, n: int) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"produce {topic} {partition} {n}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    yield c
+    c.close()
+
+
+class BridgeProc(CliProc):
+    grace_s = 15.0
+
+    def __init__(self, url: str, log_dir: Path, name: str, *args: str) -> None:
+        self._spawn(
+            f"rove kafka-bridge {name}",
+            log_dir / f"bridge-{name}.log",
+            *("kafka-bridge", "--job", JOB, "--id", name, "--nats", url, *args),
+        )
+
+
+async def folded(bus: Bus) -> streams.StreamState:
+    state = streams.StreamState()
+    for e in await job_events(bus, JOB):
+        if isinstance(e, ev.StreamShardsAdded):
+            state = streams.on_shards(state, e)
+    return state
+
+
+async def covered(bus: Bus, want: dict[int, int]) -> bool:
+    stream = (await folded(bus)).streams.get("clicks")
+    return stream is not None and all(stream.next.get(p) == n for p, n in want.items())
+
+
+async def test_shards_cover_every_offset_once_through_a_bridge_killed_and_restarted(
+    bus: Bus, cluster: Cluster, tmp_path: Path
+) -> None:
+    await bus.publish(factories.joined("n1"))  # the job exists
+    cluster.produce("clicks", 0, 1)  # the topic exists (the mock makes 4 partitions)
+    args = ("--bootstrap", cluster.bootstrap, "--topic", "clicks")
+    args += ("--shard-records", "10", "--linger", "0.5", "--poll", "0.2")
+    first = BridgeProc(bus.url, tmp_path, "b1", *args)
+    cluster.produce("clicks", 0, 44)
+    cluster.produce("clicks", 1, 23)
+    await eventually(lambda: covered(bus, {0: 45, 1: 23}), timeout=60, every=0.3)
+    first.kill()
+    cluster.produce("clicks", 1, 30)
+    cluster.produce("clicks", 3, 7)
+    BridgeProc(bus.url, tmp_path, "b2", *args)
+    await eventually(lambda: covered(bus, {0: 45, 1: 53, 3: 7}), timeout=60, every=0.3)
+
+    stream = (await folded(bus)).streams["clicks"]
+    for partition, end in {0: 45, 1: 53, 2: 0, 3: 7}.items():
+        mine = [s for _, s in sorted(stream.shards.items()) if s.partition == partition]
+        assert [o for s in mine for o in range(s.start, s.end)] == list(range(end)), mine
+        assert all(s.records <= 10 for s in mine)
+    assert not stream.gaps and stream.topic == "clicks"
+    assert {w.partition: w.high for w in stream.watermarks}[1] == 53
+    assert streams.lag(stream) == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+@pytest.mark.parametrize(
+    ("bootstrap", "topic", "says"),
+    [
+        (None, "missing", "topic missing does not exist"),
+        ("127.0.0.1:1", "clicks", "cannot reach the Kafka brokers 127.0.0.1:1"),
+    ],
+)
+async def test_a_missing_topic_or_unreachable_brokers_end_the_bridge_saying_which(
+    bus: Bus, cluster: Cluster, bootstrap: str | None, topic: str, says: str
+) -> None:
+    await bus.publish(factories.joined("n1"))
+    done = rove_cli(
+        "kafka-bridge",
+        *("--job", JOB, "--nats", bus.url, "--topic", topic, "--connect-deadline", "2"),
+        *("--bootstrap", bootstrap or cluster.bootstrap),
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert says in done.stderr, done.stderr[-2000:]
+    assert "check --bootstrap and --topic" in done.stderr
