@@ -106,6 +106,10 @@ async def test_shards_cover_every_offset_once_through_a_bridge_killed_and_restar
     assert not stream.gaps and stream.topic == "clicks"
     assert {w.partition: w.high for w in stream.watermarks}[1] == 53
     assert streams.lag(stream) == {0: 0, 1: 0, 2: 0, 3: 0}
+    status = rove_cli("status", "--job", JOB, "--nats", bus.url, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "stream clicks (topic clicks): " in status.stdout
+    assert "105 records cut" in status.stdout and "p1 53/53" in status.stdout, status.stdout
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.errors import UnknownJobError
+from rove.control.master import streams
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder
 from rove.control.master.replica import Replica
@@ -121,6 +122,7 @@ def status_view(
         },
         "datasets": [_dataset_view(ds) for ds in state.data.datasets.values()],
         "scaling": _scaling_view(state, decided.scale_waiting, now),
+        "streams": [_stream_view(st, now) for st in state.streams.streams.values()],
         "network_check": (
             {
                 "done": r.check.done,
@@ -272,6 +274,44 @@ def _scaling_lines(sc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _stream_view(st: Any, now: float) -> dict[str, Any]:
+    lag = streams.lag(st)
+    return {
+        "dataset": st.dataset,
+        "topic": st.topic,
+        "shards": st.count,
+        "records": st.records,
+        "partitions": {
+            str(w.partition): {
+                "high": w.high,
+                "cut": st.next.get(w.partition, w.low),
+                "lag": lag[w.partition],
+            }
+            for w in st.watermarks
+        },
+        "gaps": [list(g) for g in st.gaps],
+        "gap_records": st.gap_records,
+        "last_cut_age_s": round(now - st.last_ts, 1) if st.last_ts else None,
+    }
+
+
+def _stream_line(st: dict[str, Any]) -> str:
+    parts = "; ".join(
+        f"p{p} {v['cut']}/{v['high']}" + (f" lag {v['lag']}" if v["lag"] else "")
+        for p, v in sorted(st["partitions"].items(), key=lambda kv: int(kv[0]))
+    )
+    gaps = (
+        f"; {st['gap_records']} records lost to retention before a shard covered them"
+        if st["gap_records"]
+        else ""
+    )
+    age = f", last cut {st['last_cut_age_s']:g}s ago" if st["last_cut_age_s"] is not None else ""
+    return (
+        f"stream {st['dataset']} (topic {st['topic']}): {st['shards']} shards, "
+        f"{st['records']} records cut{age}; by partition, cut/high: {parts or 'none yet'}{gaps}"
+    )
+
+
 def _dataset_line(ds: dict[str, Any]) -> str:
     per_node = "; ".join(
         f"{node or '(no node)'} {n['shards']} shards"
@@ -328,6 +368,8 @@ def render(view: dict[str, Any]) -> str:
         lines.append(line)
     for ds in view["datasets"]:
         lines.append(_dataset_line(ds))
+    for st in view["streams"]:
+        lines.append(_stream_line(st))
     if view["scaling"] is not None:
         lines.extend(_scaling_lines(view["scaling"]))
     check = view["network_check"]
