@@ -313,6 +313,9 @@ class DatasetSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     shuffle: bool = True
     lease_s: float = 600.0
+    #: The shards are not computed from this spec but cut from a Kafka topic by a bridge
+    #: (`stream_shards`, docs/streaming.md): `size` and `shard_size` are 0, one epoch.
+    stream: bool = False
 
 
 class ShardRef(msgspec.Struct, frozen=True, array_like=True):
@@ -461,7 +464,9 @@ class NodeExcluded(Decision, tag="node_excluded", frozen=True, kw_only=True):
 class ShardLeased(Decision, tag="shard_leased", frozen=True, kw_only=True):
     """Answer to `client`'s `request`: `shards` are its until `deadline` (renewed by requests).
 
-    No shards and `exhausted`: every shard of every epoch is done or leased.
+    No shards and `exhausted`: every shard of every epoch is done or leased (a stream
+    is never exhausted). For a stream dataset, `ranges[i]` is the offset range of
+    `shards[i]` (whose `offset` then counts records from the range's start).
     """
 
     dataset: str
@@ -472,6 +477,7 @@ class ShardLeased(Decision, tag="shard_leased", frozen=True, kw_only=True):
     node: str = ""
     rank: int = 0
     exhausted: bool = False
+    ranges: tuple[StreamShard, ...] = ()
 
 
 class ShardRequeued(Decision, tag="shard_requeued", frozen=True, kw_only=True):

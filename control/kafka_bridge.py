@@ -120,7 +120,7 @@ class KafkaBridge(JobService):
         self.log = log.bind(job=job, dataset=dataset, topic=reader.topic, bridge=bridge_id)
 
     def _next(self) -> dict[int, int]:
-        stream = self.state.streams.streams.get(self.dataset)
+        stream = self.state.data.streams.streams.get(self.dataset)
         folded = dict(stream.next) if stream is not None else {}
         for p, end in self._published.items():  # emitted, maybe not folded back yet
             folded[p] = max(folded.get(p, 0), end)

@@ -24,6 +24,15 @@ MAX_SHARDS = 10_000_000
 
 def spec_problem(spec: DatasetSpec) -> str | None:
     """Why `spec` is unusable, or None."""
+    if spec.stream:
+        if spec.size or spec.shard_size or spec.epochs != 1:
+            return (
+                "a stream dataset has size 0, shard_size 0 and 1 epoch "
+                "(a Kafka bridge cuts its shards)"
+            )
+        if spec.lease_s <= 0:
+            return f"lease_s must be positive, not {spec.lease_s}"
+        return None
     if spec.size < 1:
         return f"size must be at least 1, not {spec.size}"
     if spec.shard_size < 1:

@@ -272,3 +272,50 @@ def test_the_fast_shuffle_gives_exactly_pythons_shuffle() -> None:
             random.Random(seed).shuffle(expected)
             shuffle(got, random.Random(seed))
             assert got == expected, (seed, n)
+
+
+STREAM = ev.DatasetSpec(size=0, shard_size=0, stream=True, lease_s=30.0)
+
+
+def _cut(data: Data, *ranges: tuple[int, int, int]) -> None:
+    shards_ = tuple(ev.StreamShard(p, a, b) for p, a, b in ranges)
+    data.sim.apply(
+        ev.StreamShardsAdded(
+            **data._env("bridge:b1"),  # type: ignore[arg-type]
+            dataset="d",
+            topic="clicks",
+            bridge="b1",
+            shards=shards_,
+        )
+    )
+
+
+def test_a_stream_dataset_leases_the_shards_a_bridge_cut_with_their_offset_ranges() -> None:
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    data.register("c1", STREAM)
+    empty = data.request("c1", 2)
+    assert isinstance(empty, ev.ShardLeased)
+    assert empty.shards == () and not empty.exhausted, "a stream waits for data, never ends"
+    _cut(data, (0, 0, 10), (1, 0, 4), (0, 10, 20))
+    got = data.request("c1", 2)
+    assert isinstance(got, ev.ShardLeased)
+    assert [r.key for r in got.shards] == [0, 1]
+    assert got.ranges == (ev.StreamShard(0, 0, 10), ev.StreamShard(1, 0, 4))
+    data.done("c1", ev.ShardRef(0))
+    ds = data.state.data.datasets["d"]
+    assert dict(ds.done) == {0: True} and ds.nodes["na"].samples == 10
+    # a new round restores a checkpoint that had trained shard 0 and 3 records of shard 1
+    pos = ev.DataPosition(done=((0, 0),), partial=(ev.ShardRef(1, 3),))
+    again = data.request("c1", 3, round=1, restore=pos, restore_step=7)
+    assert isinstance(again, ev.ShardLeased)
+    assert [(r.key, r.offset) for r in again.shards] == [(1, 3), (2, 0)]
+    assert again.ranges == (ev.StreamShard(1, 0, 4), ev.StreamShard(0, 10, 20))
+
+
+def test_a_stream_spec_with_a_size_or_epochs_is_refused() -> None:
+    assert shards.spec_problem(STREAM) is None
+    bad = ev.DatasetSpec(size=10, shard_size=0, stream=True)
+    assert "stream dataset has size 0" in (shards.spec_problem(bad) or "")
+    assert "stream" in (
+        shards.spec_problem(ev.DatasetSpec(size=0, shard_size=0, epochs=2, stream=True)) or ""
+    )

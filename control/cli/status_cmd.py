@@ -16,7 +16,7 @@ from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.errors import UnknownJobError
-from rove.control.master import streams
+from rove.control.master import data, streams
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder
 from rove.control.master.replica import Replica
@@ -120,9 +120,9 @@ def status_view(
             "persist_failures": state.ckpt.failures,
             "last_error": state.ckpt.last_error or None,
         },
-        "datasets": [_dataset_view(ds) for ds in state.data.datasets.values()],
+        "datasets": [_dataset_view(state.data, ds) for ds in state.data.datasets.values()],
         "scaling": _scaling_view(state, decided.scale_waiting, now),
-        "streams": [_stream_view(st, now) for st in state.streams.streams.values()],
+        "streams": [_stream_view(st, now) for st in state.data.streams.streams.values()],
         "network_check": (
             {
                 "done": r.check.done,
@@ -179,8 +179,8 @@ def _round_line(view: dict[str, Any]) -> str:
     return text
 
 
-def _dataset_view(ds: Any) -> dict[str, Any]:
-    total = shards.total(ds.spec)
+def _dataset_view(d: Any, ds: Any) -> dict[str, Any]:
+    total = data.total(d, ds)
     return {
         "name": ds.name,
         "spec": msgspec.to_builtins(ds.spec),
@@ -188,7 +188,11 @@ def _dataset_view(ds: Any) -> dict[str, Any]:
         "done": len(ds.done),
         "leased": len(ds.leases),
         "todo": total - len(ds.done) - len(ds.leases),
-        "epoch": min(shards.epoch_of(ds.spec, min(ds.cursor, total - 1)), ds.spec.epochs - 1),
+        "epoch": (
+            0
+            if ds.spec.stream or not total
+            else min(shards.epoch_of(ds.spec, min(ds.cursor, total - 1)), ds.spec.epochs - 1)
+        ),
         "round": ds.round,
         "restored_step": ds.step,
         "requeued_total": ds.requeued_total,

@@ -29,6 +29,7 @@ from msgspec.structs import replace
 
 from rove.control import events as ev
 from rove.control import shards
+from rove.control.master import streams
 
 #: The most shards one request may ask for.
 MAX_REQUEST = 1024
@@ -44,7 +45,8 @@ class Lease(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Grant(msgspec.Struct, frozen=True, array_like=True):
-    """An allocated request, to announce as `shard_leased`."""
+    """An allocated request, to announce as `shard_leased` (with the offset ranges of a
+    stream dataset's shards)."""
 
     client: str
     request: int
@@ -53,6 +55,7 @@ class Grant(msgspec.Struct, frozen=True, array_like=True):
     shards: tuple[ev.ShardRef, ...]
     deadline: float
     exhausted: bool
+    ranges: tuple[ev.StreamShard, ...] = ()
 
 
 class NodeData(msgspec.Struct, frozen=True, array_like=True):
@@ -94,6 +97,16 @@ class DataState(msgspec.Struct, frozen=True, kw_only=True):
     datasets: immutables.Map[str, Dataset] = msgspec.field(default_factory=immutables.Map)
     rejections: tuple[Rejection, ...] = ()
     rejected_total: int = 0
+    #: the shard tables of stream datasets, cut by Kafka bridges (`rove.control.master.streams`)
+    streams: streams.StreamState = msgspec.field(default_factory=streams.StreamState)
+
+
+def total(d: DataState, ds: Dataset) -> int:
+    """How many shards `ds` has: all epochs' from its spec, or a stream's cut so far."""
+    if ds.spec.stream:
+        stream = d.streams.streams.get(ds.name)
+        return stream.count if stream is not None else 0
+    return shards.total(ds.spec)
 
 
 def _reject(d: DataState, dataset: str, client: str, event_id: str, reason: str) -> DataState:
@@ -153,8 +166,9 @@ def on_requested(d: DataState, e: ev.ShardRequested) -> DataState:
             "a worker of a finished round"
         )
         return _reject(d, e.dataset, e.client, e.id, reason)
+    end = total(d, ds)
     if e.round > ds.round:
-        ds = restore(ds, e.round, e.restore_step, e.restore)
+        ds = restore(ds, e.round, e.restore_step, e.restore, end)
     deadline = e.ts + ds.spec.lease_s
     leases = ds.leases
     for key in e.held:
@@ -164,30 +178,35 @@ def on_requested(d: DataState, e: ev.ShardRequested) -> DataState:
     ds = replace(ds, leases=leases)
     if e.count == 0:
         return _put(d, ds)
-    ds, granted = _allocate(ds, e.count)
+    ds, granted = _allocate(ds, e.count, end)
     leases = ds.leases
     for ref in granted:
         leases = leases.set(ref.key, Lease(e.client, e.node, e.rank, e.round, ref.offset, deadline))
-    exhausted = not granted and not ds.requeued and ds.cursor >= shards.total(ds.spec)
-    grant = Grant(e.client, e.request, e.node, e.rank, granted, deadline, exhausted)
+    ranges: tuple[ev.StreamShard, ...] = ()
+    if ds.spec.stream:
+        table = d.streams.streams[ds.name].shards if granted else immutables.Map()
+        ranges = tuple(table[ref.key] for ref in granted)
+    exhausted = not granted and not ds.requeued and ds.cursor >= end and not ds.spec.stream
+    grant = Grant(e.client, e.request, e.node, e.rank, granted, deadline, exhausted, ranges)
     grants = ds.grants.set(f"{e.client}/{e.request}", grant)
     return _put(d, replace(ds, leases=leases, grants=grants))
 
 
-def _allocate(ds: Dataset, count: int) -> tuple[Dataset, tuple[ev.ShardRef, ...]]:
+def _allocate(ds: Dataset, count: int, end: int) -> tuple[Dataset, tuple[ev.ShardRef, ...]]:
     taken = list(ds.requeued[:count])
     requeued = ds.requeued[len(taken) :]
     cursor = ds.cursor
-    end = shards.total(ds.spec)
     while len(taken) < count and cursor < end:
         taken.append(ev.ShardRef(cursor, 0))
         cursor += 1
     return replace(ds, requeued=requeued, cursor=cursor), tuple(taken)
 
 
-def restore(ds: Dataset, round_: int, step: int | None, pos: ev.DataPosition | None) -> Dataset:
-    """`ds` rolled back to the lineage of a checkpoint (or to nothing trained)."""
-    end = shards.total(ds.spec)
+def restore(
+    ds: Dataset, round_: int, step: int | None, pos: ev.DataPosition | None, end: int
+) -> Dataset:
+    """`ds` (of `end` shards) rolled back to the lineage of a checkpoint (or to nothing
+    trained)."""
     done_keys = [k for k in shards.from_ranges(pos.done) if 0 <= k < end] if pos else []
     partial = {r.key: r.offset for r in pos.partial if 0 <= r.key < end} if pos else {}
     top = max([*done_keys, *partial, -1]) + 1
@@ -209,6 +228,10 @@ def restore(ds: Dataset, round_: int, step: int | None, pos: ev.DataPosition | N
     )
 
 
+def on_stream_shards(d: DataState, e: ev.StreamShardsAdded) -> DataState:
+    return replace(d, streams=streams.on_shards(d.streams, e))
+
+
 def on_leased(d: DataState, e: ev.ShardLeased) -> DataState:
     ds = d.datasets.get(e.dataset)
     if ds is None:
@@ -221,7 +244,7 @@ def on_done(d: DataState, e: ev.ShardDone) -> DataState:
     if ds is None:
         return _reject(d, e.dataset, e.client, e.id, f"unknown dataset {e.dataset}")
     key = e.shard.key
-    end = shards.total(ds.spec)
+    end = total(d, ds)
     lease = ds.leases.get(key)
     problem = None
     if not 0 <= key < end:
@@ -241,7 +264,10 @@ def on_done(d: DataState, e: ev.ShardDone) -> DataState:
     assert lease is not None
     # for the status only: the master never computes an epoch's shard order (a
     # shuffle of every shard id), so the one short shard of an epoch counts as full
-    samples = max(0, min(ds.spec.shard_size, ds.spec.size) - lease.offset)
+    if ds.spec.stream:
+        samples = max(0, d.streams.streams[ds.name].shards[key].records - lease.offset)
+    else:
+        samples = max(0, min(ds.spec.shard_size, ds.spec.size) - lease.offset)
     node = ds.nodes.get(lease.node, NodeData())
     node = NodeData(
         node.shards + 1, node.samples + samples, node.first_ts or e.ts, max(node.last_ts, e.ts)

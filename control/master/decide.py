@@ -186,6 +186,7 @@ def _data_decision(state: JobState, intent: data.DataIntent, now: float) -> ev.D
                 shards=g.shards,
                 deadline=g.deadline,
                 exhausted=g.exhausted,
+                ranges=g.ranges,
             )
         case data.Requeue():
             return ev.ShardRequeued(

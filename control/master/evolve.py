@@ -16,7 +16,7 @@ from msgspec.structs import replace
 
 from rove.control import events as ev
 from rove.control.master import checkpoints as ckpt
-from rove.control.master import data, scaling, streams
+from rove.control.master import data, scaling
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.state import (
     RECENT_REJECTIONS,
@@ -46,7 +46,7 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.ShardRequeued: ("data", data.on_requeued),
     ev.DataRestored: ("data", data.on_restored),
     ev.DataRejected: ("data", data.on_rejected),
-    ev.StreamShardsAdded: ("streams", streams.on_shards),
+    ev.StreamShardsAdded: ("data", data.on_stream_shards),
 }
 
 

@@ -22,7 +22,6 @@ from rove.control.master.checkpoints import CkptState
 from rove.control.master.data import DataState
 from rove.control.master.rendezvous import RdzvState
 from rove.control.master.scaling import ScaleState
-from rove.control.master.streams import StreamState
 
 #: How many dead letters the state keeps for `rove status` (the count is unbounded).
 RECENT_REJECTIONS = 20
@@ -90,7 +89,6 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     ckpt: CkptState = msgspec.field(default_factory=CkptState)
     data: DataState = msgspec.field(default_factory=DataState)
     scale: ScaleState = msgspec.field(default_factory=ScaleState)
-    streams: StreamState = msgspec.field(default_factory=StreamState)
     applied_seq: int = 0
 
 
