@@ -10,8 +10,9 @@ that starts after it leaves a *gap* of records nobody will train (expired by
 retention before a bridge read them): it is recorded, and shown by
 `rove status`, never silently skipped.
 
-Leasing stream shards to trainers with the rules of index shards is the next
-step (issue 12); this fold is what the bridge and `rove status` read today.
+The tables live in the data state (`DataState.streams`): the data fold leases a
+stream dataset's shards in key order, with their offset ranges, under the
+rules of index shards (`rove.control.master.data`).
 """
 
 from __future__ import annotations
