@@ -35,6 +35,8 @@ log = structlog.get_logger("rove.data")
 
 #: The most shards a client holds ahead of use, however fast it trains.
 MAX_AHEAD = 64
+#: A stream with nothing cut yet: seconds before asking again (not a request loop).
+STREAM_IDLE_S = 0.5
 
 
 class DataError(PermanentError):
@@ -68,6 +70,9 @@ class LeaseKeeper:
         self._rate_mark: tuple[float, int] | None = None
         self._consumed = 0
         self._last_request = 0.0
+        #: stream datasets: the offset range of each shard leased (`ShardLeased.ranges`)
+        self.ranges: dict[int, ev.StreamShard] = {}
+        self._idle_until = 0.0
 
     @property
     def name(self) -> str:
@@ -75,9 +80,17 @@ class LeaseKeeper:
 
     # ------------------------------------------------------------------ asking
 
+    def shard_size(self) -> int:
+        """Samples per shard: the spec's, or for a stream the mean of the ranges seen."""
+        if not self.spec.stream:
+            return self.spec.shard_size
+        if not self.ranges:
+            return 1
+        return max(1, sum(r.records for r in self.ranges.values()) // len(self.ranges))
+
     def ahead(self) -> int:
         """How many untaken shards to hold: `prefetch`, or `cover_s` seconds' worth."""
-        covering = -(-int(self.rate * self.cover_s) // self.spec.shard_size)
+        covering = -(-int(self.rate * self.cover_s) // self.shard_size())
         return max(self.prefetch, min(covering, MAX_AHEAD))
 
     def top_up(self, untaken_shards: int, held: Iterable[int], short_samples: int = 0) -> None:
@@ -85,8 +98,9 @@ class LeaseKeeper:
         or renew the `held` leases when it is time; at most one request in flight."""
         missing = self.ahead() - untaken_shards
         if short_samples > 0:
-            missing = max(missing, -(-short_samples // self.spec.shard_size))
-        if missing > 0 and not self.outstanding and not self.exhausted:
+            missing = max(missing, -(-short_samples // self.shard_size()))
+        idle = self.clock() < self._idle_until
+        if missing > 0 and not self.outstanding and not self.exhausted and not idle:
             self._request(missing, held)
         elif self.clock() - self._last_request > self.spec.lease_s / 3:
             self._request(0, held)
@@ -132,6 +146,10 @@ class LeaseKeeper:
             raise DataError(f"dataset {self.name}: {answer.reason}")
         self.outstanding.discard(answer.request)
         self.exhausted = answer.exhausted and not answer.shards
+        if self.spec.stream:
+            self.ranges.update(zip((r.key for r in answer.shards), answer.ranges, strict=True))
+            if not answer.shards:
+                self._idle_until = self.clock() + STREAM_IDLE_S  # nothing cut yet
         return answer.shards
 
     @property

@@ -11,6 +11,7 @@ from rove.control import logs
 from rove.control.bus import Bus, BusOptions
 from rove.control.embedded import EmbeddedServer
 from tests import support
+from tests.kafkamock import KafkaCluster
 from tests.support import Cluster
 
 logs.configure("warning")
@@ -71,3 +72,11 @@ async def bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
     b = await Bus.connect(BusOptions(url=nats_server.url, lease_ttl_s=TEST_LEASE_TTL))
     yield b
     await b.close()
+
+
+@pytest.fixture
+def kafka() -> Iterator[KafkaCluster]:
+    """A librdkafka mock cluster held by a helper process (tests/kafkamock.py)."""
+    c = KafkaCluster()
+    yield c
+    c.close()

@@ -8,9 +8,6 @@ and unreachable brokers end the bridge with an error that says which.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,42 +16,12 @@ from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.master import streams
 from tests import factories
+from tests.kafkamock import KafkaCluster
 from tests.support import CliProc, eventually, job_events, rove_cli
 
 pytestmark = pytest.mark.slow
 
-MOCK = Path(__file__).parent / "scripts" / "kafka_mock.py"
 JOB = factories.JOB
-
-
-class Cluster:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(MOCK)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        self.bootstrap = self.proc.stdout.readline().strip()
-        assert self.bootstrap, "the mock cluster did not start"
-
-    def produce(self, topic: str, partition: int, n: int) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"produce {topic} {partition} {n}\n")
-        self.proc.stdin.flush()
-        assert self.proc.stdout.readline().strip() == "ok"
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    c = Cluster()
-    yield c
-    c.close()
 
 
 class BridgeProc(CliProc):
@@ -82,19 +49,19 @@ async def covered(bus: Bus, want: dict[int, int]) -> bool:
 
 
 async def test_shards_cover_every_offset_once_through_a_bridge_killed_and_restarted(
-    bus: Bus, cluster: Cluster, tmp_path: Path
+    bus: Bus, kafka: KafkaCluster, tmp_path: Path
 ) -> None:
     await bus.publish(factories.joined("n1"))  # the job exists
-    cluster.produce("clicks", 0, 1)  # the topic exists (the mock makes 4 partitions)
-    args = ("--bootstrap", cluster.bootstrap, "--topic", "clicks")
+    kafka.produce("clicks", 0, 1)  # the topic exists (the mock makes 4 partitions)
+    args = ("--bootstrap", kafka.bootstrap, "--topic", "clicks")
     args += ("--shard-records", "10", "--linger", "0.5", "--poll", "0.2")
     first = BridgeProc(bus.url, tmp_path, "b1", *args)
-    cluster.produce("clicks", 0, 44)
-    cluster.produce("clicks", 1, 23)
+    kafka.produce("clicks", 0, 44)
+    kafka.produce("clicks", 1, 23)
     await eventually(lambda: covered(bus, {0: 45, 1: 23}), timeout=60, every=0.3)
     first.kill()
-    cluster.produce("clicks", 1, 30)
-    cluster.produce("clicks", 3, 7)
+    kafka.produce("clicks", 1, 30)
+    kafka.produce("clicks", 3, 7)
     BridgeProc(bus.url, tmp_path, "b2", *args)
     await eventually(lambda: covered(bus, {0: 45, 1: 53, 3: 7}), timeout=60, every=0.3)
 
@@ -120,13 +87,13 @@ async def test_shards_cover_every_offset_once_through_a_bridge_killed_and_restar
     ],
 )
 async def test_a_missing_topic_or_unreachable_brokers_end_the_bridge_saying_which(
-    bus: Bus, cluster: Cluster, bootstrap: str | None, topic: str, says: str
+    bus: Bus, kafka: KafkaCluster, bootstrap: str | None, topic: str, says: str
 ) -> None:
     await bus.publish(factories.joined("n1"))
     done = rove_cli(
         "kafka-bridge",
         *("--job", JOB, "--nats", bus.url, "--topic", topic, "--connect-deadline", "2"),
-        *("--bootstrap", bootstrap or cluster.bootstrap),
+        *("--bootstrap", bootstrap or kafka.bootstrap),
         timeout=120,
     )
     assert done.returncode != 0

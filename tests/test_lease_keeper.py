@@ -132,3 +132,35 @@ def test_data_errors_are_rove_errors_that_say_retrying_cannot_help() -> None:
     from rove.control.errors import PermanentError, RoveError
 
     assert issubclass(DataError, PermanentError) and issubclass(DataError, RoveError)
+
+
+def test_a_stream_keeps_each_shards_range_sizes_ahead_by_them_and_waits_when_nothing_is_cut() -> (
+    None
+):
+    client, clock = ScriptedClient(), Clock()
+    spec = ev.DatasetSpec(size=0, shard_size=0, stream=True, lease_s=30.0)
+    k = LeaseKeeper(client, spec, clock=clock, prefetch=2)  # type: ignore[arg-type]
+    k.top_up(0, ())
+    assert client.requests[-1][0] == 2
+    client.answers.put(
+        ev.ShardLeased(
+            job="j1", id="a1", producer="m", ts=0.0, epoch=1, dataset="d", client="c",
+            request=1, shards=(), deadline=1e9,
+        )
+    )  # fmt: skip
+    assert k.poll(wait=False) == [] and k.waiting, "nothing cut yet: not exhausted"
+    k.top_up(0, ())
+    assert len(client.requests) == 1, "no request loop while the stream is empty"
+    clock.now += 0.6
+    k.top_up(0, ())
+    assert len(client.requests) == 2
+    ranges = (ev.StreamShard(0, 0, 40), ev.StreamShard(1, 7, 27))
+    client.answers.put(
+        ev.ShardLeased(
+            job="j1", id="a2", producer="m", ts=0.0, epoch=1, dataset="d", client="c",
+            request=2, shards=(ev.ShardRef(0), ev.ShardRef(1)), deadline=1e9, ranges=ranges,
+        )
+    )  # fmt: skip
+    assert [r.key for r in k.poll(wait=False)] == [0, 1]
+    assert k.ranges == {0: ranges[0], 1: ranges[1]}
+    assert k.shard_size() == 30

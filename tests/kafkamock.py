@@ -1,0 +1,37 @@
+"""A librdkafka mock cluster for tests, held by tests/scripts/kafka_mock.py.
+
+The mock is a real Kafka-protocol server on loopback, but it lives in the
+process that created it: a helper process holds it, prints its bootstrap
+address and produces records on request.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+MOCK = Path(__file__).parent / "scripts" / "kafka_mock.py"
+
+
+class KafkaCluster:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(MOCK)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.bootstrap = self.proc.stdout.readline().strip()
+        assert self.bootstrap, "the mock cluster did not start"
+
+    def produce(self, topic: str, partition: int, n: int) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"produce {topic} {partition} {n}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()

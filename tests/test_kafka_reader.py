@@ -1,0 +1,52 @@
+"""Reading leased stream shards from Kafka (rove.shard_service.kafka) against librdkafka's
+mock cluster: exactly the offset range, from a partly trained position, and records
+lost to retention named instead of skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from rove.control import events as ev
+from rove.shard_service.kafka import RangeReader, expired
+from rove.shard_service.keeper import DataError
+from tests.kafkamock import KafkaCluster
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_shard_is_read_exactly_and_a_partly_trained_one_resumes_at_its_position(
+    kafka: KafkaCluster,
+) -> None:
+    kafka.produce("clicks", 2, 30)
+    reader = RangeReader(kafka.bootstrap, "clicks", stall_s=30)
+    try:
+        got = list(reader.read(ev.StreamShard(2, 10, 20)))
+        assert [r.offset for r in got] == list(range(10, 20))
+        assert [r.position for r in got] == list(range(10))
+        assert got[0].value == b"clicks/2/10" and got[0].ts > 0
+        rest = list(reader.read(ev.StreamShard(2, 20, 30), offset=7))
+        assert [r.value for r in rest] == [b"clicks/2/27", b"clicks/2/28", b"clicks/2/29"]
+        assert list(reader.read(ev.StreamShard(2, 0, 5), offset=5)) == []
+    finally:
+        reader.close()
+
+
+def test_records_not_produced_yet_are_waited_for_then_a_stall_is_an_error(
+    kafka: KafkaCluster,
+) -> None:
+    kafka.produce("clicks", 0, 3)
+    reader = RangeReader(kafka.bootstrap, "clicks", poll_s=0.2, stall_s=1.0)
+    try:
+        with pytest.raises(DataError, match="no record of partition 0 came for 1s"):
+            list(reader.read(ev.StreamShard(0, 0, 10)))
+    finally:
+        reader.close()
+
+
+def test_records_deleted_by_retention_are_an_error_naming_them() -> None:
+    shard = ev.StreamShard(1, 100, 200)
+    assert expired(100, shard, 0) is None
+    assert expired(150, shard, 60) is None
+    said = expired(150, shard, 20)
+    assert said is not None and "records 120..149 of partition 1 were deleted" in said
+    assert "raise the retention" in said
