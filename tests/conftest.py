@@ -48,6 +48,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             )
             for name, path in getattr(proc, "extra_logs", list)():
                 report.sections.append((f"log of {name} ({path})", support.log_tail(path)))
+        # last, so that a cut output keeps them: where the processes still running wait
+        for proc in support.STARTED:
+            if proc.proc.poll() is None:
+                report.sections.append(
+                    (f"stacks of {proc.name} (pid {proc.proc.pid})", support.stacks(proc.proc.pid))
+                )
 
 
 @pytest.fixture

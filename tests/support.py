@@ -136,6 +136,30 @@ async def eventually(
 STARTED: list[Any] = []
 
 
+def stacks(pid: int) -> str:
+    """The Python stacks of `pid` and its descendants (py-spy), or why there are none:
+    where a hung multi-process test's processes wait."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        return "(py-spy is not installed)"
+    try:
+        out = subprocess.run(
+            [str(spy), "dump", "--pid", str(pid), "--subprocesses"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return "(py-spy timed out)"
+    lines = [
+        line
+        for line in (out.stdout + out.stderr).splitlines()
+        if "site-packages/_pytest" not in line and "pluggy" not in line
+    ]
+    return "\n".join(lines[:200])
+
+
 def _registered(proc: Any) -> None:
     STARTED.append(proc)
 

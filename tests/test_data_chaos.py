@@ -34,6 +34,7 @@ from tests.support import (
     eventually,
     patience,
     pid_alive,
+    stacks,
     stored_events,
 )
 
@@ -109,11 +110,18 @@ async def finished(bus: Bus, nodes: dict[str, RunProc], procs: list[CliProc]) ->
         f"#{r.seq} {type(r.event).__name__} {r.event.producer}"
         for r in await stored_events(bus, JOB)
     ][-15:]
+    stuck = [
+        f"--- stacks of {p.name}:\n{stacks(p.proc.pid)}"
+        for p in nodes.values()
+        if p.proc.poll() is None
+    ]
     pytest.fail(
         "the job did not end; last lines:\n"
         + "\n".join(tails)
         + "\nlast events:\n"
         + "\n".join(recent)
+        + "\n"
+        + "\n".join(stuck)
     )
 
 

@@ -4,6 +4,7 @@ The cluster lives in the process that created it, so tests run this script:
 it prints the bootstrap address, then obeys lines on stdin:
 
     produce TOPIC PARTITION N   append N records "TOPIC/PARTITION/OFFSET"; prints "ok"
+    garbage TOPIC PARTITION     append one record no decoder reads; prints "ok"
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def main() -> None:
                     topic, value=f"{topic}/{partition}/{at}".encode(), partition=partition
                 )
                 counts[topic, partition] = at + 1
+            producer.flush(30)
+            print("ok", flush=True)
+        elif cmd[0] == "garbage":
+            topic, partition = cmd[1], int(cmd[2])
+            producer.produce(topic, value=b"\xff not a record", partition=partition)
+            counts[topic, partition] = counts.get((topic, partition), 0) + 1
             producer.flush(30)
             print("ok", flush=True)
 
