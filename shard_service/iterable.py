@@ -34,7 +34,13 @@ from torch.utils.data._utils.collate import default_collate
 
 from rove.control import events as ev
 from rove.control import shards
-from rove.shard_service.client import DataClient, client_name, dataset_spec, placement
+from rove.shard_service.client import (
+    DataClient,
+    Placement,
+    client_name,
+    dataset_spec,
+    placement,
+)
 from rove.shard_service.keeper import MAX_AHEAD, LeaseKeeper
 from rove.shard_service.sampler import _distributed, deliveries, position_state, read_position
 
@@ -43,44 +49,28 @@ log = structlog.get_logger("rove.data")
 Tagged = tuple[Any, int, int, int, str]  # sample, shard key, position in it, index, worker
 
 
-class ShardedIterable(IterableDataset[Any]):
+class LeasedIterable(IterableDataset[Any]):
+    """What every leased `IterableDataset` shares: its workers' lease keepers, and the
+    main process's record of what reached the training loop (the data position),
+    acknowledged on behalf of the worker that holds each lease."""
+
     def __init__(
         self,
         name: str,
-        dataset: Dataset[Any],
+        spec: ev.DatasetSpec,
+        where: Placement,
         *,
-        shard_size: int = 256,
-        epochs: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-        prefetch: int = 2,
-        cover_s: float = 10.0,
-        lease_s: float = 600.0,
-        answer_timeout_s: float = 60.0,
-        nats: str | None = None,
-        job: str | None = None,
-        node: str | None = None,
-        rank: int | None = None,
-        round: int | None = None,
+        prefetch: int,
+        cover_s: float,
+        answer_timeout_s: float,
     ) -> None:
         self.name = name
-        self.dataset = dataset
-        self.spec = dataset_spec(
-            name,
-            size=len(dataset),  # type: ignore[arg-type]
-            shard_size=shard_size,
-            epochs=epochs,
-            seed=seed,
-            shuffle=shuffle,
-            lease_s=lease_s,
-        )
-        self.where = placement(
-            "sharded dataset", nats=nats, job=job, node=node, rank=rank, round=round
-        )
+        self.spec = spec
+        self.where = where
         self.prefetch = prefetch
         self.cover_s = cover_s
         self.answer_timeout_s = answer_timeout_s
-        self.base_client = client_name(self.where.node, self.where.rank)
+        self.base_client = client_name(where.node, where.rank)
         self.restore: ev.DataPosition | None = None
         self.iterated = False
         # main process: what reached the training loop
@@ -90,18 +80,8 @@ class ShardedIterable(IterableDataset[Any]):
         self._acks: DataClient | None = None
         self.shards_done = 0
 
-    # ------------------------------------------------------------------ worker side
-
-    def __iter__(self) -> Iterator[Tagged]:
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        client = DataClient.at(self.where, self.name, f"{self.base_client}-w{worker}")
-        try:
-            yield from self._samples(client)
-        finally:
-            client.close()
-
-    def _samples(self, c: DataClient) -> Iterator[Tagged]:
+    def _keeper(self, c: DataClient) -> LeaseKeeper:
+        """A worker's lease keeper, its dataset registered, restoring the loaded position."""
         c.register(self.spec)
         keeper = LeaseKeeper(
             c,
@@ -111,40 +91,21 @@ class ShardedIterable(IterableDataset[Any]):
             answer_timeout_s=self.answer_timeout_s,
         )
         keeper.restore = self.restore
-        held: list[ev.ShardRef] = []
-        # shards handed to the loader, maybe not yet acknowledged by the main process:
-        # their leases are renewed too (the loader holds a bounded number of batches)
-        recent: deque[int] = deque(maxlen=4 * MAX_AHEAD)
-        while True:
-            keeper.top_up(len(held), [*(r.key for r in held), *recent])
-            held.extend(keeper.poll(wait=not held and keeper.waiting))
-            if not held:
-                if not keeper.waiting:
-                    return
-                continue
-            ref = held.pop(0)
-            recent.append(ref.key)
-            for pos, index in enumerate(shards.indices(self.spec, ref), start=ref.offset):
-                yield self.dataset[index], ref.key, pos, index, c.client
-            keeper.measure(shards.shard_len(self.spec, ref.key) - ref.offset)
+        return keeper
 
-    # ------------------------------------------------------------------ main process
+    def _advance(self, key: int, pos: int) -> None:
+        """The sample at `pos` of shard `key` reached the training loop."""
+        self.partial[key] = max(self.partial.get(key, 0), pos + 1)
 
-    def loader(self, *, lockstep: bool | None = None, **kwargs: Any) -> IterableLoader:
-        """A DataLoader over this dataset (any `num_workers`) that tracks deliveries."""
-        return IterableLoader(self, lockstep=lockstep, **kwargs)
-
-    def _delivered(self, keys: list[int], positions: list[int], owners: list[str]) -> None:
-        for key, pos, owner in zip(keys, positions, owners, strict=True):
-            self.partial[key] = max(self.partial.get(key, 0), pos + 1)
-            if self.partial[key] == shards.shard_len(self.spec, key):
-                del self.partial[key]
-                self.done.add(key)
-                self.shards_done += 1
-                if self._acks is None:
-                    self._acks = DataClient.at(self.where, self.name, f"{self.base_client}-main")
-                # acknowledged on behalf of the worker that holds the lease
-                self._acks.done(ev.ShardRef(key, 0), owner)
+    def _finish(self, key: int, owner: str) -> None:
+        """Every sample of shard `key` reached the loop: acknowledge it for `owner`."""
+        self.partial.pop(key, None)
+        self.done.add(key)
+        self.shards_done += 1
+        if self._acks is None:
+            self._acks = DataClient.at(self.where, self.name, f"{self.base_client}-main")
+        # acknowledged on behalf of the worker that holds the lease
+        self._acks.done(ev.ShardRef(key, 0), owner)
 
     def position(self) -> ev.DataPosition:
         partial = {k: o for k, o in self.partial.items() if k not in self.done}
@@ -175,6 +136,89 @@ class ShardedIterable(IterableDataset[Any]):
         if self._acks is not None:
             self._acks.close()
             self._acks = None
+
+
+class ShardedIterable(LeasedIterable):
+    def __init__(
+        self,
+        name: str,
+        dataset: Dataset[Any],
+        *,
+        shard_size: int = 256,
+        epochs: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        prefetch: int = 2,
+        cover_s: float = 10.0,
+        lease_s: float = 600.0,
+        answer_timeout_s: float = 60.0,
+        nats: str | None = None,
+        job: str | None = None,
+        node: str | None = None,
+        rank: int | None = None,
+        round: int | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.spec = dataset_spec(
+            name,
+            size=len(dataset),  # type: ignore[arg-type]
+            shard_size=shard_size,
+            epochs=epochs,
+            seed=seed,
+            shuffle=shuffle,
+            lease_s=lease_s,
+        )
+        where = placement("sharded dataset", nats=nats, job=job, node=node, rank=rank, round=round)
+        super().__init__(
+            name,
+            self.spec,
+            where,
+            prefetch=prefetch,
+            cover_s=cover_s,
+            answer_timeout_s=answer_timeout_s,
+        )
+
+    # ------------------------------------------------------------------ worker side
+
+    def __iter__(self) -> Iterator[Tagged]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        client = DataClient.at(self.where, self.name, f"{self.base_client}-w{worker}")
+        try:
+            yield from self._samples(client)
+        finally:
+            client.close()
+
+    def _samples(self, c: DataClient) -> Iterator[Tagged]:
+        keeper = self._keeper(c)
+        held: list[ev.ShardRef] = []
+        # shards handed to the loader, maybe not yet acknowledged by the main process:
+        # their leases are renewed too (the loader holds a bounded number of batches)
+        recent: deque[int] = deque(maxlen=4 * MAX_AHEAD)
+        while True:
+            keeper.top_up(len(held), [*(r.key for r in held), *recent])
+            held.extend(keeper.poll(wait=not held and keeper.waiting))
+            if not held:
+                if not keeper.waiting:
+                    return
+                continue
+            ref = held.pop(0)
+            recent.append(ref.key)
+            for pos, index in enumerate(shards.indices(self.spec, ref), start=ref.offset):
+                yield self.dataset[index], ref.key, pos, index, c.client
+            keeper.measure(shards.shard_len(self.spec, ref.key) - ref.offset)
+
+    # ------------------------------------------------------------------ main process
+
+    def loader(self, *, lockstep: bool | None = None, **kwargs: Any) -> IterableLoader:
+        """A DataLoader over this dataset (any `num_workers`) that tracks deliveries."""
+        return IterableLoader(self, lockstep=lockstep, **kwargs)
+
+    def _delivered(self, keys: list[int], positions: list[int], owners: list[str]) -> None:
+        for key, pos, owner in zip(keys, positions, owners, strict=True):
+            self._advance(key, pos)
+            if self.partial[key] == shards.shard_len(self.spec, key):
+                self._finish(key, owner)
 
 
 def _collate(items: list[Tagged]) -> tuple[Any, list[int], list[int], list[int], list[str]]:

@@ -38,15 +38,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from rove.control import events as ev
-from rove.control import shards
-from rove.shard_service.client import DataClient, client_name, dataset_spec, placement
+from rove.shard_service.client import DataClient, dataset_spec, placement
+from rove.shard_service.iterable import LeasedIterable
 from rove.shard_service.kafka import RangeReader, Record
-from rove.shard_service.keeper import MAX_AHEAD, LeaseKeeper
-from rove.shard_service.sampler import _distributed, deliveries, position_state, read_position
+from rove.shard_service.keeper import MAX_AHEAD
+from rove.shard_service.sampler import _distributed, deliveries
 
 log = structlog.get_logger("rove.data")
 
@@ -60,7 +60,7 @@ def _value(record: Record) -> Any:
     return record.value
 
 
-class StreamIterable(IterableDataset[Any]):
+class StreamIterable(LeasedIterable):
     def __init__(
         self,
         name: str,
@@ -78,25 +78,18 @@ class StreamIterable(IterableDataset[Any]):
         rank: int | None = None,
         round: int | None = None,
     ) -> None:
-        self.name = name
+        super().__init__(
+            name,
+            dataset_spec(name, size=0, shard_size=0, stream=True, lease_s=lease_s),
+            placement("stream", nats=nats, job=job, node=node, rank=rank, round=round),
+            prefetch=prefetch,
+            cover_s=cover_s,
+            answer_timeout_s=answer_timeout_s,
+        )
         self.bootstrap = bootstrap
         self.topic = topic
         self.decode = decode
-        self.spec = dataset_spec(name, size=0, shard_size=0, stream=True, lease_s=lease_s)
-        self.where = placement("stream", nats=nats, job=job, node=node, rank=rank, round=round)
         self.batch_size = 1
-        self.prefetch = prefetch
-        self.cover_s = cover_s
-        self.answer_timeout_s = answer_timeout_s
-        self.base_client = client_name(self.where.node, self.where.rank)
-        self.restore: ev.DataPosition | None = None
-        self.iterated = False
-        # main process: what reached the training loop
-        self.done: set[int] = set()
-        self.base: set[int] = set()
-        self.partial: dict[int, int] = {}  # key -> next position in the shard
-        self._acks: DataClient | None = None
-        self.shards_done = 0
         # worker side
         self.undecodable = 0
 
@@ -120,15 +113,7 @@ class StreamIterable(IterableDataset[Any]):
             client.close()
 
     def _samples(self, c: DataClient, reader: RangeReader) -> Iterator[Tagged | None]:
-        c.register(self.spec)
-        keeper = LeaseKeeper(
-            c,
-            self.spec,
-            prefetch=self.prefetch,
-            cover_s=self.cover_s,
-            answer_timeout_s=self.answer_timeout_s,
-        )
-        keeper.restore = self.restore
+        keeper = self._keeper(c)
         held: list[ev.ShardRef] = []
         recent: deque[int] = deque(maxlen=4 * MAX_AHEAD)
         while True:
@@ -194,44 +179,9 @@ class StreamIterable(IterableDataset[Any]):
         for key, pos, last, owner in zip(keys, positions, lasts, owners, strict=True):
             if key in self.done:
                 continue
-            self.partial[key] = max(self.partial.get(key, 0), pos + 1)
+            self._advance(key, pos)
             if last:
-                del self.partial[key]
-                self.done.add(key)
-                self.shards_done += 1
-                if self._acks is None:
-                    self._acks = DataClient.at(self.where, self.name, f"{self.base_client}-main")
-                self._acks.done(ev.ShardRef(key, 0), owner)
-
-    def position(self) -> ev.DataPosition:
-        partial = {k: o for k, o in self.partial.items() if k not in self.done}
-        return ev.DataPosition(
-            done=shards.to_ranges(self.base | self.done),
-            partial=tuple(ev.ShardRef(k, o) for k, o in sorted(partial.items())),
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        """The data position of the lineage (collective when a process group is up)."""
-        return position_state(self.name, self.spec, self.position())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.iterated:
-            raise RuntimeError("load_state_dict() must be called before the loader is iterated")
-        position = read_position(state, self.name, self.spec)
-        self.restore = position
-        self.base = set(shards.from_ranges(position.done))
-        self.partial = {r.key: r.offset for r in position.partial}
-        self.done = set()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_acks"] = None  # a connection does not travel to the loader's workers
-        return state
-
-    def close(self) -> None:
-        if self._acks is not None:
-            self._acks.close()
-            self._acks = None
+                self._finish(key, owner)
 
 
 def _collate(
