@@ -18,7 +18,6 @@ bridge with an error that says which.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 
@@ -26,7 +25,7 @@ import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from rove.control import events as ev
-from rove.control import subjects
+from rove.control import logs, subjects
 from rove.control.bus import Bus
 from rove.control.errors import ConfigError, TemporaryError
 from rove.control.service import JobService
@@ -84,10 +83,8 @@ class BrokerReader:
 
 
 #: librdkafka's own log lines (connection retries every second) stay out of rove's
-#: output: the bridge says what matters itself.
-_LIBRDKAFKA = logging.getLogger("rove.kafka.librdkafka")
-_LIBRDKAFKA.addHandler(logging.NullHandler())
-_LIBRDKAFKA.propagate = False
+#: output: rove says what matters itself.
+_LIBRDKAFKA = logs.silent("rove.kafka.librdkafka")
 
 
 class KafkaBridge(JobService):

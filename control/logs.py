@@ -40,3 +40,13 @@ def configure(level: str | None = None, fmt: str | None = None) -> None:
     )
     # rove logs its retries itself, with the entity (rove.control.retry, the outboxes)
     stamina.instrumentation.set_on_retry_hooks([])
+
+
+def silent(name: str) -> logging.Logger:
+    """A logger that drops what it is given: for a library's own chatter that rove
+    reports better itself (librdkafka retrying a connection every second)."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+    logger.propagate = False
+    return logger

@@ -16,7 +16,6 @@ transaction markers removed are simply absent; the range still ends at `end`.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 
@@ -24,11 +23,12 @@ import msgspec
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from rove.control import events as ev
+from rove.control import logs
 from rove.shard_service.keeper import DataError
 
-_LIBRDKAFKA = logging.getLogger("rove.kafka.librdkafka")
-_LIBRDKAFKA.addHandler(logging.NullHandler())
-_LIBRDKAFKA.propagate = False
+#: librdkafka's own log lines (connection retries every second) stay out of rove's
+#: output: rove says what matters itself.
+_LIBRDKAFKA = logs.silent("rove.kafka.librdkafka")
 
 
 class Record(msgspec.Struct, frozen=True, array_like=True):
