@@ -138,20 +138,26 @@ class KubernetesBackend(Backend):
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise TemporaryError(f"{what}: the Kubernetes API is unreachable ({exc})") from exc
 
-    async def _anchor(self, job: str, deadline: float) -> dict[str, Any]:
-        name = pods.anchor_name(job)
+    async def _read_anchor(self, job: str, deadline: float) -> dict[str, Any] | None:
+        """The job's anchor ConfigMap, or None if there is none (nothing was launched)."""
         try:
             found = await self._call(
                 f"read the anchor of job {job}",
                 deadline,
                 self.core.read_namespaced_config_map,
-                name,
+                pods.anchor_name(job),
                 self.namespace,
             )
-            obj = self._plain(found)
         except ApiRefused as exc:
             if exc.status != 404:
                 raise
+            return None
+        return self._plain(found)
+
+    async def _anchor(self, job: str, deadline: float) -> dict[str, Any]:
+        """The job's anchor, created if it does not exist yet (before the first pod)."""
+        obj = await self._read_anchor(job, deadline)
+        if obj is None:
             try:
                 made = await self._call(
                     f"create the anchor of job {job}",
@@ -165,8 +171,7 @@ class KubernetesBackend(Backend):
                 if conflict.status != 409:
                     raise
                 return await self._anchor(job, deadline)  # another scaler made it first
-        uid = (obj.get("metadata") or {}).get("uid") or ""
-        self._anchor_uid[job] = uid
+        self._anchor_uid[job] = (obj.get("metadata") or {}).get("uid") or ""
         return obj
 
     async def _pods(self, job: str, deadline: float) -> list[dict[str, Any]]:
@@ -284,10 +289,8 @@ class KubernetesBackend(Backend):
                 )
             )
         have = {n.node for n in out}
-        try:
-            anchor = await self._anchor(job, deadline) if listed or job in self._anchor_uid else {}
-        except ApiRefused:
-            anchor = {}
+        # names launched whose pods are gone: a read only, a job never launched has no anchor
+        anchor = await self._read_anchor(job, deadline) or {}
         for node in pods.launched(anchor):
             if node not in have:
                 out.append(NodeInfo(node=node, where="pod deleted", running=False))
