@@ -444,6 +444,19 @@ async def job_events(bus: Any, job: str) -> list[Any]:
     return [r.event for r in await stored_events(bus, job)]
 
 
+class BridgeProc(CliProc):
+    """A `rove kafka-bridge` subprocess for `job`, named `name`."""
+
+    grace_s = 15.0
+
+    def __init__(self, url: str, job: str, name: str, log_dir: Path, *args: str) -> None:
+        self._spawn(
+            f"rove kafka-bridge {name}",
+            log_dir / f"bridge-{name}.log",
+            *("kafka-bridge", "--job", job, "--id", name, "--nats", url, *args),
+        )
+
+
 class DaemonProc(CliProc):
     """A `rove agent --pool` subprocess."""
 

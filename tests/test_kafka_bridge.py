@@ -17,22 +17,11 @@ from rove.control.bus import Bus
 from rove.control.master import streams
 from tests import factories
 from tests.kafkamock import KafkaCluster
-from tests.support import CliProc, eventually, job_events, rove_cli
+from tests.support import BridgeProc, eventually, job_events, rove_cli
 
 pytestmark = pytest.mark.slow
 
 JOB = factories.JOB
-
-
-class BridgeProc(CliProc):
-    grace_s = 15.0
-
-    def __init__(self, url: str, log_dir: Path, name: str, *args: str) -> None:
-        self._spawn(
-            f"rove kafka-bridge {name}",
-            log_dir / f"bridge-{name}.log",
-            *("kafka-bridge", "--job", JOB, "--id", name, "--nats", url, *args),
-        )
 
 
 async def folded(bus: Bus) -> streams.StreamState:
@@ -55,14 +44,14 @@ async def test_shards_cover_every_offset_once_through_a_bridge_killed_and_restar
     kafka.produce("clicks", 0, 1)  # the topic exists (the mock makes 4 partitions)
     args = ("--bootstrap", kafka.bootstrap, "--topic", "clicks")
     args += ("--shard-records", "10", "--linger", "0.5", "--poll", "0.2")
-    first = BridgeProc(bus.url, tmp_path, "b1", *args)
+    first = BridgeProc(bus.url, JOB, "b1", tmp_path, *args)
     kafka.produce("clicks", 0, 44)
     kafka.produce("clicks", 1, 23)
     await eventually(lambda: covered(bus, {0: 45, 1: 23}), timeout=60, every=0.3)
     first.kill()
     kafka.produce("clicks", 1, 30)
     kafka.produce("clicks", 3, 7)
-    BridgeProc(bus.url, tmp_path, "b2", *args)
+    BridgeProc(bus.url, JOB, "b2", tmp_path, *args)
     await eventually(lambda: covered(bus, {0: 45, 1: 53, 3: 7}), timeout=60, every=0.3)
 
     stream = (await folded(bus)).streams["clicks"]

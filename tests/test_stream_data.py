@@ -20,24 +20,12 @@ from rove.control.bus import Bus
 from rove.shard_service.kafka import Record
 from tests import factories
 from tests.kafkamock import KafkaCluster
-from tests.support import CliProc, MasterProc, patience, stored_events
+from tests.support import BridgeProc, MasterProc, patience, stored_events
 
 pytestmark = pytest.mark.slow
 
 JOB = factories.JOB
 PER_PARTITION = {0: 70, 1: 53}
-
-
-class BridgeProc(CliProc):
-    grace_s = 15.0
-
-    def __init__(self, url: str, log_dir: Path, bootstrap: str) -> None:
-        self._spawn(
-            "rove kafka-bridge",
-            log_dir / "bridge.log",
-            *("kafka-bridge", "--job", JOB, "--nats", url, "--bootstrap", bootstrap),
-            *("--topic", "clicks", "--shard-records", "8", "--linger", "0.3", "--poll", "0.2"),
-        )
 
 
 def decode(record: Record) -> torch.Tensor:
@@ -57,7 +45,14 @@ async def test_a_stream_resumed_from_its_position_delivers_every_offset_once(
     kafka.garbage("clicks", 1)
     for partition, n in PER_PARTITION.items():
         kafka.produce("clicks", partition, n - n // 2)
-    BridgeProc(bus.url, tmp_path, kafka.bootstrap)
+    BridgeProc(
+        bus.url,
+        JOB,
+        "b1",
+        tmp_path,
+        *("--bootstrap", kafka.bootstrap, "--topic", "clicks", "--shard-records", "8"),
+        *("--linger", "0.3", "--poll", "0.2"),
+    )
     garbage_offset = PER_PARTITION[1] // 2
     want = {(0, o) for o in range(PER_PARTITION[0])} | {
         (1, o) for o in range(PER_PARTITION[1] + 1) if o != garbage_offset
