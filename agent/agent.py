@@ -80,6 +80,8 @@ class AgentConfig:
     save_at_breakpoint: bool = False
     keep_checkpoints: int = 3
     persist_every: int = 1
+    #: More environment for the workers (e.g. ROVE_KAFKA_BOOTSTRAP from `--kafka-*`).
+    worker_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -403,6 +405,7 @@ class Agent:
         }
         if self.cfg.checkpoint_dir is not None:
             env["ROVE_CKPT_DIR"] = str(self.cfg.checkpoint_dir)
+        env.update(self.cfg.worker_env)
         return env
 
     def _first_rank(self) -> int:

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -37,6 +38,9 @@ from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.errors import ConfigError
 from rove.control.master.runner import SupervisedMaster
+
+if TYPE_CHECKING:
+    from rove.control.kafka_bridge import KafkaBridge
 
 log = structlog.get_logger("rove.run")
 
@@ -221,6 +225,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="with warm start, also import MODULE once in the warm server (repeatable), "
         "e.g. --preload transformers",
     )
+    k = p.add_argument_group("streaming from Kafka (see docs/streaming.md)")
+    k.add_argument(
+        "--kafka-bootstrap",
+        metavar="SERVERS",
+        help="the Kafka brokers (host:port,...) the job streams from: its workers find them "
+        "in ROVE_KAFKA_BOOTSTRAP; with --standalone a Kafka bridge also runs in this process",
+    )
+    k.add_argument(
+        "--kafka-topic",
+        metavar="TOPIC",
+        help="the topic to stream (ROVE_KAFKA_TOPIC in the workers; required with "
+        "--kafka-bootstrap)",
+    )
+    k.add_argument(
+        "--kafka-shard-records",
+        type=int,
+        default=256,
+        metavar="N",
+        help="with --standalone: records per stream shard the bridge cuts (default 256)",
+    )
     a = p.add_argument_group("auto-scaling (a managed job: see docs/scaling.md)")
     a.add_argument(
         "--auto-scale",
@@ -359,8 +383,24 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         save_at_breakpoint=bool(args.save_at_breakpoint),
         keep_checkpoints=args.keep_checkpoints,
         persist_every=args.persist_every,
+        worker_env=_kafka_env(args),
     )
     return cfg, standalone
+
+
+def _kafka_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    if bool(args.kafka_bootstrap) != bool(args.kafka_topic):
+        raise ConfigError(
+            "--kafka-bootstrap and --kafka-topic go together: name the brokers and the topic"
+        )
+    if args.kafka_shard_records < 1:
+        raise ConfigError(
+            f"--kafka-shard-records must be at least 1, got {args.kafka_shard_records}"
+        )
+    if not args.kafka_bootstrap:
+        return ()
+    subjects.check_name("dataset", args.kafka_topic)
+    return (("ROVE_KAFKA_BOOTSTRAP", args.kafka_bootstrap), ("ROVE_KAFKA_TOPIC", args.kafka_topic))
 
 
 #: `rove run` flags that belong to one node (or to the launcher), not to the workload.
@@ -496,8 +536,9 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         allow_embedded=standalone,
     )
     bus = await Bus.connect(options)
-    master_task = None
+    master_task = bridge_task = None
     runner: SupervisedMaster | None = None
+    bridge: KafkaBridge | None = None
     try:
         if bus.server is not None:
             embedded.url_file(cfg.job).write_text(bus.url + "\n")
@@ -506,6 +547,9 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
                 bus, cfg.job, f"{cfg.node}-master", ev.JobSpec(node_timeout_s=args.node_timeout)
             )
             master_task = asyncio.create_task(runner.run(), name="master")
+            if args.kafka_bootstrap:
+                bridge = _bridge(bus, cfg, args)
+                bridge_task = asyncio.create_task(_serve(bridge), name="kafka bridge")
         print(
             f"rove: job {cfg.job}, node {cfg.node}, NATS {bus.url}; "
             f"watch it with: rove status --job {cfg.job}",
@@ -517,6 +561,9 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         print(f"rove: {agent.status.end_reason}", file=sys.stderr, flush=True)
         return code
     finally:
+        if bridge is not None and bridge_task is not None:
+            bridge.stop()
+            await asyncio.gather(bridge_task, return_exceptions=True)
         if runner is not None and master_task is not None:
             await asyncio.sleep(0.3)  # let the master fold the agent's last facts
             runner.stop()
@@ -524,6 +571,37 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
         await bus.close()
+
+
+def _bridge(bus: Bus, cfg: AgentConfig, args: argparse.Namespace) -> KafkaBridge:
+    """The standalone job's Kafka bridge (`rove kafka-bridge`, in this process)."""
+    from rove.control.kafka_bridge import BrokerReader, KafkaBridge
+
+    return KafkaBridge(
+        bus,
+        cfg.job,
+        BrokerReader(args.kafka_bootstrap, args.kafka_topic),
+        dataset=args.kafka_topic,
+        bridge_id=f"{cfg.node}-bridge",
+        shard_records=args.kafka_shard_records,
+    )
+
+
+async def _serve(bridge: KafkaBridge) -> None:
+    """Run the bridge; if it fails (brokers unreachable past the deadline, no such
+    topic), the job cannot get data: stop it, saying why."""
+    try:
+        await bridge.run()
+    except Exception as exc:  # noqa: BLE001 - any failure of the bridge ends the job
+        reason = f"the Kafka bridge failed: {exc}"
+        print(f"rove: {reason}", file=sys.stderr, flush=True)
+        await bridge.bus.publish(
+            ev.StopRequested(
+                **ev.envelope(bridge.job, bridge.bridge_id, time.time(), "stop"), reason=reason
+            )
+        )
+    finally:
+        bridge.reader.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,16 @@ a pause in the stream never holds trained-ready records back. Batches come as
 workers fill them (`in_order=False`): a worker waiting for the stream does not
 hold back the others.
 
+Under DDP (`lockstep`), ranks step together, but one rank's shards may be
+all read while the others still train, and a stream has no end to agree on.
+So a worker with nothing to read yields an *idle tick* every `idle_s`: the
+loader gives the training loop `None` for it (a zero-size step, as with
+`ShardSampler`), and every rank keeps stepping while it waits for the
+stream. Without lockstep, ticks are dropped and the loader simply waits.
+
+`bootstrap` and `topic` default to `ROVE_KAFKA_BOOTSTRAP` and
+`ROVE_KAFKA_TOPIC`, which `rove run --kafka` sets for its workers.
+
 A record `decode` cannot read is counted (`undecodable`) and logged with its
 partition and offset (the dead letter), and training goes on. Each worker reads
 one record ahead, so the last record a shard delivers carries the news that the
@@ -32,16 +42,18 @@ shard is complete, whatever records of its range were skipped.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from rove.control import events as ev
+from rove.control.errors import ConfigError
 from rove.shard_service.client import DataClient, dataset_spec, placement
 from rove.shard_service.iterable import LeasedIterable
 from rove.shard_service.kafka import RangeReader, Record
@@ -50,8 +62,9 @@ from rove.shard_service.sampler import _distributed, deliveries
 
 log = structlog.get_logger("rove.data")
 
-# sample, shard key, position in the shard, (partition, offset), last of its shard, worker
-Tagged = tuple[Any, int, int, tuple[int, int], bool, str]
+# sample, shard key, position in the shard, (partition, offset), last of its shard, worker,
+# produce time (seconds since the epoch; 0 when the broker gave none)
+Tagged = tuple[Any, int, int, tuple[int, int], bool, str, float]
 #: `_samples` says it is about to wait for the stream: a partly filled batch goes out.
 _FLUSH = None
 
@@ -65,9 +78,10 @@ class StreamIterable(LeasedIterable):
         self,
         name: str,
         *,
-        bootstrap: str,
-        topic: str,
+        bootstrap: str | None = None,
+        topic: str | None = None,
         decode: Callable[[Record], Any] = _value,
+        idle_s: float = 0.2,
         prefetch: int = 2,
         cover_s: float = 10.0,
         lease_s: float = 600.0,
@@ -86,12 +100,15 @@ class StreamIterable(LeasedIterable):
             cover_s=cover_s,
             answer_timeout_s=answer_timeout_s,
         )
-        self.bootstrap = bootstrap
-        self.topic = topic
+        self.bootstrap = _setting(bootstrap, "ROVE_KAFKA_BOOTSTRAP", "bootstrap")
+        self.topic = _setting(topic, "ROVE_KAFKA_TOPIC", "topic")
         self.decode = decode
+        self.idle_s = idle_s
         self.batch_size = 1
         # worker side
         self.undecodable = 0
+        # main process: the produce time of the newest record that reached the loop
+        self.newest_ts = 0.0
 
     # ------------------------------------------------------------------ worker side
 
@@ -102,12 +119,16 @@ class StreamIterable(LeasedIterable):
         reader = RangeReader(self.bootstrap, self.topic)
         try:
             batch: list[Tagged] = []
+            ticked = time.monotonic()
             for item in self._samples(client, reader):
                 if item is not _FLUSH:
                     batch.append(item)
                 if batch and (item is _FLUSH or len(batch) >= self.batch_size):
                     yield batch
-                    batch = []
+                    batch, ticked = [], time.monotonic()
+                elif item is _FLUSH and time.monotonic() - ticked >= self.idle_s:
+                    yield []  # an idle tick: nothing to read now
+                    ticked = time.monotonic()
         finally:
             reader.close()
             client.close()
@@ -153,9 +174,9 @@ class StreamIterable(LeasedIterable):
             if pending is not None:
                 yield pending
             where = (shard.partition, record.offset)
-            pending = (sample, ref.key, record.position, where, False, c.client)
+            pending = (sample, ref.key, record.position, where, False, c.client, record.ts)
         if pending is not None:
-            yield (*pending[:4], True, pending[5])
+            yield (*pending[:4], True, *pending[5:])
         else:
             # nothing of this range reached the loop (all skipped): it is trained as
             # far as it can be
@@ -184,23 +205,47 @@ class StreamIterable(LeasedIterable):
                 self._finish(key, owner)
 
 
-def _collate(
-    items: list[Tagged],
-) -> tuple[Any, list[int], list[int], list[tuple[int, int]], list[bool], list[str]]:
-    batch = default_collate([t[0] for t in items])  # type: ignore[no-untyped-call]
-    return (
-        batch,
+class _Batch(NamedTuple):
+    """A batch as it crosses from a loader worker: the samples and their tags."""
+
+    samples: Any  # None for an idle tick
+    keys: list[int]
+    positions: list[int]
+    where: list[tuple[int, int]]
+    lasts: list[bool]
+    owners: list[str]
+    newest_ts: float
+
+
+def _collate(items: list[Tagged]) -> _Batch:
+    if not items:
+        return _Batch(None, [], [], [], [], [], 0.0)
+    return _Batch(
+        default_collate([t[0] for t in items]),  # type: ignore[no-untyped-call]
         [t[1] for t in items],
         [t[2] for t in items],
         [t[3] for t in items],
         [t[4] for t in items],
         [t[5] for t in items],
+        max(t[6] for t in items),
     )
+
+
+def _setting(given: str | None, env: str, what: str) -> str:
+    value = given or os.environ.get(env, "")
+    if not value:
+        raise ConfigError(
+            f"StreamIterable needs the Kafka {what}: pass {what}=..., or run under "
+            f"`rove run --kafka-bootstrap ... --kafka-topic ...`, which sets {env}"
+        )
+    return value
 
 
 class StreamLoader:
     """Batches of a `StreamIterable`, tags stripped and deliveries recorded;
-    `last_delivered` holds the (partition, offset) of the last batch's records."""
+    `last_delivered` holds the (partition, offset) of the last batch's records.
+
+    With `lockstep`, an idle tick comes out as `None` (a zero-size step)."""
 
     def __init__(self, data: StreamIterable, *, lockstep: bool | None, **kwargs: Any) -> None:
         self.data = data
@@ -215,21 +260,21 @@ class StreamLoader:
     def __iter__(self) -> Iterator[Any]:
         self.data.iterated = True
 
-        def delivered(
-            item: tuple[Any, list[int], list[int], list[Any], list[bool], list[str]],
-        ) -> Any:
-            batch, keys, positions, where, lasts, owners = item
-            self.data._delivered(keys, positions, lasts, owners)
-            self.last_delivered = list(where)
-            return batch
+        def delivered(item: _Batch) -> Any:
+            self.data._delivered(item.keys, item.positions, item.lasts, item.owners)
+            self.data.newest_ts = max(self.data.newest_ts, item.newest_ts)
+            self.last_delivered = list(item.where)
+            return item.samples
 
-        items = iter(self.loader)
+        raw: Iterator[_Batch] = iter(self.loader)
+        items = raw if self.lockstep else (b for b in raw if b.samples is not None)
+        # (without lockstep the ticks are dropped: the loop simply waits for data)
         try:
             yield from deliveries(items, delivered, lockstep=self.lockstep)
         finally:
             # A stream has no end: its workers are inside an endless read when the
             # training loop stops, so they are stopped here, not left to a garbage
             # collection that a kept traceback can postpone for ever.
-            shutdown = getattr(items, "_shutdown_workers", None)
+            shutdown = getattr(raw, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()

@@ -41,3 +41,41 @@ class KafkaCluster:
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+class ClickStream:
+    """The online example's producer (`examples/online.py produce --mock`): it holds a mock
+    cluster and writes `records` drifting click records at `rate` a second; its output
+    goes to `log_dir`, attached to a failed test's report."""
+
+    grace_s = 5.0
+
+    def __init__(self, log_dir: Path, records: int, rate: float, topic: str = "clicks") -> None:
+        from tests.support import ROOT, _registered
+
+        self.name = "click stream producer"
+        self.log_path = log_dir / "producer.log"
+        with self.log_path.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [
+                    *(sys.executable, str(ROOT / "examples" / "online.py"), "produce", "--mock"),
+                    *("--topic", topic, "--records", str(records), "--rate", str(rate)),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        _registered(self)
+        assert self.proc.stdout is not None
+        self.bootstrap = self.proc.stdout.readline().strip()
+        assert self.bootstrap, "the producer's mock cluster did not start"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def produced(self) -> bool:
+        return "produced" in self.log()
+
+    def stop(self) -> int:
+        self.proc.kill()
+        return self.proc.wait()

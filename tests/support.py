@@ -483,3 +483,39 @@ class DaemonProc(CliProc):
 
     def extra_logs(self) -> list[tuple[str, Path]]:
         return [(f"node {p.stem}", p) for p in sorted(self.state_dir.glob("*/*.log"))]
+
+
+async def finished(
+    bus: Any, job: str, nodes: dict[str, RunProc], procs: list[CliProc]
+) -> dict[str, int]:
+    """The nodes' exit codes. If they do not end, fail with a short diagnosis first
+    (each process's last lines, the job's last events), before the full logs."""
+    deadline = time.monotonic() + min(patience(150), 420)
+    while time.monotonic() < deadline:
+        if all(p.proc.poll() is not None for p in nodes.values()):
+            return {n: p.proc.returncode for n, p in nodes.items()}
+        await asyncio.sleep(0.5)
+    tails = [
+        f"--- {p.name} ({'running' if p.proc.poll() is None else p.proc.returncode}):\n"
+        + "\n".join(p.log().splitlines()[-6:])
+        for p in procs
+    ]
+    recent = [
+        f"#{r.seq} {type(r.event).__name__} {r.event.producer}"
+        for r in await stored_events(bus, job)
+    ][-15:]
+    stuck = [
+        f"--- stacks of {p.name}:\n{stacks(p.proc.pid)}"
+        for p in nodes.values()
+        if p.proc.poll() is None
+    ]
+    import pytest
+
+    pytest.fail(
+        "the job did not end; last lines:\n"
+        + "\n".join(tails)
+        + "\nlast events:\n"
+        + "\n".join(recent)
+        + "\n"
+        + "\n".join(stuck)
+    )

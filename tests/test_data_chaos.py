@@ -13,7 +13,6 @@ step it restored), every index of every epoch must appear exactly once.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import os
 import random
@@ -28,13 +27,11 @@ from rove.control.bus import Bus
 from tests.lineage import lineage, progress, rows
 from tests.support import (
     ROOT,
-    CliProc,
     MasterProc,
     RunProc,
     eventually,
-    patience,
+    finished,
     pid_alive,
-    stacks,
     stored_events,
 )
 
@@ -93,38 +90,6 @@ async def test_training_goes_on_while_no_master_leads(bus: Bus, tmp_path: Path) 
     assert any(middle < t < leaderless[1] for t in times), "and still before the new leader"
 
 
-async def finished(bus: Bus, nodes: dict[str, RunProc], procs: list[CliProc]) -> dict[str, int]:
-    """The nodes' exit codes. If they do not end, fail with a short diagnosis first
-    (each process's last lines, the job's last events), before the full logs."""
-    deadline = time.monotonic() + min(patience(150), 420)
-    while time.monotonic() < deadline:
-        if all(p.proc.poll() is not None for p in nodes.values()):
-            return {n: p.proc.returncode for n, p in nodes.items()}
-        await asyncio.sleep(0.5)
-    tails = [
-        f"--- {p.name} ({'running' if p.proc.poll() is None else p.proc.returncode}):\n"
-        + "\n".join(p.log().splitlines()[-6:])
-        for p in procs
-    ]
-    recent = [
-        f"#{r.seq} {type(r.event).__name__} {r.event.producer}"
-        for r in await stored_events(bus, JOB)
-    ][-15:]
-    stuck = [
-        f"--- stacks of {p.name}:\n{stacks(p.proc.pid)}"
-        for p in nodes.values()
-        if p.proc.poll() is None
-    ]
-    pytest.fail(
-        "the job did not end; last lines:\n"
-        + "\n".join(tails)
-        + "\nlast events:\n"
-        + "\n".join(recent)
-        + "\n"
-        + "\n".join(stuck)
-    )
-
-
 async def chaos(
     bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
 ) -> tuple[list[int], dict[str, float]]:
@@ -179,7 +144,7 @@ async def chaos(
                 nodes[node] = agent(node, f"{node}-2")
                 everyone.append(nodes[node])
             done_actions.append(action)
-        codes = await finished(bus, nodes, [*everyone, *masters.values()])
+        codes = await finished(bus, JOB, nodes, [*everyone, *masters.values()])
         assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
     finally:
         for p in everyone:

@@ -1,0 +1,175 @@
+"""Exactly once relative to the checkpointed model, for a Kafka stream, through failures.
+
+The online example (examples/online.py) trains a 2 nodes x 2 workers DDP job on a
+click stream that its producer writes into librdkafka's mock cluster while the job
+runs; `rove kafka-bridge` cuts the topic into shards, two `rove master`s lease them,
+and every step is a flash checkpoint with the stream's offset vector in it. While
+records stream in, the chaos kills (kill -9) a random worker, the leading master,
+a whole agent (the job goes on with one node, then grows back to two) and the
+bridge, in an order and at times drawn from the seed. Every rank logs the
+(partition, offset) of each record it trained, with the step: in the lineage of
+the final model (a restored round discards the steps after the one it restored),
+every produced offset appears exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from rove.control import events as ev
+from rove.control.bus import Bus
+from tests.kafkamock import ClickStream
+from tests.lineage import lineage, rows
+from tests.support import (
+    ROOT,
+    BridgeProc,
+    CliProc,
+    MasterProc,
+    RunProc,
+    eventually,
+    finished,
+    pid_alive,
+    stored_events,
+)
+
+# the job's own end is bounded (with a diagnosis) by `finished`, inside this
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SCRIPT = ROOT / "examples" / "online.py"
+RECORDS, RATE = 2400, 60.0
+JOB = "stream-chaos"
+
+
+def trained(trace: Path) -> int:
+    """Records trained so far, over every round (an estimate of progress)."""
+    return sum(len(r.get("samples", ())) for r in rows(trace))
+
+
+async def leader(bus: Bus) -> str:
+    elected = [
+        r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.MasterElected)
+    ]
+    return elected[-1].master if elected else ""
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+async def test_every_produced_offset_once_through_worker_agent_master_and_bridge_kills(
+    bus: Bus, tmp_path: Path, seed: int
+) -> None:
+    rnd = random.Random(seed)
+    actions = ["worker", "master", "agent", "bridge"]
+    rnd.shuffle(actions)
+    at = sorted(rnd.sample(range(RECORDS // 10, RECORDS * 7 // 10, 50), len(actions)))
+    await chaos(bus, tmp_path, seed, list(zip(actions, at, strict=True)))
+
+
+async def test_a_stream_scales_from_two_nodes_to_one_and_back(bus: Bus, tmp_path: Path) -> None:
+    """One agent dies a quarter into the stream: the job goes on with one node, the agent
+    comes back and the job grows to two nodes again, still exactly once."""
+    worlds = await chaos(bus, tmp_path, 7, [("agent", RECORDS // 4)])
+    assert 2 in worlds and worlds[-1] == 4, f"scaled 4 -> 2 -> 4 ranks: {worlds}"
+
+
+async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]) -> list[int]:
+    """Run the job while the stream is produced, doing each (action, at records trained)
+    of `plan`; check the lineage; return the world size of each round."""
+    rnd = random.Random(seed)
+    trace = tmp_path / "trace.jsonl"
+    stream = ClickStream(tmp_path, RECORDS, RATE)
+    masters = {
+        m: MasterProc(bus.url, JOB, m, tmp_path, "--node-timeout", "4") for m in ("m1", "m2")
+    }
+    await eventually(lambda: leader(bus), timeout=30)
+
+    def bridge(name: str) -> BridgeProc:
+        return BridgeProc(
+            bus.url,
+            JOB,
+            name,
+            tmp_path,
+            *("--bootstrap", stream.bootstrap, "--topic", "clicks", "--shard-records", "24"),
+            *("--linger", "0.5", "--poll", "0.25"),
+        )
+
+    def agent(node: str, name: str) -> RunProc:
+        return RunProc(
+            tmp_path,
+            name,
+            *("--nats", bus.url, "--job", JOB, "--node-id", node, "--local-addr", "127.0.0.1"),
+            *("--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "30"),
+            *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
+            *("--checkpoint-dir", str(tmp_path / "ckpt")),
+            *("--kafka-bootstrap", stream.bootstrap, "--kafka-topic", "clicks"),
+            str(SCRIPT),
+            "train",
+            *("--records", str(RECORDS), "--batch-size", "8", "--step-sleep", "0.05"),
+            *("--trace", str(trace)),
+            env={"ROVE_SHM_DIR": str(tmp_path / "shm")},  # killed agents leave slots behind
+        )
+
+    bridges = [bridge("b1")]
+    nodes = {"na": agent("na", "na-1"), "nb": agent("nb", "nb-1")}
+    everyone: list[CliProc] = [*nodes.values()]
+    done_actions = []
+    try:
+        for action, when in plan:
+            await eventually(lambda w=when: trained(trace) >= w, timeout=240)
+            latest = max(r["round"] for r in rows(trace))
+            if action == "worker":
+                pids = sorted({r["pid"] for r in rows(trace) if r["round"] == latest})
+                victim = rnd.choice([p for p in pids if pid_alive(p)] or pids)
+                os.kill(victim, signal.SIGKILL)
+            elif action == "master":
+                name = await leader(bus)
+                masters[name].kill()
+                fresh = f"m{len(masters) + 1}"
+                masters[fresh] = MasterProc(bus.url, JOB, fresh, tmp_path, "--node-timeout", "4")
+            elif action == "bridge":
+                bridges[-1].kill()
+                bridges.append(bridge(f"b{len(bridges) + 1}"))
+            else:
+                node = rnd.choice(sorted(nodes))
+                nodes[node].kill()
+                # the job goes on with one node; then the node comes back
+                await eventually(
+                    lambda seen=latest: max(r["round"] for r in rows(trace)) > seen, timeout=120
+                )
+                nodes[node] = agent(node, f"{node}-2")
+                everyone.append(nodes[node])
+            done_actions.append(action)
+        procs = [*everyone, *masters.values(), *bridges]
+        codes = await finished(bus, JOB, nodes, procs)
+        assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
+    finally:
+        for p in [*everyone, *bridges]:
+            p.stop()
+        for m in masters.values():
+            m.stop()
+
+    assert done_actions == [a for a, _ in plan]
+    assert stream.produced(), "the producer wrote every record"
+    shards = [
+        s
+        for r in await stored_events(bus, JOB)
+        if isinstance(r.event, ev.StreamShardsAdded)
+        for s in r.event.shards
+    ]
+    produced = {(s.partition, o) for s in shards for o in range(s.start, s.end)}
+    assert len(produced) == RECORDS, f"the bridges cut {len(produced)} of {RECORDS} records"
+    count = collections.Counter(lineage(trace))
+    assert set(count) == produced, f"missing: {sorted(produced - set(count))[:10]}"
+    repeated = {k: n for k, n in count.items() if n > 1}
+    assert not repeated, f"trained more than once in the lineage: {list(repeated.items())[:10]}"
+    if {"worker", "agent"} & set(done_actions):
+        restored = [
+            r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DataRestored)
+        ]
+        assert any(e.step for e in restored), "a round resumed the stream from a checkpoint"
+    by_round = {r["round"]: r["world"] for r in rows(trace) if "world" in r}
+    return [by_round[k] for k in sorted(by_round)]
