@@ -239,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kafka-bootstrap)",
     )
     k.add_argument(
+        "--kafka-group",
+        default="",
+        metavar="GROUP",
+        help="with --standalone: mirror each committed checkpoint's offsets to this consumer "
+        "group (for lag dashboards)",
+    )
+    k.add_argument(
         "--kafka-shard-records",
         type=int,
         default=256,
@@ -580,7 +587,7 @@ def _bridge(bus: Bus, cfg: AgentConfig, args: argparse.Namespace) -> KafkaBridge
     return KafkaBridge(
         bus,
         cfg.job,
-        BrokerReader(args.kafka_bootstrap, args.kafka_topic),
+        BrokerReader(args.kafka_bootstrap, args.kafka_topic, group=args.kafka_group),
         dataset=args.kafka_topic,
         bridge_id=f"{cfg.node}-bridge",
         shard_records=args.kafka_shard_records,

@@ -30,6 +30,8 @@ lowest saved rank's copy. For FSDP and other sharded state, use
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,19 @@ from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, name
 from rove.checkpoint.restore import agree, begin_lineage, candidates, job_and_storage
 
 log = structlog.get_logger("rove.checkpoint")
+
+#: Called with the step after every save in this process (weakly held).
+_SAVED: list[weakref.WeakMethod[Callable[[int], None]]] = []
+
+
+def on_save(listener: Callable[[int], None]) -> None:
+    """Call the bound method `listener(step)` after each `FlashCheckpointer.save` here.
+
+    A data source whose position rides in the checkpoint learns which step it went
+    into (a Kafka stream reports its offset vector with the step, see
+    `rove.shard_service.stream`). Held weakly: it goes with its object."""
+    _SAVED[:] = [ref for ref in _SAVED if ref() is not None]
+    _SAVED.append(weakref.WeakMethod(listener))
 
 
 class FlashCheckpointer:
@@ -58,7 +73,12 @@ class FlashCheckpointer:
 
     def save(self, step: int, state: Any) -> SaveStats:
         """Copy `state` into shared memory (blocks only for the copy)."""
-        return self.engine.save(step, state)
+        stats = self.engine.save(step, state)
+        for ref in list(_SAVED):
+            listener = ref()
+            if listener is not None:
+                listener(step)
+        return stats
 
     def load(self, process_group: Any = None) -> tuple[int, Any] | None:
         """(step, state) to resume from, or None for a fresh start.

@@ -140,7 +140,10 @@ def render() -> str:
                 ev.CkptFailed,
             ],
         ),
-        ("Data clients (trainers)", [ev.DatasetRegistered, ev.ShardRequested, ev.ShardDone]),
+        (
+            "Data clients (trainers)",
+            [ev.DatasetRegistered, ev.ShardRequested, ev.ShardDone, ev.StreamCheckpointed],
+        ),
         ("Operator commands", [ev.StopRequested, ev.JobSubmitted]),
         ("Scaler facts", [ev.PlanApplied, ev.PlanFailed, ev.NodeGone, ev.NodePending]),
         ("Stream bridges", [ev.StreamShardsAdded]),

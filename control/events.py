@@ -52,6 +52,7 @@ from rove.control.scale_events import ScaleRule as ScaleRule
 from rove.control.scale_events import Workload as Workload
 from rove.control.scale_events import node_gone as node_gone
 from rove.control.scale_events import node_name as node_name
+from rove.control.stream_events import StreamCheckpointed as StreamCheckpointed
 from rove.control.stream_events import StreamShard as StreamShard
 from rove.control.stream_events import StreamShardsAdded as StreamShardsAdded
 from rove.control.stream_events import Watermark as Watermark
@@ -563,6 +564,7 @@ AnyEvent = (
     | NodeGone
     | NodePending
     | StreamShardsAdded
+    | StreamCheckpointed
 )
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).

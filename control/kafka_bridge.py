@@ -10,9 +10,17 @@ ignores shards published before). Partitions added to the topic while it
 runs are picked up on the next read.
 
 It reads metadata and watermarks only: trainers read the records themselves,
-from the leased offset ranges. Brokers that cannot be reached, or a topic
-that does not exist, are retried until `connect_deadline_s`, then end the
-bridge with an error that says which.
+from the leased offset ranges.
+
+With a consumer `group`, it also mirrors the trained offsets to Kafka for lag
+dashboards: once a checkpoint step commits, the offset vector saved with it
+(`stream_checkpointed`, folded into `Stream.saved`) is committed to the group.
+The mirror is never the authority: a restore takes its position from the
+checkpoint. It also says loudly when retention deleted records that the
+newest restore point has not trained (a restore would fail on them).
+
+Brokers that cannot be reached, or a topic that does not exist, are retried
+until `connect_deadline_s`, then end the bridge with an error that says which.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from rove.control import events as ev
 from rove.control import logs, subjects
 from rove.control.bus import Bus
 from rove.control.errors import ConfigError, TemporaryError
+from rove.control.master import streams
 from rove.control.service import JobService
 from rove.control.streaming import cut
 
@@ -38,14 +47,17 @@ class BrokerReader:
     """Partitions and watermarks of one topic, read with a consumer that never joins a
     group or fetches a record (blocking calls: run it in a thread)."""
 
-    def __init__(self, bootstrap: str, topic: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, *, group: str = "", timeout_s: float = 5.0
+    ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
+        self.group = group
         self.timeout_s = timeout_s
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
-                "group.id": f"rove-bridge-{topic}",
+                "group.id": group or f"rove-bridge-{topic}",
                 "enable.auto.commit": False,
                 "allow.auto.create.topics": False,
                 "logger": _LIBRDKAFKA,
@@ -77,6 +89,19 @@ class BrokerReader:
                 ) from exc
             marks.append(ev.Watermark(partition, max(0, low), max(0, high)))
         return marks
+
+    def commit(self, offsets: tuple[tuple[int, int], ...]) -> None:
+        """Commit `(partition, next offset)` pairs to the consumer group (no rebalance:
+        the consumer never subscribes)."""
+        try:
+            self.consumer.commit(
+                offsets=[TopicPartition(self.topic, p, o) for p, o in offsets],
+                asynchronous=False,
+            )
+        except KafkaException as exc:
+            raise TemporaryError(
+                f"cannot commit offsets of {self.topic} to group {self.group}: {exc.args[0]}"
+            ) from exc
 
     def close(self) -> None:
         self.consumer.close()
@@ -114,6 +139,8 @@ class KafkaBridge(JobService):
         self.connect_deadline_s = connect_deadline_s
         self._waiting: dict[int, float] = {}
         self._published: dict[int, int] = {}
+        self._mirrored: tuple[tuple[int, int], ...] = ()
+        self._expired: list[streams.Gap] = []
         self.log = log.bind(job=job, dataset=dataset, topic=reader.topic, bridge=bridge_id)
 
     def _next(self) -> dict[int, int]:
@@ -143,8 +170,43 @@ class KafkaBridge(JobService):
                 self.log.info("brokers and topic reachable again")
             failing_since = None
             self._cut(marks)
+            await self._follow_checkpoints()
             await self.sleep(self.poll_s)
+        await self._follow_checkpoints()  # the job's last commit
         self.log.info("bridge done", phase=self.state.phase.value)
+
+    async def _follow_checkpoints(self) -> None:
+        """Mirror the committed step's offsets to the group; report expired records."""
+        stream = self.state.data.streams.streams.get(self.dataset)
+        if stream is None:
+            return
+        vector = streams.committed(stream, self.state.ckpt.committed)
+        restore_point = vector or (stream.saved[-1] if stream.saved else None)
+        expired = streams.expired(stream, restore_point)
+        if expired and expired != self._expired:
+            self.log.error(
+                "retention deleted records the restore point has not trained: a restore "
+                "would fail on them; keep the topic longer than the checkpoint interval "
+                "(retention.ms) or checkpoint more often",
+                step=restore_point.step if restore_point else None,
+                deleted=[f"{g.partition}:{g.start}-{g.end}" for g in expired],
+            )
+        self._expired = expired
+        if not self.reader.group or vector is None or vector.offsets == self._mirrored:
+            return
+        try:
+            await asyncio.to_thread(self.reader.commit, vector.offsets)
+        except TemporaryError as exc:
+            self.log.warning(f"{exc}; trying again at the next commit")
+            return
+        say = self.log.debug if self._mirrored else self.log.info  # the first one, then quiet
+        self._mirrored = vector.offsets
+        say(
+            "mirrored the committed offsets to the consumer group",
+            group=self.reader.group,
+            step=vector.step,
+            offsets=dict(vector.offsets),
+        )
 
     def _cut(self, marks: list[ev.Watermark]) -> None:
         shards, self._waiting = cut(

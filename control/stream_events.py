@@ -49,3 +49,21 @@ class StreamShardsAdded(Event, tag="stream_shards", frozen=True, kw_only=True):
     bridge: str
     shards: tuple[StreamShard, ...] = ()
     watermarks: tuple[Watermark, ...] = ()
+
+
+class StreamCheckpointed(Event, tag="stream_checkpointed", frozen=True, kw_only=True):
+    """Rank 0 of the trainers saved `step` (in `round`) with this data position of stream
+    dataset `dataset`: `done` (inclusive key ranges) and `partial` (key, records trained)
+    are the shards of the table trained in the lineage of that step. `newest_ts`: the
+    produce time of the newest record trained in it (0: unknown).
+
+    The master turns it into the topic's offset vector; once the step is committed,
+    the bridge mirrors that vector to the Kafka consumer group (`--group`)."""
+
+    dataset: str
+    client: str
+    step: int
+    round: int = 0
+    done: tuple[tuple[int, int], ...] = ()
+    partial: tuple[tuple[int, int], ...] = ()
+    newest_ts: float = 0.0

@@ -139,6 +139,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.NodePending: lambda e: scaler(e.job),
     ev.DatasetRegistered: lambda e: data(e.job, e.dataset),
     ev.StreamShardsAdded: lambda e: data(e.job, e.dataset),
+    ev.StreamCheckpointed: lambda e: data(e.job, e.dataset),
     ev.ShardRequested: lambda e: data(e.job, e.dataset),
     ev.ShardDone: lambda e: data(e.job, e.dataset),
     ev.ShardLeased: lambda e: data_answer(e.job, e.dataset, e.client),

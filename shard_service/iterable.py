@@ -102,10 +102,14 @@ class LeasedIterable(IterableDataset[Any]):
         self.partial.pop(key, None)
         self.done.add(key)
         self.shards_done += 1
+        # acknowledged on behalf of the worker that holds the lease
+        self._ack_client().done(ev.ShardRef(key, 0), owner)
+
+    def _ack_client(self) -> DataClient:
+        """The main process's data client (acknowledgements and reports)."""
         if self._acks is None:
             self._acks = DataClient.at(self.where, self.name, f"{self.base_client}-main")
-        # acknowledged on behalf of the worker that holds the lease
-        self._acks.done(ev.ShardRef(key, 0), owner)
+        return self._acks
 
     def position(self) -> ev.DataPosition:
         partial = {k: o for k, o in self.partial.items() if k not in self.done}

@@ -48,10 +48,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import msgspec
 import structlog
+import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from rove.checkpoint.api import on_save
 from rove.control import events as ev
 from rove.control.errors import ConfigError
 from rove.shard_service.client import DataClient, dataset_spec, placement
@@ -109,6 +113,7 @@ class StreamIterable(LeasedIterable):
         self.undecodable = 0
         # main process: the produce time of the newest record that reached the loop
         self.newest_ts = 0.0
+        self._unsaved: tuple[ev.DataPosition, float] | None = None
 
     # ------------------------------------------------------------------ worker side
 
@@ -193,6 +198,44 @@ class StreamIterable(LeasedIterable):
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         self.batch_size = batch_size
         return StreamLoader(self, lockstep=lockstep, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position of the lineage (collective under a process group): the
+        topic's offset vector. Rank 0 reports it, with the step the next
+        `FlashCheckpointer.save` puts it in, so that the Kafka bridge can mirror the
+        offsets to the consumer group once that step commits (docs/streaming.md)."""
+        state = super().state_dict()
+        newest = self.newest_ts
+        if _distributed():
+            t = torch.tensor([newest], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            newest = float(t.item())
+        if self.where.rank == 0:
+            position = msgspec.convert(state["position"], ev.DataPosition)
+            if self._unsaved is None:
+                on_save(self._saved)
+            self._unsaved = (position, newest)
+        return state
+
+    def _saved(self, step: int) -> None:
+        """A checkpoint of `step` was saved: report the position it holds, if any."""
+        if self._unsaved is None:
+            return
+        position, newest = self._unsaved
+        self._unsaved = (position, -1.0)  # reported; a later save of it reports again
+        client = self._ack_client()
+        client.send(
+            ev.StreamCheckpointed(
+                **client.envelope(),
+                dataset=self.name,
+                client=client.client,
+                step=step,
+                round=self.where.round,
+                done=position.done,
+                partial=tuple((r.key, r.offset) for r in position.partial),
+                newest_ts=max(0.0, newest),
+            )
+        )
 
     def _delivered(
         self, keys: list[int], positions: list[int], lasts: list[bool], owners: list[str]

@@ -453,6 +453,16 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
             shards=(ev.StreamShard(0, 0, 256), ev.StreamShard(1, 0, 40)),
             watermarks=(ev.Watermark(0, 0, 300), ev.Watermark(1, 0, 40)),
         ),
+        ev.StreamCheckpointed(
+            **ev.envelope(job, "data:n0-r0-main", 101.0, "n0-r0-main", 1),
+            dataset="clicks",
+            client="n0-r0-main",
+            step=12,
+            round=1,
+            done=((0, 0),),
+            partial=((1, 7),),
+            newest_ts=100.5,
+        ),
     ]
 
 

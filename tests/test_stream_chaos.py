@@ -24,6 +24,7 @@ import pytest
 
 from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.master import streams
 from tests.kafkamock import ClickStream
 from tests.lineage import lineage, rows
 from tests.support import (
@@ -34,6 +35,7 @@ from tests.support import (
     RunProc,
     eventually,
     finished,
+    fold_records,
     pid_alive,
     stored_events,
 )
@@ -44,6 +46,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SCRIPT = ROOT / "examples" / "online.py"
 RECORDS, RATE = 2400, 60.0
 JOB = "stream-chaos"
+GROUP = "online-dashboard"
 
 
 def trained(trace: Path) -> int:
@@ -76,6 +79,31 @@ async def test_a_stream_scales_from_two_nodes_to_one_and_back(bus: Bus, tmp_path
     assert 2 in worlds and worlds[-1] == 4, f"scaled 4 -> 2 -> 4 ranks: {worlds}"
 
 
+def group_offsets(bootstrap: str, partitions: list[int]) -> dict[int, int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": GROUP})
+    try:
+        got = consumer.committed([TopicPartition("clicks", p) for p in partitions], timeout=10)
+        return {tp.partition: tp.offset for tp in got}
+    finally:
+        consumer.close()
+
+
+async def mirrored_the_committed_checkpoint(bus: Bus, bootstrap: str) -> None:
+    """The consumer group holds the offset vector of the job's committed step, which
+    trails what the lineage trained; the status has the freshness of the training."""
+    state = fold_records(await stored_events(bus, JOB), JOB)
+    stream = state.data.streams.streams["clicks"]
+    vector = streams.committed(stream, state.ckpt.committed)
+    assert vector is not None, "a step committed, and its offsets were saved with it"
+    assert sum(o for _, o in vector.offsets) > 0
+    await eventually(
+        lambda: group_offsets(bootstrap, list(stream.next)) == dict(vector.offsets), timeout=30
+    )
+    assert streams.freshness(stream) is not None
+
+
 async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]) -> list[int]:
     """Run the job while the stream is produced, doing each (action, at records trained)
     of `plan`; check the lineage; return the world size of each round."""
@@ -94,7 +122,7 @@ async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
             name,
             tmp_path,
             *("--bootstrap", stream.bootstrap, "--topic", "clicks", "--shard-records", "24"),
-            *("--linger", "0.5", "--poll", "0.25"),
+            *("--linger", "0.5", "--poll", "0.25", "--group", GROUP),
         )
 
     def agent(node: str, name: str) -> RunProc:
@@ -171,5 +199,6 @@ async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
             r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DataRestored)
         ]
         assert any(e.step for e in restored), "a round resumed the stream from a checkpoint"
+    await mirrored_the_committed_checkpoint(bus, stream.bootstrap)
     by_round = {r["round"]: r["world"] for r in rows(trace) if "world" in r}
     return [by_round[k] for k in sorted(by_round)]

@@ -109,3 +109,86 @@ def test_cutting_as_records_arrive_covers_every_offset_once_in_order(
         assert covered == list(range(h)), (p, mine)
         assert all(s.records <= shard_records for s in mine)
     assert not stream.gaps
+
+
+def saved(
+    step: int,
+    done: tuple[tuple[int, int], ...],
+    partial: tuple[tuple[int, int], ...] = (),
+    *,
+    ts: float = 20.0,
+    newest: float = 17.5,
+) -> ev.StreamCheckpointed:
+    return ev.StreamCheckpointed(
+        **ev.envelope(factories.JOB, "data:n0-r0-main", ts, "n0-r0-main", step),
+        dataset="clicks",
+        client="n0-r0-main",
+        step=step,
+        round=1,
+        done=done,
+        partial=partial,
+        newest_ts=newest,
+    )
+
+
+def table() -> streams.StreamState:
+    # keys: 0 = p0 0-10, 1 = p1 0-5, 2 = p0 10-20, 3 = p1 5-9
+    return streams.on_shards(
+        streams.StreamState(),
+        ev.StreamShardsAdded(
+            **ev.envelope(factories.JOB, "bridge:b1", 1.0, "stream", 0),
+            dataset="clicks",
+            topic="clicks",
+            bridge="b1",
+            shards=(
+                ev.StreamShard(0, 0, 10),
+                ev.StreamShard(1, 0, 5),
+                ev.StreamShard(0, 10, 20),
+                ev.StreamShard(1, 5, 9),
+            ),
+            watermarks=(W(0, 0, 20), W(1, 0, 9)),
+        ),
+    )
+
+
+def test_a_saved_position_becomes_the_offset_vector_of_the_first_untrained_records() -> None:
+    s = table()
+    # p0: shard 0 done, shard 2 trained 4 records in -> 14; p1: shard 1 not done -> 0
+    s = streams.on_checkpointed(s, saved(7, done=((0, 0),), partial=((2, 4),)))
+    st_ = s.streams["clicks"]
+    assert st_.saved[-1].offsets == ((0, 14), (1, 0))
+    # everything done: each partition's vector is the end of its last shard
+    s = streams.on_checkpointed(s, saved(9, done=((0, 3),)))
+    assert s.streams["clicks"].saved[-1].offsets == ((0, 20), (1, 9))
+    # a partition whose first shard is done and second untouched starts at the second
+    s = streams.on_checkpointed(s, saved(11, done=((0, 1),)))
+    assert s.streams["clicks"].saved[-1].offsets == ((0, 10), (1, 5))
+
+
+def test_the_committed_step_names_its_vector_and_freshness_is_produce_to_save() -> None:
+    s = streams.on_checkpointed(table(), saved(7, done=((0, 0),)))
+    s = streams.on_checkpointed(s, saved(8, done=((0, 1),), ts=30.0, newest=29.0))
+    st_ = s.streams["clicks"]
+    vector = streams.committed(st_, 7)
+    assert vector is not None and vector.offsets == ((0, 10), (1, 0))
+    assert streams.committed(st_, None) is None and streams.committed(st_, 99) is None
+    assert streams.freshness(st_) == 1.0
+    # a position of a dataset nobody cut is ignored
+    assert len(streams.on_checkpointed(streams.StreamState(), saved(1, done=())).streams) == 0
+
+
+def test_records_retention_deleted_before_the_restore_point_trained_them_are_named() -> None:
+    s = streams.on_checkpointed(table(), saved(7, done=((0, 0),)))  # p0 10, p1 0
+    s = streams.on_shards(
+        s,
+        ev.StreamShardsAdded(
+            **ev.envelope(factories.JOB, "bridge:b1", 2.0, "stream", 1),
+            dataset="clicks",
+            topic="clicks",
+            bridge="b1",
+            watermarks=(W(0, 8, 20), W(1, 3, 9)),  # p1's first 3 records are gone
+        ),
+    )
+    st_ = s.streams["clicks"]
+    assert streams.expired(st_, streams.committed(st_, 7)) == [streams.Gap(1, 0, 3)]
+    assert streams.expired(st_, None) == []

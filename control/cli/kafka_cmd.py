@@ -37,6 +37,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--topic", required=True, help="the topic to stream")
     p.add_argument("--dataset", help="the dataset name trainers ask for (default: the topic)")
     p.add_argument(
+        "--group",
+        default="",
+        help="mirror the offsets of each committed checkpoint to this Kafka consumer group "
+        "(for lag dashboards; restores never read it)",
+    )
+    p.add_argument(
         "--shard-records",
         type=int,
         default=256,
@@ -88,7 +94,7 @@ async def _run(args: argparse.Namespace, bridge_id: str, dataset: str) -> int:
         ) from exc
     options = common.bus_options(args, name=f"rove-bridge-{bridge_id}", job=args.job, daemon=True)
     bus = await Bus.connect(options)
-    reader = BrokerReader(args.bootstrap, args.topic)
+    reader = BrokerReader(args.bootstrap, args.topic, group=args.group)
     bridge = KafkaBridge(
         bus,
         args.job,

@@ -122,7 +122,10 @@ def status_view(
         },
         "datasets": [_dataset_view(state.data, ds) for ds in state.data.datasets.values()],
         "scaling": _scaling_view(state, decided.scale_waiting, now),
-        "streams": [_stream_view(st, now) for st in state.data.streams.streams.values()],
+        "streams": [
+            _stream_view(st, now, state.ckpt.committed)
+            for st in state.data.streams.streams.values()
+        ],
         "network_check": (
             {
                 "done": r.check.done,
@@ -278,8 +281,11 @@ def _scaling_lines(sc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _stream_view(st: Any, now: float) -> dict[str, Any]:
+def _stream_view(st: Any, now: float, committed: int | None) -> dict[str, Any]:
     lag = streams.lag(st)
+    vector = streams.committed(st, committed)
+    trained = dict(st.saved[-1].offsets) if st.saved else {}
+    fresh = streams.freshness(st)
     return {
         "dataset": st.dataset,
         "topic": st.topic,
@@ -290,9 +296,17 @@ def _stream_view(st: Any, now: float) -> dict[str, Any]:
                 "high": w.high,
                 "cut": st.next.get(w.partition, w.low),
                 "lag": lag[w.partition],
+                "trained": trained.get(w.partition),
             }
             for w in st.watermarks
         },
+        "saved_step": st.saved[-1].step if st.saved else None,
+        "freshness_s": round(fresh, 2) if fresh is not None else None,
+        "committed_offsets": dict(vector.offsets) if vector is not None else None,
+        "expired": [
+            [g.partition, g.start, g.end]
+            for g in streams.expired(st, vector or (st.saved[-1] if st.saved else None))
+        ],
         "gaps": [list(g) for g in st.gaps],
         "gap_records": st.gap_records,
         "last_cut_age_s": round(now - st.last_ts, 1) if st.last_ts else None,
@@ -310,10 +324,28 @@ def _stream_line(st: dict[str, Any]) -> str:
         else ""
     )
     age = f", last cut {st['last_cut_age_s']:g}s ago" if st["last_cut_age_s"] is not None else ""
-    return (
+    line = (
         f"stream {st['dataset']} (topic {st['topic']}): {st['shards']} shards, "
         f"{st['records']} records cut{age}; by partition, cut/high: {parts or 'none yet'}{gaps}"
     )
+    if st["saved_step"] is not None:
+        trained = "; ".join(
+            f"p{p} {v['trained']}"
+            for p, v in sorted(st["partitions"].items(), key=lambda kv: int(kv[0]))
+            if v["trained"] is not None
+        )
+        fresh = (
+            f", freshness {st['freshness_s']:g}s (produced to trained)"
+            if st["freshness_s"] is not None
+            else ""
+        )
+        line += f"\n  trained up to (step {st['saved_step']}): {trained}{fresh}"
+    for p, start, end in st["expired"]:
+        line += (
+            f"\n  ERROR: retention deleted p{p} {start}-{end} before the restore point "
+            "trained it: a restore would fail; keep the topic longer"
+        )
+    return line
 
 
 def _dataset_line(ds: dict[str, Any]) -> str:

@@ -232,6 +232,10 @@ def on_stream_shards(d: DataState, e: ev.StreamShardsAdded) -> DataState:
     return replace(d, streams=streams.on_shards(d.streams, e))
 
 
+def on_stream_checkpointed(d: DataState, e: ev.StreamCheckpointed) -> DataState:
+    return replace(d, streams=streams.on_checkpointed(d.streams, e))
+
+
 def on_leased(d: DataState, e: ev.ShardLeased) -> DataState:
     ds = d.datasets.get(e.dataset)
     if ds is None:

@@ -24,9 +24,13 @@ import msgspec
 from msgspec.structs import replace
 
 from rove.control import events as ev
+from rove.control import shards
 
 #: Gaps kept for `rove status` (their count is unbounded).
 RECENT_GAPS = 20
+#: Saved offset vectors kept per stream: a step is committed a few saves after it is
+#: saved, so the newest ones suffice to find the one a commit names.
+RECENT_SAVES = 64
 
 
 class Gap(msgspec.Struct, frozen=True, array_like=True):
@@ -35,6 +39,17 @@ class Gap(msgspec.Struct, frozen=True, array_like=True):
     partition: int
     start: int
     end: int
+
+
+class Saved(msgspec.Struct, frozen=True, array_like=True):
+    """The topic's offset vector in the lineage of `step` (saved in `round`): per partition,
+    the first offset not trained (what a Kafka consumer group would commit)."""
+
+    step: int
+    round: int
+    offsets: tuple[tuple[int, int], ...]
+    ts: float
+    newest_ts: float
 
 
 class Stream(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +65,8 @@ class Stream(msgspec.Struct, frozen=True, kw_only=True):
     last_ts: float = 0.0
     #: events whose topic did not match the dataset's (ignored)
     conflicts: int = 0
+    #: the newest offset vectors trainers saved in checkpoints (oldest first)
+    saved: tuple[Saved, ...] = ()
 
 
 class StreamState(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,3 +119,53 @@ def lag(stream: Stream) -> Mapping[int, int]:
         w.partition: max(0, w.high - max(stream.next.get(w.partition, w.low), w.low))
         for w in stream.watermarks
     }
+
+
+def on_checkpointed(s: StreamState, e: ev.StreamCheckpointed) -> StreamState:
+    stream = s.streams.get(e.dataset)
+    if stream is None:
+        return s  # a position of a table nobody cut (cannot be turned into offsets)
+    position = ev.DataPosition(done=e.done, partial=tuple(ev.ShardRef(k, o) for k, o in e.partial))
+    saved = Saved(e.step, e.round, offsets(stream, position), e.ts, e.newest_ts)
+    return _put(s, replace(stream, saved=(*stream.saved, saved)[-RECENT_SAVES:]))
+
+
+def offsets(stream: Stream, position: ev.DataPosition) -> tuple[tuple[int, int], ...]:
+    """Per partition, the first offset the lineage of `position` has not trained: the start
+    (plus what was trained of it) of the partition's first shard not done, else the end of
+    the partition's last shard."""
+    done = set(shards.from_ranges(position.done))
+    partial = {r.key: r.offset for r in position.partial}
+    first: dict[int, int] = {}
+    for key in range(stream.count):  # keys of a partition follow its offsets
+        shard = stream.shards[key]
+        if shard.partition not in first and key not in done:
+            first[shard.partition] = shard.start + partial.get(key, 0)
+        if len(first) == len(stream.next):
+            break
+    return tuple(sorted((p, first.get(p, end)) for p, end in stream.next.items()))
+
+
+def committed(stream: Stream, step: int | None) -> Saved | None:
+    """The offset vector of the committed `step`: the newest saved with that step."""
+    if step is None:
+        return None
+    return next((v for v in reversed(stream.saved) if v.step == step), None)
+
+
+def freshness(stream: Stream) -> float | None:
+    """Seconds from producing the newest trained record to the save that covered it, at
+    the newest save (None: nothing saved, or no produce times)."""
+    last = stream.saved[-1] if stream.saved else None
+    if last is None or last.newest_ts <= 0:
+        return None
+    return max(0.0, last.ts - last.newest_ts)
+
+
+def expired(stream: Stream, vector: Saved | None) -> list[Gap]:
+    """Records of `vector`'s lineage not trained yet that the broker no longer keeps
+    (retention shorter than the restore interval): a restore to it would need them."""
+    if vector is None:
+        return []
+    low = {w.partition: w.low for w in stream.watermarks}
+    return [Gap(p, at, low[p]) for p, at in vector.offsets if p in low and low[p] > at]
