@@ -1,11 +1,19 @@
-"""Reading a leased stream shard from Kafka: exactly its offset range, no consumer group.
+"""Reading leased stream shards from Kafka: exactly their offset ranges, no consumer group.
 
-`RangeReader.read(shard, offset)` assigns the shard's partition at
-`shard.start + offset` (`assign` + `seek`: no group membership, so no
-rebalance ever moves data between trainers) and yields its records up to
-`shard.end`. Positions count records from the range's start, as the data
-position does (`ShardRef.offset`), so a partly trained shard resumes where the
-restored checkpoint stood.
+`RangeReader.read(shard, offset)` yields the records of the shard's partition
+from `shard.start + offset` up to `shard.end` (`assign` + `seek`: no group
+membership, so no rebalance ever moves data between trainers). Positions
+count records from the range's start, as the data position does
+(`ShardRef.offset`), so a partly trained shard resumes where the restored
+checkpoint stood.
+
+A reader keeps every partition it has read assigned, so that librdkafka goes
+on fetching in the background: a range that continues where the partition's
+last range ended is read on without a seek, and `prepare(ranges)` starts
+fetching the ranges a worker holds next before it reads them. A range that
+starts elsewhere is a seek. Records fetched for a partition other than the
+one being read wait in a bounded buffer (the partition is paused while its
+buffer is full).
 
 Records the broker no longer keeps (retention deleted them before they were
 trained) are not silently skipped: `read` raises `DataError` naming the
@@ -17,10 +25,11 @@ transaction markers removed are simply absent; the range still ends at `end`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import cast
 
-import msgspec
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from rove.control import events as ev
 from rove.control import logs
@@ -31,15 +40,45 @@ from rove.shard_service.keeper import DataError
 _LIBRDKAFKA = logs.silent("rove.kafka.librdkafka")
 
 
-class Record(msgspec.Struct, frozen=True, array_like=True):
-    """One record of a shard: its position in the shard, offset, key, value, and when
-    it was produced (seconds since the epoch, 0 if unknown)."""
+def _offset(msg: Message) -> int:
+    """A record's offset (a message read from a partition always has one)."""
+    return cast(int, msg.offset())
 
-    position: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    ts: float
+
+class Record:
+    """One record of a shard: its `position` in the shard (`offset - start`), `offset`,
+    `key`, `value`, and `ts`, when it was produced (seconds since the epoch, 0 if
+    unknown). A view of the Kafka message: each field is read when asked."""
+
+    __slots__ = ("_msg", "_start")
+
+    def __init__(self, msg: Message, start: int) -> None:
+        self._msg = msg
+        self._start = start
+
+    @property
+    def offset(self) -> int:
+        return _offset(self._msg)
+
+    @property
+    def position(self) -> int:
+        return _offset(self._msg) - self._start
+
+    @property
+    def key(self) -> bytes | None:
+        return self._msg.key()
+
+    @property
+    def value(self) -> bytes | None:
+        return self._msg.value()
+
+    @property
+    def ts(self) -> float:
+        kind, ms = self._msg.timestamp()
+        return ms / 1000 if kind else 0.0
+
+    def __repr__(self) -> str:
+        return f"Record(partition={self._msg.partition()}, offset={self.offset})"
 
 
 def expired(low: int, shard: ev.StreamShard, offset: int) -> str | None:
@@ -57,65 +96,193 @@ def expired(low: int, shard: ev.StreamShard, offset: int) -> str | None:
 
 class RangeReader:
     def __init__(
-        self, bootstrap: str, topic: str, *, poll_s: float = 1.0, stall_s: float = 60.0
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        poll_s: float = 1.0,
+        stall_s: float = 60.0,
+        batch: int = 1000,
+        buffer_bytes: int = 1 << 20,
     ) -> None:
         self.topic = topic
         self.poll_s = poll_s
         self.stall_s = stall_s
+        self.batch = batch
+        self.buffer_bytes = buffer_bytes
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
                 "group.id": f"rove-reader-{topic}",  # required by the client; never joined
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,
+                # an offset the broker no longer keeps is an error, never a silent jump
+                "auto.offset.reset": "error",
+                # a fetch waiting for new data holds back the next range's start
+                "fetch.wait.max.ms": 20,
+                # what librdkafka prefetches for all assigned partitions together
+                "queued.max.messages.kbytes": 32768,
                 "logger": _LIBRDKAFKA,
             }
         )
+        #: partition -> the offset below which every record was read or dropped: the
+        #: records from there on come from the buffer, then from the consumer
+        self._next: dict[int, int] = {}
+        self._buffer: dict[int, deque[Message]] = {}
+        self._buffered_bytes: dict[int, int] = {}
+        self._paused: set[int] = set()
+        #: partitions of the ranges to be read next (`prepare`)
+        self._planned: set[int] = set()
+        #: an error librdkafka reported for a partition not being read: raised when it is
+        self._failed: dict[int, KafkaError] = {}
+
+    def prepare(self, ranges: Iterable[tuple[ev.StreamShard, int]]) -> None:
+        """The `(shard, offset)` ranges to be read next, in order: each partition fetches
+        from where the first of its ranges starts, while the range being read goes on.
+        A partition none of them needs buffers little (another reader may hold its next
+        ranges) before it pauses."""
+        firsts: dict[int, int] = {}
+        for shard, offset in ranges:
+            if shard.start + offset < shard.end:
+                firsts.setdefault(shard.partition, shard.start + offset)
+        for p, at in firsts.items():
+            self._position(p, at)
+        self._planned = set(firsts)
 
     def read(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[Record]:
-        """The records of `shard` from position `offset` on, in order.
+        """The records of `shard` from position `offset` on, one by one."""
+        for chunk in self.chunks(shard, offset):
+            yield from chunk
+
+    def chunks(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[list[Record]]:
+        """The records of `shard` from position `offset` on, in lists as they arrive.
 
         Raises:
-            DataError: the records were deleted by retention, or the broker sent
-                nothing for `stall_s` while the range was not done.
+            DataError: records of the range were deleted by retention, the range stopped
+                arriving for `stall_s`, or the broker failed the partition.
         """
-        if shard.start + offset >= shard.end:
+        first, p = shard.start + offset, shard.partition
+        if first >= shard.end:
             return
-        tp = TopicPartition(self.topic, shard.partition)
-        try:
-            low, _high = self.consumer.get_watermark_offsets(tp, timeout=10.0)
-        except KafkaException as exc:
-            raise DataError(f"cannot read partition {shard.partition}: {exc.args[0]}") from exc
-        problem = expired(low, shard, offset)
-        if problem is not None:
-            raise DataError(f"topic {self.topic}: {problem}")
-        self.consumer.assign([TopicPartition(self.topic, shard.partition, shard.start + offset)])
+        self._position(p, first)
+        buffer = self._buffer[p]
         last_progress = time.monotonic()
-        try:
-            while True:
-                msg = self.consumer.poll(self.poll_s)
-                error = msg.error() if msg is not None else None
-                if msg is None or (error is not None and error.code() == KafkaError._PARTITION_EOF):
-                    if time.monotonic() - last_progress > self.stall_s:
-                        raise DataError(
-                            f"topic {self.topic}: no record of partition {shard.partition} "
-                            f"came for {self.stall_s:g}s, though the range ends at {shard.end}"
-                        )
-                    continue
-                if error is not None:
-                    raise DataError(f"topic {self.topic}: {error}")
-                at = msg.offset()
-                if at is None or at >= shard.end:
+        while True:
+            if not buffer:
+                self._fetch(p, shard, offset)
+            if buffer:
+                chunk, ended = self._take(buffer, shard)
+                if chunk:
+                    last_progress = time.monotonic()
+                    self._next[p] = chunk[-1].offset + 1
+                    yield chunk
+                if ended or self._next[p] >= shard.end:
+                    self._next[p] = shard.end
                     return
-                last_progress = time.monotonic()
-                kind, ms = msg.timestamp()
-                yield Record(
-                    at - shard.start, at, msg.key(), msg.value(), ms / 1000 if kind else 0.0
+            elif time.monotonic() - last_progress > self.stall_s:
+                raise DataError(
+                    f"topic {self.topic}: no record of partition {p} came for "
+                    f"{self.stall_s:g}s, though the range ends at {shard.end}"
                 )
-                if at + 1 >= shard.end:
-                    return
-        finally:
-            self.consumer.unassign()
+
+    def _position(self, p: int, first: int) -> None:
+        """Make offset `first` the next record partition `p` delivers, and fetch it."""
+        if p not in self._next:
+            self.consumer.incremental_assign([TopicPartition(self.topic, p, first)])
+            self._next[p] = first
+            self._buffer[p] = deque()
+            self._buffered_bytes[p] = 0
+            return
+        if self._next[p] != first:  # not where the partition's last range ended: a seek
+            self._buffer[p].clear()
+            self._buffered_bytes[p] = 0
+            self._failed.pop(p, None)
+            self._resume(p)
+            at = TopicPartition(self.topic, p, first)
+            try:
+                self.consumer.seek(at)
+            except KafkaException:  # a partition not fetching yet cannot seek: assign anew
+                self.consumer.incremental_unassign([TopicPartition(self.topic, p)])
+                self.consumer.incremental_assign([at])
+            self._next[p] = first
+        elif self._buffered_bytes[p] < self.buffer_bytes // 2:
+            self._resume(p)
+
+    def _take(self, buffer: deque[Message], shard: ev.StreamShard) -> tuple[list[Record], bool]:
+        """The buffered records of `shard`'s range (and whether it ended): they leave the
+        buffer; records past the range stay for the next one."""
+        end, start, p = shard.end, shard.start, shard.partition
+        if _offset(buffer[-1]) < end:
+            msgs, ended = list(buffer), False
+            buffer.clear()
+        else:
+            cut = next(i for i, m in enumerate(buffer) if _offset(m) >= end)
+            msgs, ended = [buffer.popleft() for _ in range(cut)], True
+        if self._buffered_bytes[p]:  # records kept while another partition was read
+            self._buffered_bytes[p] = max(0, self._buffered_bytes[p] - sum(map(len, msgs)))
+            if p in self._paused and self._buffered_bytes[p] < self.buffer_bytes // 2:
+                self._resume(p)
+        return [Record(m, start) for m in msgs], ended
+
+    def _fetch(self, reading: int, shard: ev.StreamShard, offset: int) -> None:
+        """One `consume`: records go to their partitions' buffers (errors of the partition
+        being read are raised, those of others kept for when they are read)."""
+        if reading in self._failed:
+            raise self._error(self._failed.pop(reading), shard, offset)
+        # what is fetched already, at once; else wait for the next record (a batch
+        # `consume` would wait for a whole batch, holding fresh records back)
+        got = self.consumer.consume(num_messages=self.batch, timeout=0)
+        if not got:
+            got = self.consumer.consume(num_messages=1, timeout=self.poll_s)
+        # (librdkafka drops what it fetched before a seek: every record here is current)
+        others: set[int] = set()
+        for msg in got:
+            p = cast(int, msg.partition())
+            if msg.error() is not None:
+                self._failure(msg, reading, shard, offset)
+            elif p == reading:
+                self._buffer[p].append(msg)
+            else:  # kept for later: counted against the buffer's bound
+                self._buffer[p].append(msg)
+                self._buffered_bytes[p] += len(msg)
+                others.add(p)
+        for p in others:
+            bound = self.buffer_bytes if p in self._planned else self.buffer_bytes // 32
+            if self._buffered_bytes[p] > bound:
+                self._pause(p)
+
+    def _failure(self, msg: Message, reading: int, shard: ev.StreamShard, offset: int) -> None:
+        """An error librdkafka delivered: raised if it is the partition being read's,
+        else kept for when that partition is read."""
+        error, p = cast(KafkaError, msg.error()), msg.partition()
+        if error.code() == KafkaError._PARTITION_EOF:
+            return
+        if p == reading or p is None or p < 0:
+            raise self._error(error, shard, offset)
+        self._failed[p] = error
+
+    def _pause(self, p: int) -> None:
+        if p not in self._paused:
+            self.consumer.pause([TopicPartition(self.topic, p)])
+            self._paused.add(p)
+
+    def _resume(self, p: int) -> None:
+        if p in self._paused:
+            self.consumer.resume([TopicPartition(self.topic, p)])
+            self._paused.discard(p)
+
+    def _error(self, error: KafkaError, shard: ev.StreamShard, offset: int) -> DataError:
+        if error.code() == KafkaError._AUTO_OFFSET_RESET:  # the offset is out of range
+            try:
+                low, _high = self.consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, shard.partition), timeout=10.0
+                )
+            except KafkaException as exc:
+                return DataError(f"cannot read partition {shard.partition}: {exc.args[0]}")
+            problem = expired(low, shard, offset)
+            if problem is not None:
+                return DataError(f"topic {self.topic}: {problem}")
+        return DataError(f"topic {self.topic}, partition {shard.partition}: {error}")
 
     def close(self) -> None:
         self.consumer.close()

@@ -66,11 +66,54 @@ from rove.shard_service.sampler import _distributed, deliveries
 
 log = structlog.get_logger("rove.data")
 
-# sample, shard key, position in the shard, (partition, offset), last of its shard, worker,
-# produce time (seconds since the epoch; 0 when the broker gave none)
-Tagged = tuple[Any, int, int, tuple[int, int], bool, str, float]
-#: `_samples` says it is about to wait for the stream: a partly filled batch goes out.
-_FLUSH = None
+
+class _Batch(NamedTuple):
+    """A batch as it crosses from a loader worker: the samples, where each came from,
+    and per shard in it the position delivered up to and whether that ends the shard."""
+
+    samples: Any  # None for an idle tick
+    where: list[tuple[int, int]]  # (partition, offset) of each sample
+    progress: list[tuple[int, int, bool]]  # (shard key, next position, shard complete)
+    owner: str  # the loader worker's data client, which holds the leases
+    newest_ts: float  # produce time of the newest record (0 when unknown)
+
+
+class _Filling:
+    """The batch a loader worker is filling."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.clear()
+
+    def clear(self) -> None:
+        self.samples: list[Any] = []
+        self.where: list[tuple[int, int]] = []
+        self.progress: dict[int, tuple[int, bool]] = {}
+        self.newest_ts = 0.0
+
+    def add(
+        self, key: int, partition: int, samples: list[Any], records: list[Record], last: bool
+    ) -> None:
+        """`samples` decoded from `records` of shard `key`; `last`: its range ends here."""
+        self.samples.extend(samples)
+        self.where.extend([(partition, r.offset) for r in records])
+        self.progress[key] = (records[-1].position + 1, last)
+        # the newest record of a partition is its last: its produce time is the batch's
+        self.newest_ts = max(self.newest_ts, records[-1].ts)
+
+    def take(self) -> _Batch:
+        batch = _Batch(
+            default_collate(self.samples),  # type: ignore[no-untyped-call]
+            self.where,
+            [(key, nxt, last) for key, (nxt, last) in self.progress.items()],
+            self.owner,
+            self.newest_ts,
+        )
+        self.clear()
+        return batch
+
+
+_IDLE_TICK = _Batch(None, [], [], "", 0.0)
 
 
 def _value(record: Record) -> Any:
@@ -117,75 +160,108 @@ class StreamIterable(LeasedIterable):
 
     # ------------------------------------------------------------------ worker side
 
-    def __iter__(self) -> Iterator[list[Tagged]]:
+    def __iter__(self) -> Iterator[_Batch]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
         client = DataClient.at(self.where, self.name, f"{self.base_client}-w{worker}")
         reader = RangeReader(self.bootstrap, self.topic)
         try:
-            batch: list[Tagged] = []
-            ticked = time.monotonic()
-            for item in self._samples(client, reader):
-                if item is not _FLUSH:
-                    batch.append(item)
-                if batch and (item is _FLUSH or len(batch) >= self.batch_size):
-                    yield batch
-                    batch, ticked = [], time.monotonic()
-                elif item is _FLUSH and time.monotonic() - ticked >= self.idle_s:
-                    yield []  # an idle tick: nothing to read now
-                    ticked = time.monotonic()
+            yield from self._batches(client, reader)
         finally:
             reader.close()
             client.close()
 
-    def _samples(self, c: DataClient, reader: RangeReader) -> Iterator[Tagged | None]:
+    def _batches(self, c: DataClient, reader: RangeReader) -> Iterator[_Batch]:
         keeper = self._keeper(c)
         held: list[ev.ShardRef] = []
         recent: deque[int] = deque(maxlen=4 * MAX_AHEAD)
+        batch = _Filling(c.client)
+        ticked = time.monotonic()
         while True:
             keeper.top_up(len(held), [*(r.key for r in held), *recent])
-            if not held:
-                yield _FLUSH  # about to wait: what is batched goes out now
+            if not held:  # about to wait for the stream: what is batched goes out now
+                if batch.samples:
+                    yield batch.take()
+                    ticked = time.monotonic()
+                elif time.monotonic() - ticked >= self.idle_s:
+                    yield _IDLE_TICK  # nothing to read now
+                    ticked = time.monotonic()
             held.extend(keeper.poll(wait=not held and bool(keeper.outstanding)))
             if not held:
                 if not keeper.outstanding:
                     time.sleep(0.05)  # nothing cut yet: the keeper asks again shortly
                 continue
+            # this range and those held next are fetched while it is read
+            reader.prepare((keeper.ranges[r.key], r.offset) for r in held)
             ref = held.pop(0)
             recent.append(ref.key)
             shard = keeper.ranges[ref.key]
-            yield from self._shard(c, ref, shard, reader)
+            for _full in self._shard(c, ref, shard, reader, batch):
+                yield batch.take()
+                ticked = time.monotonic()
             keeper.measure(shard.records - ref.offset)
 
     def _shard(
-        self, c: DataClient, ref: ev.ShardRef, shard: ev.StreamShard, reader: RangeReader
-    ) -> Iterator[Tagged]:
-        pending: Tagged | None = None
-        for record in reader.read(shard, ref.offset):
-            try:
-                sample = self.decode(record)
-            except Exception as exc:  # noqa: BLE001 - the user's decoder: anything may go wrong
-                self.undecodable += 1
-                log.warning(
-                    "undecodable record skipped (dead letter)",
-                    dataset=self.name,
-                    topic=self.topic,
-                    partition=shard.partition,
-                    offset=record.offset,
-                    error=repr(exc)[:300],
-                    undecodable=self.undecodable,
-                )
-                continue
-            if pending is not None:
-                yield pending
-            where = (shard.partition, record.offset)
-            pending = (sample, ref.key, record.position, where, False, c.client, record.ts)
-        if pending is not None:
-            yield (*pending[:4], True, *pending[5:])
+        self,
+        c: DataClient,
+        ref: ev.ShardRef,
+        shard: ev.StreamShard,
+        reader: RangeReader,
+        batch: _Filling,
+    ) -> Iterator[None]:
+        """Decode the records of `ref` into `batch`, yielding whenever it is full. The
+        last decoded record waits for the next: whichever turns out to be the range's
+        last carries the news that the shard is complete."""
+        key, partition, size = ref.key, shard.partition, self.batch_size
+        samples: list[Any] = []
+        records: list[Record] = []
+        for chunk in reader.chunks(shard, ref.offset):
+            got, kept = self._decode(chunk, partition)
+            samples.extend(got)
+            records.extend(kept)
+            # all but the newest record go out, a batch's room at a time
+            while len(samples) > 1:
+                room = min(size - len(batch.samples), len(samples) - 1)
+                batch.add(key, partition, samples[:room], records[:room], False)
+                del samples[:room], records[:room]
+                if len(batch.samples) >= size:
+                    yield
+        if samples:
+            batch.add(key, partition, samples, records, True)
+            if len(batch.samples) >= size:
+                yield
         else:
             # nothing of this range reached the loop (all skipped): it is trained as
             # far as it can be
             c.done(ref)
+
+    def _decode(self, chunk: list[Record], partition: int) -> tuple[list[Any], list[Record]]:
+        """The samples of the records `decode` reads, and those records."""
+        try:
+            return [self.decode(r) for r in chunk], chunk
+        except Exception:  # noqa: BLE001 - the user's decoder: anything may go wrong
+            pass  # one record or more is bad: find which, one by one
+        samples, kept = [], []
+        for record in chunk:
+            try:
+                samples.append(self.decode(record))
+            except Exception as exc:  # noqa: BLE001 - the user's decoder
+                self._undecodable(partition, record, exc)
+                continue
+            kept.append(record)
+        return samples, kept
+
+    def _undecodable(self, partition: int, record: Record, exc: Exception) -> None:
+        self.undecodable += 1
+        log.warning(
+            "undecodable record skipped (dead letter)",
+            dataset=self.name,
+            topic=self.topic,
+            partition=partition,
+            offset=record.offset,
+            error=repr(exc)[:300],
+            undecodable=self.undecodable,
+        )
 
     # ------------------------------------------------------------------ main process
 
@@ -237,41 +313,17 @@ class StreamIterable(LeasedIterable):
             )
         )
 
-    def _delivered(
-        self, keys: list[int], positions: list[int], lasts: list[bool], owners: list[str]
-    ) -> None:
-        for key, pos, last, owner in zip(keys, positions, lasts, owners, strict=True):
+    def _delivered(self, progress: list[tuple[int, int, bool]], owner: str) -> None:
+        for key, nxt, last in progress:
             if key in self.done:
                 continue
-            self._advance(key, pos)
+            self._advance(key, nxt - 1)
             if last:
                 self._finish(key, owner)
 
 
-class _Batch(NamedTuple):
-    """A batch as it crosses from a loader worker: the samples and their tags."""
-
-    samples: Any  # None for an idle tick
-    keys: list[int]
-    positions: list[int]
-    where: list[tuple[int, int]]
-    lasts: list[bool]
-    owners: list[str]
-    newest_ts: float
-
-
-def _collate(items: list[Tagged]) -> _Batch:
-    if not items:
-        return _Batch(None, [], [], [], [], [], 0.0)
-    return _Batch(
-        default_collate([t[0] for t in items]),  # type: ignore[no-untyped-call]
-        [t[1] for t in items],
-        [t[2] for t in items],
-        [t[3] for t in items],
-        [t[4] for t in items],
-        [t[5] for t in items],
-        max(t[6] for t in items),
-    )
+def _as_is(batch: Any) -> Any:
+    return batch  # the loader workers collate (`_Filling.take`)
 
 
 def _setting(given: str | None, env: str, what: str) -> str:
@@ -296,7 +348,7 @@ class StreamLoader:
         # stream must not hold back the batches the others have ready.
         kwargs.setdefault("in_order", False)
         # the workers batch (`StreamIterable.__iter__`): no automatic batching here
-        self.loader = DataLoader(data, batch_size=None, collate_fn=_collate, **kwargs)
+        self.loader = DataLoader(data, batch_size=None, collate_fn=_as_is, **kwargs)
         self.lockstep = _distributed() if lockstep is None else lockstep
         self.last_delivered: list[tuple[int, int]] = []
 
@@ -304,7 +356,7 @@ class StreamLoader:
         self.data.iterated = True
 
         def delivered(item: _Batch) -> Any:
-            self.data._delivered(item.keys, item.positions, item.lasts, item.owners)
+            self.data._delivered(item.progress, item.owner)
             self.data.newest_ts = max(self.data.newest_ts, item.newest_ts)
             self.last_delivered = list(item.where)
             return item.samples

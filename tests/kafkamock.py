@@ -32,6 +32,12 @@ class KafkaCluster:
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "ok"
 
+    def bulk(self, topic: str, partition: int, n: int, size: int) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"bulk {topic} {partition} {n} {size}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+
     def garbage(self, topic: str, partition: int) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(f"garbage {topic} {partition}\n")

@@ -27,6 +27,11 @@ def test_a_shard_is_read_exactly_and_a_partly_trained_one_resumes_at_its_positio
         rest = list(reader.read(ev.StreamShard(2, 20, 30), offset=7))
         assert [r.value for r in rest] == [b"clicks/2/27", b"clicks/2/28", b"clicks/2/29"]
         assert list(reader.read(ev.StreamShard(2, 0, 5), offset=5)) == []
+        # back to an earlier range: a seek, nothing fetched for the later one leaks in
+        again = list(reader.read(ev.StreamShard(2, 0, 12)))
+        assert [r.offset for r in again] == list(range(12))
+        # the next range of the partition continues where the last ended
+        assert [r.offset for r in reader.read(ev.StreamShard(2, 12, 15))] == [12, 13, 14]
     finally:
         reader.close()
 
@@ -39,6 +44,21 @@ def test_records_not_produced_yet_are_waited_for_then_a_stall_is_an_error(
     try:
         with pytest.raises(DataError, match="no record of partition 0 came for 1s"):
             list(reader.read(ev.StreamShard(0, 0, 10)))
+    finally:
+        reader.close()
+
+
+def test_a_range_retention_deleted_is_an_error_naming_its_records_not_a_silent_jump(
+    kafka: KafkaCluster,
+) -> None:
+    """librdkafka's mock keeps a few MB per partition and deletes older records, as
+    retention does: reading a range it deleted fails, naming the records."""
+    kafka.produce("clicks", 3, 20)
+    kafka.bulk("clicks", 3, 120, 100_000)  # ~12 MB: the first records go
+    reader = RangeReader(kafka.bootstrap, "clicks", stall_s=30)
+    try:
+        with pytest.raises(DataError, match=r"records 5\.\.\d+ of partition 3 were deleted"):
+            list(reader.read(ev.StreamShard(3, 0, 20), offset=5))
     finally:
         reader.close()
 
