@@ -12,9 +12,10 @@ client computes the same shards.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from rove.control.events import DataPosition, DatasetSpec, ShardRef
 
@@ -107,7 +108,12 @@ def shuffle(items: list[int], rng: random.Random) -> None:
         items[i], items[j] = items[j], items[i]
 
 
-def to_ranges(keys: Iterable[int]) -> tuple[tuple[int, int], ...]:
+#: Sorted, merged, inclusive key ranges: how positions hold done shards, so that a
+#: stream's ever-growing run of done shards stays a few pairs.
+Ranges = tuple[tuple[int, int], ...]
+
+
+def to_ranges(keys: Iterable[int]) -> Ranges:
     """Sorted, merged inclusive ranges of `keys`."""
     ranges: list[list[int]] = []
     for k in sorted(set(keys)):
@@ -123,19 +129,52 @@ def from_ranges(ranges: Iterable[tuple[int, int]]) -> Iterator[int]:
         yield from range(first, last + 1)
 
 
+def union(*many: Iterable[Sequence[int]]) -> Ranges:
+    """The sorted, merged ranges covering every `(first, last)` given (none expanded)."""
+    merged: list[list[int]] = []
+    for first, last in sorted((r[0], r[1]) for ranges in many for r in ranges):
+        if last < first:
+            continue
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    return tuple((a, b) for a, b in merged)
+
+
+def contains(ranges: Ranges, key: int) -> bool:
+    """Whether `key` is in the sorted, merged `ranges`."""
+    i = bisect.bisect_right(ranges, key, key=lambda r: r[0]) - 1
+    return i >= 0 and ranges[i][1] >= key
+
+
+def prefix(ranges: Ranges) -> int:
+    """How many keys from 0 on the sorted, merged `ranges` cover without a hole."""
+    return ranges[0][1] + 1 if ranges and ranges[0][0] <= 0 else 0
+
+
+def clip(ranges: Ranges, lo: int, hi: int) -> Ranges:
+    """The part of `ranges` within keys `lo`..`hi - 1`."""
+    return tuple((max(a, lo), min(b, hi - 1)) for a, b in ranges if b >= lo and a < hi)
+
+
+def count(ranges: Ranges) -> int:
+    return sum(b - a + 1 for a, b in ranges)
+
+
 def merge(positions: Iterable[DataPosition]) -> DataPosition:
     """One position from the positions of several ranks (of one world, one step).
 
     Done shards are the union. A shard partly trained on one rank and done on
     none stays partial, at the largest offset any rank reports.
     """
-    done: set[int] = set()
+    every = list(positions)
+    done = union(*(p.done for p in every))
     partial: dict[int, int] = {}
-    for p in positions:
-        done.update(from_ranges(p.done))
+    for p in every:
         for ref in p.partial:
             partial[ref.key] = max(partial.get(ref.key, 0), ref.offset)
     return DataPosition(
-        done=to_ranges(done),
-        partial=tuple(ShardRef(k, o) for k, o in sorted(partial.items()) if k not in done),
+        done=done,
+        partial=tuple(ShardRef(k, o) for k, o in sorted(partial.items()) if not contains(done, k)),
     )

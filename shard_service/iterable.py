@@ -74,8 +74,8 @@ class LeasedIterable(IterableDataset[Any]):
         self.restore: ev.DataPosition | None = None
         self.iterated = False
         # main process: what reached the training loop
-        self.done: set[int] = set()
-        self.base: set[int] = set()
+        self.done: set[int] = set()  # since the restore, or the last save
+        self.base: shards.Ranges = ()  # done in the lineage at the restore, or the last save
         self.partial: dict[int, int] = {}  # key -> next position in the shard
         self._acks: DataClient | None = None
         self.shards_done = 0
@@ -114,20 +114,27 @@ class LeasedIterable(IterableDataset[Any]):
     def position(self) -> ev.DataPosition:
         partial = {k: o for k, o in self.partial.items() if k not in self.done}
         return ev.DataPosition(
-            done=shards.to_ranges(self.base | self.done),
+            done=shards.union(self.base, shards.to_ranges(self.done)),
             partial=tuple(ev.ShardRef(k, o) for k, o in sorted(partial.items())),
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position of the lineage (collective when a process group is up)."""
-        return position_state(self.name, self.spec, self.position())
+        """The data position of the lineage (collective when a process group is up).
+
+        What the ranks have done is then the lineage's: it becomes the base, so the
+        keys held one by one are only those done since (a stream's done shards, which
+        never end, stay a few ranges)."""
+        state = position_state(self.name, self.spec, self.position())
+        self.base = shards.union(self.base, state["position"]["done"])
+        self.done = {k for k in self.done if not shards.contains(self.base, k)}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.iterated:
             raise RuntimeError("load_state_dict() must be called before the loader is iterated")
         position = read_position(state, self.name, self.spec)
         self.restore = position
-        self.base = set(shards.from_ranges(position.done))
+        self.base = shards.union(position.done)
         self.partial = {r.key: r.offset for r in position.partial}
         self.done = set()
 

@@ -33,7 +33,7 @@ class Held:
 @dataclass
 class Tracker:
     spec: ev.DatasetSpec
-    base: set[int] = field(default_factory=set)  # done in the restored lineage
+    base: shards.Ranges = ()  # done in the restored lineage
     base_partial: dict[int, int] = field(default_factory=dict)  # partly trained in it
     done: set[int] = field(default_factory=set)  # done by this client since
     held: dict[int, Held] = field(default_factory=dict)  # in lease order
@@ -97,12 +97,12 @@ class Tracker:
             if h.ref.offset + h.trained > 0:
                 partial[key] = max(partial.get(key, 0), h.ref.offset + h.trained)
         return ev.DataPosition(
-            done=shards.to_ranges(self.base | self.done),
+            done=shards.union(self.base, shards.to_ranges(self.done)),
             partial=tuple(ev.ShardRef(k, o) for k, o in sorted(partial.items())),
         )
 
     def restore(self, position: ev.DataPosition) -> None:
-        self.base = set(shards.from_ranges(position.done))
+        self.base = shards.union(position.done)
         self.base_partial = {r.key: r.offset for r in position.partial}
         self.done = set()
         self.held = {}

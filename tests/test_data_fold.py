@@ -8,11 +8,14 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from rove.control import events as ev
 from rove.control import shards
+from rove.control.master import data as data_fold
 from rove.control.master.state import JobState
 from shard_service.tracker import Tracker
+from tests import factories
 from tests.sim import Sim
 
 SPEC = ev.DatasetSpec(size=100, shard_size=10, epochs=2, seed=3, lease_s=30.0)
@@ -318,4 +321,126 @@ def test_a_stream_spec_with_a_size_or_epochs_is_refused() -> None:
     assert "stream dataset has size 0" in (shards.spec_problem(bad) or "")
     assert "stream" in (
         shards.spec_problem(ev.DatasetSpec(size=0, shard_size=0, epochs=2, stream=True)) or ""
+    )
+
+
+def _saved(data: Data, step: int, position: ev.DataPosition, round_: int = 0) -> None:
+    data.sim.apply(
+        ev.StreamCheckpointed(
+            **data._env("c1-main"),  # type: ignore[arg-type]
+            dataset="d",
+            client="c1-main",
+            step=step,
+            round=round_,
+            done=position.done,
+            partial=tuple((r.key, r.offset) for r in position.partial),
+        )
+    )
+
+
+def _committed(data: Data, step: int, round_: int = 0) -> None:
+    data.sim.apply(replace(factories.committed(step, epoch=1), round=round_))
+
+
+def test_a_commit_prunes_the_stream_below_its_position_and_older_restores_are_refused() -> None:
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    data.register("c1", STREAM)
+    _cut(data, (0, 0, 10), (1, 0, 4), (0, 10, 20), (1, 4, 8))  # keys 0..3
+    assert [r.key for r in data.request("c1", 4).shards] == [0, 1, 2, 3]  # type: ignore[union-attr]
+    for key in (0, 1, 3):
+        data.done("c1", ev.ShardRef(key))
+    position = ev.DataPosition(done=((0, 1), (3, 3)), partial=(ev.ShardRef(2, 6),))
+    _saved(data, 5, position)
+    vector = data.state.data.streams.streams["d"].saved[-1].offsets
+    assert vector == ((0, 16), (1, 8))
+    _committed(data, 5)
+    stream = data.state.data.streams.streams["d"]
+    ds = data.state.data.datasets["d"]
+    assert stream.floor == 2 and set(stream.shards) == {2, 3}, "shards 0 and 1 are pruned"
+    assert set(ds.done) == {3} and data_fold.done_count(data.state.data, ds) == 3
+    # the same position's offset vector is unchanged by the pruning
+    _saved(data, 6, position)
+    assert data.state.data.streams.streams["d"].saved[-1].offsets == vector
+    # a restore to the committed position resumes as before
+    _cut(data, (0, 20, 30))
+    again = data.request("c1", 3, round=1, restore=position, restore_step=5)
+    assert isinstance(again, ev.ShardLeased)
+    assert [(r.key, r.offset) for r in again.shards] == [(2, 6), (4, 0)]
+    assert again.ranges == (ev.StreamShard(0, 10, 20), ev.StreamShard(0, 20, 30))
+    # positions older than the floor, or none, cannot be replayed: refused, saying why
+    older = data.request("c1", 1, round=2, restore=ev.DataPosition(done=((0, 0),)))
+    assert isinstance(older, ev.DataRejected)
+    assert "shards 0..1 were pruned" in older.reason and "newest committed" in older.reason
+    fresh = data.request("c1", 1, round=2)
+    assert isinstance(fresh, ev.DataRejected) and "a fresh start" in fresh.reason
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_pruning_changes_nothing_a_restorable_lineage_sees(seed: int) -> None:
+    """Two masters fold the same stream script; one also folds the checkpoint commits
+    (and prunes). Every lease, range and offset vector is the same in both."""
+    rnd = random.Random(seed)
+    pruned, whole = (Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2))) for _ in range(2))
+    for d in (pruned, whole):
+        d.register("c1", STREAM)
+    nxt = {0: 0, 1: 0, 2: 0}
+    held: dict[int, int] = {}  # key -> records trained of it
+    done: set[int] = set()
+    saves: list[tuple[int, ev.DataPosition]] = []
+    committed_at, step, round_ = -1, 0, 0
+    for _ in range(120):
+        roll = rnd.random()
+        if roll < 0.25:  # the bridge cuts
+            p = rnd.randrange(3)
+            n = rnd.randint(1, 9)
+            for d in (pruned, whole):
+                _cut(d, (p, nxt[p], nxt[p] + n))
+            nxt[p] += n
+        elif roll < 0.45:  # a lease
+            count = rnd.randint(1, 3)
+            answers = [d.request("c1", count, round=round_) for d in (pruned, whole)]
+            assert answers[0].shards == answers[1].shards  # type: ignore[union-attr]
+            assert answers[0].ranges == answers[1].ranges  # type: ignore[union-attr]
+            held.update((r.key, r.offset) for r in answers[0].shards)  # type: ignore[union-attr]
+        elif roll < 0.65 and held:  # train: a shard done, or part of one
+            key = rnd.choice(sorted(held))
+            if rnd.random() < 0.6:
+                for d in (pruned, whole):
+                    d.done("c1", ev.ShardRef(key), round=round_)
+                done.add(key)
+                del held[key]
+            else:
+                held[key] += 1
+        elif roll < 0.8 and any(nxt.values()):  # a save of the lineage's position
+            step += 1
+            position = ev.DataPosition(
+                done=shards.to_ranges(done),
+                partial=tuple(ev.ShardRef(k, o) for k, o in sorted(held.items()) if o),
+            )
+            saves.append((step, position))
+            for d in (pruned, whole):
+                _saved(d, step, position, round_)
+            vectors = [d.state.data.streams.streams["d"].saved[-1] for d in (pruned, whole)]
+            assert vectors[0].offsets == vectors[1].offsets
+        elif roll < 0.9 and saves:  # the newest save commits (only the pruned master sees it)
+            committed_at = len(saves) - 1
+            _committed(pruned, saves[committed_at][0], round_)
+        elif saves and committed_at >= 0:  # a failure: restore a save at or after the commit
+            at = rnd.randrange(committed_at, len(saves))
+            restore_step, position = saves[at]
+            round_ += 1
+            answers = [
+                d.request("c1", 2, round=round_, restore=position, restore_step=restore_step)
+                for d in (pruned, whole)
+            ]
+            assert isinstance(answers[0], ev.ShardLeased), answers[0]
+            assert answers[0].shards == answers[1].shards  # type: ignore[union-attr]
+            assert answers[0].ranges == answers[1].ranges  # type: ignore[union-attr]
+            done = set(shards.from_ranges(position.done))
+            held = {r.key: r.offset for r in answers[0].shards}  # type: ignore[union-attr]
+            saves = saves[: at + 1]
+            committed_at = min(committed_at, at)
+    assert pruned.state.data.streams.streams["d"].floor > 0, "the script pruned something"
+    assert len(pruned.state.data.streams.streams["d"].shards) < len(
+        whole.state.data.streams.streams["d"].shards
     )

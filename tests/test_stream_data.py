@@ -88,7 +88,10 @@ async def test_a_stream_resumed_from_its_position_delivers_every_offset_once(
                     break
         except RuntimeError as exc:  # the loader's timeout: report what did come
             assert "timed out" in str(exc)
+        position = data.position()
         state_out = data.state_dict()
+        # the saved done shards become the base: none is held one by one any more
+        assert not data.done and data.position() == position
         data.close()
         return seen, state_out
 

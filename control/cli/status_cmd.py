@@ -183,14 +183,14 @@ def _round_line(view: dict[str, Any]) -> str:
 
 
 def _dataset_view(d: Any, ds: Any) -> dict[str, Any]:
-    total = data.total(d, ds)
+    total, done = data.total(d, ds), data.done_count(d, ds)
     return {
         "name": ds.name,
         "spec": msgspec.to_builtins(ds.spec),
         "shards": total,
-        "done": len(ds.done),
+        "done": done,
         "leased": len(ds.leases),
-        "todo": total - len(ds.done) - len(ds.leases),
+        "todo": total - done - len(ds.leases),
         "epoch": (
             0
             if ds.spec.stream or not total

@@ -109,6 +109,12 @@ def total(d: DataState, ds: Dataset) -> int:
     return shards.total(ds.spec)
 
 
+def done_count(d: DataState, ds: Dataset) -> int:
+    """Shards of `ds` done in the current lineage (a stream's pruned ones included)."""
+    stream = d.streams.streams.get(ds.name) if ds.spec.stream else None
+    return len(ds.done) + (stream.floor if stream is not None else 0)
+
+
 def _reject(d: DataState, dataset: str, client: str, event_id: str, reason: str) -> DataState:
     return replace(
         d,
@@ -168,7 +174,12 @@ def on_requested(d: DataState, e: ev.ShardRequested) -> DataState:
         return _reject(d, e.dataset, e.client, e.id, reason)
     end = total(d, ds)
     if e.round > ds.round:
-        ds = restore(ds, e.round, e.restore_step, e.restore, end)
+        stream = d.streams.streams.get(ds.name) if ds.spec.stream else None
+        floor = stream.floor if stream is not None else 0
+        problem = streams.restore_problem(stream, e.restore) if stream is not None else None
+        if problem is not None:
+            return _reject(d, e.dataset, e.client, e.id, problem)
+        ds = restore(ds, e.round, e.restore_step, e.restore, end, floor)
     deadline = e.ts + ds.spec.lease_s
     leases = ds.leases
     for key in e.held:
@@ -203,15 +214,22 @@ def _allocate(ds: Dataset, count: int, end: int) -> tuple[Dataset, tuple[ev.Shar
 
 
 def restore(
-    ds: Dataset, round_: int, step: int | None, pos: ev.DataPosition | None, end: int
+    ds: Dataset,
+    round_: int,
+    step: int | None,
+    pos: ev.DataPosition | None,
+    end: int,
+    floor: int = 0,
 ) -> Dataset:
     """`ds` (of `end` shards) rolled back to the lineage of a checkpoint (or to nothing
-    trained)."""
-    done_keys = [k for k in shards.from_ranges(pos.done) if 0 <= k < end] if pos else []
-    partial = {r.key: r.offset for r in pos.partial if 0 <= r.key < end} if pos else {}
-    top = max([*done_keys, *partial, -1]) + 1
+    trained). Shards below `floor` (a stream's pruned ones) are done in it."""
+    done_keys = (
+        list(shards.from_ranges(shards.clip(shards.union(pos.done), floor, end))) if pos else []
+    )
+    partial = {r.key: r.offset for r in pos.partial if floor <= r.key < end} if pos else {}
+    top = max([*done_keys, *partial, floor - 1]) + 1
     done = immutables.Map({k: True for k in done_keys})
-    requeued = tuple(ev.ShardRef(k, partial.get(k, 0)) for k in range(top) if k not in done)
+    requeued = tuple(ev.ShardRef(k, partial.get(k, 0)) for k in range(floor, top) if k not in done)
     return replace(
         ds,
         round=round_,
@@ -234,6 +252,24 @@ def on_stream_shards(d: DataState, e: ev.StreamShardsAdded) -> DataState:
 
 def on_stream_checkpointed(d: DataState, e: ev.StreamCheckpointed) -> DataState:
     return replace(d, streams=streams.on_checkpointed(d.streams, e))
+
+
+def on_committed(d: DataState, e: ev.CkptCommitted) -> DataState:
+    """A checkpoint committed: each stream's shards below its position there are pruned,
+    from the table and from the dataset's done shards."""
+    tables = d.streams.streams
+    for name, stream in d.streams.streams.items():
+        pruned = streams.prune(stream, e.step, e.round)
+        if pruned is stream:
+            continue
+        tables = tables.set(name, pruned)
+        ds = d.datasets.get(name)
+        if ds is not None:
+            with ds.done.mutate() as done:
+                for key in range(stream.floor, pruned.floor):
+                    done.pop(key, None)
+                d = _put(d, replace(ds, done=done.finish()))
+    return replace(d, streams=replace(d.streams, streams=tables))
 
 
 def on_leased(d: DataState, e: ev.ShardLeased) -> DataState:

@@ -13,11 +13,17 @@ retention before a bridge read them): it is recorded, and shown by
 The tables live in the data state (`DataState.streams`): the data fold leases a
 stream dataset's shards in key order, with their offset ranges, under the
 rules of index shards (`rove.control.master.data`).
+
+A stream has no end, so the table is pruned: once a checkpoint commits, every
+shard below its position's *floor* (the first shard not done in it) is done in
+every position a job can still restore (restores go to the committed step or a
+newer one), and leaves the table. A position older than the floor cannot be
+replayed any more, and a restore to one is refused (`restore_problem`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import immutables
 import msgspec
@@ -43,13 +49,15 @@ class Gap(msgspec.Struct, frozen=True, array_like=True):
 
 class Saved(msgspec.Struct, frozen=True, array_like=True):
     """The topic's offset vector in the lineage of `step` (saved in `round`): per partition,
-    the first offset not trained (what a Kafka consumer group would commit)."""
+    the first offset not trained (what a Kafka consumer group would commit). `floor`:
+    every shard key below it is done in that lineage."""
 
     step: int
     round: int
     offsets: tuple[tuple[int, int], ...]
     ts: float
     newest_ts: float
+    floor: int = 0
 
 
 class Stream(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +75,8 @@ class Stream(msgspec.Struct, frozen=True, kw_only=True):
     conflicts: int = 0
     #: the newest offset vectors trainers saved in checkpoints (oldest first)
     saved: tuple[Saved, ...] = ()
+    #: shards below it are done in every position that can be restored: pruned
+    floor: int = 0
 
 
 class StreamState(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,7 +136,9 @@ def on_checkpointed(s: StreamState, e: ev.StreamCheckpointed) -> StreamState:
     if stream is None:
         return s  # a position of a table nobody cut (cannot be turned into offsets)
     position = ev.DataPosition(done=e.done, partial=tuple(ev.ShardRef(k, o) for k, o in e.partial))
-    saved = Saved(e.step, e.round, offsets(stream, position), e.ts, e.newest_ts)
+    done = shards.union(e.done)
+    floor = min(shards.prefix(done), stream.count)
+    saved = Saved(e.step, e.round, offsets(stream, position), e.ts, e.newest_ts, floor)
     return _put(s, replace(stream, saved=(*stream.saved, saved)[-RECENT_SAVES:]))
 
 
@@ -134,16 +146,58 @@ def offsets(stream: Stream, position: ev.DataPosition) -> tuple[tuple[int, int],
     """Per partition, the first offset the lineage of `position` has not trained: the start
     (plus what was trained of it) of the partition's first shard not done, else the end of
     the partition's last shard."""
-    done = set(shards.from_ranges(position.done))
     partial = {r.key: r.offset for r in position.partial}
     first: dict[int, int] = {}
-    for key in range(stream.count):  # keys of a partition follow its offsets
-        shard = stream.shards[key]
-        if shard.partition not in first and key not in done:
+    for key in undone(shards.union(position.done), stream.floor, stream.count):
+        shard = stream.shards[key]  # keys of a partition follow its offsets
+        if shard.partition not in first:
             first[shard.partition] = shard.start + partial.get(key, 0)
-        if len(first) == len(stream.next):
-            break
+            if len(first) == len(stream.next):
+                break
     return tuple(sorted((p, first.get(p, end)) for p, end in stream.next.items()))
+
+
+def undone(done: shards.Ranges, lo: int, hi: int) -> Iterator[int]:
+    """The keys `lo`..`hi - 1` not in `done`, in order (done runs are skipped whole)."""
+    key = lo
+    for first, last in done:
+        if last < key:
+            continue
+        yield from range(key, min(first, hi))
+        key = max(key, last + 1)
+        if key >= hi:
+            return
+    yield from range(key, hi)
+
+
+def prune(stream: Stream, step: int, round_: int) -> Stream:
+    """`stream` once `step` (of `round_`) committed: the shards below the floor of its saved
+    position leave the table."""
+    vector = next(
+        (v for v in reversed(stream.saved) if v.step == step and (not round_ or v.round == round_)),
+        None,
+    )
+    if vector is None or vector.floor <= stream.floor:
+        return stream
+    with stream.shards.mutate() as table:
+        for key in range(stream.floor, vector.floor):
+            table.pop(key, None)
+        pruned = table.finish()
+    return replace(stream, shards=pruned, floor=vector.floor)
+
+
+def restore_problem(stream: Stream, position: ev.DataPosition | None) -> str | None:
+    """Why a restore of `position` cannot be replayed (its shards were pruned), or None."""
+    if not stream.floor:
+        return None
+    if position is not None and shards.prefix(shards.union(position.done)) >= stream.floor:
+        return None
+    what = "no data position (a fresh start)" if position is None else "an older data position"
+    return (
+        f"stream {stream.dataset}: the restore brings {what}, but shards 0..{stream.floor - 1} "
+        "were pruned once a newer checkpoint committed, so it cannot be replayed; restore "
+        "from the newest committed checkpoint (or start a new job to train the topic anew)"
+    )
 
 
 def committed(stream: Stream, step: int | None) -> Saved | None:
