@@ -68,6 +68,7 @@ bench: $(VENV)/.installed-tests
 	$(BIN)/python benchmarks/checkpoint.py --size-mb 1024
 	$(BIN)/python benchmarks/shards.py
 	$(BIN)/python benchmarks/relaunch.py
+	$(BIN)/python benchmarks/streaming.py
 
 clean:
 	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
