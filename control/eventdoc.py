@@ -50,6 +50,7 @@ def _subject(cls: type[ev.Event]) -> str:
         "faulty",
         "stragglers",
         "shards",
+        "offsets",
     ):
         if tuple_field in cls.__struct_fields__:
             values[tuple_field] = ()
@@ -142,7 +143,13 @@ def render() -> str:
         ),
         (
             "Data clients (trainers)",
-            [ev.DatasetRegistered, ev.ShardRequested, ev.ShardDone, ev.StreamCheckpointed],
+            [
+                ev.DatasetRegistered,
+                ev.ShardRequested,
+                ev.ShardDone,
+                ev.StreamCheckpointed,
+                ev.RecordsUndecodable,
+            ],
         ),
         ("Operator commands", [ev.StopRequested, ev.JobSubmitted]),
         ("Scaler facts", [ev.PlanApplied, ev.PlanFailed, ev.NodeGone, ev.NodePending]),

@@ -52,6 +52,7 @@ from rove.control.scale_events import ScaleRule as ScaleRule
 from rove.control.scale_events import Workload as Workload
 from rove.control.scale_events import node_gone as node_gone
 from rove.control.scale_events import node_name as node_name
+from rove.control.stream_events import RecordsUndecodable as RecordsUndecodable
 from rove.control.stream_events import StreamCheckpointed as StreamCheckpointed
 from rove.control.stream_events import StreamShard as StreamShard
 from rove.control.stream_events import StreamShardsAdded as StreamShardsAdded
@@ -565,6 +566,7 @@ AnyEvent = (
     | NodePending
     | StreamShardsAdded
     | StreamCheckpointed
+    | RecordsUndecodable
 )
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).

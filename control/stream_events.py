@@ -67,3 +67,17 @@ class StreamCheckpointed(Event, tag="stream_checkpointed", frozen=True, kw_only=
     done: tuple[tuple[int, int], ...] = ()
     partial: tuple[tuple[int, int], ...] = ()
     newest_ts: float = 0.0
+
+
+class RecordsUndecodable(Event, tag="records_undecodable", frozen=True, kw_only=True):
+    """Dead letters: `count` records of `partition` that the trainer's decoder could not
+    read were skipped while client `client` read a shard of stream dataset `dataset`
+    (training went on). `offsets`: the first of them (at most 16); `error`: the first
+    decoder error, shortened."""
+
+    dataset: str
+    client: str
+    partition: int
+    offsets: tuple[int, ...]
+    count: int
+    error: str = ""

@@ -140,6 +140,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.DatasetRegistered: lambda e: data(e.job, e.dataset),
     ev.StreamShardsAdded: lambda e: data(e.job, e.dataset),
     ev.StreamCheckpointed: lambda e: data(e.job, e.dataset),
+    ev.RecordsUndecodable: lambda e: data(e.job, e.dataset),
     ev.ShardRequested: lambda e: data(e.job, e.dataset),
     ev.ShardDone: lambda e: data(e.job, e.dataset),
     ev.ShardLeased: lambda e: data_answer(e.job, e.dataset, e.client),

@@ -34,8 +34,10 @@ stream. Without lockstep, ticks are dropped and the loader simply waits.
 `bootstrap` and `topic` default to `ROVE_KAFKA_BOOTSTRAP` and
 `ROVE_KAFKA_TOPIC`, which `rove run --kafka` sets for its workers.
 
-A record `decode` cannot read is counted (`undecodable`) and logged with its
-partition and offset (the dead letter), and training goes on. Each worker reads
+A record `decode` cannot read is skipped and training goes on: each shard's
+undecodable records (the dead letters) are logged once and published as one
+`records_undecodable` event with their partition, first offsets and first
+error, which `rove status` shows. Each worker reads
 one record ahead, so the last record a shard delivers carries the news that the
 shard is complete, whatever records of its range were skipped.
 """
@@ -114,6 +116,24 @@ class _Filling:
 
 
 _IDLE_TICK = _Batch(None, [], [], "", 0.0)
+
+
+class _DeadLetters:
+    """A shard's undecodable records: how many, the first offsets, the first error."""
+
+    KEPT = 16
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.offsets: list[int] = []
+        self.error = ""
+
+    def add(self, offset: int, exc: Exception) -> None:
+        self.count += 1
+        if len(self.offsets) < self.KEPT:
+            self.offsets.append(offset)
+        if not self.error:
+            self.error = repr(exc)[:300]
 
 
 def _value(record: Record) -> Any:
@@ -215,8 +235,9 @@ class StreamIterable(LeasedIterable):
         key, partition, size = ref.key, shard.partition, self.batch_size
         samples: list[Any] = []
         records: list[Record] = []
+        dead = _DeadLetters()
         for chunk in reader.chunks(shard, ref.offset):
-            got, kept = self._decode(chunk, partition)
+            got, kept = self._decode(chunk, dead)
             samples.extend(got)
             records.extend(kept)
             # all but the newest record go out, a batch's room at a time
@@ -226,6 +247,8 @@ class StreamIterable(LeasedIterable):
                 del samples[:room], records[:room]
                 if len(batch.samples) >= size:
                     yield
+        if dead.count:
+            self._dead_letters(c, partition, dead)
         if samples:
             batch.add(key, partition, samples, records, True)
             if len(batch.samples) >= size:
@@ -235,8 +258,9 @@ class StreamIterable(LeasedIterable):
             # far as it can be
             c.done(ref)
 
-    def _decode(self, chunk: list[Record], partition: int) -> tuple[list[Any], list[Record]]:
-        """The samples of the records `decode` reads, and those records."""
+    def _decode(self, chunk: list[Record], dead: _DeadLetters) -> tuple[list[Any], list[Record]]:
+        """The samples of the records `decode` reads, and those records; the others go
+        to `dead`."""
         try:
             return [self.decode(r) for r in chunk], chunk
         except Exception:  # noqa: BLE001 - the user's decoder: anything may go wrong
@@ -246,21 +270,34 @@ class StreamIterable(LeasedIterable):
             try:
                 samples.append(self.decode(record))
             except Exception as exc:  # noqa: BLE001 - the user's decoder
-                self._undecodable(partition, record, exc)
+                dead.add(record.offset, exc)
                 continue
             kept.append(record)
         return samples, kept
 
-    def _undecodable(self, partition: int, record: Record, exc: Exception) -> None:
-        self.undecodable += 1
+    def _dead_letters(self, c: DataClient, partition: int, dead: _DeadLetters) -> None:
+        """Report a shard's undecodable records: one log line and one event."""
+        self.undecodable += dead.count
         log.warning(
-            "undecodable record skipped (dead letter)",
+            "undecodable records skipped (dead letters); training goes on",
             dataset=self.name,
             topic=self.topic,
             partition=partition,
-            offset=record.offset,
-            error=repr(exc)[:300],
+            offsets=list(dead.offsets),
+            count=dead.count,
+            error=dead.error,
             undecodable=self.undecodable,
+        )
+        c.send(
+            ev.RecordsUndecodable(
+                **c.envelope(),
+                dataset=self.name,
+                client=c.client,
+                partition=partition,
+                offsets=tuple(dead.offsets),
+                count=dead.count,
+                error=dead.error,
+            )
         )
 
     # ------------------------------------------------------------------ main process

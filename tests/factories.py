@@ -463,6 +463,15 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
             partial=((1, 7),),
             newest_ts=100.5,
         ),
+        ev.RecordsUndecodable(
+            **ev.envelope(job, "data:n0-r0-w1", 101.5, "n0-r0-w1", 3),
+            dataset="clicks",
+            client="n0-r0-w1",
+            partition=1,
+            offsets=(17,),
+            count=1,
+            error="JSONDecodeError('Expecting value: line 1 column 1 (char 0)')",
+        ),
     ]
 
 

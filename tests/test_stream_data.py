@@ -106,3 +106,11 @@ async def test_a_stream_resumed_from_its_position_delivers_every_offset_once(
         r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DataRestored)
     ]
     assert [(e.dataset, e.round) for e in restored][-1] == ("clicks", 2)
+    # the record no decoder reads is a dead letter on the bus, naming where it is
+    dead = [
+        r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.RecordsUndecodable)
+    ]
+    assert [(e.dataset, e.partition, e.offsets, e.count) for e in dead] == [
+        ("clicks", 1, (garbage_offset,), 1)
+    ]
+    assert "UnicodeDecodeError" in dead[0].error or "ValueError" in dead[0].error

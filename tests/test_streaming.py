@@ -192,3 +192,38 @@ def test_records_retention_deleted_before_the_restore_point_trained_them_are_nam
     st_ = s.streams["clicks"]
     assert streams.expired(st_, streams.committed(st_, 7)) == [streams.Gap(1, 0, 3)]
     assert streams.expired(st_, None) == []
+
+
+def test_dead_letters_are_counted_and_the_newest_kept_for_status() -> None:
+    s = table()
+    for i in range(30):
+        s = streams.on_undecodable(
+            s,
+            ev.RecordsUndecodable(
+                **ev.envelope(factories.JOB, "data:n0-r0-w0", 3.0, "n0-r0-w0", i),
+                dataset="clicks",
+                client="n0-r0-w0",
+                partition=1,
+                offsets=(100 + 2 * i, 101 + 2 * i),
+                count=2,
+                error="ValueError('not JSON')",
+            ),
+        )
+    st_ = s.streams["clicks"]
+    assert st_.undecodable == 60, "the count is exact"
+    assert len(st_.dead_letters) == streams.RECENT_DEAD, "the list is bounded"
+    assert st_.dead_letters[-1] == streams.DeadLetter(1, 159, "ValueError('not JSON')")
+    # a dead letter of a dataset nobody cut is ignored
+    stray = ev.RecordsUndecodable(
+        **ev.envelope(factories.JOB, "data:c", 3.0, "c", 1),
+        dataset="other",
+        client="c",
+        partition=0,
+        offsets=(1,),
+        count=1,
+    )
+    assert streams.on_undecodable(streams.StreamState(), stray) == streams.StreamState()
+    from rove.control.cli.status_cmd import _stream_line, _stream_view
+
+    line = _stream_line(_stream_view(st_, now=10.0, committed=None))
+    assert "60 undecodable records skipped (dead letters; newest" in line and "p1@159" in line

@@ -310,6 +310,9 @@ def _stream_view(st: Any, now: float, committed: int | None) -> dict[str, Any]:
         "gaps": [list(g) for g in st.gaps],
         "gap_records": st.gap_records,
         "last_cut_age_s": round(now - st.last_ts, 1) if st.last_ts else None,
+        "pruned_shards": st.floor,
+        "undecodable": st.undecodable,
+        "dead_letters": [[x.partition, x.offset, x.error] for x in st.dead_letters],
     }
 
 
@@ -340,6 +343,13 @@ def _stream_line(st: dict[str, Any]) -> str:
             else ""
         )
         line += f"\n  trained up to (step {st['saved_step']}): {trained}{fresh}"
+    if st["undecodable"]:
+        newest = ", ".join(f"p{p}@{at}" for p, at, _ in st["dead_letters"][-5:])
+        error = st["dead_letters"][-1][2] if st["dead_letters"] else ""
+        line += (
+            f"\n  {st['undecodable']} undecodable records skipped (dead letters; newest "
+            f"{newest}): {error}"
+        )
     for p, start, end in st["expired"]:
         line += (
             f"\n  ERROR: retention deleted p{p} {start}-{end} before the restore point "

@@ -254,6 +254,10 @@ def on_stream_checkpointed(d: DataState, e: ev.StreamCheckpointed) -> DataState:
     return replace(d, streams=streams.on_checkpointed(d.streams, e))
 
 
+def on_undecodable(d: DataState, e: ev.RecordsUndecodable) -> DataState:
+    return replace(d, streams=streams.on_undecodable(d.streams, e))
+
+
 def on_committed(d: DataState, e: ev.CkptCommitted) -> DataState:
     """A checkpoint committed: each stream's shards below its position there are pruned,
     from the table and from the dataset's done shards."""

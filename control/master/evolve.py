@@ -48,6 +48,7 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.DataRejected: ("data", data.on_rejected),
     ev.StreamShardsAdded: ("data", data.on_stream_shards),
     ev.StreamCheckpointed: ("data", data.on_stream_checkpointed),
+    ev.RecordsUndecodable: ("data", data.on_undecodable),
 }
 
 

@@ -34,6 +34,8 @@ from rove.control import shards
 
 #: Gaps kept for `rove status` (their count is unbounded).
 RECENT_GAPS = 20
+#: Dead letters (undecodable records) kept for `rove status` (their count is unbounded).
+RECENT_DEAD = 20
 #: Saved offset vectors kept per stream: a step is committed a few saves after it is
 #: saved, so the newest ones suffice to find the one a commit names.
 RECENT_SAVES = 64
@@ -60,6 +62,14 @@ class Saved(msgspec.Struct, frozen=True, array_like=True):
     floor: int = 0
 
 
+class DeadLetter(msgspec.Struct, frozen=True, array_like=True):
+    """A record of `partition` at `offset` no decoder could read (`error`: the first such)."""
+
+    partition: int
+    offset: int
+    error: str
+
+
 class Stream(msgspec.Struct, frozen=True, kw_only=True):
     dataset: str
     topic: str
@@ -77,6 +87,9 @@ class Stream(msgspec.Struct, frozen=True, kw_only=True):
     saved: tuple[Saved, ...] = ()
     #: shards below it are done in every position that can be restored: pruned
     floor: int = 0
+    #: records skipped as undecodable (dead letters), and the newest of them
+    undecodable: int = 0
+    dead_letters: tuple[DeadLetter, ...] = ()
 
 
 class StreamState(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,6 +153,21 @@ def on_checkpointed(s: StreamState, e: ev.StreamCheckpointed) -> StreamState:
     floor = min(shards.prefix(done), stream.count)
     saved = Saved(e.step, e.round, offsets(stream, position), e.ts, e.newest_ts, floor)
     return _put(s, replace(stream, saved=(*stream.saved, saved)[-RECENT_SAVES:]))
+
+
+def on_undecodable(s: StreamState, e: ev.RecordsUndecodable) -> StreamState:
+    stream = s.streams.get(e.dataset)
+    if stream is None:
+        return s
+    letters = (DeadLetter(e.partition, at, e.error[:300]) for at in e.offsets)
+    return _put(
+        s,
+        replace(
+            stream,
+            undecodable=stream.undecodable + max(0, e.count),
+            dead_letters=(*stream.dead_letters, *letters)[-RECENT_DEAD:],
+        ),
+    )
 
 
 def offsets(stream: Stream, position: ev.DataPosition) -> tuple[tuple[int, int], ...]:
