@@ -690,16 +690,20 @@ class Bus:
             ordered_consumer=True,
             config=config,
         )
+        if start_time is not None and not feed.caught_up.is_set():
+            await _nothing_since(feed, target)
 
         async def from_seq(seq: int) -> Any:
-            return await self.js.subscribe(
-                subject_filter,
-                stream=stream,
-                cb=on_msg,
-                ordered_consumer=True,
-                config=ConsumerConfig(
+            # nothing delivered yet: the feed's own start (a time, the last per subject)
+            restart = (
+                config
+                if feed.last_seq == 0
+                else ConsumerConfig(
                     deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq
-                ),
+                )
+            )
+            return await self.js.subscribe(
+                subject_filter, stream=stream, cb=on_msg, ordered_consumer=True, config=restart
             )
 
         async def newest() -> int:
@@ -713,6 +717,18 @@ class Bus:
         self._watchdogs.add(feed.watchdog)
         feed.watchdog.add_done_callback(self._watchdogs.discard)
         return feed
+
+
+async def _nothing_since(feed: Feed, target: int) -> None:
+    """A feed starting at a time that has nothing to deliver from there is caught up,
+    and stands at the stream's last message (what it holds is all older than its start)."""
+    try:
+        info = await feed.sub.consumer_info()
+    except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+        return  # not known: the first message (or the watchdog) settles it
+    if info.num_pending == 0 and feed.last_seq == 0:
+        feed.last_seq = target
+        feed.caught_up.set()
 
 
 async def _quiet_close(nc: NatsClient) -> None:

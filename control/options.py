@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
 import re
 import socket
@@ -173,6 +174,22 @@ def duration(text: str) -> float:
             "use a number with an optional unit ms, s, m, h or d (e.g. 10m)"
         )
     return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def moment(text: str) -> dt.datetime | float:
+    """An ISO-8601 time (UTC if it names no zone), or a duration back from now (`duration`)."""
+    try:
+        return duration(text)
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid time {text!r}: give a duration back from now (e.g. 10m) or an "
+            "ISO-8601 time (e.g. 2026-11-23T10:32:00Z)"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
 def positive(text: str) -> float:

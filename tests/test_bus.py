@@ -261,3 +261,31 @@ async def test_a_worker_reaches_an_authenticated_server_with_the_agents_credenti
             await asyncio.to_thread(DataClient, job="j1", dataset="ds", url=server.url)
     finally:
         server.stop()
+
+
+async def test_a_feed_from_a_time_with_nothing_after_it_is_caught_up_and_never_replays(
+    bus: Bus,
+) -> None:
+    """A feed that starts at a time holds no message older than it, even when its
+    watchdog looks at it (a feed with nothing to deliver is not a stalled one)."""
+    import datetime as dt
+
+    await bus.publish(factories.joined("old"))
+    bus.stall_check_s = 0.1
+    got: list[records.Recorded | records.Rejection] = []
+    feed = await bus.subscribe(
+        subjects.EVENTS_STREAM,
+        subjects.job_events("j1"),
+        got.append,
+        got.append,
+        start_time=dt.datetime.now(dt.UTC) + dt.timedelta(milliseconds=1),
+    )
+    try:
+        assert feed.caught_up.is_set(), "nothing after its start: caught up at once"
+        await asyncio.sleep(1.0)  # ten watchdog checks
+        assert got == [] and feed.resubscribed == 0
+        await bus.publish(factories.joined("new", n=1))
+        await eventually(lambda: len(got) == 1, timeout=patience(10))
+        assert isinstance(got[0], records.Recorded) and got[0].event.node == "new"  # type: ignore[attr-defined]
+    finally:
+        await feed.stop()

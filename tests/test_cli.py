@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import subprocess
 import sys
@@ -58,12 +59,20 @@ async def test_events_json_filters_by_type_and_node(bus: Bus) -> None:
 
 async def test_events_since_skips_older_events(bus: Bus) -> None:
     await bus.publish(factories.joined("old"))
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(1.0)
+    between = dt.datetime.now(dt.UTC).isoformat()
+    await asyncio.sleep(1.0)
     await bus.publish(factories.joined("new", n=1))
     out = await asyncio.to_thread(
-        rove_cli, "events", "--job", "j1", "--nats", bus.url, "--since", "1s"
+        rove_cli, "events", "--job", "j1", "--nats", bus.url, "--since", between
     )
     assert "node=new" in out.stdout and "node=old" not in out.stdout
+    # a time after every event: nothing printed, and the command still ends
+    later = await asyncio.to_thread(
+        rove_cli, "events", "--job", "j1", "--nats", bus.url, "--since", "0s"
+    )
+    assert later.returncode == 0 and "node_joined" not in later.stdout
+    assert "stalled" not in later.stderr
 
 
 async def test_events_follow_prints_new_events_as_they_arrive(bus: Bus) -> None:
@@ -144,7 +153,7 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
         (
             ["events", "--job", "j1", "--since", "yesterday", "--nats", "nats://x:1"],
             common.EXIT_USAGE,
-            "invalid duration",
+            "invalid time 'yesterday': give a duration back from now",
         ),
         (
             ["events", "--job", "j1", "--type", "nope", "--nats", "nats://x:1"],

@@ -21,9 +21,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument(
         "--since",
-        type=common.duration,
-        metavar="DURATION",
-        help="only events newer than this, e.g. 30s, 10m, 2h",
+        type=common.moment,
+        metavar="WHEN",
+        help="only events newer than this: a duration back from now (30s, 10m, 2h) or an "
+        "ISO-8601 time (2026-11-23T10:32:00Z)",
     )
     p.add_argument(
         "--type",
@@ -80,7 +81,9 @@ async def _run(args: argparse.Namespace) -> int:
                 out.write(f"{'':23}  #{rej.seq:<6} {'?':<24} {'(unreadable)':<16} {rej.error}\n")
 
         start_time = None
-        if args.since is not None:
+        if isinstance(args.since, dt.datetime):
+            start_time = args.since
+        elif args.since is not None:
             start_time = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=args.since)
         feed = await bus.subscribe(
             subjects.EVENTS_STREAM, subjects.job_events(args.job), show, bad, start_time=start_time
