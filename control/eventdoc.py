@@ -37,7 +37,7 @@ def _subject(cls: type[ev.Event]) -> str:
         values["spec"] = ev.JobSpec()
     if cls is ev.JobEnded:
         values["phase"] = ev.JobPhase.STOPPED
-    if cls is ev.WorkerExited:
+    if cls in (ev.WorkerExited, ev.TaskRestarted):
         values["kind"] = ev.FailureKind.UNKNOWN
     if cls is ev.ShardRequeued:
         values["reason"] = ev.RequeueReason.LEASE_EXPIRED
@@ -133,6 +133,7 @@ def render() -> str:
                 ev.Heartbeat,
                 ev.RdzvJoined,
                 ev.WorkersStarted,
+                ev.TaskRestarted,
                 ev.WorkerExited,
                 ev.WorkersSucceeded,
                 ev.NetworkCheckReported,

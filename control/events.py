@@ -149,6 +149,8 @@ class RdzvParams(msgspec.Struct, frozen=True, kw_only=True):
     network_check: bool = False
     exclude_stragglers: bool = False
     network_check_timeout_s: float = 120.0
+    #: a TensorFlow parameter-server job with this many parameter servers (0: torch)
+    tf_ps: int = 0
 
 
 class CheckGroup(msgspec.Struct, frozen=True, kw_only=True):
@@ -176,6 +178,18 @@ class RoundMember(msgspec.Struct, frozen=True, kw_only=True):
     addr: str
     nproc: int
     first_rank: int
+
+
+class TfTask(msgspec.Struct, frozen=True, array_like=True):
+    """One task of a TensorFlow parameter-server round: rank `rank` runs task `index`
+    of `role` (chief, ps or worker) on `node`, serving on `addr:port`."""
+
+    role: str
+    index: int
+    rank: int
+    node: str
+    addr: str
+    port: int
 
 
 class RankStat(msgspec.Struct, frozen=True, kw_only=True):
@@ -232,6 +246,20 @@ class RdzvJoined(NodeFact, tag="rdzv_joined", frozen=True, kw_only=True):
     nproc_per_node: int
     ports: tuple[int, ...] = ()
     params: RdzvParams = msgspec.field(default_factory=RdzvParams)
+
+
+class TaskRestarted(NodeFact, tag="task_restarted", frozen=True, kw_only=True):
+    """A task of a TensorFlow round ended (`kind`, `reason`) and `node`'s agent started it
+    again on the same address without a new round: the `restarts`-th time in `round`."""
+
+    round: int
+    rank: int
+    role: str
+    index: int
+    kind: FailureKind
+    reason: str
+    exit_code: int | None = None
+    restarts: int = 1
 
 
 class WorkersStarted(NodeFact, tag="workers_started", frozen=True, kw_only=True):
@@ -427,6 +455,8 @@ class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True)
     restore_step: int | None = None
     restore_source: RestoreSource = RestoreSource.NONE
     cause: RoundCause = RoundCause.FORMED
+    #: a TensorFlow round's tasks, by rank: roles and addresses (empty for torch)
+    tasks: tuple[TfTask, ...] = ()
 
 
 class NetworkCheckAssigned(Decision, tag="network_check_assigned", frozen=True, kw_only=True):
@@ -566,6 +596,7 @@ AnyEvent = (
     | NodePending
     | StreamShardsAdded
     | StreamCheckpointed
+    | TaskRestarted
     | RecordsUndecodable
 )
 

@@ -138,12 +138,13 @@ def rdzv(
     params: ev.RdzvParams = PARAMS,
     n: int = 0,
     job: str = JOB,
+    ports: tuple[int, ...] | None = None,
 ) -> ev.RdzvJoined:
     return ev.RdzvJoined(
         **_fact(node, inc, ts, job, "rdzv", n, ts),
         addr=f"10.0.0.{node[-1]}",
         nproc_per_node=nproc,
-        ports=(29500 + n,),
+        ports=(29500 + n,) if ports is None else ports,
         params=params,
     )
 
@@ -283,9 +284,26 @@ def check_completed(epoch: int, *, job: str = JOB) -> ev.NetworkCheckCompleted:
     )
 
 
+def task_restarted(
+    node: str, rnd: int, rank: int, role: str = "worker", *, restarts: int = 1, job: str = JOB
+) -> ev.TaskRestarted:
+    return ev.TaskRestarted(
+        **_fact(node, "i1", 100.0, job, "task_restarted", rnd, rank, restarts),
+        round=rnd,
+        rank=rank,
+        role=role,
+        index=rank - 2,
+        kind=ev.FailureKind.KILLED,
+        reason="killed by SIGKILL",
+        exit_code=-9,
+        restarts=restarts,
+    )
+
+
 def every_event() -> list[ev.Event]:
     return [
         *one_of_each(),
+        task_restarted("n1", 1, 3),
         check_reported("n1", 0),
         check_assigned(0, 7, ("n1", "n2")),
         check_completed(7),

@@ -53,9 +53,13 @@ class Sim:
             self.beat(node, inc=self.state.nodes[node].incarnation)
         return self.tick()
 
-    def join(self, node: str, *, inc: str = "i1", nproc: int = 2) -> None:
+    def join(
+        self, node: str, *, inc: str = "i1", nproc: int = 2, ports: tuple[int, ...] | None = None
+    ) -> None:
         self.apply(factories.joined(node, inc=inc, ts=self.now))
-        self.apply(factories.rdzv(node, inc=inc, ts=self.now, nproc=nproc, params=self.params))
+        self.apply(
+            factories.rdzv(node, inc=inc, ts=self.now, nproc=nproc, params=self.params, ports=ports)
+        )
         self.beat(node, inc=inc)
 
     def beat(self, node: str, *, inc: str = "i1") -> None:

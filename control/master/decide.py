@@ -116,6 +116,7 @@ def _rendezvous(state: JobState, intent: rdzv.Intent, now: float) -> ev.Decision
                 cause=intent.cause,
                 restore_step=step,
                 restore_source=source,
+                tasks=intent.tasks,
             )
         case rdzv.ExcludeNode():
             return ev.NodeExcluded(

@@ -32,6 +32,7 @@ _E = TypeVar("_E", bound=ev.Event)
 _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.RdzvJoined: ("rdzv", rdzv.on_rdzv_joined),
     ev.WorkersSucceeded: ("rdzv", rdzv.on_workers_succeeded),
+    ev.TaskRestarted: ("rdzv", rdzv.on_task_restarted),
     ev.NetworkCheckAssigned: ("rdzv", rdzv.on_check_assigned),
     ev.NetworkCheckReported: ("rdzv", rdzv.on_check_reported),
     ev.NetworkCheckCompleted: ("rdzv", rdzv.on_check_completed),

@@ -35,6 +35,7 @@ import msgspec
 from msgspec.structs import replace
 
 from rove.control import events as ev
+from rove.control import tf_cluster
 from rove.control.master import netcheck
 from rove.control.master.netcheck import CheckState
 
@@ -84,6 +85,11 @@ class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
     master_port: int = 0
     ports: immutables.Map[str, tuple[int, ...]] = msgspec.field(default_factory=immutables.Map)
     check: CheckState = msgspec.field(default_factory=CheckState)
+    #: a TensorFlow round's tasks (roles and addresses, by rank)
+    tasks: tuple[ev.TfTask, ...] = ()
+    #: TensorFlow tasks restarted in place: how many per role (all rounds), the newest
+    task_restarts: immutables.Map[str, int] = msgspec.field(default_factory=immutables.Map)
+    recent_restarts: tuple[ev.TaskRestarted, ...] = ()
 
     def member(self, node: str) -> ev.RoundMember | None:
         for m in self.members:
@@ -170,6 +176,18 @@ def on_workers_succeeded(r: RdzvState, e: ev.WorkersSucceeded) -> RdzvState:
     return replace(r, succeeded=r.succeeded | {e.node})
 
 
+#: Task restarts kept for `rove status` (their count per role is exact).
+RECENT_TASK_RESTARTS = 10
+
+
+def on_task_restarted(r: RdzvState, e: ev.TaskRestarted) -> RdzvState:
+    return replace(
+        r,
+        task_restarts=r.task_restarts.set(e.role, r.task_restarts.get(e.role, 0) + 1),
+        recent_restarts=(*r.recent_restarts, e)[-RECENT_TASK_RESTARTS:],
+    )
+
+
 def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
     if e.round <= r.round:
         return r
@@ -190,6 +208,7 @@ def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
         succeeded=frozenset(),
         broken_since=None,
         master_port=e.master_port,
+        tasks=e.tasks,
     )
 
 
@@ -219,6 +238,7 @@ class FormRound(msgspec.Struct, frozen=True, kw_only=True):
     restart_count: int
     reason: str
     cause: ev.RoundCause
+    tasks: tuple[ev.TfTask, ...] = ()
 
 
 class ExcludeNode(msgspec.Struct, frozen=True, kw_only=True):
@@ -277,11 +297,9 @@ def decide(
     p = r.params
     if p is None:
         return Wait(reason="no node has asked to join a round yet")
-    if r.active and r.members and r.succeeded >= {m.node for m in r.members}:
-        return EndJob(
-            phase=ev.JobPhase.FINISHED,
-            reason=f"all {len(r.members)} nodes finished their workers",
-        )
+    finished = _finished(r)
+    if finished is not None:
+        return EndJob(phase=ev.JobPhase.FINISHED, reason=finished)
     if leaving:
         alive = alive.without(leaving)
     if r.active and r.failure is not None:
@@ -294,6 +312,21 @@ def decide(
     if r.active:
         return _scale_up(r, p, alive, liveness, now)
     return _form(r, p, alive, liveness, now)
+
+
+def _finished(r: RdzvState) -> str | None:
+    """Why the job is finished, or None: every member's workers finished, or in a
+    TensorFlow round the chief's (its parameter servers and workers serve until then)."""
+    if not (r.active and r.members):
+        return None
+    head = tf_cluster.chief(r.tasks)
+    if head is not None:
+        if head.node in r.succeeded:
+            return f"the TensorFlow coordinator (chief, on node {head.node}) finished"
+        return None
+    if r.succeeded >= {m.node for m in r.members}:
+        return f"all {len(r.members)} nodes finished their workers"
+    return None
 
 
 def _failure_text(f: Failure) -> str:
@@ -502,6 +535,15 @@ def _port(w: Waiter, liveness: Mapping[str, ev.Heartbeat], previous: int) -> int
     return ports[0] if ports else 29500
 
 
+def _fresh_ports(w: Waiter, liveness: Mapping[str, ev.Heartbeat]) -> tuple[int, ...]:
+    """The ports `w` offered last: its heartbeat's (found free most recently), else its
+    join's."""
+    hb = liveness.get(w.node)
+    if hb is not None and hb.incarnation == w.incarnation and len(hb.ports) >= w.nproc:
+        return hb.ports
+    return w.ports
+
+
 def _round(
     r: RdzvState,
     pool: list[Waiter],
@@ -521,7 +563,16 @@ def _round(
             )
         )
         rank += w.nproc
+    tasks: tuple[ev.TfTask, ...] = ()
+    if r.params is not None and r.params.tf_ps:
+        assigned = tf_cluster.assign(
+            members, {w.node: _fresh_ports(w, liveness) for w in pool}, r.params.tf_ps
+        )
+        if isinstance(assigned, str):
+            return Wait(reason=assigned)
+        tasks = assigned
     return FormRound(
+        tasks=tasks,
         round=r.round + 1,
         members=tuple(members),
         world_size=rank,

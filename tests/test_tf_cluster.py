@@ -1,0 +1,102 @@
+"""TensorFlow parameter-server rounds in the master (pure): roles by rank, addresses from
+the ports each node offered, TF_CONFIG, a job that ends when its chief does, and task
+restarts folded for `rove status`."""
+
+from __future__ import annotations
+
+import json
+
+from rove.control import events as ev
+from rove.control import tf_cluster
+from tests import factories
+from tests.sim import Sim
+
+TF = ev.RdzvParams(min_nodes=2, max_nodes=2, last_call_s=1.0, tf_ps=1)
+
+
+def member(node: str, nproc: int, first: int) -> ev.RoundMember:
+    return ev.RoundMember(
+        node=node, incarnation="i1", addr=f"h{node}", nproc=nproc, first_rank=first
+    )
+
+
+def test_roles_follow_rank_order_chief_then_parameter_servers_then_workers() -> None:
+    tasks = tf_cluster.assign(
+        [member("a", 2, 0), member("b", 3, 2)], {"a": (41001, 41002), "b": (5, 6, 7, 8)}, 2
+    )
+    assert not isinstance(tasks, str)
+    assert [(t.role, t.index, t.rank, t.node, t.port) for t in tasks] == [
+        ("chief", 0, 0, "a", 41001),
+        ("ps", 0, 1, "a", 41002),
+        ("ps", 1, 2, "b", 5),
+        ("worker", 0, 3, "b", 6),
+        ("worker", 1, 4, "b", 7),
+    ]
+    config = json.loads(tf_cluster.tf_config(tasks, 3))
+    assert config == {
+        "cluster": {
+            "chief": ["ha:41001"],
+            "ps": ["ha:41002", "hb:5"],
+            "worker": ["hb:6", "hb:7"],
+        },
+        "task": {"type": "worker", "index": 0},
+    }
+
+
+def test_too_few_processes_or_ports_say_why() -> None:
+    few = tf_cluster.assign([member("a", 2, 0)], {"a": (1, 2)}, 1)
+    assert isinstance(few, str) and "needs at least 3 processes" in few and "has 2" in few
+    short = tf_cluster.assign([member("a", 3, 0)], {"a": (1, 2)}, 1)
+    assert isinstance(short, str) and "offered 2 free ports for its 3" in short
+
+
+def _tf_sim() -> Sim:
+    sim = Sim(TF)
+    sim.join("n1", nproc=2, ports=(41001, 41002))
+    sim.join("n2", nproc=2, ports=(42001, 42002))
+    sim.tick(2.0)
+    return sim
+
+
+def test_a_tensorflow_round_carries_every_task_and_ends_when_the_chief_finishes() -> None:
+    sim = _tf_sim()
+    (r1,) = sim.rounds()
+    assert [(t.role, t.node, t.port) for t in r1.tasks] == [
+        ("chief", "n1", 41001),
+        ("ps", "n1", 41002),
+        ("worker", "n2", 42001),
+        ("worker", "n2", 42002),
+    ]
+    assert sim.state.rdzv.tasks == r1.tasks
+    # the workers' node never ends on its own (servers serve until stopped): not the end
+    sim.apply(factories.succeeded("n2", 1))
+    assert not any(isinstance(d, ev.JobEnded) for d in sim.tick())
+    sim.apply(factories.succeeded("n1", 1))
+    (ended,) = [d for d in sim.tick() if isinstance(d, ev.JobEnded)]
+    assert ended.phase is ev.JobPhase.FINISHED and "coordinator (chief, on node n1)" in ended.reason
+
+
+def test_a_parameter_server_failure_restarts_the_round_with_the_same_tasks() -> None:
+    sim = _tf_sim()
+    sim.apply(factories.exited("n1", 1, rank=1, kind=ev.FailureKind.KILLED))
+    sim.tick()
+    r1, r2 = sim.rounds()
+    assert r2.restart_count == 1 and [t.role for t in r2.tasks] == [t.role for t in r1.tasks]
+
+
+def test_a_round_too_small_for_the_job_waits_and_says_why() -> None:
+    sim = Sim(ev.RdzvParams(min_nodes=1, max_nodes=1, tf_ps=2))
+    sim.join("n1", nproc=3, ports=(1, 2, 3))
+    sim.tick(2.0)
+    assert sim.rounds() == []
+    assert sim.waiting is not None and "needs at least 4 processes" in sim.waiting.reason
+
+
+def test_task_restarts_are_counted_per_role_and_the_newest_kept() -> None:
+    sim = _tf_sim()
+    for n in range(1, 13):
+        sim.apply(factories.task_restarted("n2", 1, 2 + n % 2, restarts=n))
+    sim.apply(factories.task_restarted("n1", 1, 1, "ps"))
+    rdzv = sim.state.rdzv
+    assert dict(rdzv.task_restarts) == {"worker": 12, "ps": 1}
+    assert len(rdzv.recent_restarts) == 10 and rdzv.recent_restarts[-1].role == "ps"
