@@ -40,9 +40,9 @@ from rove.agent.diagnosis import signal_name
 from rove.agent.facts import NodeFacts
 from rove.agent.heartbeat import Heartbeat, free_ports
 from rove.agent.lifecycle import AgentPhase, advance
-from rove.agent.runtime import WorkerRuntime, WorkersEnded
+from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.worker_env import member_of, worker_envs
-from rove.control import aio, records, subjects
+from rove.control import aio, records, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control.bus import Bus, Feed, options_env
 from rove.control.errors import RoveError
@@ -82,6 +82,14 @@ class AgentConfig:
     persist_every: int = 1
     #: More environment for the workers (e.g. ROVE_KAFKA_BOOTSTRAP from `--kafka-*`).
     worker_env: tuple[tuple[str, str], ...] = ()
+    #: Where a TensorFlow round's task logs go (default: under the state dir).
+    log_dir: Path | None = None
+
+    @property
+    def ports_offered(self) -> int:
+        """Free ports a node offers when it joins: one per task in a TensorFlow job
+        (each task serves on one), else two (the next round's rendezvous store)."""
+        return self.nproc + 1 if self.params.tf_ps else 2
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,25 @@ class AgentStatus:
     history: list[AgentPhase] = field(default_factory=list)
 
 
+def tf_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
+    """The TensorFlow runtime for `cfg` (a parameter-server job: `cfg.params.tf_ps`)."""
+    from rove.agent.tf_runtime import TfRuntime
+
+    assert isinstance(cfg.entrypoint, str), "a TensorFlow chief runs a command"
+    return TfRuntime(
+        [cfg.entrypoint, *cfg.args],
+        cfg.log_dir or cfg.state_dir / "logs" / incarnation,
+        cfg.state_dir / "progress" / incarnation,
+        max_restarts=cfg.max_restarts,
+        stop_timeout_s=cfg.stop_timeout_s,
+    )
+
+
+def default_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
+    """TensorFlow's for a parameter-server job, else torch's."""
+    return (tf_runtime if cfg.params.tf_ps else torch_runtime)(cfg, incarnation)
+
+
 def torch_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
     """The torch runtime for `cfg` (imported here: an agent of another runtime needs no torch)."""
     from rove.agent.workers import TorchRuntime
@@ -132,7 +159,7 @@ class Agent:
         cfg: AgentConfig,
         *,
         clock: Callable[[], float] = time.time,
-        runtime: Callable[[AgentConfig, str], WorkerRuntime] = torch_runtime,
+        runtime: Callable[[AgentConfig, str], WorkerRuntime] = default_runtime,
     ):
         self.bus = bus
         self.cfg = cfg
@@ -140,6 +167,7 @@ class Agent:
         self.facts = NodeFacts(Outbox(bus), job=cfg.job, node=cfg.node, clock=clock)
         self.incarnation = self.facts.incarnation
         self.workers = runtime(cfg, self.incarnation)
+        self.workers.listener = self._task_restarted
         self.checkpoints = CheckpointDuty(
             self.facts,
             cfg.checkpoint_dir,
@@ -148,7 +176,13 @@ class Agent:
             save_at_breakpoint=cfg.save_at_breakpoint,
         )
         self.heartbeat = Heartbeat(
-            bus, self.facts, self.workers, cfg.addr, self._where, interval_s=cfg.heartbeat_s
+            bus,
+            self.facts,
+            self.workers,
+            cfg.addr,
+            self._where,
+            interval_s=cfg.heartbeat_s,
+            ports=cfg.ports_offered,
         )
         self.status = AgentStatus()
         self.log = log.bind(job=cfg.job, node=cfg.node)
@@ -191,7 +225,7 @@ class Agent:
                 **self.facts.envelope(),
                 addr=self.cfg.addr,
                 nproc_per_node=self.cfg.nproc,
-                ports=free_ports(self.cfg.addr),
+                ports=free_ports(self.cfg.addr, self.cfg.ports_offered),
                 params=self.cfg.params,
             )
         )
@@ -362,6 +396,13 @@ class Agent:
         self.status.starts += 1
         self._watcher = asyncio.create_task(self._watch(), name=f"workers-round-{r.round}")
         ranks = tuple(member.first_rank + lr for lr in sorted(pids))
+        if r.tasks:
+            mine = [t for t in r.tasks if t.node == self.cfg.node]
+            self.log.info(
+                f"round {r.round}: TensorFlow tasks here: {tf_cluster.describe(mine)}",
+                round=r.round,
+                cluster=tf_cluster.cluster(r.tasks),
+            )
         self.log.info(
             f"round {r.round}: started {len(pids)} workers as ranks "
             f"{ranks[0]}-{ranks[-1]} of {r.world_size}",
@@ -393,6 +434,22 @@ class Agent:
             self._finish(EXIT_FAILED, "the agent lost track of its workers (see the log)")
             return
         self._inbox.put_nowait(ended)
+
+    def _task_restarted(self, t: TaskRestart) -> None:
+        """A task was started again in place (the runtime's own recovery): say so."""
+        self.facts.emit(
+            ev.TaskRestarted(
+                **self.facts.envelope(),
+                round=self.status.round,
+                rank=self._first_rank() + t.local_rank,
+                role=t.role,
+                index=t.index,
+                kind=t.diagnosis.kind,
+                reason=t.diagnosis.reason,
+                exit_code=t.exit_code,
+                restarts=t.restarts,
+            )
+        )
 
     def _restore_env(self, r: ev.RoundCompleted) -> dict[str, str]:
         env = {

@@ -72,8 +72,10 @@ class Heartbeat:
         *,
         interval_s: float = 1.0,
         sampler: Sampler | None = None,
+        ports: int = 2,
     ) -> None:
         self.bus = bus
+        self.ports = ports
         self.facts = facts
         self.runtime = runtime
         self.addr = addr
@@ -135,6 +137,6 @@ class Heartbeat:
             mem_total_bytes=total,
             ranks=tuple(ranks),
             round=rnd,
-            ports=free_ports(self.addr),
+            ports=free_ports(self.addr, self.ports),
             capacity=self.sampler.capacity(),
         )

@@ -32,7 +32,7 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 
 from rove.agent import warm
 from rove.agent.agent import Agent, AgentConfig
-from rove.control import aio, embedded, logs, subjects
+from rove.control import aio, embedded, logs, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
@@ -252,6 +252,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --standalone: records per stream shard the bridge cuts (default 256)",
     )
+    t = p.add_argument_group(
+        "TensorFlow parameter-server jobs (see docs/tensorflow.md): the script is the "
+        "coordinator (chief); rove runs the parameter servers and workers"
+    )
+    t.add_argument(
+        "--tf-ps",
+        action="store_true",
+        help="run a TF2 ParameterServerStrategy job: rank 0 runs the script as the chief, the "
+        "next --num-ps ranks are parameter servers, the rest are workers (each with TF_CONFIG)",
+    )
+    t.add_argument(
+        "--num-ps", type=int, default=1, metavar="P", help="parameter servers (default 1)"
+    )
+    t.add_argument(
+        "--num-workers",
+        type=int,
+        metavar="W",
+        help="with --standalone: W workers, so 1 + P + W processes (sets --nproc-per-node)",
+    )
     a = p.add_argument_group("auto-scaling (a managed job: see docs/scaling.md)")
     a.add_argument(
         "--auto-scale",
@@ -320,6 +339,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
             f"--standalone runs a one-node job with its own NATS server, but --nnodes is "
             f"{args.nnodes}: drop --nnodes, or run every node with --nats URL (docs/runtime.md)"
         )
+    tf_ps = _tf_ps(args, standalone)
     script = Path(args.training_script)
     if args.run_path and (args.module or args.no_python):
         raise ConfigError("--run-path runs a script file: it cannot go with -m or --no-python")
@@ -352,7 +372,12 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         network_check=bool(args.network_check),
         exclude_stragglers=bool(args.exclude_straggler),
         network_check_timeout_s=args.network_check_timeout,
+        tf_ps=tf_ps,
     )
+    if tf_ps:
+        problem = tf_cluster.problem(launch.max_nodes * launch.nproc_per_node, tf_ps)
+        if problem is not None:
+            raise ConfigError(f"--tf-ps: {problem}")
     warm_start = bool(args.warm_start) and not args.no_python
     if warm_start:
         # Forked from the warm server (see rove.agent.warm).
@@ -391,8 +416,35 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         keep_checkpoints=args.keep_checkpoints,
         persist_every=args.persist_every,
         worker_env=_kafka_env(args),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
     )
     return cfg, standalone
+
+
+def _tf_ps(args: argparse.Namespace, standalone: bool) -> int:
+    """Parameter servers of a TensorFlow job (0: not one); sets --nproc-per-node from
+    --num-workers on one machine."""
+    if not args.tf_ps:
+        if args.num_workers is not None:
+            raise ConfigError("--num-workers is for a TensorFlow job: add --tf-ps")
+        return 0
+    if args.num_ps < 1:
+        raise ConfigError(f"--num-ps must be at least 1, got {args.num_ps}")
+    if args.warm_start or args.run_path or args.module or args.no_python:
+        raise ConfigError(
+            "--tf-ps runs the script as the chief with python: it cannot go with "
+            "--warm-start, --run-path, -m or --no-python"
+        )
+    if args.num_workers is not None:
+        if args.num_workers < 1:
+            raise ConfigError(f"--num-workers must be at least 1, got {args.num_workers}")
+        if not standalone:
+            raise ConfigError(
+                "--num-workers sizes a one-machine job (--standalone); across nodes the "
+                "workers are the processes left after the chief and the parameter servers"
+            )
+        args.nproc_per_node = str(1 + args.num_ps + args.num_workers)
+    return int(args.num_ps)
 
 
 def _kafka_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:

@@ -1,16 +1,18 @@
 """The worker runtime port: how an agent runs its node's worker processes.
 
 The agent decides *when* workers start and stop (rounds, failures, signals);
-a `WorkerRuntime` knows *what* a worker is and how to run it. Today that is
-torch (`rove.agent.workers.TorchRuntime`: torch's own `start_processes`, the
-`@record` error file, fresh or warm-started interpreters); a TensorFlow
-runtime (parameter servers, workers, a coordinator) sits beside it.
+a `WorkerRuntime` knows *what* a worker is and how to run it: torch
+(`rove.agent.workers.TorchRuntime`: torch's own `start_processes`, the
+`@record` error file, fresh or warm-started interpreters) or TensorFlow
+(`rove.agent.tf_runtime.TfRuntime`: a parameter-server round's chief, parameter
+servers and workers, a worker restarted in place).
 """
 
 from __future__ import annotations
 
 import abc
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rove.agent.diagnosis import Diagnosis
@@ -26,6 +28,19 @@ class RootFailure:
     exit_code: int
     diagnosis: Diagnosis
     log_tail: str
+
+
+@dataclass(frozen=True)
+class TaskRestart:
+    """A worker process that ended and was started again in place, in the same round
+    (`restarts`: how many times so far in the round)."""
+
+    local_rank: int
+    role: str
+    index: int
+    exit_code: int
+    diagnosis: Diagnosis
+    restarts: int
 
 
 @dataclass(frozen=True)
@@ -59,9 +74,14 @@ class WorkerRuntime(abc.ABC):
     Implementations are safe to call from several threads: `wait` does its
     blocking work in one while `stop` may run in another.
 
+    A runtime that restarts a process in place, without ending the round (a
+    TensorFlow worker), tells `listener` of each restart.
+
     Raises:
         OSError: `start` could not start a process (the message names it).
     """
+
+    listener: Callable[[TaskRestart], None] | None = None
 
     @property
     @abc.abstractmethod

@@ -1,9 +1,11 @@
-"""The environment each worker process gets, the same variables torchrun sets (pure)."""
+"""The environment each worker process gets, the same variables torchrun sets (pure); in
+a TensorFlow round also its task's TF_CONFIG."""
 
 from __future__ import annotations
 
 import os
 
+from rove.control import tf_cluster
 from rove.control.events import RoundCompleted, RoundMember
 
 
@@ -53,6 +55,20 @@ def worker_envs(
         }
         if "OMP_NUM_THREADS" in os.environ:
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        if round_.tasks:
+            env.update(tf_env(round_, rank))
         env.update(extra or {})
         envs[local_rank] = env
     return envs
+
+
+def tf_env(round_: RoundCompleted, rank: int) -> dict[str, str]:
+    """A TensorFlow task's environment: its TF_CONFIG, role and index, and gRPC set to
+    fail fast (the coordinator learns of a dead task at once, as TF's docs require)."""
+    task = next(t for t in round_.tasks if t.rank == rank)
+    return {
+        "TF_CONFIG": tf_cluster.tf_config(round_.tasks, rank),
+        "ROVE_TF_ROLE": task.role,
+        "ROVE_TF_INDEX": str(task.index),
+        "GRPC_FAIL_FAST": "use_caller",
+    }

@@ -34,6 +34,7 @@ from torch.distributed.elastic.utils.api import macros
 from rove.agent import progress
 from rove.agent.diagnosis import Diagnosis, classify, read_tail
 from rove.agent.runtime import RootFailure, WorkerRuntime, WorkersEnded
+from rove.agent.sentinels import Sentinels
 from rove.control.events import FailureKind
 
 log = structlog.get_logger("rove.agent")
@@ -105,7 +106,7 @@ class TorchRuntime(WorkerRuntime):
     async def wait(self) -> WorkersEnded:
         rnd = self._round
         pids = self.pids()
-        watched = _Sentinels(pids, _return_fds(self.pcontext))
+        watched = Sentinels(pids, _return_fds(self.pcontext))
         reaped: set[int] = set()
         reaper = asyncio.create_task(self._reap_lingering(pids, reaped))
         try:
@@ -200,68 +201,6 @@ def _return_fds(pcontext: PContext | None) -> list[int]:
             return []
         fds.append(reader.fileno())
     return fds
-
-
-class _Sentinels:
-    """What wakes the agent about its workers: one pidfd per worker (readable when it
-    exits, Linux 5.3+), and the read ends of their return queues (`_return_fds`).
-
-    The agent also looks once a second whatever happens (a backstop, in case torch's
-    internals change under `_return_fds`); where pidfds are not available it looks
-    every 0.1 s.
-    """
-
-    def __init__(self, pids: dict[int, int], shared_fds: list[int]) -> None:
-        self._fds: dict[int, bool] = dict.fromkeys(shared_fds, False)  # fd -> ours to close
-        self._gone = 0  # exited (and reaped) before we could watch them
-        self._fallback = False
-        for pid in pids.values():
-            try:
-                self._fds[os.pidfd_open(pid)] = True
-            except ProcessLookupError:
-                self._gone += 1
-            except (OSError, AttributeError):
-                self.close()
-                self._fallback = True
-                break
-
-    async def next_exit(self, backstop_s: float = 1.0) -> bool:
-        """Wait until one more sentinel fires, or `backstop_s` passed (a safety net: the
-        caller looks at the workers again either way); False when none is left."""
-        if self._fallback:
-            await asyncio.sleep(0.1)
-            return True
-        if self._gone:
-            self._gone -= 1
-            return True
-        if not self._fds:
-            return False
-        loop = asyncio.get_running_loop()
-        fired: asyncio.Future[int] = loop.create_future()
-        for fd in self._fds:
-            loop.add_reader(fd, _resolve, fired, fd)
-        try:
-            fd = await asyncio.wait_for(fired, backstop_s)
-        except TimeoutError:
-            return True
-        finally:
-            for other in self._fds:
-                loop.remove_reader(other)
-        if self._fds.pop(fd):
-            os.close(fd)
-        return True
-
-    def close(self) -> None:
-        for fd, ours in self._fds.items():
-            if ours:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._fds = {}
-
-
-def _resolve(future: asyncio.Future[int], fd: int) -> None:
-    if not future.done():
-        future.set_result(fd)
 
 
 def _add_other_failures(pcontext: PContext, result: RunProcsResult) -> None:

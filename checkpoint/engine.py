@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from rove.checkpoint import layout
+from rove.checkpoint.durable import CheckpointError as CheckpointError
 from rove.checkpoint.shm import (
     COMPLETE,
     EMPTY,
@@ -34,10 +35,6 @@ from rove.checkpoint.shm import (
     Segment,
     ShmFullError,
 )
-
-
-class CheckpointError(RuntimeError):
-    """Nothing valid to load, or a slot failed its checks (the message says which)."""
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from rove.checkpoint import layout
+from rove.checkpoint import durable, layout
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.shm import COMPLETE, HEADER_SIZE
 
@@ -90,34 +88,12 @@ class Storage(abc.ABC):
         """Raises CheckpointError when the files are missing, torn or corrupted."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, chunks: list[memoryview | bytes]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class FileStorage(Storage):
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
     def _step_dir(self, step: int) -> Path:
-        return self.root / f"step-{step:08d}"
+        return durable.step_dir(self.root, step)
 
     def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
         seg = engine.segments[slot]
@@ -132,11 +108,13 @@ class FileStorage(Storage):
         data = self.root / directory.name / f"rank-{rank:05d}.ckpt"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            _write_atomic(
+            durable.write_atomic(
                 data, [seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)]
             )
-            _write_atomic(directory / f"rank-{rank:05d}.json", [msgspec.json.encode(manifest)])
-            _fsync_dir(directory)
+            durable.write_atomic(
+                directory / f"rank-{rank:05d}.json", [msgspec.json.encode(manifest)]
+            )
+            durable.fsync_dir(directory)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 data.unlink(missing_ok=True)
@@ -167,18 +145,13 @@ class FileStorage(Storage):
         return ranks
 
     def steps(self) -> list[int]:
-        found = []
-        for path in self.root.glob("step-*"):
-            with contextlib.suppress(ValueError):
-                found.append(int(path.name.removeprefix("step-")))
-        return sorted(found)
+        return durable.steps(self.root)
 
     def commit(self, step: int, keep: int) -> None:
         if not self._step_dir(step).is_dir():
             raise CheckpointError(f"step {step} was never persisted; it cannot be committed")
         try:
-            _write_atomic(self.root / "committed", [json.dumps({"step": step}).encode()])
-            _fsync_dir(self.root)
+            durable.mark_committed(self.root, step)
         except OSError as exc:
             raise StorageError(
                 f"could not mark step {step} committed in {self.root}: {exc}"
@@ -194,10 +167,7 @@ class FileStorage(Storage):
         return newer
 
     def committed(self) -> int | None:
-        try:
-            return int(json.loads((self.root / "committed").read_text())["step"])
-        except (OSError, ValueError, KeyError):
-            return None  # nothing committed yet, or no readable tracker
+        return durable.committed(self.root)
 
     def load(self, step: int, rank: int) -> Any:
         directory = self._step_dir(step)

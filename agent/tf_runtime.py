@@ -1,0 +1,270 @@
+"""The TensorFlow worker runtime: this node's tasks of a parameter-server round.
+
+Each local process of a TensorFlow round is one task (`round_completed.tasks`,
+with its `TF_CONFIG`): the **chief** runs the user's script, the coordinator
+of `ParameterServerStrategy`; **parameter servers** and **workers** run
+`rove.agent.tf_server`. Every task runs through `rove.agent.child`, so it dies
+with its agent.
+
+What happens when a task ends:
+
+    chief, code 0      the round's work is done: `wait` returns success (this
+                       node's servers serve until the job ends)
+    worker, any code   started again at once on the same address: the
+                       coordinator's closures retry on the other workers and
+                       the restarted one rejoins by itself; nothing else
+                       restarts. `listener` is told. After `max_restarts` in a
+                       round, the round fails instead.
+    parameter server   the round fails (the agent reports it; the master starts
+    chief, code != 0   a new round): every task starts again, the coordinator
+                       restores from its last committed checkpoint and the data
+                       rolls back to that checkpoint's position. A repeated
+                       user error fails the job fast, as for torch.
+
+So unlike torch's, a TensorFlow round's `wait` returns when its chief ends,
+not when every task has: parameter servers and workers serve until stopped.
+
+A task's output goes to its log file (`<log_dir>/round<R>-<role><index>.log`);
+the chief's is also echoed to the agent's stderr, prefixed `[chief]`, as are
+the servers' own `rove:` lines. The last lines of a failed task are its
+diagnosis's evidence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import structlog
+
+from rove.agent import progress
+from rove.agent.diagnosis import Diagnosis, classify
+from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
+from rove.agent.sentinels import Sentinels
+from rove.control import tf_cluster
+
+log = structlog.get_logger("rove.agent")
+
+#: Environment the agent gives each task (besides TF_CONFIG).
+ROLE_ENV = "ROVE_TF_ROLE"
+INDEX_ENV = "ROVE_TF_INDEX"
+#: Lines of a task's output kept for its diagnosis.
+TAIL_LINES = 60
+
+
+@dataclass
+class _Task:
+    local_rank: int
+    role: str
+    index: int
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    reader: threading.Thread | None = None
+    tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
+    )
+    restarts: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.role if self.role == tf_cluster.CHIEF else f"{self.role}{self.index}"
+
+
+class TfRuntime(WorkerRuntime):
+    """One TensorFlow round's tasks on this node (see the module and `WorkerRuntime`)."""
+
+    def __init__(
+        self,
+        chief_argv: list[str],
+        log_dir: Path,
+        progress_dir: Path,
+        *,
+        max_restarts: int,
+        python: str = sys.executable,
+        echo: IO[str] | None = None,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        self.chief_argv = list(chief_argv)
+        self.server_argv = [
+            *(python, "-m", "rove.agent.child"),
+            *(python, "-u", "-m", "rove.agent.tf_server"),
+        ]
+        self.log_dir = log_dir
+        self.progress_dir = progress_dir
+        self.max_restarts = max_restarts
+        self.echo = echo if echo is not None else sys.stderr
+        self.stop_timeout_s = stop_timeout_s
+        self._round = 0
+        self._tasks: dict[int, _Task] = {}
+        self._progress_files: dict[int, Path] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return bool(self._tasks)
+
+    @property
+    def round(self) -> int:
+        return self._round
+
+    def start(self, round_: int, envs: dict[int, dict[str, str]]) -> dict[int, int]:
+        """Start every task (on the calling thread: a task dies with the thread that
+        started it, see `rove.agent.child`)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.progress_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            assert not self._tasks, "the previous round's tasks still run"
+            self._round = round_
+            self._progress_files = {}
+            for local_rank, env in sorted(envs.items()):
+                role, index = env[ROLE_ENV], int(env[INDEX_ENV])
+                full = {**os.environ, **env}
+                if role == tf_cluster.CHIEF:
+                    path = self.progress_dir / f"round{round_}-chief"
+                    progress.create(path)
+                    self._progress_files[local_rank] = path
+                    full[progress.ENV] = str(path)
+                argv = self.chief_argv if role == tf_cluster.CHIEF else self.server_argv
+                name = role if role == tf_cluster.CHIEF else f"{role}{index}"
+                task = _Task(
+                    local_rank,
+                    role,
+                    index,
+                    argv,
+                    full,
+                    self.log_dir / f"round{round_}-{name}.log",
+                )
+                self._tasks[local_rank] = task
+                self._spawn(task)
+            return self.pids()
+
+    def _spawn(self, task: _Task) -> None:
+        task.tail.clear()
+        task.proc = subprocess.Popen(
+            task.argv, env=task.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        task.reader = threading.Thread(
+            target=self._read, args=(task, task.proc), name=f"tf-{task.name}-output", daemon=True
+        )
+        task.reader.start()
+
+    def _read(self, task: _Task, proc: subprocess.Popen[bytes]) -> None:
+        """Copy a task's output to its log file (and the chief's to the agent's stderr)."""
+        assert proc.stdout is not None
+        with task.log_path.open("ab") as out:
+            for raw in proc.stdout:
+                out.write(raw)
+                out.flush()
+                line = raw.decode(errors="replace").rstrip("\n")
+                task.tail.append(line)
+                if task.role == tf_cluster.CHIEF or line.startswith("rove:"):
+                    self.echo.write(f"[{task.name}] {line}\n")
+                    self.echo.flush()
+
+    def pids(self) -> dict[int, int]:
+        return {lr: t.proc.pid for lr, t in self._tasks.items() if t.proc is not None}
+
+    async def wait(self) -> WorkersEnded:
+        while True:
+            for task in list(self._tasks.values()):
+                if task.proc is None or task.proc.poll() is None:
+                    continue
+                ended = await self._ended(task)
+                if ended is not None:
+                    return ended
+            live = {
+                lr: t.proc.pid
+                for lr, t in self._tasks.items()
+                if t.proc is not None and t.proc.poll() is None
+            }
+            if not live:
+                await asyncio.sleep(0.1)
+                continue
+            watched = Sentinels(live, [])
+            try:
+                await watched.next_exit()
+            finally:
+                watched.close()
+
+    async def _ended(self, task: _Task) -> WorkersEnded | None:
+        """What a task's end means: None when it was started again in place."""
+        assert task.proc is not None
+        code = task.proc.returncode
+        if task.reader is not None:  # its last lines are the evidence
+            await asyncio.to_thread(task.reader.join, 5.0)
+        if task.role == tf_cluster.CHIEF and code == 0:
+            log.info("the TensorFlow coordinator finished", round=self._round)
+            return WorkersEnded(self._round, None)
+        tail = "\n".join(task.tail)
+        found = classify(code, None, tail)
+        diagnosis = Diagnosis(found.kind, f"{_title(task)}: {found.reason}")
+        if task.role == tf_cluster.WORKER and task.restarts < self.max_restarts:
+            task.restarts += 1
+            log.warning(
+                f"{_title(task)} ended ({found.reason}); starting it again on the same address",
+                round=self._round,
+                restarts=task.restarts,
+                log=str(task.log_path),
+            )
+            self._spawn(task)  # on the event loop's thread, as the round's first start
+            if self.listener is not None:
+                self.listener(
+                    TaskRestart(
+                        task.local_rank, task.role, task.index, code, diagnosis, task.restarts
+                    )
+                )
+            return None
+        if task.role == tf_cluster.WORKER:
+            diagnosis = Diagnosis(
+                found.kind,
+                f"{_title(task)} failed {task.restarts + 1} times in round {self._round} "
+                f"(--max-restarts {self.max_restarts}): {found.reason}",
+            )
+        failure = RootFailure(task.local_rank, task.proc.pid, code, diagnosis, tail)
+        await asyncio.to_thread(self.stop, signal.SIGTERM, self.stop_timeout_s)
+        return WorkersEnded(self._round, failure)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            tasks, self._tasks = list(self._tasks.values()), {}
+        live = [t.proc for t in tasks if t.proc is not None and t.proc.poll() is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+        deadline = time.monotonic() + timeout_s
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+        for task in tasks:
+            if task.reader is not None:
+                task.reader.join(5.0)
+
+    def progress(self) -> dict[int, progress.Progress]:
+        out = {}
+        for local_rank, path in dict(self._progress_files).items():
+            p = progress.read(path)
+            if p is not None:
+                out[local_rank] = p
+        return out
+
+
+def _title(task: _Task) -> str:
+    if task.role == tf_cluster.CHIEF:
+        return "the chief"
+    return f"{'parameter server' if task.role == tf_cluster.PS else 'worker'} {task.index}"

@@ -1,0 +1,54 @@
+"""A TensorFlow parameter server or worker task: `python -m rove.agent.tf_server`.
+
+The agent runs one per `ps` and `worker` task of a TensorFlow round, with
+`TF_CONFIG` naming the cluster and the task. It serves the task with
+`tf.distribute.Server` (gRPC) until it is stopped: the chief's
+`ClusterCoordinator` places variables on the parameter servers and runs its
+closures on the workers. It holds nothing that must survive it: a worker
+restarted on the same address rejoins the coordinator by itself, and a
+parameter server's variables are restored by the coordinator from its
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def main() -> None:
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    config = json.loads(os.environ["TF_CONFIG"])
+    task = config["task"]
+    began = time.monotonic()
+    import tensorflow as tf
+
+    threads = int(os.environ.get("ROVE_TF_THREADS", "0"))
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(config["cluster"]),
+        job_name=task["type"],
+        task_index=task["index"],
+        protocol="grpc",
+        config=tf.compat.v1.ConfigProto(
+            inter_op_parallelism_threads=threads, intra_op_parallelism_threads=threads
+        ),
+        start=True,
+    )
+    print(
+        f"rove: {task['type']} {task['index']} serving at {server.target} "
+        f"(up in {time.monotonic() - began:.1f}s)",
+        flush=True,
+    )
+    # SIGTERM (the agent stopping the round) ends the task at once: a server has no
+    # state of its own to save
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    server.join()
+    sys.exit(f"the {task['type']} {task['index']} server stopped serving")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Writing checkpoint files so that a crash leaves either nothing or a whole file (no torch).
+
+Every checkpoint rove persists follows one layout under its root:
+
+    step-00000120/...      one directory per step
+    committed              tracker: {"step": N}, the newest committed step
+
+A file is written under a temporary name, fsynced, then renamed over its final
+name, and its directory is fsynced; the tracker is written the same way once a
+step is complete. Torch flash checkpoints (`rove.checkpoint.storage`) and
+TensorFlow checkpoints (`rove.checkpoint.tf`) share these pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+
+class CheckpointError(RuntimeError):
+    """Nothing valid to load, or a slot failed its checks (the message says which)."""
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, chunks: list[memoryview | bytes]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def steps(root: Path) -> list[int]:
+    """The steps with a directory under `root`, oldest first."""
+    found = []
+    for path in root.glob("step-*"):
+        with contextlib.suppress(ValueError):
+            found.append(int(path.name.removeprefix("step-")))
+    return sorted(found)
+
+
+def mark_committed(root: Path, step: int) -> None:
+    """Make `step` the committed one (durably)."""
+    write_atomic(root / "committed", [json.dumps({"step": step}).encode()])
+    fsync_dir(root)
+
+
+def committed(root: Path) -> int | None:
+    try:
+        return int(json.loads((root / "committed").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None  # nothing committed yet, or no readable tracker
