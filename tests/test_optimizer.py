@@ -286,6 +286,24 @@ def test_the_job_grows_while_the_new_node_pays_and_shrinks_back_when_it_does_not
     assert m.plans()[-1].rule is ev.ScaleRule.SHRINK
 
 
+def test_a_new_node_not_measured_yet_is_waited_for_not_taken_for_a_slow_one() -> None:
+    """A node that joined late (slow start-up) reports 0 samples/s until two of its
+    heartbeats saw it step: the job waits for its speed instead of shrinking."""
+    m = Managed(workload(1, 4))
+    m.step()
+    m.step(2.0)
+    m.speed = {"n0-a0": 100.0}
+    m.step(11.0)
+    m.step(2.0)
+    assert len(m.members()) == 2
+    m.speed = {"n0-a0": 100.0, "n1-a0": 0.0}  # settled, but n1 is not measured yet
+    m.step(11.0)
+    assert m.plans()[-1].rule is ev.ScaleRule.GROW and len(m.plans()) == 2, "no verdict yet"
+    m.speed = {"n0-a0": 100.0, "n1-a0": 100.0}
+    m.step(1.0)
+    assert [p.rule for p in m.plans()][-1] is ev.ScaleRule.GROW and len(m.plans()) == 3
+
+
 def test_growth_stops_at_max_nodes() -> None:
     m = Managed(workload(1, 2))
     m.step()

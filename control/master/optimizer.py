@@ -308,12 +308,16 @@ def _straggler(
 
 
 def job_speed(r: RdzvState, liveness: Mapping[str, ev.Heartbeat]) -> float | None:
-    """Samples per second of the running round (every member must report)."""
+    """Samples per second of the running round, once every rank of every member has a
+    measured speed: a rank that has not (its first heartbeats since it began stepping
+    report 0) would make a job that just grew look slower than it is."""
     beats = _round_heartbeats(r, liveness)
     if beats is None:
         return None
-    speed = sum(x.samples_per_s for hb in beats.values() for x in hb.ranks)
-    return speed if speed > 0 else None
+    rates = [x.samples_per_s for hb in beats.values() for x in hb.ranks]
+    if not rates or min(rates) <= 0:
+        return None
+    return sum(rates)
 
 
 def _throughput(
