@@ -430,11 +430,12 @@ def _tf_ps(args: argparse.Namespace, standalone: bool) -> int:
         return 0
     if args.num_ps < 1:
         raise ConfigError(f"--num-ps must be at least 1, got {args.num_ps}")
-    if args.warm_start or args.run_path or args.module or args.no_python:
+    if args.run_path or args.module or args.no_python:
         raise ConfigError(
             "--tf-ps runs the script as the chief with python: it cannot go with "
-            "--warm-start, --run-path, -m or --no-python"
+            "--run-path, -m or --no-python"
         )
+    args.warm_start = False  # a torch forkserver: TensorFlow tasks start their own
     if args.num_workers is not None:
         if args.num_workers < 1:
             raise ConfigError(f"--num-workers must be at least 1, got {args.num_workers}")

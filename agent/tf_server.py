@@ -27,15 +27,16 @@ def main() -> None:
     began = time.monotonic()
     import tensorflow as tf
 
+    # ROVE_TF_THREADS caps the threads one op may use (0: TensorFlow's choice); the
+    # threads running ops side by side are left to TensorFlow, since too few of them
+    # deadlock a worker running a closure's dataset and its remote ops
     threads = int(os.environ.get("ROVE_TF_THREADS", "0"))
     server = tf.distribute.Server(
         tf.train.ClusterSpec(config["cluster"]),
         job_name=task["type"],
         task_index=task["index"],
         protocol="grpc",
-        config=tf.compat.v1.ConfigProto(
-            inter_op_parallelism_threads=threads, intra_op_parallelism_threads=threads
-        ),
+        config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads),
         start=True,
     )
     print(

@@ -83,10 +83,15 @@ def cluster(tasks: Sequence[TfTask]) -> dict[str, list[str]]:
 
 
 def tf_config(tasks: Sequence[TfTask], rank: int) -> str:
-    """`TF_CONFIG` for the task of `rank`."""
+    """`TF_CONFIG` for the task of `rank` (gRPC: what `TFConfigClusterResolver` gives
+    `ParameterServerStrategy`)."""
     task = next(t for t in tasks if t.rank == rank)
     return json.dumps(
-        {"cluster": cluster(tasks), "task": {"type": task.role, "index": task.index}},
+        {
+            "cluster": cluster(tasks),
+            "task": {"type": task.role, "index": task.index},
+            "rpc_layer": "grpc",
+        },
         sort_keys=True,
     )
 

@@ -44,11 +44,11 @@ from rove.control import events as ev
 from rove.control import shards
 from rove.shard_service.client import DataClient, dataset_spec, placement
 from rove.shard_service.keeper import LeaseKeeper
+from rove.shard_service.position import read_position as read_position
+from rove.shard_service.position import saved_position
 from rove.shard_service.tracker import Tracker
 
 log = structlog.get_logger("rove.data")
-
-STATE_VERSION = 1
 
 
 class ShardSampler(Sampler[list[int]]):
@@ -268,31 +268,7 @@ def position_state(name: str, spec: ev.DatasetSpec, position: ev.DataPosition) -
         dist.all_gather_object(gathered, msgspec.msgpack.encode(position))
         decode = msgspec.msgpack.Decoder(ev.DataPosition).decode
         position = shards.merge(decode(g) for g in gathered)
-    return {
-        "version": STATE_VERSION,
-        "dataset": name,
-        "spec": msgspec.to_builtins(spec),
-        "position": msgspec.to_builtins(position),
-    }
-
-
-def read_position(state: dict[str, Any], name: str, spec: ev.DatasetSpec) -> ev.DataPosition:
-    """The position saved by `position_state`, for the same dataset and parameters only.
-
-    Raises:
-        ValueError: it is another dataset's, or was saved with other parameters.
-    """
-    if state.get("dataset") != name:
-        raise ValueError(
-            f"this data position is for dataset {state.get('dataset')!r}, not {name!r}"
-        )
-    saved = msgspec.convert(state["spec"], ev.DatasetSpec)
-    if saved != spec:
-        raise ValueError(
-            f"the data position of {name} was saved with {saved}, but the data source has "
-            f"{spec}: positions only carry over to the same dataset parameters"
-        )
-    return msgspec.convert(state["position"], ev.DataPosition)
+    return saved_position(name, spec, position)
 
 
 def _anyone(mine: bool) -> bool:

@@ -40,6 +40,7 @@ def test_roles_follow_rank_order_chief_then_parameter_servers_then_workers() -> 
             "worker": ["hb:6", "hb:7"],
         },
         "task": {"type": "worker", "index": 0},
+        "rpc_layer": "grpc",
     }
 
 
