@@ -101,3 +101,17 @@ def test_task_restarts_are_counted_per_role_and_the_newest_kept() -> None:
     rdzv = sim.state.rdzv
     assert dict(rdzv.task_restarts) == {"worker": 12, "ps": 1}
     assert len(rdzv.recent_restarts) == 10 and rdzv.recent_restarts[-1].role == "ps"
+
+
+def test_status_shows_the_roles_and_the_tasks_restarted_in_place() -> None:
+    from rove.control.cli.status_cmd import render, status_view
+
+    sim = _tf_sim()
+    sim.apply(factories.task_restarted("n2", 1, 3, restarts=1))
+    text = render(status_view(sim.state, sim.liveness, None, sim.now))
+    assert (
+        "tensorflow: chief on n1 (10.0.0.1:41001); ps 0 on n1 (10.0.0.1:41002); "
+        "worker 0 on n2 (10.0.0.2:42001); worker 1 on n2 (10.0.0.2:42002)"
+    ) in text
+    assert "restarted in place: 1 worker" in text
+    assert "round 1, worker 1 on n2: killed by SIGKILL" in text

@@ -114,6 +114,7 @@ def status_view(
             else None
         ),
         "excluded": dict(r.excluded.items()),
+        "tensorflow": _tf_view(r),
         "checkpoints": {
             "committed_step": state.ckpt.committed,
             "in_memory": {node: step for node, (step, _ranks) in state.ckpt.memory.items()},
@@ -150,6 +151,42 @@ def status_view(
             for r in state.recent_rejections
         ],
     }
+
+
+def _tf_view(r: Any) -> dict[str, Any] | None:
+    """A TensorFlow job's tasks (roles, addresses) and the tasks restarted in place."""
+    if r.params is None or not r.params.tf_ps:
+        return None
+    return {
+        "tasks": [
+            {"role": t.role, "index": t.index, "rank": t.rank, "node": t.node,
+             "address": f"{t.addr}:{t.port}"}
+            for t in r.tasks
+        ],
+        "restarts_by_role": dict(r.task_restarts.items()),
+        "recent_restarts": [
+            {"round": e.round, "role": e.role, "index": e.index, "node": e.node,
+             "kind": e.kind.value, "reason": e.reason, "restarts": e.restarts}
+            for e in r.recent_restarts
+        ],
+    }  # fmt: skip
+
+
+def _tf_lines(tf: dict[str, Any]) -> list[str]:
+    def name(t: dict[str, Any]) -> str:
+        return t["role"] if t["role"] == "chief" else f"{t['role']} {t['index']}"
+
+    tasks = "; ".join(f"{name(t)} on {t['node']} ({t['address']})" for t in tf["tasks"])
+    lines = [f"tensorflow: {tasks or 'no round yet'}"]
+    by_role = tf["restarts_by_role"]
+    if by_role:
+        counts = ", ".join(f"{n} {role}" for role, n in sorted(by_role.items()))
+        lines.append(f"  restarted in place: {counts}")
+        for e in tf["recent_restarts"][-3:]:
+            lines.append(
+                f"    round {e['round']}, {e['role']} {e['index']} on {e['node']}: {e['reason']}"
+            )
+    return lines
 
 
 def _cell(v: Any) -> str:
@@ -433,6 +470,8 @@ def render(view: dict[str, Any]) -> str:
                 f"network check: {times}; faulty: {', '.join(check['faulty']) or '-'}; "
                 f"stragglers: {', '.join(check['stragglers']) or '-'}"
             )
+    if view["tensorflow"] is not None:
+        lines.extend(_tf_lines(view["tensorflow"]))
     for node, why in view["excluded"].items():
         lines.append(f"excluded: {node}: {why}")
     lines.append("")
