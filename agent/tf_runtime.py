@@ -60,6 +60,8 @@ ROLE_ENV = "ROVE_TF_ROLE"
 INDEX_ENV = "ROVE_TF_INDEX"
 #: Lines of a task's output kept for its diagnosis.
 TAIL_LINES = 60
+#: Seconds the other tasks of a failed round get to exit before SIGKILL.
+FAILED_ROUND_GRACE_S = 1.0
 
 
 @dataclass
@@ -233,7 +235,10 @@ class TfRuntime(WorkerRuntime):
                 f"(--max-restarts {self.max_restarts}): {found.reason}",
             )
         failure = RootFailure(task.local_rank, task.proc.pid, code, diagnosis, tail)
-        await asyncio.to_thread(self.stop, signal.SIGTERM, self.stop_timeout_s)
+        # The round is over and every checkpoint is durable already: nothing to wait for.
+        # A coordinator that lost its parameter server can take long to exit on SIGTERM
+        # (TensorFlow's threads), and every second here is a second of the recovery.
+        await asyncio.to_thread(self.stop, signal.SIGTERM, FAILED_ROUND_GRACE_S)
         return WorkersEnded(self._round, failure)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:

@@ -125,7 +125,13 @@ def main() -> None:
             losses.append(float(result.fetch()))
             feed.trained(shard)
             step += 1
-            log({"step": step, "samples": [[shard.epoch, i] for i in shard.indices]})
+            log(
+                {
+                    "step": step,
+                    "t": time.time(),
+                    "samples": [[shard.epoch, i] for i in shard.indices],
+                }
+            )
         saved = ckpt.save(step, extra={"step": step, "data": feed.state_dict()})
         feed.committed()
         print(
