@@ -69,6 +69,7 @@ bench: $(VENV)/.installed-tests
 	$(BIN)/python benchmarks/shards.py
 	$(BIN)/python benchmarks/relaunch.py
 	$(BIN)/python benchmarks/streaming.py
+	$(BIN)/python benchmarks/tf_recovery.py
 
 clean:
 	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -39,12 +39,15 @@ SCRIPT = ROOT / "examples" / "tf_ps.py"
 SAMPLES, SHARD = 9600, 96  # 100 shards
 
 
-def node(tmp_path: Path, bus: Bus, job: str, script: Path, *args: str) -> RunProc:
+def node(
+    tmp_path: Path, bus: Bus, job: str, script: Path, *args: str, name: str = "n0", nodes: int = 1
+) -> RunProc:
     return RunProc(
         tmp_path,
-        "n0",
-        *("--nats", bus.url, "--job", job, "--node-id", "n0", "--local-addr", "127.0.0.1"),
-        *("--tf-ps", "--num-ps", "1", "--nproc-per-node", "4", "--max-restarts", "5"),
+        name,
+        *("--nats", bus.url, "--job", job, "--node-id", name, "--local-addr", "127.0.0.1"),
+        *("--tf-ps", "--num-ps", "1", "--nproc-per-node", str(4 // nodes), "--nnodes", str(nodes)),
+        *("--max-restarts", "5", "--last-call-timeout", "1"),
         *("--heartbeat-interval", "0.5", "--checkpoint-dir", str(tmp_path / "ckpt")),
         str(script),
         *args,
@@ -65,19 +68,22 @@ def steps(trace: Path) -> int:
 async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_each_sample_once(
     bus: Bus, tmp_path: Path
 ) -> None:
+    """Two nodes: n0 runs the chief and the parameter server, n1 the two workers."""
     job = "tf-chaos"
     trace = tmp_path / "trace.jsonl"
     master = MasterProc(bus.url, job, "m1", tmp_path, "--node-timeout", "10")
-    run = node(
-        tmp_path, bus, job, SCRIPT,
+    args = (
         *("--samples", str(SAMPLES), "--shard-size", str(SHARD), "--window", "4"),
         *("--trace", str(trace)),
-    )  # fmt: skip
+    )
+    runs = {n: node(tmp_path, bus, job, SCRIPT, *args, name=n, nodes=2) for n in ("n0", "n1")}
     try:
         # 1. a worker: restarted in place, nothing else
         await eventually(lambda: steps(trace) >= 12, timeout=240)
-        (first,) = await started(bus, job)
-        chief, ps, worker0 = first.pids[0], first.pids[1], first.pids[2]
+        ranks = {
+            r: pid for e in await started(bus, job) for r, pid in zip(e.ranks, e.pids, strict=True)
+        }
+        chief, ps, worker0 = ranks[0], ranks[1], ranks[2]
         os.kill(worker0, signal.SIGKILL)
         at = steps(trace)
         await eventually(lambda: steps(trace) >= at + 12, timeout=240)
@@ -86,7 +92,7 @@ async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_ea
         assert [(e.role, e.index, e.kind) for e in restarts] == [
             ("worker", 0, ev.FailureKind.KILLED)
         ]
-        assert len(await started(bus, job)) == 1, "no new round for a worker"
+        assert len(await started(bus, job)) == 2, "no new round for a worker"
         assert os.kill(chief, 0) is None and os.kill(ps, 0) is None, "the rest untouched"
 
         # 2. the parameter server: a new round, restored from the last checkpoint
@@ -94,14 +100,15 @@ async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_ea
         await eventually(lambda: len({r["round"] for r in rows(trace)}) >= 2, timeout=240)
         at = steps(trace)
         await eventually(lambda: steps(trace) >= at + 8, timeout=240)
-        second = (await started(bus, job))[-1]
+        (second,) = [e for e in await started(bus, job) if e.node == "n0" and e.round == 2]
 
         # 3. the chief: the same
         os.kill(second.pids[0], signal.SIGKILL)
-        codes = await finished(bus, job, {"n0": run}, [run, master])
-        assert codes == {"n0": 0}, run.log()[-4000:]
+        codes = await finished(bus, job, runs, [*runs.values(), master])
+        assert codes == {"n0": 0, "n1": 0}, runs["n0"].log()[-4000:]
     finally:
-        run.stop()
+        for r in runs.values():
+            r.stop()
         master.stop()
 
     stored = await stored_events(bus, job)
@@ -112,7 +119,12 @@ async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_ea
     data = fold_records(stored, job).data
     ds = data.datasets["tf-regression"]
     assert data_fold.done_count(data, ds) == shards.total(ds.spec) == SAMPLES // SHARD
-    assert [t.role for t in rounds[-1].tasks] == ["chief", "ps", "worker", "worker"]
+    assert [(t.role, t.node) for t in rounds[-1].tasks] == [
+        ("chief", "n0"),
+        ("ps", "n0"),
+        ("worker", "n1"),
+        ("worker", "n1"),
+    ]
     exits = [e for e in events if isinstance(e, ev.WorkerExited)]
     assert [e.reason.split(":")[0] for e in exits] == ["parameter server 0", "the chief"]
     restored = [r["restored"] for r in rows(trace) if "restored" in r]
@@ -122,7 +134,7 @@ async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_ea
     assert set(count) == every, f"missing: {sorted(every - set(count))[:10]}"
     assert {k: n for k, n in count.items() if n > 1} == {}, "trained twice in the lineage"
     # the loss goes on from the checkpoint after each restore (it does not start over)
-    losses = [float(x) for x in re.findall(r"\[chief\] step \d+ +loss ([\d.]+)", run.log())]
+    losses = [float(x) for x in re.findall(r"\[chief\] step \d+ +loss ([\d.]+)", runs["n0"].log())]
     assert losses[0] > 0.5 and max(losses[len(losses) // 2 :]) < losses[0] / 4, losses
 
 
