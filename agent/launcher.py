@@ -25,12 +25,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
 import structlog
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
-from rove.agent import warm
+from rove.agent import managed, warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.control import aio, embedded, logs, subjects, tf_cluster
 from rove.control import events as ev
@@ -463,125 +462,6 @@ def _kafka_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     return (("ROVE_KAFKA_BOOTSTRAP", args.kafka_bootstrap), ("ROVE_KAFKA_TOPIC", args.kafka_topic))
 
 
-#: `rove run` flags that belong to one node (or to the launcher), not to the workload.
-_NODE_FLAGS = {"--nats", "--job", "--node-id", "--node-memory", "--node-cpu", "--policy"}
-_NODE_SWITCHES = {"--standalone", "--auto-scale"}
-
-
-def node_argv(argv: Sequence[str], args: argparse.Namespace) -> tuple[str, ...]:
-    """The `rove run` arguments every node of a managed job gets: `argv` without the
-    node's own flags, the launcher's switches and NATS credentials (the scaler adds
-    `--job`, `--node-id` and `--nats`; credentials reach nodes through the environment)."""
-    argv = list(argv)
-    script_at = len(argv) - len(args.training_script_args) - 1
-    head, tail = argv[:script_at], argv[script_at:]
-    kept: list[str] = []
-    skip = False
-    for arg in head:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in _NODE_SWITCHES:
-            continue
-        if name in _NODE_FLAGS or name.startswith("--nats-"):
-            skip = "=" not in arg
-            continue
-        kept.append(arg)
-    return (*kept, *tail)
-
-
-def policy(settings: Sequence[str]) -> ev.ScalePolicy:
-    """A `ScalePolicy` from `KEY=VALUE` settings; raises ConfigError naming a bad one."""
-    values: dict[str, str] = {}
-    known = set(ev.ScalePolicy.__struct_fields__)
-    for item in settings:
-        key, sep, value = item.partition("=")
-        if not sep or key not in known:
-            raise ConfigError(
-                f"--policy {item}: use KEY=VALUE with KEY one of {', '.join(sorted(known))}"
-            )
-        values[key] = value
-    try:
-        return msgspec.convert(values, ev.ScalePolicy, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"--policy: {exc}") from exc
-
-
-def workload(argv: Sequence[str], args: argparse.Namespace, cwd: str) -> ev.Workload:
-    """What every node of a managed job runs, from `rove run`'s arguments."""
-    lo, hi = parse_min_max_nnodes(str(args.nnodes))
-    return ev.Workload(
-        argv=node_argv(argv, args),
-        cwd=cwd,
-        min_nodes=lo,
-        max_nodes=hi,
-        nproc_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1,
-        resources=ev.Resources(cpu=args.node_cpu or 0.0, memory_bytes=args.node_memory or 0),
-        policy=policy(args.policy),
-    )
-
-
-async def _run_managed(args: argparse.Namespace, cfg: AgentConfig, argv: Sequence[str]) -> int:
-    """`--standalone --auto-scale`: an embedded NATS, a master and a local scaler here;
-    every node is a `rove run` process the scaler starts."""
-    from rove.control.scaler.local import LocalBackend
-    from rove.control.scaler.service import Scaler
-
-    spec = workload(argv, args, str(Path.cwd()))
-    options = common.bus_options(
-        args, name=f"rove-launcher-{cfg.job}", job=cfg.job, daemon=True, allow_embedded=True
-    )
-    bus = await Bus.connect(options)
-    runner = SupervisedMaster(
-        bus, cfg.job, "launcher-master", ev.JobSpec(node_timeout_s=args.node_timeout)
-    )
-    backend = LocalBackend(bus.url, die_with_parent=True, console=True)
-    scaler = Scaler(bus, cfg.job, backend, scaler_id="launcher")
-    tasks = [
-        asyncio.create_task(runner.run(), name="master"),
-        asyncio.create_task(scaler.run(), name="scaler"),
-    ]
-    stopping = asyncio.Event()
-    aio.stop_on_signals(stopping.set)
-    try:
-        if bus.server is not None:
-            embedded.url_file(cfg.job).write_text(bus.url + "\n")
-        await bus.publish(
-            ev.JobSubmitted(
-                **ev.envelope(cfg.job, "launcher", time.time(), "submitted"), workload=spec
-            )
-        )
-        print(
-            f"rove: job {cfg.job} (auto-scaled, {spec.min_nodes}-{spec.max_nodes} nodes, "
-            f"{spec.resources.describe()} each), NATS {bus.url}; "
-            f"watch it with: rove status --job {cfg.job}",
-            file=sys.stderr,
-            flush=True,
-        )
-        stop = asyncio.create_task(stopping.wait())
-        await asyncio.wait([tasks[1], stop], return_when=asyncio.FIRST_COMPLETED)
-        if stopping.is_set() and not scaler.state.phase.terminal:
-            await bus.publish(
-                ev.StopRequested(
-                    **ev.envelope(cfg.job, "launcher", time.time(), "stop"), reason="interrupted"
-                )
-            )
-            await tasks[1]
-        stop.cancel()
-        state = scaler.state
-        print(f"rove: job {state.phase.value}: {state.end_reason}", file=sys.stderr, flush=True)
-        return 0 if state.phase is ev.JobPhase.FINISHED else 1
-    finally:
-        runner.stop()
-        scaler.stop()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await backend.close()
-        if bus.server is not None:
-            embedded.url_file(cfg.job).unlink(missing_ok=True)
-        await bus.close()
-
-
 async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> int:
     if not args.nats and not standalone:
         raise ConfigError(
@@ -677,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(str(exc)) from exc
         if args.auto_scale:
             raw = list(argv) if argv is not None else sys.argv[1:]
-            return aio.run(_run_managed(args, cfg, raw))
+            return aio.run(managed.run_managed(args, cfg, raw))
         return aio.run(_run(args, cfg, standalone))
 
     return common.run_reporting("rove run", run)

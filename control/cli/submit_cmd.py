@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def build(args: argparse.Namespace) -> ev.Workload:
     """The workload from `rove submit`'s arguments (validated as `rove run` would)."""
-    from rove.agent import launcher  # torch's parser: only when submitting
+    from rove.agent import launcher, managed  # torch's parser: only when submitting
 
     run_args = list(args.run_args)
     if run_args[:1] == ["--"]:
@@ -67,7 +67,7 @@ def build(args: argparse.Namespace) -> ev.Workload:
         args.node_cpu,
         args.policy,
     )
-    return launcher.workload(run_args, parsed, str(cwd))
+    return managed.workload(run_args, parsed, str(cwd))
 
 
 def run(args: argparse.Namespace) -> int:
