@@ -84,6 +84,9 @@ class AgentConfig:
     worker_env: tuple[tuple[str, str], ...] = ()
     #: Where a TensorFlow round's task logs go (default: under the state dir).
     log_dir: Path | None = None
+    #: The workers' own credentials (`rove.control.auth`, the trainer role), when the
+    #: agent's are not theirs to use (a standalone job: the agent's are the master's too)
+    worker_auth: Path | None = None
 
     @property
     def ports_offered(self) -> int:
@@ -456,12 +459,14 @@ class Agent:
             "ROVE_RESTORE_STEP": "" if r.restore_step is None else str(r.restore_step),
             "ROVE_RESTORE_SOURCE": r.restore_source.value,
             # for the data clients in the workers (rove.shard_service): URL and credentials
-            **options_env(self.bus.options, self.bus.url),
+            **options_env(self.bus.options, self.bus.url, self.cfg.state_dir / "secrets"),
             "ROVE_NODE": self.cfg.node,
             "ROVE_JOB_RUN": self.job_run,
         }
         if self.cfg.checkpoint_dir is not None:
             env["ROVE_CKPT_DIR"] = str(self.cfg.checkpoint_dir)
+        if self.cfg.worker_auth is not None:
+            env["ROVE_NATS_AUTH"] = str(self.cfg.worker_auth)
         env.update(self.cfg.worker_env)
         return env
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import socket
 import sys
@@ -31,10 +32,10 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 
 from rove.agent import managed, warm
 from rove.agent.agent import Agent, AgentConfig
-from rove.control import aio, embedded, logs, subjects, tf_cluster
+from rove.control import aio, auth, embedded, logs, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus import Bus, BusOptions
 from rove.control.errors import ConfigError
 from rove.control.master.runner import SupervisedMaster
 
@@ -475,6 +476,8 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         daemon=True,
         allow_embedded=standalone,
     )
+    if options.url is None:
+        options, cfg = _closed(options, cfg)
     bus = await Bus.connect(options)
     master_task = bridge_task = None
     runner: SupervisedMaster | None = None
@@ -511,6 +514,22 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
         await bus.close()
+
+
+def _closed(options: BusOptions, cfg: AgentConfig) -> tuple[BusOptions, AgentConfig]:
+    """A standalone job's embedded server, closed to everyone but this job: fresh
+    credentials for the launcher (master and agent), its workers, and the CLI
+    (`rove status`, `rove events`: read only; `rove stop`: commands), each a file only
+    this user can read (docs/operations.md). Credentials given on the command line
+    are used as they are instead (the server is then the operator's to configure)."""
+    given = (options.user, options.token, options.creds_file, options.nkey_seed_file)
+    if any(given) or options.auth_file:
+        return options, cfg
+    job_auth = auth.embedded_job(embedded.job_dir(cfg.job) / "auth", cfg.job, cfg.node)
+    options = dataclasses.replace(
+        options, auth_file=str(job_auth.launcher), embedded_config=job_auth.config
+    )
+    return options, dataclasses.replace(cfg, worker_auth=job_auth.trainer)
 
 
 def _bridge(bus: Bus, cfg: AgentConfig, args: argparse.Namespace) -> KafkaBridge:

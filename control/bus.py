@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
+import json
 import os
+import re
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,13 +46,15 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import catchup, records, retry, subjects
+from rove.control import auth, catchup, records, retry, subjects
 from rove.control import events as ev
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,
     ConfigError,
     FencedError,
+    NotAuthorizedError,
+    PermissionDeniedError,
     RoveError,
 )
 from rove.control.natsclient import RoveNatsClient, ack_position
@@ -75,6 +79,8 @@ class BusOptions:
     token: str | None = None
     creds_file: str | None = None
     nkey_seed_file: str | None = None
+    #: rove's own credentials file (`rove.control.auth`: nkey seed and inbox prefix)
+    auth_file: str | None = None
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -87,6 +93,8 @@ class BusOptions:
     lease_ttl_s: float = 6.0
     duplicate_window_s: float = 120.0
     embedded_dir: Path | None = None
+    #: a configuration file for the embedded server (its users and permissions)
+    embedded_config: Path | None = None
     create_streams: bool = True
 
 
@@ -97,25 +105,59 @@ _ENV_OF_OPTION: dict[str, str] = {
     "token": "ROVE_NATS_TOKEN",
     "creds_file": "ROVE_NATS_CREDS",
     "nkey_seed_file": "ROVE_NATS_NKEY",
+    "auth_file": "ROVE_NATS_AUTH",
     "tls_ca_file": "ROVE_NATS_TLS_CA",
     "tls_cert_file": "ROVE_NATS_TLS_CERT",
     "tls_key_file": "ROVE_NATS_TLS_KEY",
 }
 
 
-def options_env(options: BusOptions, url: str) -> dict[str, str]:
-    """Environment for a child process (a worker) to reach the same NATS as `options`."""
+#: The server's answer to a publish the connection's permissions do not allow.
+_DENIED = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
+
+#: What is secret among them: handed to children in a file, never in their environment.
+_SECRET_OPTIONS = ("password", "token")
+#: The file with the secrets (`options_env`), readable by this user only.
+SECRETS_ENV = "ROVE_NATS_SECRETS"
+
+
+def options_env(options: BusOptions, url: str, secrets_dir: Path) -> dict[str, str]:
+    """Environment for a child process (a worker) to reach the same NATS as `options`.
+
+    Files (credentials, nkey seeds, TLS) are named by path; a password or token is
+    written to `secrets_dir/nats-secrets.json` (mode 0600) and only that path is in
+    the environment, so no secret shows in `/proc/<pid>/environ`."""
     env = {"ROVE_NATS_URL": url}
+    secrets = {}
     for option, var in _ENV_OF_OPTION.items():
         value = getattr(options, option)
-        if value:
+        if not value:
+            continue
+        if option in _SECRET_OPTIONS:
+            secrets[option] = str(value)
+        else:
             env[var] = str(value)
+    if secrets:
+        secrets_dir.mkdir(parents=True, exist_ok=True)
+        path = secrets_dir / "nats-secrets.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(secrets, f)
+        env[SECRETS_ENV] = str(path)
     return env
 
 
 def options_from_env(url: str, **overrides: Any) -> BusOptions:
     """BusOptions for `url` with the credentials and TLS files of the environment."""
-    found = {f: os.environ[v] for f, v in _ENV_OF_OPTION.items() if os.environ.get(v)}
+    found: dict[str, Any] = {
+        f: os.environ[v] for f, v in _ENV_OF_OPTION.items() if os.environ.get(v)
+    }
+    secrets = os.environ.get(SECRETS_ENV)
+    if secrets:
+        try:
+            found.update(json.loads(Path(secrets).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{SECRETS_ENV}={secrets}: cannot read it ({exc})") from exc
     return BusOptions(url=url, **{**found, **overrides})
 
 
@@ -276,7 +318,8 @@ class Bus:
             store = options.embedded_dir
             if store is None:
                 raise ConfigError("no NATS URL and no directory for an embedded server")
-            server = EmbeddedServer(store)
+            config = ["-c", str(options.embedded_config)] if options.embedded_config else []
+            server = EmbeddedServer(store, extra_args=config)
             url = await asyncio.to_thread(server.start)
         servers = _servers(url)
         nc = await cls._connect_client(servers, options)
@@ -291,9 +334,16 @@ class Bus:
 
     @staticmethod
     async def _connect_client(servers: list[str], o: BusOptions) -> NatsClient:
-        state = {"connected": False, "closing": False}
+        state: dict[str, Any] = {"connected": False, "closing": False, "denied": set()}
 
         async def on_error(exc: Exception) -> None:
+            if "authorization violation" in str(exc).lower():
+                state["refused"] = True
+            denied = _DENIED.search(str(exc))
+            if denied:  # a permanent answer: `publish_raw` raises it instead of retrying
+                state["denied"].add(denied.group(1).lower())
+                log.warning("the server denied a publish to this role", subject=denied.group(1))
+                return
             if state["connected"] and not state["closing"]:
                 log.warning("NATS client error", error=repr(exc))
             else:
@@ -332,6 +382,13 @@ class Bus:
             kwargs["nkeys_seed"] = o.nkey_seed_file
         if o.inbox_prefix:
             kwargs["inbox_prefix"] = o.inbox_prefix
+        if o.auth_file:
+            try:
+                creds = auth.read(o.auth_file)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+            kwargs["nkeys_seed_str"] = creds.seed
+            kwargs["inbox_prefix"] = creds.inbox_prefix
         nc = RoveNatsClient()
         nc._rove_state = state  # type: ignore[attr-defined]  # read by _quiet_close
         try:
@@ -344,6 +401,13 @@ class Bus:
         except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
             state["closing"] = True
             await _quiet_close(nc)
+            if state.get("refused"):
+                raise NotAuthorizedError(
+                    f"the NATS server at {', '.join(servers)} refused these credentials "
+                    "(authorization violation): give the role's credentials with --nats-auth "
+                    "(or --nats-user/--nats-password, --nats-creds, --nats-nkey); a standalone "
+                    "job's are under its job directory (docs/operations.md)"
+                ) from exc
             raise BusUnavailableError(
                 f"cannot connect to NATS at {', '.join(servers)}: {exc or type(exc).__name__}; "
                 "check that the server runs and that --nats / ROVE_NATS_URL points at it"
@@ -501,6 +565,14 @@ class Bus:
                 ack = await self.js.publish(
                     subject, payload, timeout=wait_s, headers=dict(headers or {})
                 )
+            except TimeoutError:
+                # (nats-py lowercases the server's message, subject included)
+                if subject.lower() in getattr(self.nc, "_rove_state", {}).get("denied", ()):
+                    raise PermissionDeniedError(
+                        f"the server refused a publish to {subject}: these credentials' "
+                        "role may not write it (roles and their subjects: docs/operations.md)"
+                    ) from None
+                raise
             except nats.js.errors.BadRequestError as exc:
                 if (
                     exc.err_code == WRONG_LAST_SEQUENCE

@@ -47,6 +47,14 @@ class FencedError(PermanentError):
     """
 
 
+class NotAuthorizedError(ConfigError):
+    """The server refused the connection's credentials (missing, wrong, or revoked)."""
+
+
+class PermissionDeniedError(PermanentError):
+    """The server refused a publish: these credentials' role may not write that subject."""
+
+
 class UnknownJobError(PermanentError):
     """No event of the named job exists on the bus."""
 

@@ -79,6 +79,12 @@ def add_nats_args(p: argparse.ArgumentParser) -> None:
         help="nkey seed file (env ROVE_NATS_NKEY)",
     )
     g.add_argument(
+        "--nats-auth",
+        metavar="FILE",
+        default=os.environ.get("ROVE_NATS_AUTH"),
+        help="rove credentials file of a role (`rove auth init`; env ROVE_NATS_AUTH)",
+    )
+    g.add_argument(
         "--nats-tls-ca",
         metavar="FILE",
         default=os.environ.get("ROVE_NATS_TLS_CA"),
@@ -106,7 +112,14 @@ def add_nats_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_files(args: argparse.Namespace) -> None:
-    for flag in ("nats_creds", "nats_nkey", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+    for flag in (
+        "nats_creds",
+        "nats_nkey",
+        "nats_auth",
+        "nats_tls_ca",
+        "nats_tls_cert",
+        "nats_tls_key",
+    ):
         value = getattr(args, flag, None)
         if value and not Path(value).is_file():
             raise ConfigError(f"--{flag.replace('_', '-')} {value}: no such file")
@@ -120,11 +133,13 @@ def bus_options(
     daemon: bool = False,
     allow_embedded: bool = False,
     lease_ttl_s: float = 6.0,
+    role: str = "cli",
 ) -> BusOptions:
     """BusOptions from the parsed arguments.
 
     Without --nats, a CLI command uses the URL that the job's embedded server
-    recorded on this machine; a daemon with `allow_embedded` starts one.
+    recorded on this machine, with the credentials of `role` that the job wrote
+    for its user; a daemon with `allow_embedded` starts one.
 
     Raises:
         ConfigError: nothing to connect to, or a named file is missing.
@@ -132,11 +147,15 @@ def bus_options(
     _check_files(args)
     url = args.nats
     embedded_dir = None
+    auth_file = getattr(args, "nats_auth", None)
     if not url and job is not None:
         if allow_embedded:
             embedded_dir = embedded.job_dir(job) / "nats"
         else:
             url = embedded.recorded_url(job)
+            found = embedded.job_dir(job) / "auth" / f"{role}.json"
+            if url and not auth_file and found.is_file():
+                auth_file = str(found)
     if not url and embedded_dir is None:
         raise ConfigError(
             "no NATS server to connect to: pass --nats nats://host:4222 or set ROVE_NATS_URL "
@@ -150,6 +169,7 @@ def bus_options(
         token=args.nats_token,
         creds_file=args.nats_creds,
         nkey_seed_file=args.nats_nkey,
+        auth_file=auth_file,
         tls_ca_file=args.nats_tls_ca,
         tls_cert_file=args.nats_tls_cert,
         tls_key_file=args.nats_tls_key,

@@ -245,18 +245,20 @@ async def test_a_worker_reaches_an_authenticated_server_with_the_agents_credenti
     try:
         assert server.url is not None
         agent = BusOptions(url=server.url, user="rove", password="s3cret", tls_ca_file=None)
-        env = options_env(agent, server.url)
+        env = options_env(agent, server.url, tmp_path / "agent")
+        secrets = tmp_path / "agent" / "nats-secrets.json"
         assert env == {
             "ROVE_NATS_URL": server.url,
             "ROVE_NATS_USER": "rove",
-            "ROVE_NATS_PASSWORD": "s3cret",
-        }
+            "ROVE_NATS_SECRETS": str(secrets),
+        }, "the password is in a file, not in the environment"
+        assert secrets.stat().st_mode & 0o777 == 0o600
         for var, value in env.items():
             monkeypatch.setenv(var, value)
         assert options_from_env(server.url).password == "s3cret"
         client = await asyncio.to_thread(DataClient, job="j1", dataset="ds", url=server.url)
         client.close()
-        monkeypatch.setenv("ROVE_NATS_PASSWORD", "wrong")
+        secrets.write_text('{"password": "wrong"}')
         with pytest.raises(BusUnavailableError):
             await asyncio.to_thread(DataClient, job="j1", dataset="ds", url=server.url)
     finally:

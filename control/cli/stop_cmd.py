@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    options = common.bus_options(args, name="rove-stop", job=args.job)
+    options = common.bus_options(args, name="rove-stop", job=args.job, role="operator")
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):

@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _submit(args: argparse.Namespace, spec: ev.Workload) -> int:
-    bus = await Bus.connect(common.bus_options(args, name="rove-submit", job=args.job))
+    bus = await Bus.connect(
+        common.bus_options(args, name="rove-submit", job=args.job, role="operator")
+    )
     try:
         await bus.publish(
             ev.JobSubmitted(**ev.envelope(args.job, "cli", time.time(), "submitted"), workload=spec)

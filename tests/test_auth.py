@@ -1,0 +1,200 @@
+"""rove's roles as NATS permissions (rove.control.auth), against a real nats-server running
+the generated configuration: every denial is asserted (the publish raises, nothing is
+stored), not assumed. And a `--standalone` job's embedded server accepts only the job's
+own credentials, which reach its workers as a file, never as a secret in their
+environment."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from rove.control import auth, subjects
+from rove.control import events as ev
+from rove.control.bus import Bus, BusOptions
+from rove.control.embedded import EmbeddedServer
+from rove.control.errors import NotAuthorizedError, PermissionDeniedError
+from tests import factories
+from tests.support import ROOT, RunProc, rove_cli, stored_events
+
+JOB = factories.JOB
+
+
+class Secured:
+    """A nats-server whose users are rove's roles for job j1 (agents n0 and n1)."""
+
+    def __init__(self, root: Path) -> None:
+        self.creds = {
+            "admin": auth.new_credentials("admin"),
+            "master": auth.new_credentials("master", JOB),
+            "n0": auth.new_credentials("agent", JOB, "n0"),
+            "n1": auth.new_credentials("agent", JOB, "n1"),
+            "trainer": auth.new_credentials("trainer", JOB),
+            "operator": auth.new_credentials("operator", JOB),
+            "cli": auth.new_credentials("cli", JOB),
+        }
+        self.files = {k: auth.write(c, root / f"{k}.json") for k, c in self.creds.items()}
+        config = root / "nats.conf"
+        config.write_text(auth.server_config(list(self.creds.values())))
+        self.server = EmbeddedServer(root / "nats", extra_args=["-c", str(config)])
+        self.url = self.server.start()
+
+    async def bus(self, who: str, **kw: object) -> Bus:
+        return await Bus.connect(
+            BusOptions(url=self.url, auth_file=str(self.files[who]), **kw)  # type: ignore[arg-type]
+        )
+
+
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
+    s = Secured(tmp_path)
+    master = await s.bus("master")  # creates the streams and the lease bucket
+    await master.close()
+    try:
+        yield s
+    finally:
+        s.server.stop()
+
+
+async def denied(bus: Bus, event: ev.Event) -> None:
+    with pytest.raises(PermissionDeniedError, match="refused a publish to"):
+        await bus.publish(event, deadline_s=10.0)
+
+
+async def test_an_agent_cannot_forge_a_decision_another_nodes_facts_a_snapshot_or_a_stop(
+    secured: Secured,
+) -> None:
+    agent = await secured.bus("n0", create_streams=False)
+    try:
+        await agent.publish(factories.joined("n0"))  # its own facts: fine
+        await agent.publish(factories.heartbeat("n0"))
+        await denied(agent, factories.elected("m-forged", 99))  # a master decision
+        await denied(agent, factories.stop())  # an operator's stop
+        await denied(agent, factories.joined("n1"))  # another node's facts
+        with pytest.raises(PermissionDeniedError):  # a snapshot
+            await agent.publish_raw(subjects.snapshot(JOB), b"forged state", deadline_s=10.0)
+        with pytest.raises(PermissionDeniedError):  # the leader lease
+            await agent.publish_raw(f"$KV.{subjects.LEASE_BUCKET}.{JOB}", b"me", deadline_s=10.0)
+    finally:
+        await agent.close()
+    admin = await secured.bus("admin")
+    try:
+        kinds = [(type(r.event).__name__, r.event.producer) for r in await stored_events(admin)]
+        assert kinds == [("NodeJoined", "agent:n0")], "only the agent's own fact is stored"
+        beat = await admin.js.get_last_msg(subjects.HEARTBEAT_STREAM, subjects.heartbeat(JOB, "n0"))
+        assert beat.seq, "its heartbeat is stored"
+    finally:
+        await admin.close()
+
+
+async def test_no_role_but_admin_may_delete_the_event_stream(secured: Secured) -> None:
+    for who in ("master", "n0", "cli"):
+        bus = await secured.bus(who, create_streams=False)
+        try:
+            with pytest.raises(Exception, match=r"timeout|[Pp]ermission"):
+                await bus.js.delete_stream(subjects.EVENTS_STREAM, timeout=2.0)
+        finally:
+            await bus.close()
+    admin = await secured.bus("admin")
+    try:
+        info = await admin.js.stream_info(subjects.EVENTS_STREAM)
+        assert info.config.name == subjects.EVENTS_STREAM, "the stream is still there"
+    finally:
+        await admin.close()
+
+
+async def test_a_trainer_asks_for_shards_but_cannot_forge_the_masters_answer(
+    secured: Secured,
+) -> None:
+    trainer = await secured.bus("trainer", create_streams=False)
+    try:
+        request = next(e for e in factories.data_events() if isinstance(e, ev.ShardRequested))
+        await trainer.publish(request)
+        leased = next(e for e in factories.data_events() if isinstance(e, ev.ShardLeased))
+        await denied(trainer, leased)  # rove.ev.j1.data.<dataset>.<client>
+    finally:
+        await trainer.close()
+
+
+async def test_without_credentials_a_client_is_refused(secured: Secured) -> None:
+    with pytest.raises(NotAuthorizedError, match="refused these credentials"):
+        await Bus.connect(BusOptions(url=secured.url, connect_timeout_s=2.0))
+    stranger = auth.write(auth.new_credentials("admin"), secured.files["admin"].with_name("x.json"))
+    with pytest.raises(NotAuthorizedError):  # well-formed, but not one the server knows
+        await Bus.connect(BusOptions(url=secured.url, auth_file=str(stranger)))
+
+
+async def test_the_read_only_cli_reads_events_and_status_but_cannot_publish(
+    secured: Secured,
+) -> None:
+    master = await secured.bus("master")
+    try:
+        await master.publish(factories.joined("n0"))
+    finally:
+        await master.close()
+    common = ("--job", JOB, "--nats", secured.url, "--nats-auth", str(secured.files["cli"]))
+    events = await asyncio.to_thread(rove_cli, "events", *common)
+    assert events.returncode == 0 and "node_joined" in events.stdout, events.stderr
+    status = await asyncio.to_thread(rove_cli, "status", *common)
+    assert status.returncode == 0 and f"job {JOB}" in status.stdout, status.stderr
+    stop = await asyncio.to_thread(rove_cli, "stop", *common)
+    assert stop.returncode != 0 and "refused a publish" in stop.stderr
+    operator = ("--nats-auth", str(secured.files["operator"]))
+    stopped = await asyncio.to_thread(rove_cli, "stop", *common[:4], *operator)
+    assert stopped.returncode == 0, stopped.stderr
+
+
+async def test_a_standalone_job_admits_only_its_own_credentials_and_hides_them_from_environ(
+    tmp_path: Path,
+) -> None:
+    """The workers of a `--standalone` job get the trainer's credentials as a file (mode
+    0600), nothing secret in their environment, and cannot write a master decision."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import asyncio, json, os, sys\n"
+        "from rove.control.bus import Bus, BusOptions, options_from_env\n"
+        "from rove.control.errors import NotAuthorizedError, PermissionDeniedError\n"
+        "from tests import factories\n"
+        f"out = {str(tmp_path / 'probe.json')!r}\n"
+        "environ = open(f'/proc/{os.getpid()}/environ', 'rb').read().decode()\n"
+        "async def main():\n"
+        "    bus = await Bus.connect(options_from_env(os.environ['ROVE_NATS_URL'],\n"
+        "                            create_streams=False))\n"
+        "    try:\n"
+        "        await bus.publish(factories.elected('forged', 99, job=os.environ['ROVE_JOB']))\n"
+        "        forged = 'stored'\n"
+        "    except PermissionDeniedError as exc:\n"
+        "        forged = str(exc)\n"
+        "    await bus.close()\n"
+        "    try:\n"
+        "        await Bus.connect(BusOptions(url=os.environ['ROVE_NATS_URL'],\n"
+        "                                     connect_timeout_s=2.0))\n"
+        "        anonymous = 'connected'\n"
+        "    except NotAuthorizedError as exc:\n"
+        "        anonymous = str(exc)\n"
+        "    json.dump({'environ': environ, 'auth': os.environ.get('ROVE_NATS_AUTH'),\n"
+        "               'forged': forged, 'anonymous': anonymous}, open(out, 'w'))\n"
+        "asyncio.run(main())\n"
+    )
+    home = tmp_path / "home"
+    run = RunProc(
+        tmp_path,
+        "standalone",
+        *("--standalone", "--job", "closed", "--nproc-per-node", "1", "--no-warm-start"),
+        str(script),
+        env={"ROVE_HOME": str(home), "PYTHONPATH": str(ROOT)},
+    )
+    assert run.wait(240) == 0, run.log()[-3000:]
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    assert probe["auth"] == str(home / "jobs" / "closed" / "auth" / "trainer.json")
+    assert "refused a publish to rove.ev.closed.master" in probe["forged"]
+    creds = auth.read(probe["auth"])
+    assert creds.role == "trainer" and creds.seed not in probe["environ"]
+    assert "ROVE_NATS_AUTH=" in probe["environ"], "a path, not a secret"
+    for f in (home / "jobs" / "closed" / "auth").iterdir():
+        assert f.stat().st_mode & 0o077 == 0, f"{f.name} is readable by others"
+    assert "refused these credentials" in probe["anonymous"], "no credentials: refused"
