@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from rove.control import auth, subjects
 from rove.control import events as ev
@@ -198,3 +199,28 @@ async def test_a_standalone_job_admits_only_its_own_credentials_and_hides_them_f
     for f in (home / "jobs" / "closed" / "auth").iterdir():
         assert f.stat().st_mode & 0o077 == 0, f"{f.name} is readable by others"
     assert "refused these credentials" in probe["anonymous"], "no credentials: refused"
+
+
+async def test_the_master_role_writes_and_reads_its_snapshots(secured: Secured) -> None:
+    """Snapshots go through the object store and the snapshot stream: the master's
+    permissions must allow every call they make (an agent's must not)."""
+    from rove.control.master import snapshots
+    from rove.control.master.state import initial
+
+    master = await secured.bus("master")
+    try:
+        await snapshots.save(master, replace(initial(JOB), applied_seq=5), master="m1", now=1.0)
+    finally:
+        await master.close()
+    agent = await secured.bus("n0", create_streams=False)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - denied as a timeout or a permission error
+            await snapshots.save(agent, replace(initial(JOB), applied_seq=999), master="x", now=2.0)
+    finally:
+        await agent.close()
+    master = await secured.bus("master")
+    try:
+        loaded = await snapshots.load(master, JOB)
+        assert loaded is not None and loaded.applied_seq == 5, "the master's, not the forgery"
+    finally:
+        await master.close()
