@@ -387,7 +387,8 @@ class Bus:
                 creds = auth.read(o.auth_file)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
-            kwargs["nkeys_seed_str"] = creds.seed
+            if creds.seed:  # (none: the client is its TLS certificate)
+                kwargs["nkeys_seed_str"] = creds.seed
             kwargs["inbox_prefix"] = creds.inbox_prefix
         nc = RoveNatsClient()
         nc._rove_state = state  # type: ignore[attr-defined]  # read by _quiet_close

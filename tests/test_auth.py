@@ -18,7 +18,7 @@ from rove.control import auth, subjects
 from rove.control import events as ev
 from rove.control.bus import Bus, BusOptions
 from rove.control.embedded import EmbeddedServer
-from rove.control.errors import NotAuthorizedError, PermissionDeniedError
+from rove.control.errors import BusUnavailableError, NotAuthorizedError, PermissionDeniedError
 from tests import factories
 from tests.support import ROOT, RunProc, rove_cli, stored_events
 
@@ -224,3 +224,89 @@ async def test_the_master_role_writes_and_reads_its_snapshots(secured: Secured) 
         assert loaded is not None and loaded.applied_seq == 5, "the master's, not the forgery"
     finally:
         await master.close()
+
+
+async def test_rove_auth_init_writes_a_config_the_server_accepts_and_a_file_per_role(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "auth"
+    made = await asyncio.to_thread(
+        rove_cli, "auth", "init", "--job", JOB, "--nodes", "n0,n1", "--out", str(out)
+    )
+    assert made.returncode == 0, made.stderr
+    roles = ("admin", "master", "scaler", "bridge", "trainer", "operator", "cli")
+    expected = {f"{r}.json" for r in (*roles, "agent-n0", "agent-n1")} | {"nats-auth.conf"}
+    assert {p.name for p in out.iterdir()} == expected
+    assert all(p.stat().st_mode & 0o077 == 0 for p in out.iterdir()), "readable by the user only"
+    server = EmbeddedServer(tmp_path / "nats", extra_args=["-c", str(out / "nats-auth.conf")])
+    url = server.start()
+    try:
+        master = await Bus.connect(BusOptions(url=url, auth_file=str(out / "master.json")))
+        await master.close()
+        n1 = await Bus.connect(
+            BusOptions(url=url, auth_file=str(out / "agent-n1.json"), create_streams=False)
+        )
+        try:
+            await n1.publish(factories.joined("n1"))
+            await denied(n1, factories.joined("n0"))
+        finally:
+            await n1.close()
+    finally:
+        server.stop()
+
+
+async def test_with_tls_verify_and_map_a_client_is_its_certificate(tmp_path: Path) -> None:
+    """`rove auth init --verify-and-map`: the server asks for a client certificate and maps
+    its email SAN to the role; no certificate, no connection; the agent's certificate
+    cannot write another node's facts."""
+    import trustme
+
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1", "localhost")
+    files = tmp_path / "tls"
+    files.mkdir()
+    ca.cert_pem.write_to_path(str(files / "ca.pem"))
+    server_cert.private_key_pem.write_to_path(str(files / "server.key"))
+    server_cert.cert_chain_pems[0].write_to_path(str(files / "server.pem"))
+    for who in ("master", "agent-n0"):
+        cert = ca.issue_cert(f"{who}@{JOB}")
+        cert.private_key_pem.write_to_path(str(files / f"{who}.key"))
+        cert.cert_chain_pems[0].write_to_path(str(files / f"{who}.pem"))
+    out = tmp_path / "auth"
+    made = await asyncio.to_thread(
+        rove_cli,
+        *("auth", "init", "--job", JOB, "--nodes", "n0", "--out", str(out), "--verify-and-map"),
+        *("--tls-cert", str(files / "server.pem"), "--tls-key", str(files / "server.key")),
+        *("--tls-ca", str(files / "ca.pem")),
+    )
+    assert made.returncode == 0, made.stderr
+    assert auth.read(out / "agent-n0.json").seed == "", "the certificate is the credential"
+    server = EmbeddedServer(tmp_path / "nats", extra_args=["-c", str(out / "nats-auth.conf")])
+    url = server.start().replace("nats://", "tls://")
+
+    def options(who: str, **kw: object) -> BusOptions:
+        return BusOptions(
+            url=url,
+            auth_file=str(out / f"{who}.json"),
+            tls_ca_file=str(files / "ca.pem"),
+            tls_cert_file=str(files / f"{who}.pem"),
+            tls_key_file=str(files / f"{who}.key"),
+            **kw,  # type: ignore[arg-type]
+        )
+
+    try:
+        master = await Bus.connect(options("master"))
+        await master.close()
+        agent = await Bus.connect(options("agent-n0", create_streams=False))
+        try:
+            await agent.publish(factories.joined("n0"))
+            await denied(agent, factories.joined("n1"))
+            await denied(agent, factories.elected("forged", 99))
+        finally:
+            await agent.close()
+        with pytest.raises((NotAuthorizedError, BusUnavailableError)):
+            await Bus.connect(
+                BusOptions(url=url, tls_ca_file=str(files / "ca.pem"), connect_timeout_s=2.0)
+            )
+    finally:
+        server.stop()

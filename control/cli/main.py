@@ -14,6 +14,7 @@ from rove.control import logs
 from rove.control import options as common
 from rove.control.cli import (
     agent_cmd,
+    auth_cmd,
     events_cmd,
     kafka_cmd,
     master_cmd,
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         events_cmd,
         status_cmd,
         stop_cmd,
+        auth_cmd,
     ):
         module.add_parser(sub)
     return p
