@@ -12,7 +12,13 @@ from rove.control import events as ev
 from rove.control import records, subjects
 from rove.control.bus import Bus, BusOptions, Fence, stalled
 from rove.control.embedded import EmbeddedServer
-from rove.control.errors import BusUnavailableError, ConfigError, FencedError, PublishDeadlineError
+from rove.control.errors import (
+    BusUnavailableError,
+    ConfigError,
+    FencedError,
+    NotAuthorizedError,
+    PublishDeadlineError,
+)
 from tests import factories
 from tests.support import eventually, free_port, patience
 
@@ -188,7 +194,7 @@ async def test_user_and_password_are_sent_and_wrong_ones_refused(tmp_path: Path)
         bus = await Bus.connect(BusOptions(url=server.url, user="rove", password="s3cret"))
         await bus.publish(factories.joined("n1"))
         await bus.close()
-        with pytest.raises(BusUnavailableError):
+        with pytest.raises(NotAuthorizedError):
             await Bus.connect(BusOptions(url=server.url, user="rove", password="wrong"))
     finally:
         server.stop()
@@ -259,7 +265,7 @@ async def test_a_worker_reaches_an_authenticated_server_with_the_agents_credenti
         client = await asyncio.to_thread(DataClient, job="j1", dataset="ds", url=server.url)
         client.close()
         secrets.write_text('{"password": "wrong"}')
-        with pytest.raises(BusUnavailableError):
+        with pytest.raises(NotAuthorizedError):
             await asyncio.to_thread(DataClient, job="j1", dataset="ds", url=server.url)
     finally:
         server.stop()
