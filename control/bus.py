@@ -318,8 +318,7 @@ class Bus:
             store = options.embedded_dir
             if store is None:
                 raise ConfigError("no NATS URL and no directory for an embedded server")
-            config = ["-c", str(options.embedded_config)] if options.embedded_config else []
-            server = EmbeddedServer(store, extra_args=config)
+            server = EmbeddedServer(store, config=options.embedded_config)
             url = await asyncio.to_thread(server.start)
         servers = _servers(url)
         nc = await cls._connect_client(servers, options)
@@ -460,7 +459,9 @@ class Bus:
                 name=subjects.HEARTBEAT_STREAM,
                 subjects=[f"{subjects.HEARTBEAT_ROOT}.>"],
                 retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
+                # the newest per node, worth nothing after a restart: kept in memory,
+                # out of the fsync budget of the facts that matter
+                storage=StorageType.MEMORY,
                 num_replicas=o.replicas,
                 max_msgs_per_subject=1,
                 duplicate_window=o.duplicate_window_s,
@@ -660,6 +661,16 @@ class Bus:
             return int(msg.seq or 0)
 
         return int(await self._retry(get, deadline_s=15.0))
+
+    async def stream_bounds(self, stream: str) -> tuple[int, int]:
+        """(first, last) sequence the stream holds now (last is 0 when it is empty)."""
+
+        async def info() -> tuple[int, int]:
+            state = (await self.js.stream_info(stream)).state
+            return int(state.first_seq), int(state.last_seq)
+
+        bounds: tuple[int, int] = await self._retry(info, deadline_s=15.0)
+        return bounds
 
     async def job_exists(self, job: str) -> bool:
         return await self.last_seq(subjects.EVENTS_STREAM, subjects.job_events(job)) > 0

@@ -77,6 +77,8 @@ class EmbeddedServer:
         server_name: str | None = None,
         extra_args: list[str] | None = None,
         log_file: Path | None = None,
+        config: Path | None = None,
+        sync_always: bool = True,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -84,6 +86,8 @@ class EmbeddedServer:
         self.server_name = server_name
         self.extra_args = list(extra_args or [])
         self.log_file = log_file or self.store_dir / "nats-server.log"
+        self.config = config
+        self.sync_always = sync_always
         self.proc: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
 
@@ -107,6 +111,8 @@ class EmbeddedServer:
             str(ports_dir),
             *self.extra_args,
         ]
+        if self.sync_always or self.config is not None:
+            args += ["-c", str(self._main_config())]
         if self.server_name:
             args += ["-n", self.server_name]
         out = self.log_file.open("ab")
@@ -126,6 +132,20 @@ class EmbeddedServer:
         self.url = self._wait_for_port(ports_dir, timeout_s)
         log.debug("embedded NATS server started", url=self.url, pid=self.proc.pid)
         return self.url
+
+    def _main_config(self) -> Path:
+        """The server's configuration: JetStream's fsync policy, and `config` included
+        (a job's users). `sync_interval: always` fsyncs every message before it is
+        acknowledged (docs/operations.md: what survives a power loss, and its cost)."""
+        lines = []
+        if self.sync_always:
+            lines.append("jetstream: { sync_interval: always }")
+        if self.config is not None:
+            relative = os.path.relpath(self.config.resolve(), self.store_dir.resolve())
+            lines.append(f'include "{relative}"')
+        path = self.store_dir / "rove-nats.conf"
+        path.write_text("\n".join(["# rove: the embedded server's configuration", *lines, ""]))
+        return path
 
     def _wait_for_port(self, ports_dir: Path, timeout_s: float) -> str:
         assert self.proc is not None

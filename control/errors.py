@@ -55,6 +55,10 @@ class PermissionDeniedError(PermanentError):
     """The server refused a publish: these credentials' role may not write that subject."""
 
 
+class LostEventsError(PermanentError):
+    """The event stream no longer holds events a job's snapshot depends on."""
+
+
 class UnknownJobError(PermanentError):
     """No event of the named job exists on the bus."""
 

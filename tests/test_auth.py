@@ -41,7 +41,7 @@ class Secured:
         self.files = {k: auth.write(c, root / f"{k}.json") for k, c in self.creds.items()}
         config = root / "nats.conf"
         config.write_text(auth.server_config(list(self.creds.values())))
-        self.server = EmbeddedServer(root / "nats", extra_args=["-c", str(config)])
+        self.server = EmbeddedServer(root / "nats", config=config)
         self.url = self.server.start()
 
     async def bus(self, who: str, **kw: object) -> Bus:
@@ -238,7 +238,7 @@ async def test_rove_auth_init_writes_a_config_the_server_accepts_and_a_file_per_
     expected = {f"{r}.json" for r in (*roles, "agent-n0", "agent-n1")} | {"nats-auth.conf"}
     assert {p.name for p in out.iterdir()} == expected
     assert all(p.stat().st_mode & 0o077 == 0 for p in out.iterdir()), "readable by the user only"
-    server = EmbeddedServer(tmp_path / "nats", extra_args=["-c", str(out / "nats-auth.conf")])
+    server = EmbeddedServer(tmp_path / "nats", config=out / "nats-auth.conf")
     url = server.start()
     try:
         master = await Bus.connect(BusOptions(url=url, auth_file=str(out / "master.json")))
@@ -281,7 +281,7 @@ async def test_with_tls_verify_and_map_a_client_is_its_certificate(tmp_path: Pat
     )
     assert made.returncode == 0, made.stderr
     assert auth.read(out / "agent-n0.json").seed == "", "the certificate is the credential"
-    server = EmbeddedServer(tmp_path / "nats", extra_args=["-c", str(out / "nats-auth.conf")])
+    server = EmbeddedServer(tmp_path / "nats", config=out / "nats-auth.conf")
     url = server.start().replace("nats://", "tls://")
 
     def options(who: str, **kw: object) -> BusOptions:

@@ -297,3 +297,31 @@ async def test_a_feed_from_a_time_with_nothing_after_it_is_caught_up_and_never_r
         assert isinstance(got[0], records.Recorded) and got[0].event.node == "new"  # type: ignore[attr-defined]
     finally:
         await feed.stop()
+
+
+async def test_heartbeats_live_in_memory_and_events_on_disk(bus: Bus) -> None:
+    """Heartbeats (the newest per node) are worth nothing after a restart and must not
+    share the fsync budget of the facts that matter."""
+    from nats.js.api import StorageType
+
+    hb = await bus.js.stream_info(subjects.HEARTBEAT_STREAM)
+    events = await bus.js.stream_info(subjects.EVENTS_STREAM)
+    assert hb.config.storage == StorageType.MEMORY
+    assert events.config.storage == StorageType.FILE
+
+
+def test_the_embedded_server_fsyncs_every_message_before_acknowledging_it(tmp_path: Path) -> None:
+    """The server itself says so (its monitoring endpoint); the default would be every 2
+    minutes, which loses acknowledged writes on a power failure."""
+    import json
+    import urllib.request
+
+    port = free_port()
+    server = EmbeddedServer(tmp_path / "nats", extra_args=["-m", str(port)])
+    server.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=10) as answer:
+            config = json.load(answer)["jetstream"]["config"]
+        assert config["sync_always"] is True
+    finally:
+        server.stop()

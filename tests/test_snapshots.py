@@ -11,6 +11,7 @@ import pytest
 from rove.control import events as ev
 from rove.control import subjects
 from rove.control.bus import Bus
+from rove.control.errors import LostEventsError
 from rove.control.master import snapshots
 from rove.control.master.replica import Replica
 from rove.control.master.runner import MasterRunner
@@ -97,3 +98,36 @@ async def test_an_unreadable_snapshot_means_a_full_replay(bus: Bus, garbage: byt
     await replica.start()
     await replica.stop()
     assert "n1" in replica.state.nodes
+
+
+async def test_a_stream_that_lost_what_the_snapshot_folded_fails_the_rebuild_loudly(
+    bus: Bus,
+) -> None:
+    """What lost acknowledged writes look like: the snapshot (its own stream and object
+    store) is at sequence 40, the event stream was recreated and holds less. A master
+    must not rebuild on it as if nothing happened."""
+    await bus.publish_many([factories.joined(f"n{i}", n=i) for i in range(40)])
+    await snapshots.save(bus, fold_records(await stored_events(bus)), master="t", now=1.0)
+    await bus.js.delete_stream(subjects.EVENTS_STREAM)
+    await bus.ensure_streams()
+    await bus.publish_many([factories.joined(f"m{i}", n=i) for i in range(5)])
+    with pytest.raises(LostEventsError, match="ends at sequence 5, but the job's snapshot"):
+        await Replica(bus, "j1").start()
+
+
+async def test_events_purged_after_the_snapshot_fail_the_rebuild_loudly(bus: Bus) -> None:
+    await bus.publish_many([factories.joined(f"n{i}", n=i) for i in range(30)])
+    await snapshots.save(bus, fold_records(await stored_events(bus), upto=10), master="t", now=1.0)
+    await bus.js.purge_stream(subjects.EVENTS_STREAM, keep=5)  # 1..25 gone
+    with pytest.raises(LostEventsError, match=r"events 11\.\.25 were purged or expired"):
+        await Replica(bus, "j1").start()
+
+
+def test_continuity_is_judged_from_the_snapshot_and_the_streams_bounds() -> None:
+    from rove.control.master.continuity import problem
+
+    assert problem(40, 1, 50) is None
+    assert problem(40, 41, 50) is None, "the tail starts right after the snapshot"
+    assert problem(0, 1, 0) is None, "an empty stream and no snapshot"
+    assert "ends at sequence 30" in (problem(40, 1, 30) or "")
+    assert "events 41..44" in (problem(40, 45, 60) or "")

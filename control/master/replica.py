@@ -16,7 +16,8 @@ import structlog
 from rove.control import events as ev
 from rove.control import records, subjects
 from rove.control.bus import Bus, Feed
-from rove.control.master import snapshots
+from rove.control.errors import LostEventsError
+from rove.control.master import continuity, snapshots
 from rove.control.master.evolve import evolve
 from rove.control.master.state import JobState, initial
 
@@ -58,6 +59,11 @@ class Replica:
         if self.use_snapshot:
             snap = await snapshots.load(self.bus, self.job)
             if snap is not None:
+                first, last = await self.bus.stream_bounds(subjects.EVENTS_STREAM)
+                lost = continuity.problem(snap.applied_seq, first, last)
+                if lost is not None:
+                    log.error("cannot rebuild the job", job=self.job, reason=lost)
+                    raise LostEventsError(f"job {self.job}: {lost}")
                 self.state = snap
                 self.snapshot_seq = snap.applied_seq
                 self.seen_seq = snap.applied_seq
