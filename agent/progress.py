@@ -84,6 +84,16 @@ def read(path: Path) -> Progress | None:
     return Progress(step, samples, at, busy) if at > 0 else None
 
 
+def read_all(files: dict[int, Path]) -> dict[int, Progress]:
+    """Each local rank's last report, of those that have reported."""
+    out = {}
+    for local_rank, path in dict(files).items():
+        p = read(path)
+        if p is not None:
+            out[local_rank] = p
+    return out
+
+
 def silent(
     progress: dict[int, Progress], now: float, timeout_s: float
 ) -> tuple[int, Progress, float] | None:

@@ -261,12 +261,7 @@ class TfRuntime(WorkerRuntime):
                 task.reader.join(5.0)
 
     def progress(self) -> dict[int, progress.Progress]:
-        out = {}
-        for local_rank, path in dict(self._progress_files).items():
-            p = progress.read(path)
-            if p is not None:
-                out[local_rank] = p
-        return out
+        return progress.read_all(self._progress_files)
 
 
 def _title(task: _Task) -> str:

@@ -172,12 +172,7 @@ class TorchRuntime(WorkerRuntime):
                 self.pcontext = None
 
     def progress(self) -> dict[int, progress.Progress]:
-        out = {}
-        for local_rank, path in dict(self.progress_files).items():
-            p = progress.read(path)
-            if p is not None:
-                out[local_rank] = p
-        return out
+        return progress.read_all(self.progress_files)
 
 
 def _alive(pid: int) -> bool:
