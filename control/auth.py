@@ -116,15 +116,21 @@ def new_credentials(role: str, job: str = "", node: str = "") -> Credentials:
     return Credentials(role=role, job=job, node=node, seed=seed, inbox_prefix=f"_INBOX_{who}")
 
 
-def write(creds: Credentials, path: Path) -> Path:
-    """Write `creds` readable by this user only (created 0600, never world-readable)."""
+def write_private(path: Path, data: bytes) -> Path:
+    """Write `path` readable by this user only: created 0600 under a temporary name,
+    then renamed, so it is never readable by others nor seen half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(msgspec.json.encode(creds))
+        f.write(data)
     tmp.replace(path)
     return path
+
+
+def write(creds: Credentials, path: Path) -> Path:
+    """Write `creds` readable by this user only."""
+    return write_private(path, msgspec.json.encode(creds))
 
 
 def read(path: str | Path) -> Credentials:
@@ -234,8 +240,7 @@ def embedded_job(directory: Path, job: str, node: str) -> JobAuth:
         "cli": new_credentials("cli", job),
     }
     paths = {name: write(c, directory / f"{name}.json") for name, c in roles.items()}
-    config = directory / "nats-auth.conf"
-    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(server_config(list(roles.values())))
+    config = write_private(
+        directory / "nats-auth.conf", server_config(list(roles.values())).encode()
+    )
     return JobAuth(config=config, **paths)

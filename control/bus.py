@@ -138,11 +138,7 @@ def options_env(options: BusOptions, url: str, secrets_dir: Path) -> dict[str, s
         else:
             env[var] = str(value)
     if secrets:
-        secrets_dir.mkdir(parents=True, exist_ok=True)
-        path = secrets_dir / "nats-secrets.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(secrets, f)
+        path = auth.write_private(secrets_dir / "nats-secrets.json", json.dumps(secrets).encode())
         env[SECRETS_ENV] = str(path)
     return env
 

@@ -78,9 +78,7 @@ def run(args: argparse.Namespace) -> int:
         path = auth.write(c, out / f"{name}.json")
         who = f"certificate {auth.identity(c)}" if args.verify_and_map else "nkey"
         lines.append(f"  {path}  ({who})")
-    config = out / "nats-auth.conf"
-    config.write_text(auth.server_config(roles, tls=tls))
-    config.chmod(0o600)
+    config = auth.write_private(out / "nats-auth.conf", auth.server_config(roles, tls=tls).encode())
     print(f"{config}: the server's users (include it, or nats-server -c {config})")
     print("credentials, one per role (give each with --nats-auth FILE):")
     print("\n".join(lines))
