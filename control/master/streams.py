@@ -201,10 +201,7 @@ def undone(done: shards.Ranges, lo: int, hi: int) -> Iterator[int]:
 def prune(stream: Stream, step: int, round_: int) -> Stream:
     """`stream` once `step` (of `round_`) committed: the shards below the floor of its saved
     position leave the table."""
-    vector = next(
-        (v for v in reversed(stream.saved) if v.step == step and (not round_ or v.round == round_)),
-        None,
-    )
+    vector = committed(stream, step, round_)
     if vector is None or vector.floor <= stream.floor:
         return stream
     with stream.shards.mutate() as table:
@@ -228,11 +225,15 @@ def restore_problem(stream: Stream, position: ev.DataPosition | None) -> str | N
     )
 
 
-def committed(stream: Stream, step: int | None) -> Saved | None:
-    """The offset vector of the committed `step`: the newest saved with that step."""
+def committed(stream: Stream, step: int | None, round_: int = 0) -> Saved | None:
+    """The offset vector of the committed `step`: the newest saved with that step (and
+    saved in `round_`, when given)."""
     if step is None:
         return None
-    return next((v for v in reversed(stream.saved) if v.step == step), None)
+    return next(
+        (v for v in reversed(stream.saved) if v.step == step and round_ in (0, v.round)),
+        None,
+    )
 
 
 def freshness(stream: Stream) -> float | None:
