@@ -7,8 +7,9 @@ signals. Only it starts and stops workers, so they never race. Around it:
 
 * a **watcher** per round waits on the worker processes themselves (the
   runtime's `wait`, on pidfds) and hands their end to the actor;
-* the **duties** tick reports and persists checkpoints (`CheckpointDuty`) and
-  detects hangs (no step progress for `--hang-timeout`);
+* the **duties** tick reports and persists checkpoints (`CheckpointDuty`),
+  report the workers' progress as facts (`ProgressReports`) and detect hangs
+  (no step progress for `--hang-timeout`);
 * the **heartbeat** (`Heartbeat`) publishes liveness, progress and resources.
 
 What a worker is, is the `WorkerRuntime`'s business (torch today). Facts go
@@ -40,6 +41,7 @@ from rove.agent.diagnosis import signal_name
 from rove.agent.facts import NodeFacts
 from rove.agent.heartbeat import Heartbeat, free_ports
 from rove.agent.lifecycle import AgentPhase, advance
+from rove.agent.reports import ProgressReports
 from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.worker_env import member_of, worker_envs
 from rove.control import aio, records, subjects, tf_cluster
@@ -187,6 +189,7 @@ class Agent:
             interval_s=cfg.heartbeat_s,
             ports=cfg.ports_offered,
         )
+        self.reports = ProgressReports(self.facts, self.workers.progress)
         self.status = AgentStatus()
         self.log = log.bind(job=cfg.job, node=cfg.node)
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
@@ -391,6 +394,7 @@ class Agent:
         )
         self._group_rank = group_rank
         pids = self.workers.start(r.round, envs)
+        self.reports.start(r.round)
         # torch's start_processes installs signal handlers of its own (they raise
         # inside the event loop); the agent stops workers itself, so take them back.
         self._install_signal_handlers()
@@ -477,6 +481,7 @@ class Agent:
 
     def _workers_ended(self, ended: WorkersEnded) -> None:
         self._watcher = None
+        self.reports.flush()
         root = ended.failure
         if root is None:
             self.log.info("all workers finished", round=ended.round)
@@ -507,6 +512,7 @@ class Agent:
     async def _hung(self, hang: _Hang) -> None:
         rank = self._first_rank() + hang.local_rank
         reason = f"no step progress for {hang.silent_s:.0f}s (last step {hang.step})"
+        self.reports.flush()
         self.log.error(f"worker rank {rank} is hung: {reason}; killing this node's workers")
         await self._stop_workers(signal.SIGKILL)
         self.facts.emit(
@@ -524,6 +530,7 @@ class Agent:
         if self._watcher is not None:
             await aio.cancel_and_wait([self._watcher])
             self._watcher = None
+        self.reports.flush()
         if self.workers.running:
             await asyncio.to_thread(self.workers.stop, sig, self.cfg.stop_timeout_s)
 
@@ -571,6 +578,7 @@ class Agent:
             if not self.workers.running or self.status.phase is not AgentPhase.RUNNING:
                 continue
             self.checkpoints.tick()
+            self.reports.tick()
             rnd = self.status.round
             if self.cfg.hang_timeout_s > 0 and self._hang_round != rnd:
                 found = progress.silent(

@@ -6,15 +6,22 @@ In the training script (a no-op when not run under `rove run`):
     report(step, samples=batch_size)      # once per step
     report(step, samples=batch_size, busy_s=compute_seconds)   # also straggler detection
 
-The agent gives each worker a file (`ROVE_PROGRESS_FILE`) holding four
-numbers: the last step, the samples seen so far, when the step ended, and the
-seconds of the worker's own work so far (`busy_s`: the step's time outside
-collectives and data waits, as the script measures it). It reads them for
-heartbeats (step, throughput, busy time per step) and for hang detection: a
-worker alive but without progress for `--hang-timeout` seconds is hung. The
-optimiser replaces a node whose busy time per step is far above the others'
-(`docs/scaling.md`): in synchronous training every rank steps at the
-slowest one's pace, so throughput alone cannot name the straggler.
+The agent gives each worker a file (`ROVE_PROGRESS_FILE`) holding the last
+step, the samples seen so far, when the step ended, and the seconds of the
+worker's own work so far (`busy_s`: the step's time outside collectives and
+data waits, as the script measures it). It reads them for heartbeats (step,
+throughput, busy time per step) and for hang detection: a worker alive but
+without progress for `--hang-timeout` seconds is hung. The optimiser replaces
+a node whose busy time per step is far above the others' (`docs/scaling.md`):
+in synchronous training every rank steps at the slowest one's pace, so
+throughput alone cannot name the straggler.
+
+The same file keeps what `rove goodput` needs from inside the worker: the
+first step of this process and when it ended, and the seconds it spent
+blocked in checkpoint saves (`FlashCheckpointer.save` adds them), restoring
+(`FlashCheckpointer.load`) and waiting for data (`report(..., data_s=)`, as
+the script measures its wait for the next batch). One process writes each
+file: the worker's main process (DataLoader workers never call these).
 """
 
 from __future__ import annotations
@@ -26,7 +33,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-_LAYOUT = struct.Struct("<qddd")  # step, samples, unix time of the report, busy seconds
+#: step, samples, unix time of the report, busy seconds (written with every report)
+_STEP = struct.Struct("<qddd")
+#: first step, when it ended, seconds blocked in checkpoint saves, waiting for data, restoring
+_EXTRA = struct.Struct("<qdddd")
+_LAYOUT_SIZE = _STEP.size + _EXTRA.size
 ENV = "ROVE_PROGRESS_FILE"
 
 
@@ -35,42 +46,89 @@ class Progress(NamedTuple):
     samples: float
     at: float
     busy_s: float = 0.0
+    first_step: int = 0
+    first_at: float = 0.0
+    ckpt_block_s: float = 0.0
+    data_wait_s: float = 0.0
+    restore_s: float = 0.0
 
 
 class _Writer:
     def __init__(self, path: str) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            self.map = mmap.mmap(fd, _LAYOUT.size)
+            self.map = mmap.mmap(fd, _LAYOUT_SIZE)
         finally:
             os.close(fd)
         self.samples = 0.0
         self.busy_s = 0.0
+        self.first: tuple[int, float] = (0, 0.0)
+        self.ckpt_block_s = 0.0
+        self.data_wait_s = 0.0
+        self.restore_s = 0.0
+
+    def write_extra(self) -> None:
+        _EXTRA.pack_into(
+            self.map,
+            _STEP.size,
+            *self.first,
+            self.ckpt_block_s,
+            self.data_wait_s,
+            self.restore_s,
+        )
 
 
 _writer: _Writer | None = None
 _checked = False
 
 
-def report(step: int, samples: float = 0.0, busy_s: float = 0.0) -> None:
-    """Record that `step` finished after `samples` more samples and `busy_s` seconds of
-    this worker's own work (cheap: one memory write)."""
+def _get_writer() -> _Writer | None:
     global _writer, _checked
     if not _checked:
         _checked = True
         path = os.environ.get(ENV)
         if path and Path(path).exists():
             _writer = _Writer(path)
-    if _writer is None:
+    return _writer
+
+
+def report(step: int, samples: float = 0.0, busy_s: float = 0.0, data_s: float = 0.0) -> None:
+    """Record that `step` finished after `samples` more samples, `busy_s` seconds of
+    this worker's own work and `data_s` seconds waiting for its batch (cheap: one
+    memory write)."""
+    w = _get_writer()
+    if w is None:
         return
-    _writer.samples += samples
-    _writer.busy_s += busy_s
-    _LAYOUT.pack_into(_writer.map, 0, int(step), _writer.samples, time.time(), _writer.busy_s)
+    now = time.time()
+    w.samples += samples
+    w.busy_s += busy_s
+    if not w.first[1] or data_s:
+        if not w.first[1]:
+            w.first = (int(step), now)
+        w.data_wait_s += data_s
+        w.write_extra()
+    _STEP.pack_into(w.map, 0, int(step), w.samples, now, w.busy_s)
+
+
+def checkpoint_blocked(seconds: float) -> None:
+    """A checkpoint save held training for `seconds` (called by the checkpointers)."""
+    w = _get_writer()
+    if w is not None:
+        w.ckpt_block_s += seconds
+        w.write_extra()
+
+
+def restored(seconds: float) -> None:
+    """Restoring the training state took `seconds` (called by the checkpointers)."""
+    w = _get_writer()
+    if w is not None:
+        w.restore_s += seconds
+        w.write_extra()
 
 
 def create(path: Path) -> None:
     """Agent side: a zeroed progress file for one worker."""
-    path.write_bytes(b"\0" * _LAYOUT.size)
+    path.write_bytes(b"\0" * _LAYOUT_SIZE)
 
 
 def read(path: Path) -> Progress | None:
@@ -78,10 +136,12 @@ def read(path: Path) -> Progress | None:
         data = path.read_bytes()
     except OSError:
         return None
-    if len(data) < _LAYOUT.size:
+    if len(data) < _LAYOUT_SIZE:
         return None
-    step, samples, at, busy = _LAYOUT.unpack_from(data)
-    return Progress(step, samples, at, busy) if at > 0 else None
+    step, samples, at, busy = _STEP.unpack_from(data)
+    if at <= 0:
+        return None
+    return Progress(step, samples, at, busy, *_EXTRA.unpack_from(data, _STEP.size))
 
 
 def read_all(files: dict[int, Path]) -> dict[int, Progress]:

@@ -30,12 +30,15 @@ lowest saved rank's copy. For FSDP and other sharded state, use
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import structlog
+
+from rove.agent import progress
 
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
 from rove.checkpoint.restore import agree, begin_lineage, candidates, job_and_storage
@@ -74,6 +77,7 @@ class FlashCheckpointer:
     def save(self, step: int, state: Any) -> SaveStats:
         """Copy `state` into shared memory (blocks only for the copy)."""
         stats = self.engine.save(step, state)
+        progress.checkpoint_blocked(stats.blocking_s)
         for ref in list(_SAVED):
             listener = ref()
             if listener is not None:
@@ -90,6 +94,7 @@ class FlashCheckpointer:
         Raises:
             CheckpointError: no step could be loaded (the message says what was tried).
         """
+        began = time.monotonic()
         steps = candidates(self._reader(), self.storage, process_group)
         if not steps:
             return None
@@ -104,6 +109,7 @@ class FlashCheckpointer:
                         "restored an older step", wanted=step, step=candidate, problems=tried
                     )
                 begin_lineage(self.engine, self.storage, candidate)
+                progress.restored(time.monotonic() - began)
                 return candidate, loaded
             if loaded is not None:
                 tried.append(f"step {candidate}: another rank could not read it")

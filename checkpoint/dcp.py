@@ -33,6 +33,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from rove.agent import progress
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
 from rove.checkpoint.restore import begin_lineage, candidates, job_and_storage
 from rove.checkpoint.storage import Storage
@@ -253,9 +255,11 @@ class DistributedCheckpointer:
 
     def save(self, step: int, state_dict: dict[str, Any], process_group: Any = None) -> SaveStats:
         """Copy this rank's shards of `state_dict` into shared memory (collective)."""
+        began = time.monotonic()
         writer = FlashStorageWriter(self.engine, step, self.rank)
         dcp_save(state_dict, storage_writer=writer, process_group=process_group)
         assert writer.stats is not None
+        progress.checkpoint_blocked(time.monotonic() - began)
         return writer.stats
 
     def load(self, state_dict: dict[str, Any], process_group: Any = None) -> int | None:
@@ -270,6 +274,7 @@ class DistributedCheckpointer:
         Raises:
             CheckpointError: no step could be loaded (the message says what was tried).
         """
+        began = time.monotonic()
         errors = []
         steps = candidates(self.engine, self.storage, process_group)
         for candidate, source in steps:
@@ -284,6 +289,7 @@ class DistributedCheckpointer:
                 reader.close()
             self.restored_from = "memory" if reader.sources == {"memory"} else "storage"
             begin_lineage(self.engine, self.storage, candidate)
+            progress.restored(time.monotonic() - began)
             return candidate
         if not steps:
             return None

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from rove.agent import progress
 from rove.checkpoint import durable
 from rove.checkpoint.durable import CheckpointError
 
@@ -111,6 +112,7 @@ class TfCheckpointer:
                 "step is intact)"
             ) from exc
         self._prune(step)
+        progress.checkpoint_blocked(time.monotonic() - began)
         return Saved(step, final, time.monotonic() - began)
 
     def _prune(self, newest: int) -> None:
@@ -129,12 +131,14 @@ class TfCheckpointer:
         newest = durable.committed(self.root)
         if newest is None:
             return None
+        began = time.monotonic()
         tried = []
         for step in reversed([s for s in durable.steps(self.root) if s <= newest]):
             problem, extra = self._verify(step)
             if problem is None:
                 status = self.checkpoint.read(str(durable.step_dir(self.root, step) / _PREFIX))
                 status.expect_partial()  # optimizer slots are created on the first step
+                progress.restored(time.monotonic() - began)
                 return Restored(step, extra)
             log.warning("checkpoint step %s is not usable (%s); trying an older one", step, problem)
             tried.append(f"step {step}: {problem}")

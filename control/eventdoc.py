@@ -136,6 +136,7 @@ def render() -> str:
                 ev.TaskRestarted,
                 ev.WorkerExited,
                 ev.WorkersSucceeded,
+                ev.TrainingProgress,
                 ev.NetworkCheckReported,
                 ev.CkptInMemory,
                 ev.CkptPersisted,

@@ -320,6 +320,23 @@ class CkptFailed(NodeFact, tag="ckpt_failed", frozen=True, kw_only=True):
     error: str
 
 
+class TrainingProgress(NodeFact, tag="training_progress", frozen=True, kw_only=True):
+    """How far `node`'s workers got in `round`: the slowest local rank's `step` and when
+    the newest step ended (`at`); the round's first reported step and when it ended;
+    the seconds so far (the most of any local rank) spent blocked in checkpoint saves,
+    waiting for data, and restoring. Sent every few seconds while steps advance and once
+    when the round's workers end: `rove goodput` reads the job's time from these."""
+
+    round: int
+    step: int
+    at: float
+    first_step: int
+    first_at: float
+    ckpt_block_s: float = 0.0
+    data_wait_s: float = 0.0
+    restore_s: float = 0.0
+
+
 class WorkersSucceeded(NodeFact, tag="workers_succeeded", frozen=True, kw_only=True):
     """Every worker of `node` in `round` exited with code 0."""
 
@@ -598,6 +615,7 @@ AnyEvent = (
     | StreamCheckpointed
     | TaskRestarted
     | RecordsUndecodable
+    | TrainingProgress
 )
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).

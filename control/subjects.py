@@ -127,6 +127,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.TaskRestarted: lambda e: node_facts(e.job, e.node),
     ev.WorkerExited: lambda e: node_facts(e.job, e.node),
     ev.WorkersSucceeded: lambda e: node_facts(e.job, e.node),
+    ev.TrainingProgress: lambda e: node_facts(e.job, e.node),
     ev.NetworkCheckReported: lambda e: node_facts(e.job, e.node),
     ev.CkptInMemory: lambda e: node_facts(e.job, e.node),
     ev.CkptPersisted: lambda e: node_facts(e.job, e.node),

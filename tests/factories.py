@@ -403,9 +403,36 @@ def data_events(job: str = JOB) -> list[ev.Event]:
     ]
 
 
+def progressed(
+    node: str,
+    rnd: int,
+    step: int,
+    at: float,
+    *,
+    first: tuple[int, float] = (1, 0.0),
+    ckpt_s: float = 0.0,
+    data_s: float = 0.0,
+    restore_s: float = 0.0,
+    inc: str = "i1",
+    job: str = JOB,
+) -> ev.TrainingProgress:
+    return ev.TrainingProgress(
+        **_fact(node, inc, at, job, "progress", rnd, step),
+        round=rnd,
+        step=step,
+        at=at,
+        first_step=first[0],
+        first_at=first[1] or at,
+        ckpt_block_s=ckpt_s,
+        data_wait_s=data_s,
+        restore_s=restore_s,
+    )
+
+
 def all_events() -> list[ev.Event]:
     return [
         *every_event(),
+        progressed("n1", 1, 10, 110.0, first=(1, 101.0)),
         in_memory("n1", 5, (0, 1)),
         persisted("n1", 5, (0, 1)),
         ckpt_failed("n1", 6),

@@ -13,7 +13,7 @@ from rove.control.records import Recorded
 _COMMON = {"job", "id", "producer", "ts", "epoch"}
 
 
-_TIMES = {"last_seen"}
+_TIMES = {"last_seen", "at", "first_at"}
 
 
 def _value(v: Any, key: str = "") -> str:

@@ -1,0 +1,339 @@
+"""Goodput: how much of a job's time trained the model it ends with, from its event log.
+
+Pure: `Ledger.add` folds events in stream order, `Ledger.timeline` lays the job
+out as labelled intervals and `report` sums them over any window. The log is
+replayable, so the figures of any past interval can be computed again, exactly,
+by anyone who can read the stream (`rove goodput`); the master keeps a ledger
+too, for its `rove_goodput_ratio` metric.
+
+Each rendezvous round is cut into:
+
+* **start-up**: from the round's decision to the workers' first step (process
+  start, imports, the first step itself), less the time spent restoring;
+* **restore**: loading the checkpoint (`training_progress.restore_s`);
+* **productive**: training whose steps the final model contains;
+* **wasted progress**: training rolled back by a later restore;
+* **checkpoint blocking** and **data waiting**: the time the workers report
+  blocked in checkpoint saves and waiting for batches, taken out of the
+  round's training time in proportion;
+* **disruption**: from the round's last step to the failure being known (a
+  worker's exit, a node lost after its heartbeat timeout);
+* **rendezvous**: from then to the next round's decision (**pending nodes**
+  when the scaler was waiting for a node meanwhile);
+* **other**: after the last step of a round that ended without a failure
+  (the job finishing, a round replaced to grow the job).
+
+Before the first round the job is in start-up (or pending nodes) until a node
+asks for a rendezvous, then in rendezvous. Which steps the final model contains
+follows the lineage backwards: the last round's steps, then those of the round
+that reached the step it restored, and so on; every other step was wasted.
+Training times are placed on steps from the workers' reports, interpolated
+between reports (`rove.agent.reports`: every few seconds, and at each round's
+end).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from rove.control import events as ev
+
+
+class Bucket(enum.StrEnum):
+    PRODUCTIVE = "productive"
+    START_UP = "start-up"
+    RENDEZVOUS = "rendezvous"
+    RESTORE = "restore"
+    CHECKPOINT = "checkpoint blocking"
+    WASTED = "wasted progress"
+    DATA = "data waiting"
+    PENDING = "pending nodes"
+    DISRUPTION = "disruption"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Interval:
+    start: float
+    end: float
+    bucket: Bucket
+    round: int = 0
+    #: parts of this interval that belong to other buckets (fractions), not placed in time
+    carve: tuple[tuple[Bucket, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Failure:
+    ts: float
+    what: str
+    node: str
+    reason: str
+
+
+@dataclass
+class _Round:
+    round: int
+    ts: float
+    restore_step: int | None
+    started: float | None = None
+    #: each node's latest report
+    latest: dict[str, ev.TrainingProgress] = field(default_factory=dict)
+    #: (step, time) from every report, for placing steps in time
+    points: list[tuple[int, float]] = field(default_factory=list)
+
+    def progress(self) -> ev.TrainingProgress | None:
+        """The round's progress over all its nodes: the slowest node's step."""
+        if not self.latest:
+            return None
+        ps = list(self.latest.values())
+        slowest = min(ps, key=lambda p: p.step)
+        return ev.TrainingProgress(
+            job=slowest.job,
+            id=slowest.id,
+            producer=slowest.producer,
+            ts=slowest.ts,
+            node=slowest.node,
+            incarnation=slowest.incarnation,
+            round=self.round,
+            step=slowest.step,
+            at=max(p.at for p in ps),
+            first_step=max(p.first_step for p in ps),
+            first_at=max(p.first_at for p in ps),
+            ckpt_block_s=max(p.ckpt_block_s for p in ps),
+            data_wait_s=max(p.data_wait_s for p in ps),
+            restore_s=max(p.restore_s for p in ps),
+        )
+
+    def time_of(self, step: int) -> float:
+        """When this round reached `step` (interpolated between reports)."""
+        pts = sorted(self.points)
+        steps = [s for s, _ in pts]
+        i = bisect.bisect_left(steps, step)
+        if i >= len(pts):
+            return pts[-1][1]
+        if i == 0 or pts[i][0] == step:
+            return pts[i][1]
+        (s0, t0), (s1, t1) = pts[i - 1], pts[i]
+        return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
+
+
+@dataclass
+class Ledger:
+    """What goodput needs from a job's events, folded in stream order."""
+
+    job: str = ""
+    first_ts: float | None = None
+    ended_ts: float | None = None
+    ended: str = ""
+    epoch: int = 0
+    rounds: dict[int, _Round] = field(default_factory=dict)
+    rdzv_asks: list[float] = field(default_factory=list)
+    pending: list[float] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    last_ts: float = 0.0
+
+    def add(self, e: ev.Event) -> None:
+        self.job = self.job or e.job
+        self.first_ts = e.ts if self.first_ts is None else min(self.first_ts, e.ts)
+        self.last_ts = max(self.last_ts, e.ts)
+        if isinstance(e, ev.Decision):
+            if e.epoch < self.epoch:
+                return  # a deposed master's decision
+            self.epoch = e.epoch
+        match e:
+            case ev.RoundCompleted():
+                self.rounds[e.round] = _Round(e.round, e.ts, e.restore_step)
+            case ev.WorkersStarted(round=rnd) if rnd in self.rounds:
+                r = self.rounds[rnd]
+                r.started = max(r.started or e.ts, e.ts)
+            case ev.TrainingProgress(round=rnd) if rnd in self.rounds:
+                r = self.rounds[rnd]
+                r.latest[e.node] = e
+                if not r.points:
+                    r.points.append((e.first_step, e.first_at))
+                r.points.append((e.step, e.at))
+            case ev.RdzvJoined():
+                self.rdzv_asks.append(e.ts)
+            case ev.NodePending():
+                self.pending.append(e.ts)
+            case ev.TaskRestarted():
+                self.failures.append(Failure(e.ts, "task_restarted", e.node, e.reason))
+            case ev.WorkerExited() | ev.NodeLost() | ev.NodeExcluded() | ev.NodeGone():
+                self.failures.append(
+                    Failure(e.ts, ev.kind(e), e.node, getattr(e, "reason", "") or "")
+                )
+            case ev.JobEnded():
+                self.ended_ts = e.ts
+                self.ended = e.phase.value
+            case _:
+                pass
+
+    def end(self, now: float) -> float:
+        """When the job ended, or `now` while it runs."""
+        return self.ended_ts if self.ended_ts is not None else max(now, self.last_ts)
+
+    def survivors(self) -> dict[int, int | None]:
+        """Round → the last of its steps the final model contains (None: none of them)."""
+        out: dict[int, int | None] = {}
+        s = math.inf
+        for n in sorted(self.rounds, reverse=True):
+            r = self.rounds[n]
+            p = r.progress()
+            start = _start_step(r, p)
+            if p is None or s <= start:
+                out[n] = None
+                continue
+            out[n] = int(min(s, p.step))
+            s = start
+        return out
+
+    def timeline(self, now: float) -> list[Interval]:
+        """The job from its first event to its end (or `now`), as labelled intervals."""
+        if self.first_ts is None:
+            return []
+        end = self.end(now)
+        out: list[Interval] = []
+        rounds = [self.rounds[n] for n in sorted(self.rounds)]
+        first_round = rounds[0].ts if rounds else end
+        asked = next((t for t in self.rdzv_asks if t <= first_round), first_round)
+        before = Bucket.PENDING if any(t < asked for t in self.pending) else Bucket.START_UP
+        _put(out, self.first_ts, asked, before, 0)
+        _put(out, asked, first_round, self._waiting(asked, first_round), 0)
+        survive = self.survivors()
+        for i, r in enumerate(rounds):
+            until = rounds[i + 1].ts if i + 1 < len(rounds) else end
+            out.extend(self._round(r, until, survive.get(r.round)))
+        return [iv for iv in out if iv.end > iv.start]
+
+    def _waiting(self, start: float, end: float) -> Bucket:
+        return Bucket.PENDING if any(start <= t < end for t in self.pending) else Bucket.RENDEZVOUS
+
+    def _failure_after(self, t: float, until: float) -> float | None:
+        return next(
+            (f.ts for f in self.failures if t <= f.ts < until and f.what != "task_restarted"),
+            None,
+        )
+
+    def _round(self, r: _Round, until: float, survive: int | None) -> list[Interval]:
+        out: list[Interval] = []
+        n = r.round
+        if r.started is None:
+            _put(out, r.ts, until, Bucket.RENDEZVOUS, n)
+            return out
+        started = min(r.started, until)
+        _put(out, r.ts, started, Bucket.START_UP, n)
+        p = r.progress()
+        if p is None:  # no step at all: a crash on start, or stopped before one
+            failed = self._failure_after(started, until)
+            cut = until if failed is None else failed
+            _put(out, started, cut, Bucket.START_UP, n)
+            _put(out, cut, until, self._waiting(cut, until), n)
+            return out
+        first = min(max(p.first_at, started), until)
+        restore = min(p.restore_s, first - started)
+        _put(out, started, first - restore, Bucket.START_UP, n)
+        _put(out, first - restore, first, Bucket.RESTORE, n)
+        last_at = min(max(p.at, first), until)
+        span = last_at - first
+        carve: tuple[tuple[Bucket, float], ...] = ()
+        if span > 0:
+            ckpt = min(1.0, p.ckpt_block_s / span)
+            data = min(1.0 - ckpt, p.data_wait_s / span)
+            carve = tuple((b, f) for b, f in ((Bucket.CHECKPOINT, ckpt), (Bucket.DATA, data)) if f)
+        kept = first if survive is None else min(max(r.time_of(survive), first), last_at)
+        out.append(Interval(first, kept, Bucket.PRODUCTIVE, n, carve))
+        out.append(Interval(kept, last_at, Bucket.WASTED, n, carve))
+        failed = self._failure_after(last_at, until)
+        if failed is None:
+            _put(out, last_at, until, Bucket.OTHER, n)
+        else:
+            _put(out, last_at, failed, Bucket.DISRUPTION, n)
+            _put(out, failed, until, self._waiting(failed, until), n)
+        return out
+
+
+def _start_step(r: _Round, p: ev.TrainingProgress | None) -> float:
+    """The step round `r` started after: the step it restored, else the one before its
+    first report (a fresh start: nothing earlier survives)."""
+    if r.restore_step is not None:
+        return r.restore_step
+    if p is None:
+        return -math.inf
+    return p.first_step - 1 if p.first_step > 1 else -math.inf
+
+
+def _put(out: list[Interval], start: float, end: float, bucket: Bucket, rnd: int) -> None:
+    if end > start:
+        out.append(Interval(start, end, bucket, rnd))
+
+
+@dataclass(frozen=True)
+class Report:
+    job: str
+    start: float
+    end: float
+    seconds: Mapping[Bucket, float]
+    rounds: int
+    failures: tuple[Failure, ...]
+    ended: str
+
+    @property
+    def total_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def goodput(self) -> float:
+        total = self.total_s
+        return self.seconds.get(Bucket.PRODUCTIVE, 0.0) / total if total > 0 else 0.0
+
+    def badput(self) -> dict[Bucket, float]:
+        return {b: s for b, s in self.seconds.items() if b is not Bucket.PRODUCTIVE}
+
+
+def sum_buckets(
+    intervals: Iterable[Interval], since: float = -math.inf, until: float = math.inf
+) -> dict[Bucket, float]:
+    """Seconds per bucket of the parts of `intervals` inside [since, until]."""
+    out = dict.fromkeys(Bucket, 0.0)
+    for iv in intervals:
+        length = min(iv.end, until) - max(iv.start, since)
+        if length <= 0:
+            continue
+        rest = 1.0
+        for bucket, frac in iv.carve:
+            out[bucket] += length * frac
+            rest -= frac
+        out[iv.bucket] += length * max(0.0, rest)
+    return out
+
+
+def report(
+    ledger: Ledger, now: float, since: float | None = None, until: float | None = None
+) -> Report:
+    """Goodput and badput of the job over [since, until] (default: its whole life)."""
+    intervals = ledger.timeline(now)
+    start = now if ledger.first_ts is None else ledger.first_ts
+    end = ledger.end(now)
+    lo = start if since is None else max(start, since)
+    hi = end if until is None else min(end, until)
+    hi = max(hi, lo)
+    return Report(
+        job=ledger.job,
+        start=lo,
+        end=hi,
+        seconds=sum_buckets(intervals, lo, hi),
+        rounds=sum(1 for r in ledger.rounds.values() if lo <= r.ts <= hi),
+        failures=tuple(f for f in ledger.failures if lo <= f.ts <= hi),
+        ended=ledger.ended,
+    )
+
+
+def of_events(events: Iterable[ev.Event]) -> Ledger:
+    ledger = Ledger()
+    for e in events:
+        ledger.add(e)
+    return ledger

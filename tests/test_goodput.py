@@ -1,0 +1,188 @@
+"""Goodput from the event log (`rove.control.goodput`): scripted jobs with known times."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rove.control import events as ev
+from rove.control import goodput as gp
+from rove.control.goodput import Bucket as B
+from tests import factories as f
+
+
+def at(e: Any, ts: float) -> Any:
+    return msgspec.structs.replace(e, ts=ts)
+
+
+def rnd(n: int, ts: float, restore: int | None = None, epoch: int = 1) -> ev.RoundCompleted:
+    return at(msgspec.structs.replace(f.round_completed(n, epoch, "n1"), restore_step=restore), ts)
+
+
+def one_failure() -> list[ev.Event]:
+    """A job of 101 s: round 1 trains steps 1-100, a worker is killed, round 2 restores
+    step 80 (so steps 81-100 of round 1 were wasted) and trains to step 200."""
+    return [
+        at(f.configured(1), 0.0),
+        f.rdzv("n1", ts=2.0),
+        rnd(1, 5.0),
+        at(f.started("n1", 1, (0,)), 6.0),
+        f.progressed("n1", 1, 50, 30.0, first=(1, 10.0)),
+        f.progressed("n1", 1, 100, 50.0, first=(1, 10.0)),
+        f.exited("n1", 1, ts=52.0),
+        rnd(2, 55.0, restore=80),
+        at(f.started("n1", 2, (0,)), 56.0),
+        f.progressed("n1", 2, 200, 100.0, first=(81, 60.0), restore_s=2.0, ckpt_s=4.0),
+        at(f.ended(1, ev.JobPhase.FINISHED), 101.0),
+    ]
+
+
+def test_each_second_of_a_job_with_one_failure_is_in_its_bucket() -> None:
+    r = gp.report(gp.of_events(one_failure()), now=500.0)
+    s = r.seconds
+    assert (r.start, r.end, r.total_s) == (0.0, 101.0, 101.0)
+    # round 1 reached step 80 at 42 s (between its reports of step 50 at 30 s and 100 at 50 s)
+    assert s[B.PRODUCTIVE] == pytest.approx((42 - 10) + (100 - 60) * 0.9)
+    assert s[B.WASTED] == pytest.approx(50 - 42)
+    assert s[B.CHECKPOINT] == pytest.approx(4.0)
+    assert s[B.RESTORE] == pytest.approx(2.0)
+    assert s[B.START_UP] == pytest.approx(2 + (6 - 5) + (10 - 6) + (56 - 55) + (58 - 56))
+    assert s[B.RENDEZVOUS] == pytest.approx((5 - 2) + (55 - 52))
+    assert s[B.DISRUPTION] == pytest.approx(52 - 50)
+    assert s[B.OTHER] == pytest.approx(101 - 100)
+    assert sum(s.values()) == pytest.approx(r.total_s)
+    assert r.goodput == pytest.approx(68 / 101)
+    assert [x.what for x in r.failures] == ["worker_exited"]
+    assert r.rounds == 2 and r.ended == "finished"
+
+
+def test_a_window_counts_only_its_own_seconds() -> None:
+    r = gp.report(gp.of_events(one_failure()), now=500.0, since=40.0, until=60.0)
+    s = r.seconds
+    assert r.total_s == 20.0
+    assert s[B.PRODUCTIVE] == pytest.approx(2.0)
+    assert s[B.WASTED] == pytest.approx(8.0)
+    assert s[B.DISRUPTION] + s[B.RENDEZVOUS] + s[B.START_UP] + s[B.RESTORE] == pytest.approx(10.0)
+    assert r.rounds == 1 and len(r.failures) == 1
+
+
+def test_a_running_job_is_measured_up_to_now() -> None:
+    events = one_failure()[:-1]
+    r = gp.report(gp.of_events(events), now=120.0)
+    assert r.end == 120.0 and r.ended == ""
+    assert r.seconds[B.OTHER] == pytest.approx(20.0)  # no step since 100 s (so far)
+
+
+def test_a_fresh_restart_wastes_everything_before_it() -> None:
+    events = [
+        e if not isinstance(e, ev.RoundCompleted) or e.round == 1 else rnd(2, 55.0)
+        for e in one_failure()
+    ]
+    events = [
+        f.progressed("n1", 2, 120, 100.0, first=(1, 60.0))
+        if isinstance(e, ev.TrainingProgress) and e.round == 2
+        else e
+        for e in events
+    ]
+    r = gp.report(gp.of_events(events), now=500.0)
+    assert r.seconds[B.WASTED] == pytest.approx(50 - 10)
+    assert r.seconds[B.PRODUCTIVE] == pytest.approx(100 - 60)
+
+
+def test_the_lineage_skips_a_round_whose_steps_were_all_rolled_back() -> None:
+    """Round 3 restores step 40, reached in round 1: round 2 (steps 81-95) was all waste."""
+    events = [
+        *one_failure()[:-2],
+        f.progressed("n1", 2, 95, 70.0, first=(81, 60.0)),
+        f.exited("n1", 2, ts=71.0),
+        rnd(3, 72.0, restore=40),
+        at(f.started("n1", 3, (0,)), 73.0),
+        f.progressed("n1", 3, 60, 80.0, first=(41, 74.0)),
+        at(f.ended(1, ev.JobPhase.FINISHED), 81.0),
+    ]
+    ledger = gp.of_events(events)
+    assert ledger.survivors() == {3: 60, 2: None, 1: 40}
+    s = gp.report(ledger, now=500.0).seconds
+    t40 = 10 + (40 - 1) * 20 / 49  # step 40 between step 1 at 10 s and step 50 at 30 s
+    assert s[B.PRODUCTIVE] == pytest.approx((t40 - 10) + (80 - 74))
+    assert s[B.WASTED] == pytest.approx((50 - t40) + (70 - 60))
+
+
+def test_a_deposed_masters_round_is_not_counted() -> None:
+    events = [*one_failure()]
+    events.insert(1, at(f.elected("m2", 2), 1.0))
+    events = [
+        msgspec.structs.replace(e, epoch=2) if isinstance(e, ev.Decision) and e.ts > 1.0 else e
+        for e in events
+    ]
+    events.insert(8, rnd(9, 53.0, epoch=1))  # a decision of the epoch before
+    assert set(gp.of_events(events).rounds) == {1, 2}
+
+
+def test_waiting_for_a_pending_node_and_a_crash_on_start() -> None:
+    pending = ev.NodePending(
+        **ev.envelope(f.JOB, "scaler", 1.0, "pending"), node="n1", scaler="s1", reason="no room"
+    )
+    events = [
+        at(f.configured(1), 0.0),
+        pending,
+        f.rdzv("n1", ts=2.0),
+        rnd(1, 5.0),
+        at(f.started("n1", 1, (0,)), 6.0),
+        f.exited("n1", 1, ts=9.0, kind=ev.FailureKind.USER_ERROR, reason="ImportError"),
+        at(f.ended(1, ev.JobPhase.FAILED), 10.0),
+    ]
+    s = gp.report(gp.of_events(events), now=500.0).seconds
+    assert s[B.PENDING] == pytest.approx(2.0)
+    assert s[B.START_UP] == pytest.approx((6 - 5) + (9 - 6))
+    assert s[B.RENDEZVOUS] == pytest.approx((5 - 2) + (10 - 9))
+    assert s[B.PRODUCTIVE] == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.1, 20),  # round decision → workers started
+            st.floats(0.0, 30),  # → first step
+            st.integers(1, 50),  # steps
+            st.floats(0.0, 40),  # → last step
+            st.floats(0.0, 5),  # → failure
+            st.one_of(st.none(), st.integers(0, 300)),  # restore step
+            st.floats(0.0, 10),  # checkpoint blocking
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.floats(0, 300),
+    st.floats(0, 300),
+)
+def test_buckets_always_add_up_to_the_window(rounds: list[Any], a: float, b: float) -> None:
+    t = 0.0
+    step = 0
+    events: list[ev.Event] = [at(f.configured(1), t)]
+    for i, (to_start, to_first, steps, to_last, to_fail, restore, ckpt) in enumerate(rounds, 1):
+        t += 1.0
+        events.append(rnd(i, t, restore=restore))
+        t += to_start
+        events.append(at(f.started("n1", i, (0,)), t))
+        first = (step + 1, t + to_first)
+        t += to_first + to_last
+        step += steps
+        events.append(f.progressed("n1", i, step, t, first=first, ckpt_s=ckpt))
+        t += to_fail
+        events.append(f.exited("n1", i, ts=t))
+    ledger = gp.of_events(events)
+    since, until = min(a, b), max(a, b)
+    r = gp.report(ledger, now=t + 1, since=since, until=until)
+    assert sum(r.seconds.values()) == pytest.approx(r.total_s, abs=1e-6)
+    assert all(v >= -1e-9 for v in r.seconds.values())
+    assert 0.0 <= r.goodput <= 1.0 + 1e-9
+    whole = gp.report(ledger, now=t + 1)
+    assert whole.total_s == pytest.approx(t + 1)
+    assert not math.isnan(whole.goodput)
