@@ -39,7 +39,6 @@ from typing import Any
 import structlog
 
 from rove.agent import progress
-
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
 from rove.checkpoint.restore import agree, begin_lineage, candidates, job_and_storage
 

@@ -136,10 +136,43 @@ async def test_kill_9_of_a_worker_restarts_all_workers_in_a_new_round_and_the_jo
         assert max(r["step"] for r in after) == 50, "the job trained every step"
         ended = await events_of(bus, ev.JobEnded)
         assert ended[-1].phase is ev.JobPhase.FINISHED  # type: ignore[attr-defined]
+        _goodput_agrees_with_the_trace(bus, tmp_path, rows, resumed_at, killed_at)
     finally:
         for p in nodes.values():
             p.stop()
         master.stop()
+
+
+def _goodput_agrees_with_the_trace(
+    bus: Bus, tmp_path: Path, rows: list[dict], resumed_at: int, killed_at: int
+) -> None:
+    """`rove goodput`'s productive and wasted seconds, from the events, against the
+    trainers' own step times: round 1's steps up to the restored one and all of
+    round 2's were kept; round 1's steps after it were rolled back."""
+    svg = tmp_path / "goodput.svg"
+    out = rove_cli(
+        "goodput", "--job", JOB, "--nats", bus.url, "--json", "--svg", str(svg), check=True
+    )
+    g = json.loads(out.stdout)
+
+    def t(restart: int, step: int) -> float:
+        return max(r["t"] for r in rows if r["restart"] == restart and r["step"] == step)
+
+    first0 = min(r["step"] for r in rows if r["restart"] == 0)
+    kept = (t(0, resumed_at - 1) - t(0, first0)) + (t(1, 50) - t(1, resumed_at))
+    wasted = t(0, killed_at) - t(0, resumed_at - 1)
+    b = g["buckets"]
+    assert g["ended"] == "finished" and g["rounds"] == 2
+    assert sum(b.values()) == pytest.approx(g["seconds"], abs=0.01)
+    assert b["productive"] == pytest.approx(kept, abs=0.6), g
+    assert b["wasted progress"] == pytest.approx(wasted, abs=0.6), g
+    assert b["rendezvous"] > 0 and b["start-up"] > 0, g
+    assert g["goodput"] == pytest.approx(b["productive"] / g["seconds"], abs=1e-3)
+    assert ("worker_exited", "nb") in {(f["what"], f["node"]) for f in g["failures"]}
+    picture = svg.read_text()
+    assert picture.startswith("<svg") and "worker_exited on nb" in picture
+    table = rove_cli("goodput", "--job", JOB, "--nats", bus.url, check=True).stdout
+    assert f"goodput {g['goodput']:.1%}" in table and "wasted progress" in table
 
 
 async def test_kill_9_of_an_agent_the_other_continues_alone_then_the_node_comes_back(

@@ -16,6 +16,7 @@ from rove.control.cli import (
     agent_cmd,
     auth_cmd,
     events_cmd,
+    goodput_cmd,
     kafka_cmd,
     master_cmd,
     scaler_cmd,
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         kafka_cmd,
         events_cmd,
         status_cmd,
+        goodput_cmd,
         stop_cmd,
         auth_cmd,
     ):

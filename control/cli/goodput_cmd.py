@@ -1,0 +1,131 @@
+"""`rove goodput`: how much of a job's time trained its model, from the event log.
+
+Replays the job's events (`rove.control.goodput`) and prints the goodput ratio and
+the badput by bucket, for the job's whole life or a window of it, as a table or one
+JSON object; `--svg` also draws the timeline with its failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rove.control import aio, records, subjects
+from rove.control import goodput as gp
+from rove.control import options as common
+from rove.control.bus import Bus
+from rove.control.errors import ConfigError, UnknownJobError
+from rove.control.goodput_svg import render as render_svg
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "goodput", help="a job's goodput and badput, from its events", description=__doc__
+    )
+    p.add_argument("--job", required=True, help="job name")
+    when = "a duration back from now (30s, 10m, 2h) or an ISO-8601 time"
+    p.add_argument("--since", type=common.moment, metavar="WHEN", help=f"window start: {when}")
+    p.add_argument("--until", type=common.moment, metavar="WHEN", help=f"window end: {when}")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--svg", type=Path, metavar="FILE", help="also draw the timeline to FILE")
+    common.add_nats_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    subjects.check_name("job", args.job)
+    now = time.time()
+    since, until = _at(args.since, now), _at(args.until, now)
+    if since is not None and until is not None and until <= since:
+        raise ConfigError(f"--until ({_iso(until)}) must be after --since ({_iso(since)})")
+    if args.svg is not None and not args.svg.parent.is_dir():
+        raise ConfigError(f"cannot write {args.svg}: {args.svg.parent} is not a directory")
+    ledger = aio.run(_read(args))
+    report = gp.report(ledger, now, since, until)
+    if args.svg is not None:
+        args.svg.write_text(render_svg(report, ledger.timeline(now)))
+    if args.json:
+        sys.stdout.write(json.dumps(as_json(report)) + "\n")
+    else:
+        sys.stdout.write(render(report))
+        if args.svg is not None:
+            sys.stdout.write(f"timeline: {args.svg}\n")
+    return common.EXIT_OK
+
+
+async def _read(args: argparse.Namespace) -> gp.Ledger:
+    options = common.bus_options(args, name="rove-goodput", job=args.job)
+    ledger = gp.Ledger()
+    async with await Bus.connect(options) as bus:
+        if not await bus.job_exists(args.job):
+            raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
+
+        def add(rec: records.Recorded) -> None:
+            ledger.add(rec.event)
+
+        feed = await bus.subscribe(
+            subjects.EVENTS_STREAM, subjects.job_events(args.job), add, _skip
+        )
+        try:
+            await feed.caught_up.wait()
+        finally:
+            await feed.stop()
+    return ledger
+
+
+def _skip(rej: records.Rejection) -> None:
+    pass  # unreadable events are dead letters already (see `rove events`)
+
+
+def _at(when: dt.datetime | float | None, now: float) -> float | None:
+    if when is None:
+        return None
+    if isinstance(when, dt.datetime):
+        return when.timestamp()
+    return now - when
+
+
+def _iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="seconds")
+
+
+def as_json(r: gp.Report) -> dict[str, Any]:
+    return {
+        "job": r.job,
+        "since": r.start,
+        "until": r.end,
+        "seconds": round(r.total_s, 3),
+        "goodput": round(r.goodput, 4),
+        "buckets": {b.value: round(s, 3) for b, s in r.seconds.items()},
+        "rounds": r.rounds,
+        "failures": [
+            {"ts": f.ts, "what": f.what, "node": f.node, "reason": f.reason} for f in r.failures
+        ],
+        "ended": r.ended or None,
+    }
+
+
+def render(r: gp.Report) -> str:
+    state = f"ended {r.ended}" if r.ended else "running"
+    lines = [
+        f"job {r.job} ({state}): {_iso(r.start)} to {_iso(r.end)}, {r.total_s:.1f} s, "
+        f"{r.rounds} rounds, {len(r.failures)} failures",
+        "",
+        f"{'bucket':<22}{'seconds':>12}{'share':>9}",
+    ]
+    total = r.total_s or 1.0
+    for bucket, secs in sorted(r.seconds.items(), key=lambda kv: -kv[1]):
+        if secs or bucket is gp.Bucket.PRODUCTIVE:
+            lines.append(f"{bucket.value:<22}{secs:>12.1f}{secs / total:>9.1%}")
+    lines += ["", f"goodput {r.goodput:.1%}"]
+    if r.failures:
+        lines += ["", "failures:"]
+        for f in r.failures:
+            when = dt.datetime.fromtimestamp(f.ts, dt.UTC).strftime("%H:%M:%S")
+            lines.append(f"  {when}  {f.what:<15} {f.node:<14} {f.reason}")
+    return "\n".join(lines) + "\n"
