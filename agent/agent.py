@@ -44,7 +44,7 @@ from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.reports import ProgressReports
 from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.worker_env import member_of, worker_envs
-from rove.control import aio, records, subjects, tf_cluster
+from rove.control import aio, metrics, records, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control.bus import Bus, Feed, options_env
 from rove.control.errors import RoveError
@@ -444,6 +444,7 @@ class Agent:
 
     def _task_restarted(self, t: TaskRestart) -> None:
         """A task was started again in place (the runtime's own recovery): say so."""
+        metrics.NODE_WORKER_FAILURES.labels(self.cfg.job, t.diagnosis.kind.value).inc()
         self.facts.emit(
             ev.TaskRestarted(
                 **self.facts.envelope(),
@@ -489,6 +490,7 @@ class Agent:
             self.facts.emit(ev.WorkersSucceeded(**self.facts.envelope(), round=ended.round))
             return
         rank = self._first_rank() + root.local_rank
+        metrics.NODE_WORKER_FAILURES.labels(self.cfg.job, root.diagnosis.kind.value).inc()
         self.log.error(
             f"worker rank {rank} failed: {root.diagnosis.kind.value}: {root.diagnosis.reason}",
             round=ended.round,
@@ -513,6 +515,7 @@ class Agent:
         rank = self._first_rank() + hang.local_rank
         reason = f"no step progress for {hang.silent_s:.0f}s (last step {hang.step})"
         self.reports.flush()
+        metrics.NODE_WORKER_FAILURES.labels(self.cfg.job, ev.FailureKind.HANG.value).inc()
         self.log.error(f"worker rank {rank} is hung: {reason}; killing this node's workers")
         await self._stop_workers(signal.SIGKILL)
         self.facts.emit(

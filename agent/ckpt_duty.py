@@ -13,6 +13,7 @@ records a commit when the master decides `ckpt_committed`.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import structlog
@@ -21,6 +22,7 @@ from rove.agent.facts import NodeFacts
 from rove.agent.saver import Saver
 from rove.checkpoint.engine import CheckpointError
 from rove.control import events as ev
+from rove.control import metrics
 
 log = structlog.get_logger("rove.agent")
 
@@ -135,6 +137,7 @@ class CheckpointDuty:
 
     async def _persist(self, step: int) -> None:
         round_ = self._round  # the lineage this step belongs to
+        began = time.monotonic()
         try:
             done = await asyncio.to_thread(self.saver.persist, step)
         except CheckpointError as exc:
@@ -143,6 +146,7 @@ class CheckpointDuty:
                 ev.CkptFailed(**self.facts.envelope(), step=step, error=str(exc)[: ev.REASON_CHARS])
             )
             return
+        metrics.CKPT_PERSIST.labels(self.facts.job).observe(time.monotonic() - began)
         self.facts.emit(
             ev.CkptPersisted(
                 **self.facts.envelope(),

@@ -21,6 +21,7 @@ from rove.agent.facts import NodeFacts
 from rove.agent.metrics import Sampler
 from rove.agent.runtime import WorkerRuntime
 from rove.control import events as ev
+from rove.control import metrics
 from rove.control.bus import Bus
 from rove.control.errors import PublishDeadlineError
 
@@ -129,7 +130,7 @@ class Heartbeat:
                 )
             )
         self.sampler.forget(set(pids.values()))
-        return ev.Heartbeat(
+        hb = ev.Heartbeat(
             **self.facts.envelope("hb", self._seq),
             seq=self._seq,
             cpu_percent=cpu,
@@ -140,3 +141,6 @@ class Heartbeat:
             ports=free_ports(self.addr, self.ports),
             capacity=self.sampler.capacity(),
         )
+        metrics.from_heartbeat(hb)
+        metrics.from_gpus(self.sampler.devices())
+        return hb

@@ -32,7 +32,7 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 
 from rove.agent import managed, warm
 from rove.agent.agent import Agent, AgentConfig
-from rove.control import aio, auth, embedded, logs, subjects, tf_cluster
+from rove.control import aio, auth, embedded, logs, metrics, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus, BusOptions
@@ -173,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cpu", "nvidia.com/gpu"],
         help="what the workers run on (default: detected)",
     )
+    common.add_metrics_arg(g)
     g.add_argument(
         "--hang-timeout",
         type=common.positive,
@@ -479,6 +480,8 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
     if options.url is None:
         options, cfg = _closed(options, cfg)
     bus = await Bus.connect(options)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     master_task = bridge_task = None
     runner: SupervisedMaster | None = None
     bridge: KafkaBridge | None = None

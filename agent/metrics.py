@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import structlog
 
-from rove.control import cgroups
+from rove.control import cgroups, metrics
 from rove.control import events as ev
 
 log = structlog.get_logger("rove.metrics")
@@ -64,6 +64,27 @@ class Sampler:
             util = self._nvml.nvmlDeviceGetUtilizationRates(handle)
             return int(mem.used), float(util.gpu)
         return None, None
+
+    def devices(self) -> list[metrics.GpuReading]:
+        """Every GPU's use, memory, power and temperature (empty without pynvml or GPUs)."""
+        out = []
+        nvml = self._nvml
+        for index in range(self.gpus if nvml is not None else 0):
+            with contextlib.suppress(Exception):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+                util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                power = temp = None
+                with contextlib.suppress(Exception):  # not every board reports these
+                    power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+                with contextlib.suppress(Exception):
+                    temp = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+                out.append(
+                    metrics.GpuReading(
+                        index, float(util.gpu), int(mem.used), int(mem.total), power, temp
+                    )
+                )
+        return out
 
     def capacity(self) -> ev.Resources:
         """What this node has: CPUs, its memory limit, GPUs."""

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from rove.agent.facts import NodeFacts
 from rove.agent.progress import Progress
 from rove.control import events as ev
+from rove.control import metrics
 
 #: Seconds between two reports of a running round.
 EVERY_S = 5.0
@@ -81,6 +82,8 @@ class ProgressReports:
         fields = summary(self.read())
         if fields is None or fields == self._sent or self.round is None:
             return
+        before = float(self._sent["ckpt_block_s"]) if self._sent else 0.0
+        metrics.CKPT_BLOCKING.labels(self.facts.job).inc(max(0.0, fields["ckpt_block_s"] - before))
         self._sent = fields
         self.facts.emit(
             ev.TrainingProgress(

@@ -46,7 +46,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import auth, catchup, records, retry, subjects
+from rove.control import auth, catchup, metrics, records, retry, subjects
 from rove.control import events as ev
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
@@ -587,7 +587,13 @@ class Bus:
                 raise
             return int(ack.seq)
 
-        seq: int = await self._retry_with_timeout(attempt, deadline_s=deadline_s, what=subject)
+        try:
+            seq: int = await self._retry_with_timeout(attempt, deadline_s=deadline_s, what=subject)
+        except FencedError:
+            raise  # a deposed master's write: the fence working, not a failure
+        except Exception:
+            metrics.PUBLISH_ERRORS.labels(metrics.subject_class(subject)).inc()
+            raise
         return seq
 
     async def publish_many(

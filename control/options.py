@@ -212,6 +212,27 @@ def moment(text: str) -> dt.datetime | float:
     return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
+def add_metrics_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=port_number(os.environ.get("ROVE_METRICS_PORT") or "0"),
+        metavar="PORT",
+        help="serve Prometheus metrics on this port, /metrics (default 0: off; env "
+        "ROVE_METRICS_PORT)",
+    )
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: give a number from 0 to 65535")
+    return port
+
+
 def positive(text: str) -> float:
     value = float(text)
     if value <= 0:

@@ -12,9 +12,11 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rove.control import events as ev
 from rove.control.bus import Bus
@@ -23,6 +25,7 @@ from tests.support import (
     MasterProc,
     RunProc,
     eventually,
+    free_port,
     pid_alive,
     rove_cli,
     stored_events,
@@ -92,20 +95,29 @@ def steps_done(tmp_path: Path, restart: int | None = None) -> int:
 async def test_kill_9_of_a_worker_restarts_all_workers_in_a_new_round_and_the_job_finishes(
     bus: Bus, tmp_path: Path
 ) -> None:
-    master = MasterProc(bus.url, JOB, "m1", tmp_path, "--node-timeout", "15")
+    ports = {n: free_port() for n in ("m1", "na", "nb")}
+    master = MasterProc(
+        bus.url, JOB, "m1", tmp_path, "--node-timeout", "15", "--metrics-port", str(ports["m1"])
+    )
     nodes = {
         n: RunProc(
             tmp_path,
             n,
             *node_args(bus, n, "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "3"),
+            *("--metrics-port", str(ports[n])),
             *train_args(tmp_path, steps=50),
         )
         for n in ("na", "nb")
     }
     try:
         await eventually(lambda: steps_done(tmp_path) >= 15, timeout=120)
+        na = await eventually(lambda: scrape(ports["na"]), timeout=30)
+        assert na[("rove_worker_step", (("job", JOB), ("local_rank", "0")))] >= 1
+        assert ("rove_node_cpu_percent", (("job", JOB),)) in na
         victim = (await worker_pids(bus, "nb", 1))[1]
         os.kill(victim, signal.SIGKILL)
+        killed = ("rove_node_worker_failures_total", (("job", JOB), ("kind", "killed")))
+        await eventually(lambda: scrape(ports["nb"]).get(killed) == 1, timeout=60)
         codes = {n: await asyncio.to_thread(p.wait, 180) for n, p in nodes.items()}
         assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
 
@@ -136,7 +148,15 @@ async def test_kill_9_of_a_worker_restarts_all_workers_in_a_new_round_and_the_jo
         assert max(r["step"] for r in after) == 50, "the job trained every step"
         ended = await events_of(bus, ev.JobEnded)
         assert ended[-1].phase is ev.JobPhase.FINISHED  # type: ignore[attr-defined]
-        _goodput_agrees_with_the_trace(bus, tmp_path, rows, resumed_at, killed_at)
+        g = _goodput_agrees_with_the_trace(bus, tmp_path, rows, resumed_at, killed_at)
+        m = await eventually(lambda: scrape(ports["m1"]), timeout=30)
+        assert m[("rove_job_state", (("job", JOB), ("state", "finished")))] == 1
+        assert m[("rove_master_leader", (("job", JOB),))] == 1
+        assert m[("rove_rounds_total", (("cause", "restart"), ("job", JOB)))] == 1
+        job_restart = (("job", JOB), ("reason", "killed"), ("scope", "job"))
+        assert m[("rove_restarts_total", job_restart)] == 1
+        assert m[("rove_recovery_seconds_count", (("job", JOB),))] == 1
+        assert m[("rove_goodput_ratio", (("job", JOB),))] == pytest.approx(g, abs=0.01)
     finally:
         for p in nodes.values():
             p.stop()
@@ -145,7 +165,7 @@ async def test_kill_9_of_a_worker_restarts_all_workers_in_a_new_round_and_the_jo
 
 def _goodput_agrees_with_the_trace(
     bus: Bus, tmp_path: Path, rows: list[dict], resumed_at: int, killed_at: int
-) -> None:
+) -> float:
     """`rove goodput`'s productive and wasted seconds, from the events, against the
     trainers' own step times: round 1's steps up to the restored one and all of
     round 2's were kept; round 1's steps after it were rolled back."""
@@ -173,6 +193,20 @@ def _goodput_agrees_with_the_trace(
     assert picture.startswith("<svg") and "worker_exited on nb" in picture
     table = rove_cli("goodput", "--job", JOB, "--nats", bus.url, check=True).stdout
     assert f"goodput {g['goodput']:.1%}" in table and "wasted progress" in table
+    return float(g["goodput"])
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A process's Prometheus metrics, as Prometheus parses them ({} if not served yet)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    except OSError:
+        return {}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
 
 
 async def test_kill_9_of_an_agent_the_other_continues_alone_then_the_node_comes_back(

@@ -10,7 +10,7 @@ import argparse
 
 import structlog
 
-from rove.control import aio, embedded, events, subjects
+from rove.control import aio, embedded, events, metrics, subjects
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.master.runner import MasterRunner
@@ -52,6 +52,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="SECONDS",
         help="or after this many seconds with new events (default 30)",
     )
+    common.add_metrics_arg(p)
     common.add_nats_args(p)
     p.set_defaults(func=run)
 
@@ -73,6 +74,8 @@ async def _run(args: argparse.Namespace, master_id: str) -> int:
         lease_ttl_s=args.lease_ttl,
     )
     bus = await Bus.connect(options)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     if bus.server is not None:
         path = embedded.url_file(args.job)
         path.write_text(bus.url + "\n")

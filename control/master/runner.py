@@ -25,6 +25,7 @@ from rove.control.errors import FencedError, PublishDeadlineError
 from rove.control.master import snapshots
 from rove.control.master.decide import decide
 from rove.control.master.election import Lease
+from rove.control.master.metrics import JobMetrics
 from rove.control.master.netcheck import Wait
 from rove.control.service import JobService
 
@@ -74,7 +75,8 @@ class MasterRunner(JobService):
         self.spec = spec
         self.snapshot_every_events = snapshot_every_events
         self.snapshot_every_s = snapshot_every_s
-        self.role = "starting"
+        self.metrics = JobMetrics(job)
+        self._role = "starting"
         self.fence: Fence | None = None
         self.lease: Lease | None = None
         self._inflight: dict[str, float] = {}
@@ -86,10 +88,21 @@ class MasterRunner(JobService):
         self._scale_waiting = ""
         self.log = log.bind(job=job, master=master_id)
 
+    @property
+    def role(self) -> str:
+        """starting, standby, electing or leader."""
+        return self._role
+
+    @role.setter
+    def role(self, role: str) -> None:
+        self._role = role
+        self.metrics.leader(role == "leader")
+
     # ------------------------------------------------------------------ hooks from the replica
 
     def on_event(self, rec: records.Recorded) -> None:
         self._inflight.pop(rec.event.id, None)
+        self.metrics.observe(rec.event, self.state)
         if type(rec.event) in _WAKE_ON:
             self.wake()  # a data client waits for its answer: decide now
         if isinstance(rec.event, ev.EventRejected):

@@ -1,0 +1,145 @@
+"""The job metrics (`rove.control.metrics`), from the events a master folds.
+
+`JobMetrics.observe` is called with each event and the state it led to; the
+goodput gauges are computed from the master's `rove.control.goodput.Ledger`
+when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import prometheus_client
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from rove.control import events as ev
+from rove.control import goodput as gp
+from rove.control.master.state import JobState
+from rove.control.metrics import (
+    CKPT_COMMITTED,
+    CKPT_FAILED,
+    DETECT,
+    JOB_STATE,
+    LEASES_OUTSTANDING,
+    MASTER_LEADER,
+    RECOVERY,
+    RESTARTS,
+    ROUNDS,
+    SCALE_PLANS,
+    SHARDS_REQUEUED,
+    WORKER_FAILURES,
+)
+
+
+@dataclass
+class JobMetrics:
+    """Updates the job metrics from each event a master folds (`observe`)."""
+
+    job: str
+    ledger: gp.Ledger = field(default_factory=gp.Ledger)
+    _failed_at: float | None = None
+    _failed_round: int = 0
+    _failure_kind: str = ""
+    _last_step_at: dict[int, float] = field(default_factory=dict)
+    _phase: str = ""
+
+    def __post_init__(self) -> None:
+        GOODPUT.jobs[self.job] = self
+
+    def close(self) -> None:
+        GOODPUT.jobs.pop(self.job, None)
+
+    def leader(self, leads: bool) -> None:
+        MASTER_LEADER.labels(self.job).set(1 if leads else 0)
+
+    def observe(self, e: ev.Event, state: JobState) -> None:
+        self.ledger.add(e)
+        if state.phase.value != self._phase:
+            for phase in ev.JobPhase:
+                JOB_STATE.labels(self.job, phase.value).set(1 if phase is state.phase else 0)
+            self._phase = state.phase.value
+        if isinstance(e, ev.ShardLeased | ev.ShardDone | ev.ShardRequeued | ev.DataRestored):
+            ds = state.data.datasets.get(e.dataset)
+            if ds is not None:
+                LEASES_OUTSTANDING.labels(self.job, e.dataset).set(len(ds.leases))
+        match e:
+            case ev.RoundCompleted():
+                ROUNDS.labels(self.job, e.cause.value).inc()
+                if e.cause is ev.RoundCause.RESTART:
+                    RESTARTS.labels(self.job, "job", self._failure_kind or "unknown").inc()
+            case ev.TaskRestarted():
+                RESTARTS.labels(self.job, "process", e.kind.value).inc()
+                self._failed(e.ts, e.round)
+            case ev.WorkerExited():
+                WORKER_FAILURES.labels(self.job, e.kind.value).inc()
+                self._failure_kind = e.kind.value
+                self._failed(e.ts, e.round)
+            case ev.NodeLost() | ev.NodeGone() | ev.NodeExcluded():
+                reason = {ev.NodeLost: "heartbeat_timeout", ev.NodeGone: "gone"}.get(
+                    type(e), "excluded"
+                )
+                RESTARTS.labels(self.job, "node", reason).inc()
+                self._failed(e.ts, state.rdzv.round)
+            case ev.TrainingProgress():
+                self._last_step_at[e.round] = max(self._last_step_at.get(e.round, 0.0), e.at)
+                if self._failed_at is not None and (
+                    e.round > self._failed_round or e.first_at > self._failed_at
+                ):
+                    RECOVERY.labels(self.job).observe(max(0.0, e.first_at - self._failed_at))
+                    self._failed_at = None
+            case ev.CkptCommitted():
+                CKPT_COMMITTED.labels(self.job).inc()
+            case ev.CkptFailed():
+                CKPT_FAILED.labels(self.job).inc()
+            case ev.ShardRequeued():
+                SHARDS_REQUEUED.labels(self.job, e.reason.value).inc(len(e.shards))
+            case ev.ScalePlan():
+                cause = e.cause.split(":", 1)[0][:32] or "none"
+                SCALE_PLANS.labels(self.job, e.rule.value, cause).inc()
+            case _:
+                pass
+
+    def _failed(self, ts: float, rnd: int) -> None:
+        if self._failed_at is not None:
+            return  # the same disruption: its first sign counts
+        self._failed_at, self._failed_round = ts, rnd
+        last = self._last_step_at.get(rnd)
+        if last is not None and last <= ts:
+            DETECT.labels(self.job).observe(ts - last)
+
+
+class _Goodput(Collector):
+    """`rove_goodput_ratio` and `rove_badput_seconds`, computed from each job's ledger
+    when scraped."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobMetrics] = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        ratio = GaugeMetricFamily(
+            "rove_goodput_ratio",
+            "Share of the job's time (as this master replayed it) that trained the model "
+            "it ends with",
+            labels=["job"],
+        )
+        badput = GaugeMetricFamily(
+            "rove_badput_seconds",
+            "Seconds of the job's time lost, by bucket",
+            labels=["job", "bucket"],
+        )
+        for job, m in list(self.jobs.items()):
+            if m.ledger.first_ts is None:
+                continue
+            r = gp.report(m.ledger, time.time())
+            ratio.add_metric([job], r.goodput)
+            for bucket, secs in r.badput().items():
+                badput.add_metric([job, bucket.value], secs)
+        yield ratio
+        yield badput
+
+
+GOODPUT = _Goodput()
+prometheus_client.REGISTRY.register(GOODPUT)
