@@ -18,6 +18,7 @@ No API server runs here: docs/kubernetes.md says what this leaves unexercised.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import subprocess
 import sys
@@ -364,3 +365,62 @@ async def test_the_nats_users_of_deploy_work_and_the_readonly_and_agent_ones_are
     finally:
         server.terminate()
         server.wait()
+
+
+def _exported_samples() -> set[str]:
+    """Every sample name rove's processes export (counters as `_total`, histograms as
+    `_bucket`, `_sum`, `_count`)."""
+    from prometheus_client import REGISTRY
+
+    import rove.control.master.metrics  # noqa: F401 - registers the job metrics
+
+    names = set()
+    for family in REGISTRY.collect():
+        if not family.name.startswith("rove_"):
+            continue
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+        elif family.type == "histogram":
+            names.update(f"{family.name}{s}" for s in ("_bucket", "_sum", "_count"))
+        else:
+            names.add(family.name)
+    return names
+
+
+def test_the_grafana_dashboard_shows_every_metric_and_only_real_ones() -> None:
+    path = DEPLOY / "base/monitoring/rove-dashboard.json"
+    dashboard = json.loads(path.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"\brove_[a-z_]+", e)}
+    exported = _exported_samples()
+    assert used <= exported, (
+        f"the dashboard queries metrics rove does not export: {used - exported}"
+    )
+    shown = {re.sub(r"_(bucket|sum|count)$", "", m) for m in used}
+    missing = {re.sub(r"_(bucket|sum|count)$", "", m) for m in exported} - shown
+    assert not missing, f"exported but on no panel: {missing}"
+    assert all(e.count("(") == e.count(")") for e in exprs)
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "job"}
+    (cm,) = [
+        d for d in render("overlays/prod") if d["metadata"]["name"] == "rove-grafana-dashboard"
+    ]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["rove-dashboard.json"]) == dashboard
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_pod_that_serves_metrics_says_so_to_prometheus(target: str) -> None:
+    for d, spec in pod_specs(render(target)):
+        for c in spec.get("containers", []):
+            env = {v["name"]: v.get("value") for v in c.get("env", [])}
+            args = c.get("args", [])
+            port = env.get("ROVE_METRICS_PORT") or (
+                args[args.index("--metrics-port") + 1] if "--metrics-port" in args else None
+            )
+            if port is None:
+                continue
+            meta = d["spec"]["template"]["metadata"] if "template" in d.get("spec", {}) else {}
+            if d["kind"] == "ConfigMap":
+                meta = yaml.safe_load(next(iter(d["data"].values())))["metadata"]
+            assert meta["annotations"]["prometheus.io/port"] == port, d["metadata"]["name"]
+            assert {"name": "metrics", "containerPort": int(port)} in c["ports"]
