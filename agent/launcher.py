@@ -35,7 +35,7 @@ from rove.agent.agent import Agent, AgentConfig
 from rove.control import aio, auth, embedded, logs, metrics, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control import options as common
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus import Bus, closed
 from rove.control.errors import ConfigError
 from rove.control.master.runner import SupervisedMaster
 
@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the workers run on (default: detected)",
     )
     common.add_metrics_arg(g)
+    g.add_argument(
+        "--worker-nats-auth",
+        metavar="FILE",
+        default=os.environ.get("ROVE_WORKER_NATS_AUTH"),
+        help="the workers' own credentials (a trainer role's file from `rove auth init`), "
+        "which their data clients publish with; default: the agent's (env "
+        "ROVE_WORKER_NATS_AUTH)",
+    )
     g.add_argument(
         "--hang-timeout",
         type=common.positive,
@@ -418,8 +426,24 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         persist_every=args.persist_every,
         worker_env=_kafka_env(args),
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        worker_auth=_worker_auth(args.worker_nats_auth),
     )
     return cfg, standalone
+
+
+def _worker_auth(path: str | None) -> Path | None:
+    if not path:
+        return None
+    try:
+        role = auth.read(path).role
+    except ValueError as exc:
+        raise ConfigError(f"--worker-nats-auth: {exc}") from exc
+    if role not in ("trainer", "admin"):
+        raise ConfigError(
+            f"--worker-nats-auth {path} holds the {role} role's credentials; the workers' "
+            "data clients need the trainer role's (`rove auth init` writes trainer.json)"
+        )
+    return Path(path)
 
 
 def _tf_ps(args: argparse.Namespace, standalone: bool) -> int:
@@ -477,8 +501,9 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         daemon=True,
         allow_embedded=standalone,
     )
-    if options.url is None:
-        options, cfg = _closed(options, cfg)
+    options, job_auth = closed(options, cfg.job, cfg.node)
+    if job_auth is not None:
+        cfg = dataclasses.replace(cfg, worker_auth=job_auth.trainer)
     bus = await Bus.connect(options)
     if args.metrics_port:
         metrics.serve(args.metrics_port)
@@ -517,22 +542,6 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
         await bus.close()
-
-
-def _closed(options: BusOptions, cfg: AgentConfig) -> tuple[BusOptions, AgentConfig]:
-    """A standalone job's embedded server, closed to everyone but this job: fresh
-    credentials for the launcher (master and agent), its workers, and the CLI
-    (`rove status`, `rove events`: read only; `rove stop`: commands), each a file only
-    this user can read (docs/operations.md). Credentials given on the command line
-    are used as they are instead (the server is then the operator's to configure)."""
-    given = (options.user, options.token, options.creds_file, options.nkey_seed_file)
-    if any(given) or options.auth_file:
-        return options, cfg
-    job_auth = auth.embedded_job(embedded.job_dir(cfg.job) / "auth", cfg.job, cfg.node)
-    options = dataclasses.replace(
-        options, auth_file=str(job_auth.launcher), embedded_config=job_auth.config
-    )
-    return options, dataclasses.replace(cfg, worker_auth=job_auth.trainer)
 
 
 def _bridge(bus: Bus, cfg: AgentConfig, args: argparse.Namespace) -> KafkaBridge:

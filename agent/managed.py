@@ -10,17 +10,17 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import msgspec
 from torch.distributed.run import parse_min_max_nnodes
 
 from rove.agent.agent import AgentConfig
-from rove.control import aio, embedded
+from rove.control import aio, auth, embedded
 from rove.control import events as ev
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus import Bus, closed
 from rove.control.errors import ConfigError
 from rove.control.master.runner import SupervisedMaster
 
@@ -93,11 +93,17 @@ async def run_managed(args: argparse.Namespace, cfg: AgentConfig, argv: Sequence
     options = common.bus_options(
         args, name=f"rove-launcher-{cfg.job}", job=cfg.job, daemon=True, allow_embedded=True
     )
+    options, job_auth = closed(options, cfg.job)
     bus = await Bus.connect(options)
     runner = SupervisedMaster(
         bus, cfg.job, "launcher-master", ev.JobSpec(node_timeout_s=args.node_timeout)
     )
-    backend = LocalBackend(bus.url, die_with_parent=True, console=True)
+    backend = LocalBackend(
+        bus.url,
+        die_with_parent=True,
+        console=True,
+        node_auth=None if job_auth is None else _node_credentials(bus, job_auth),
+    )
     scaler = Scaler(bus, cfg.job, backend, scaler_id="launcher")
     tasks = [
         asyncio.create_task(runner.run(), name="master"),
@@ -141,3 +147,19 @@ async def run_managed(args: argparse.Namespace, cfg: AgentConfig, argv: Sequence
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
         await bus.close()
+
+
+def _node_credentials(
+    bus: Bus, job_auth: auth.JobAuth
+) -> Callable[[str, str], Awaitable[list[str]]]:
+    """Each node of a closed auto-scaled job gets its own agent credentials (it may
+    write only its own facts), added to the embedded server before the node starts;
+    its workers get the job's trainer credentials."""
+
+    async def make(job: str, node: str) -> list[str]:
+        path, _config = auth.add_agent(job_auth.config.parent, job, node)
+        assert bus.server is not None
+        await asyncio.to_thread(bus.server.reload)
+        return ["--nats-auth", str(path), "--worker-nats-auth", str(job_auth.trainer)]
+
+    return make

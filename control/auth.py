@@ -7,7 +7,7 @@ consumers, direct gets) and writes only its own subjects of one job `J`:
     admin      everything                                   operators (`rove auth init` prints it)
     master     rove.ev.J.>  rove.snap.J  its lease key,     `rove master`
                snapshots, stream and bucket creation
-    launcher   master's and agent N's                       `rove run --standalone` (both in one)
+    launcher   master's (and agent N's)                     `rove run --standalone` (all in one)
     agent N    rove.ev.J.node.N  rove.hb.J.N                `rove run --node-id N`
     trainer    rove.ev.J.data.<dataset>                     the workers' data clients
     bridge     rove.ev.J.data.<dataset>                     `rove kafka-bridge`
@@ -160,7 +160,7 @@ def permissions(creds: Credentials) -> dict[str, Any]:
             "$JS.API.STREAM.UPDATE.>",
             f"$JS.API.STREAM.PURGE.OBJ_{subjects.SNAPSHOT_OBJECTS}",
         ]
-    if role in ("agent", "launcher"):
+    if role == "agent" or (role == "launcher" and node):
         writes += [subjects.node_facts(job, node), subjects.heartbeat(job, node)]
     if role in ("trainer", "bridge"):
         writes.append(f"{subjects.EVENTS_ROOT}.{job}.data.*")
@@ -230,17 +230,32 @@ class JobAuth:
     cli: Path
 
 
-def embedded_job(directory: Path, job: str, node: str) -> JobAuth:
+def embedded_job(directory: Path, job: str, node: str = "") -> JobAuth:
     """Fresh credentials for a `--standalone` job (its launcher, workers and CLI), and
-    the configuration that makes its embedded server accept only them."""
+    the configuration that makes its embedded server accept only them. The launcher
+    is the job's master (and scaler), and agent `node` when it runs one (an auto-scaled
+    job's nodes get theirs from `add_agent` as they are launched)."""
     roles = {
         "launcher": new_credentials("launcher", job, node),
         "trainer": new_credentials("trainer", job),
         "operator": new_credentials("operator", job),
         "cli": new_credentials("cli", job),
     }
+    for stale in directory.glob("agents/*.json"):
+        stale.unlink()  # an earlier run's nodes
     paths = {name: write(c, directory / f"{name}.json") for name, c in roles.items()}
-    config = write_private(
-        directory / "nats-auth.conf", server_config(list(roles.values())).encode()
-    )
-    return JobAuth(config=config, **paths)
+    return JobAuth(config=_write_config(directory), **paths)
+
+
+def add_agent(directory: Path, job: str, node: str) -> tuple[Path, Path]:
+    """Credentials for agent `node` of the job whose set is in `directory`, added to its
+    server configuration: (the node's credentials file, the configuration). The server
+    accepts them once it reloads the configuration (`EmbeddedServer.reload`)."""
+    path = write(new_credentials("agent", job, node), directory / "agents" / f"{node}.json")
+    return path, _write_config(directory)
+
+
+def _write_config(directory: Path) -> Path:
+    """`nats-auth.conf` for every credentials file of the set in `directory`."""
+    users = [read(p) for p in sorted([*directory.glob("*.json"), *directory.glob("agents/*.json")])]
+    return write_private(directory / "nats-auth.conf", server_config(users).encode())

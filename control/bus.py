@@ -17,6 +17,7 @@ handed to `on_rejected` instead of ever stopping the consumer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import functools
 import json
@@ -46,7 +47,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import auth, catchup, metrics, records, retry, subjects
+from rove.control import auth, catchup, embedded, metrics, records, retry, subjects
 from rove.control import events as ev
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
@@ -141,6 +142,22 @@ def options_env(options: BusOptions, url: str, secrets_dir: Path) -> dict[str, s
         path = auth.write_private(secrets_dir / "nats-secrets.json", json.dumps(secrets).encode())
         env[SECRETS_ENV] = str(path)
     return env
+
+
+def closed(options: BusOptions, job: str, node: str = "") -> tuple[BusOptions, auth.JobAuth | None]:
+    """`options` for a standalone job's embedded server closed to everyone but this job:
+    fresh credentials for the launcher (master, and agent `node` or the scaler), the
+    workers and the CLI, each in a file only this user can read (docs/operations.md).
+    Unchanged (and no set) when credentials were given, or the server is not embedded:
+    the server is then the operator's to configure."""
+    given = (options.user, options.token, options.creds_file, options.nkey_seed_file)
+    if options.url is not None or any(given) or options.auth_file:
+        return options, None
+    job_auth = auth.embedded_job(embedded.job_dir(job) / "auth", job, node)
+    options = dataclasses.replace(
+        options, auth_file=str(job_auth.launcher), embedded_config=job_auth.config
+    )
+    return options, job_auth
 
 
 def options_from_env(url: str, **overrides: Any) -> BusOptions:

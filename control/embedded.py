@@ -183,6 +183,36 @@ class EmbeddedServer:
             self.proc.kill()
             self.proc.wait()
 
+    def reload(self, timeout_s: float = 30.0) -> None:
+        """Make the server read its configuration again (SIGHUP: users added to the
+        included file) and return once its log says it did.
+
+        Raises:
+            ConfigError: the server refused the new configuration (its log line says why).
+            BusUnavailableError: the server is not running, or did not answer in time.
+        """
+        if self.proc is None or self.proc.poll() is not None:
+            raise BusUnavailableError("the embedded nats-server is not running; cannot reload it")
+        offset = self.log_file.stat().st_size if self.log_file.exists() else 0
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.log_file.open("rb") as f:
+                f.seek(offset)
+                new = f.read().decode(errors="replace")
+            if "Reloaded server configuration" in new:
+                return
+            failed = next((line for line in new.splitlines() if "Failed to reload" in line), None)
+            if failed is not None:
+                raise ConfigError(
+                    f"the embedded nats-server refused its new configuration: {failed}"
+                )
+            time.sleep(0.02)
+        raise BusUnavailableError(
+            f"the embedded nats-server did not reload its configuration in {timeout_s:g}s "
+            f"(see {self.log_file})"
+        )
+
     def stop(self, grace_s: float = 5.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return

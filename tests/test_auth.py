@@ -310,3 +310,54 @@ async def test_with_tls_verify_and_map_a_client_is_its_certificate(tmp_path: Pat
             )
     finally:
         server.stop()
+
+
+async def test_a_node_added_to_a_closed_job_is_admitted_after_a_reload_and_only_as_itself(
+    tmp_path: Path,
+) -> None:
+    """`--standalone --auto-scale`: the launcher's set, then a node's credentials made as
+    the scaler launches it; the running server admits them once it reloads."""
+    job_auth = auth.embedded_job(tmp_path / "auth", JOB)
+    server = EmbeddedServer(tmp_path / "nats", config=job_auth.config)
+    url = server.start()
+    try:
+        launcher = await Bus.connect(BusOptions(url=url, auth_file=str(job_auth.launcher)))
+        await launcher.close()
+        node, _config = auth.add_agent(tmp_path / "auth", JOB, "n5")
+        with pytest.raises(NotAuthorizedError):
+            await Bus.connect(BusOptions(url=url, auth_file=str(node), connect_timeout_s=2.0))
+        server.reload()
+        n5 = await Bus.connect(BusOptions(url=url, auth_file=str(node)))
+        try:
+            await n5.publish(factories.joined("n5"))
+            await denied(n5, factories.joined("n6"))
+            await denied(n5, factories.round_completed(1, 1, "n5"))
+        finally:
+            await n5.close()
+        assert [e.event.node for e in await stored_events_of(url, job_auth.cli)] == ["n5"]
+        # a later run of the job starts from a fresh set: its earlier nodes are gone
+        auth.embedded_job(tmp_path / "auth", JOB)
+        assert not list((tmp_path / "auth" / "agents").glob("*.json"))
+    finally:
+        server.stop()
+
+
+async def stored_events_of(url: str, cli: Path) -> list:  # type: ignore[type-arg]
+    bus = await Bus.connect(BusOptions(url=url, auth_file=str(cli), create_streams=False))
+    try:
+        return await stored_events(bus, JOB)
+    finally:
+        await bus.close()
+
+
+def test_the_workers_credentials_must_be_a_trainers(tmp_path: Path) -> None:
+    from rove.agent.launcher import _worker_auth
+    from rove.control.errors import ConfigError
+
+    trainer = auth.write(auth.new_credentials("trainer", JOB), tmp_path / "trainer.json")
+    agent = auth.write(auth.new_credentials("agent", JOB, "n0"), tmp_path / "n0.json")
+    assert _worker_auth(str(trainer)) == trainer
+    with pytest.raises(ConfigError, match="holds the agent role's credentials"):
+        _worker_auth(str(agent))
+    with pytest.raises(ConfigError, match="not a readable rove credentials file"):
+        _worker_auth(str(tmp_path / "missing.json"))

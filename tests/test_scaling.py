@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from rove.control import auth
 from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.embedded import EmbeddedServer
@@ -261,6 +262,13 @@ def test_auto_scale_on_one_machine_relaunches_an_oom_node_with_more_memory(
     assert "applying plan 2 (oom)" in out and "relaunched as n0-a1 with 4 GiB" in out
     assert "rove: job finished" in out
     assert_exactly_once(tmp_path)
+    # the launcher's server was closed: each node had credentials of its own, made as
+    # it was launched, that only this user can read
+    agents = tmp_path / "rove-home" / "jobs" / "auto" / "auth" / "agents"
+    made = {p.stem: p for p in agents.glob("*.json")}
+    assert set(made) == {"n0-a0", "n0-a1"}
+    assert all(p.stat().st_mode & 0o077 == 0 for p in made.values())
+    assert {auth.read(p).node for p in made.values()} == {"n0-a0", "n0-a1"}
 
 
 def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -104,8 +105,12 @@ class LocalBackend(Backend):
         python: str = sys.executable,
         use_cgroup: bool = True,
         console: bool = False,
+        node_auth: Callable[[str, str], Awaitable[list[str]]] | None = None,
     ) -> None:
         self.nats_url = nats_url
+        #: `(job, node)` → the node's credentials arguments (`--nats-auth ...`), made
+        #: before it starts (a closed standalone job's server learns each node's key)
+        self.node_auth = node_auth
         self.state_dir = state_dir
         self.die_with_parent = die_with_parent
         self.grace_s = grace_s
@@ -175,7 +180,9 @@ class LocalBackend(Backend):
         proc = self._scan(job).get(node)
         return proc.pid if proc is not None else None
 
-    def _spawn(self, job: str, spec: ev.NodeLaunch, workload: ev.Workload) -> tuple[int, str]:
+    def _spawn(
+        self, job: str, spec: ev.NodeLaunch, workload: ev.Workload, auth_args: list[str]
+    ) -> tuple[int, str]:
         memory = spec.resources.memory_bytes
         cgroup = None
         limit = "no memory limit"
@@ -202,7 +209,7 @@ class LocalBackend(Backend):
             elif memory:
                 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
-        cmd = node_command(self.python, job, spec.node, self.nats_url, workload.argv)
+        cmd = node_command(self.python, job, spec.node, self.nats_url, (*auth_args, *workload.argv))
         # the node's output: this process's console (`rove run --auto-scale`), or a file
         logf = None if self.console else open(self.log_path(job, spec.node), "ab")  # noqa: SIM115
         try:
@@ -241,7 +248,8 @@ class LocalBackend(Backend):
                 return f"pid {pid} (found running)"
         if time.monotonic() > deadline:
             raise TemporaryError(f"no time left to start node {spec.node}")
-        pid, limit = self._spawn(job, spec, workload)
+        auth_args = await self.node_auth(job, spec.node) if self.node_auth is not None else []
+        pid, limit = self._spawn(job, spec, workload, auth_args)
         self._write(
             job, _Marker(node=spec.node, state="spawned", pid=pid, started=time.time(), limit=limit)
         )
