@@ -171,7 +171,13 @@ def run_torchrun(
         start_new_session=True,
     )
     began, stopped, kills = inflict(launcher, work / "trace.jsonl", interval, duration, a.seed)
-    return {"failures": kills, **trace_goodput(rows(work / "trace.jsonl"), began, stopped)}
+    log = (work / "torchrun.log").read_text(errors="replace")
+    return {
+        "failures": kills,
+        **trace_goodput(rows(work / "trace.jsonl"), began, stopped),
+        # restarts that failed before a step: gloo could not connect to a peer
+        "gloo_connect_failures": log.count("connectFullMesh failed"),
+    }
 
 
 def run_rove(
@@ -245,10 +251,12 @@ def main() -> dict[str, Any]:
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--work", type=Path, help="keep traces and logs here (default: a temp dir)")
     a = p.parse_args()
     result: dict[str, Any] = {"workers": 2, "ckpt_every": a.ckpt_every}
     with tempfile.TemporaryDirectory(prefix="rove-goodput-") as tmp:
-        root = Path(tmp)
+        root = a.work or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         server = EmbeddedServer(root / "nats")
         url = server.start()
         try:
