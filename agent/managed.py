@@ -17,7 +17,7 @@ import msgspec
 from torch.distributed.run import parse_min_max_nnodes
 
 from rove.agent.agent import AgentConfig
-from rove.control import aio, auth, embedded
+from rove.control import aio, auth, embedded, metrics
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus, closed
@@ -25,7 +25,17 @@ from rove.control.errors import ConfigError
 from rove.control.master.runner import SupervisedMaster
 
 #: `rove run` flags that belong to one node (or to the launcher), not to the workload.
-_NODE_FLAGS = {"--nats", "--job", "--node-id", "--node-memory", "--node-cpu", "--policy"}
+_NODE_FLAGS = {
+    "--nats",
+    "--job",
+    "--node-id",
+    "--node-memory",
+    "--node-cpu",
+    "--policy",
+    # the launcher's: it serves the job's metrics; the scaler gives nodes credentials
+    "--metrics-port",
+    "--worker-nats-auth",
+}
 _NODE_SWITCHES = {"--standalone", "--auto-scale"}
 
 
@@ -95,6 +105,8 @@ async def run_managed(args: argparse.Namespace, cfg: AgentConfig, argv: Sequence
     )
     options, job_auth = closed(options, cfg.job)
     bus = await Bus.connect(options)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     runner = SupervisedMaster(
         bus, cfg.job, "launcher-master", ev.JobSpec(node_timeout_s=args.node_timeout)
     )

@@ -338,3 +338,19 @@ async def test_on_kubernetes_a_pod_that_cannot_be_placed_is_retried_smaller_and_
     assert limits["memory"] == str(2 * ev.GIB)
     assert done["metadata"]["ownerReferences"][0]["name"] == "rove-scaled"
     assert_exactly_once(tmp_path)
+
+
+def test_nodes_of_an_auto_scaled_job_get_the_launchers_flags_but_its_own() -> None:
+    from rove.agent.launcher import build_parser
+    from rove.agent.managed import node_argv
+
+    argv = [
+        *("--standalone", "--auto-scale", "--job", "j", "--metrics-port", "9400"),
+        *("--nats-auth", "a.json", "--worker-nats-auth=t.json", "--nproc-per-node", "2"),
+        *("train.py", "--job", "user's own --job", "--lr", "1"),
+    ]
+    args = build_parser().parse_args(argv)
+    assert node_argv(argv, args) == (
+        *("--nproc-per-node", "2"),
+        *("train.py", "--job", "user's own --job", "--lr", "1"),
+    )
