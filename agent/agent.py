@@ -43,6 +43,7 @@ from rove.agent.heartbeat import Heartbeat, free_ports
 from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.reports import ProgressReports
 from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
+from rove.agent.runtimes import default_runtime
 from rove.agent.worker_env import member_of, worker_envs
 from rove.control import aio, metrics, records, subjects, tf_cluster
 from rove.control import events as ev
@@ -122,39 +123,6 @@ class AgentStatus:
     history: list[AgentPhase] = field(default_factory=list)
 
 
-def tf_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
-    """The TensorFlow runtime for `cfg` (a parameter-server job: `cfg.params.tf_ps`)."""
-    from rove.agent.tf_runtime import TfRuntime
-
-    assert isinstance(cfg.entrypoint, str), "a TensorFlow chief runs a command"
-    return TfRuntime(
-        [cfg.entrypoint, *cfg.args],
-        cfg.log_dir or cfg.state_dir / "logs" / incarnation,
-        cfg.state_dir / "progress" / incarnation,
-        max_restarts=cfg.max_restarts,
-        stop_timeout_s=cfg.stop_timeout_s,
-    )
-
-
-def default_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
-    """TensorFlow's for a parameter-server job, else torch's."""
-    return (tf_runtime if cfg.params.tf_ps else torch_runtime)(cfg, incarnation)
-
-
-def torch_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
-    """The torch runtime for `cfg` (imported here: an agent of another runtime needs no torch)."""
-    from rove.agent.workers import TorchRuntime
-
-    return TorchRuntime(
-        cfg.entrypoint,
-        cfg.args,
-        cfg.logs_specs,
-        cfg.state_dir / "progress" / incarnation,
-        start_method=cfg.start_method,
-        name=cfg.role,
-    )
-
-
 class Agent:
     """Runs one node of a job until the job ends, the node is excluded, or a signal."""
 
@@ -203,6 +171,11 @@ class Agent:
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._watcher: asyncio.Task[None] | None = None
 
+    @property
+    def _warm(self) -> bool:
+        """Workers are forked from the warm server (`rove.agent.warm`)."""
+        return self.cfg.entrypoint is warm.run_script and self.cfg.start_method == "forkserver"
+
     # ------------------------------------------------------------------ lifecycle
 
     def _phase(self, new: AgentPhase) -> None:
@@ -244,7 +217,7 @@ class Agent:
         self._done = loop.create_future()
         self.facts.outbox.start()
         self.log.info("agent starting", incarnation=self.incarnation, addr=self.cfg.addr)
-        if self.cfg.entrypoint is warm.run_script and self.cfg.start_method == "forkserver":
+        if self._warm:
             warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
         self._register()
         feed = await self.bus.subscribe(
@@ -393,6 +366,10 @@ class Agent:
             r.round, r.restore_step, ranks, r.world_size, group_rank, self.job_run
         )
         self._group_rank = group_rank
+        if self._warm:
+            # Forking workers waits for the warm server's imports (seconds on a busy
+            # machine): wait for them here, off the event loop, so heartbeats go on.
+            await asyncio.to_thread(warm.wait_ready)
         pids = self.workers.start(r.round, envs)
         self.reports.start(r.round)
         # torch's start_processes installs signal handlers of its own (they raise

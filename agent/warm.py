@@ -59,6 +59,19 @@ def start(extra: tuple[str, ...] = ()) -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def wait_ready() -> None:
+    """Block until the warm server has imported what it preloads: fork one process
+    from it that does nothing. (Forking workers blocks until then too; an agent calls
+    this in a thread first, so its heartbeats go on while torch is being imported.)"""
+    process = multiprocessing.get_context("forkserver").Process(target=_nothing)
+    process.start()
+    process.join()
+
+
+def _nothing() -> None:
+    pass
+
+
 def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
     """`run_script`'s arguments for the interpreter arguments `-u [-m] TARGET ARGS...`."""
     args = list(cmd_args)
