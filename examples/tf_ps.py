@@ -45,6 +45,7 @@ def main() -> None:
 
     import tensorflow as tf
 
+    from rove.agent.progress import report
     from rove.checkpoint.tf import TfCheckpointer
     from rove.shard_service.tf import ShardFeed
 
@@ -125,6 +126,7 @@ def main() -> None:
             losses.append(float(result.fetch()))
             feed.trained(shard)
             step += 1
+            report(step, samples=len(shard.indices))  # for rove status, hangs and goodput
             log(
                 {
                     "step": step,
