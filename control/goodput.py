@@ -37,8 +37,9 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from rove.control import events as ev
 
@@ -137,40 +138,59 @@ class Ledger:
     last_ts: float = 0.0
 
     def add(self, e: ev.Event) -> None:
-        self.job = self.job or e.job
-        self.first_ts = e.ts if self.first_ts is None else min(self.first_ts, e.ts)
-        self.last_ts = max(self.last_ts, e.ts)
+        """Fold `e` (cheap for the many events goodput ignores: a master folds every
+        event through here)."""
+        ts = e.ts
+        if self.first_ts is None:
+            self.first_ts, self.job = ts, e.job
+        elif ts < self.first_ts:
+            self.first_ts = ts
+        if ts > self.last_ts:
+            self.last_ts = ts
+        fold = _FOLDS.get(type(e))
+        if fold is None:
+            return
         if isinstance(e, ev.Decision):
             if e.epoch < self.epoch:
                 return  # a deposed master's decision
             self.epoch = e.epoch
-        match e:
-            case ev.RoundCompleted():
-                self.rounds[e.round] = _Round(e.round, e.ts, e.restore_step)
-            case ev.WorkersStarted(round=rnd) if rnd in self.rounds:
-                r = self.rounds[rnd]
-                r.started = max(r.started or e.ts, e.ts)
-            case ev.TrainingProgress(round=rnd) if rnd in self.rounds:
-                r = self.rounds[rnd]
-                r.latest[e.node] = e
-                if not r.points:
-                    r.points.append((e.first_step, e.first_at))
-                r.points.append((e.step, e.at))
-            case ev.RdzvJoined():
-                self.rdzv_asks.append(e.ts)
-            case ev.NodePending():
-                self.pending.append(e.ts)
-            case ev.TaskRestarted():
-                self.failures.append(Failure(e.ts, "task_restarted", e.node, e.reason))
-            case ev.WorkerExited() | ev.NodeLost() | ev.NodeExcluded() | ev.NodeGone():
-                self.failures.append(
-                    Failure(e.ts, ev.kind(e), e.node, getattr(e, "reason", "") or "")
-                )
-            case ev.JobEnded():
-                self.ended_ts = e.ts
-                self.ended = e.phase.value
-            case _:
-                pass
+        fold(self, e)
+
+    def _round_completed(self, e: ev.RoundCompleted) -> None:
+        self.rounds[e.round] = _Round(e.round, e.ts, e.restore_step)
+
+    def _workers_started(self, e: ev.WorkersStarted) -> None:
+        r = self.rounds.get(e.round)
+        if r is not None:
+            r.started = max(r.started or e.ts, e.ts)
+
+    def _progress(self, e: ev.TrainingProgress) -> None:
+        r = self.rounds.get(e.round)
+        if r is None:
+            return
+        r.latest[e.node] = e
+        if not r.points:
+            r.points.append((e.first_step, e.first_at))
+        r.points.append((e.step, e.at))
+
+    def _rdzv_joined(self, e: ev.RdzvJoined) -> None:
+        self.rdzv_asks.append(e.ts)
+
+    def _pending(self, e: ev.NodePending) -> None:
+        self.pending.append(e.ts)
+
+    def _task_restarted(self, e: ev.TaskRestarted) -> None:
+        self.failures.append(Failure(e.ts, "task_restarted", e.node, e.reason))
+
+    def _failed(self, e: ev.WorkerExited | ev.NodeLost | ev.NodeExcluded | ev.NodeGone) -> None:
+        self.failures.append(Failure(e.ts, ev.kind(e), e.node, getattr(e, "reason", "") or ""))
+
+    def _ended(self, e: ev.JobEnded) -> None:
+        self.ended_ts = e.ts
+        self.ended = e.phase.value
+
+    def _elected(self, e: ev.MasterElected) -> None:
+        pass  # its epoch, taken in `add`
 
     def end(self, now: float) -> float:
         """When the job ended, or `now` while it runs."""
@@ -254,6 +274,23 @@ class Ledger:
             _put(out, last_at, failed, Bucket.DISRUPTION, n)
             _put(out, failed, until, self._waiting(failed, until), n)
         return out
+
+
+#: The events goodput reads, by type (everything else only moves the job's ends).
+_FOLDS: dict[type[ev.Event], Callable[[Ledger, Any], None]] = {
+    ev.RoundCompleted: Ledger._round_completed,
+    ev.WorkersStarted: Ledger._workers_started,
+    ev.TrainingProgress: Ledger._progress,
+    ev.RdzvJoined: Ledger._rdzv_joined,
+    ev.NodePending: Ledger._pending,
+    ev.TaskRestarted: Ledger._task_restarted,
+    ev.WorkerExited: Ledger._failed,
+    ev.NodeLost: Ledger._failed,
+    ev.NodeExcluded: Ledger._failed,
+    ev.NodeGone: Ledger._failed,
+    ev.JobEnded: Ledger._ended,
+    ev.MasterElected: Ledger._elected,
+}
 
 
 def _start_step(r: _Round, p: ev.TrainingProgress | None) -> float:

@@ -31,9 +31,6 @@ _SECONDS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 # ----------------------------------------------------------------------------- job
 
-JOB_STATE = prometheus_client.Gauge(
-    "rove_job_state", "1 for the job's current phase, 0 for the others", ["job", "state"]
-)
 MASTER_LEADER = prometheus_client.Gauge(
     "rove_master_leader", "1 while this master process leads the job", ["job"]
 )
@@ -66,9 +63,6 @@ CKPT_COMMITTED = prometheus_client.Counter(
 )
 CKPT_FAILED = prometheus_client.Counter(
     "rove_ckpt_failures", "Checkpoint persists that failed on a node", ["job"]
-)
-LEASES_OUTSTANDING = prometheus_client.Gauge(
-    "rove_shard_leases_outstanding", "Data shards leased and not yet done", ["job", "dataset"]
 )
 SHARDS_REQUEUED = prometheus_client.Counter(
     "rove_shards_requeued",

@@ -1,8 +1,10 @@
 """The job metrics (`rove.control.metrics`), from the events a master folds.
 
-`JobMetrics.observe` is called with each event and the state it led to; the
-goodput gauges are computed from the master's `rove.control.goodput.Ledger`
-when Prometheus scrapes.
+`JobMetrics.observe` is called with each event and the state it led to, so it is
+kept cheap: most events only reach the goodput ledger. The gauges that describe
+the state (job phase, leases outstanding, goodput and badput) are computed from
+the newest state and the master's `rove.control.goodput.Ledger` when Prometheus
+scrapes.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ from rove.control.metrics import (
     CKPT_COMMITTED,
     CKPT_FAILED,
     DETECT,
-    JOB_STATE,
-    LEASES_OUTSTANDING,
     MASTER_LEADER,
     RECOVERY,
     RESTARTS,
@@ -33,6 +33,23 @@ from rove.control.metrics import (
     WORKER_FAILURES,
 )
 
+#: The events that move a counter or a histogram.
+_COUNTED = frozenset(
+    {
+        ev.RoundCompleted,
+        ev.TaskRestarted,
+        ev.WorkerExited,
+        ev.NodeLost,
+        ev.NodeGone,
+        ev.NodeExcluded,
+        ev.TrainingProgress,
+        ev.CkptCommitted,
+        ev.CkptFailed,
+        ev.ShardRequeued,
+        ev.ScalePlan,
+    }
+)
+
 
 @dataclass
 class JobMetrics:
@@ -40,31 +57,28 @@ class JobMetrics:
 
     job: str
     ledger: gp.Ledger = field(default_factory=gp.Ledger)
+    state: JobState | None = None
     _failed_at: float | None = None
     _failed_round: int = 0
     _failure_kind: str = ""
     _last_step_at: dict[int, float] = field(default_factory=dict)
-    _phase: str = ""
 
     def __post_init__(self) -> None:
-        GOODPUT.jobs[self.job] = self
+        JOBS.jobs[self.job] = self
 
     def close(self) -> None:
-        GOODPUT.jobs.pop(self.job, None)
+        JOBS.jobs.pop(self.job, None)
 
     def leader(self, leads: bool) -> None:
         MASTER_LEADER.labels(self.job).set(1 if leads else 0)
 
     def observe(self, e: ev.Event, state: JobState) -> None:
         self.ledger.add(e)
-        if state.phase.value != self._phase:
-            for phase in ev.JobPhase:
-                JOB_STATE.labels(self.job, phase.value).set(1 if phase is state.phase else 0)
-            self._phase = state.phase.value
-        if isinstance(e, ev.ShardLeased | ev.ShardDone | ev.ShardRequeued | ev.DataRestored):
-            ds = state.data.datasets.get(e.dataset)
-            if ds is not None:
-                LEASES_OUTSTANDING.labels(self.job, e.dataset).set(len(ds.leases))
+        self.state = state
+        if type(e) in _COUNTED:
+            self._count(e, state)
+
+    def _count(self, e: ev.Event, state: JobState) -> None:
         match e:
             case ev.RoundCompleted():
                 ROUNDS.labels(self.job, e.cause.value).inc()
@@ -111,14 +125,24 @@ class JobMetrics:
             DETECT.labels(self.job).observe(ts - last)
 
 
-class _Goodput(Collector):
-    """`rove_goodput_ratio` and `rove_badput_seconds`, computed from each job's ledger
-    when scraped."""
+class _JobGauges(Collector):
+    """The gauges of each job's newest state, computed when scraped: `rove_job_state`,
+    `rove_shard_leases_outstanding`, `rove_goodput_ratio`, `rove_badput_seconds`."""
 
     def __init__(self) -> None:
         self.jobs: dict[str, JobMetrics] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        phase = GaugeMetricFamily(
+            "rove_job_state",
+            "1 for the job's current phase, 0 for the others",
+            labels=["job", "state"],
+        )
+        leases = GaugeMetricFamily(
+            "rove_shard_leases_outstanding",
+            "Data shards leased and not yet done",
+            labels=["job", "dataset"],
+        )
         ratio = GaugeMetricFamily(
             "rove_goodput_ratio",
             "Share of the job's time (as this master replayed it) that trained the model "
@@ -131,15 +155,19 @@ class _Goodput(Collector):
             labels=["job", "bucket"],
         )
         for job, m in list(self.jobs.items()):
-            if m.ledger.first_ts is None:
-                continue
-            r = gp.report(m.ledger, time.time())
-            ratio.add_metric([job], r.goodput)
-            for bucket, secs in r.badput().items():
-                badput.add_metric([job, bucket.value], secs)
-        yield ratio
-        yield badput
+            state = m.state
+            if state is not None:
+                for p in ev.JobPhase:
+                    phase.add_metric([job, p.value], 1 if p is state.phase else 0)
+                for name, ds in state.data.datasets.items():
+                    leases.add_metric([job, name], len(ds.leases))
+            if m.ledger.first_ts is not None:
+                r = gp.report(m.ledger, time.time())
+                ratio.add_metric([job], r.goodput)
+                for bucket, secs in r.badput().items():
+                    badput.add_metric([job, bucket.value], secs)
+        yield from (phase, leases, ratio, badput)
 
 
-GOODPUT = _Goodput()
-prometheus_client.REGISTRY.register(GOODPUT)
+JOBS = _JobGauges()
+prometheus_client.REGISTRY.register(JOBS)

@@ -12,6 +12,7 @@ to standby, its folded state still valid. Standbys keep following, ready.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -21,7 +22,7 @@ import structlog
 from rove.control import events as ev
 from rove.control import records, subjects
 from rove.control.bus import Bus, Fence
-from rove.control.errors import FencedError, PublishDeadlineError
+from rove.control.errors import FencedError, PublishDeadlineError, RoveError
 from rove.control.master import snapshots
 from rove.control.master.decide import decide
 from rove.control.master.election import Lease
@@ -51,6 +52,8 @@ _WAKE_ON = (
     ev.PlanFailed,
     ev.NodeJoined,
 )
+#: How long a leader that stops waits to fold what is stored before its last snapshot.
+STOP_CATCH_UP_S = 5.0
 #: Answers to data clients: many at a time, independent of each other.
 _ANSWERS = (ev.ShardLeased, ev.DataRejected)
 
@@ -139,6 +142,10 @@ class MasterRunner(JobService):
                 self.role = "standby"
         finally:
             if self.role == "leader":
+                # the last snapshot covers everything stored now: the next master to
+                # start replays nothing this one had not folded yet
+                with contextlib.suppress(TimeoutError, RoveError):
+                    await self.replica.catch_up(timeout_s=STOP_CATCH_UP_S)
                 await self._write_snapshot()
             if self.lease is not None:
                 await self.lease.release()
