@@ -30,7 +30,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,36 +38,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import pid_alive, trace_rows
+
 from rove.control.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train.py"
 ROVE = [sys.executable, "-m", "rove.control.cli.main"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rows(trace: Path) -> list[dict[str, Any]]:
-    out = []
-    if trace.exists():
-        for line in trace.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line being written right now
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def train_args(work: Path, a: argparse.Namespace, flash: bool) -> list[str]:
@@ -108,9 +84,9 @@ def inflict(
             raise RuntimeError(f"the launcher exited early with {launcher.returncode}")
         if time.time() >= next_kill:
             rank = rng.randrange(2)
-            mine = [r for r in rows(trace) if r["rank"] == rank]
+            mine = [r for r in trace_rows(trace) if r["rank"] == rank]
             newest = max(mine, key=lambda r: r["t"], default=None)
-            if newest is not None and alive(newest["pid"]):
+            if newest is not None and pid_alive(newest["pid"]):
                 os.kill(newest["pid"], signal.SIGKILL)
                 kills += 1
                 next_kill += interval
@@ -174,7 +150,7 @@ def run_torchrun(
     log = (work / "torchrun.log").read_text(errors="replace")
     return {
         "failures": kills,
-        **trace_goodput(rows(work / "trace.jsonl"), began, stopped),
+        **trace_goodput(trace_rows(work / "trace.jsonl"), began, stopped),
         # restarts that failed before a step: gloo could not connect to a peer
         "gloo_connect_failures": log.count("connectFullMesh failed"),
     }
@@ -216,7 +192,7 @@ def run_rove(
             start_new_session=True,
         )
         began, stopped, kills = inflict(launcher, work / "trace.jsonl", interval, duration, a.seed)
-        measured = trace_goodput(rows(work / "trace.jsonl"), began, stopped)
+        measured = trace_goodput(trace_rows(work / "trace.jsonl"), began, stopped)
         window = ("--since", _iso(began), "--until", _iso(stopped))
         out = subprocess.run(
             [*ROVE, "goodput", "--job", job, "--nats", url, "--json", *window],

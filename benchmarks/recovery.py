@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import free_port, trace_rows
 
 from rove.control import events as ev
 from rove.control import logs, subjects
@@ -45,24 +46,6 @@ from rove.control.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rows(trace: Path) -> list[dict[str, Any]]:
-    if not trace.exists():
-        return []
-    out = []
-    for line in trace.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written right now
-    return out
 
 
 def train_args(work: Path, steps: int, ckpt_every: int, sleep: float) -> list[str]:
@@ -96,7 +79,7 @@ def kill_and_measure(
         victim = next(
             (
                 r
-                for r in rows(trace)
+                for r in trace_rows(trace)
                 if r["rank"] == 1 and r["step"] >= kill_step and r["restart"] == 0
             ),
             None,
@@ -119,7 +102,7 @@ def kill_and_measure(
             p.wait(30)
         except subprocess.TimeoutExpired:
             p.kill()
-    all_rows = rows(trace)
+    all_rows = trace_rows(trace)
     before = max(r["step"] for r in all_rows if r["restart"] == 0)
     after = [r for r in all_rows if r["restart"] > 0]
     final = max(r["step"] for r in all_rows)

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import trace_rows, wait_for
+
 from rove.control import events as ev
 from rove.control import logs, subjects
 from rove.control.aio import run as run_async
@@ -47,27 +49,6 @@ from rove.control.embedded import EmbeddedServer
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_sharded.py"
 CLI = [sys.executable, "-m", "rove.control.cli.main"]
-
-
-def rows(trace: Path) -> list[dict[str, Any]]:
-    out = []
-    if trace.exists():
-        for line in trace.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f}s")
 
 
 def spawn(work: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
@@ -164,7 +145,7 @@ def trial(work: Path, url: str, job: str, backend: str, kill_step: int, oom: boo
             since, full = failed_at, 1
         else:
             wait_for(
-                lambda: max((r.get("step", 0) for r in rows(trace)), default=0) >= kill_step,
+                lambda: max((r.get("step", 0) for r in trace_rows(trace)), default=0) >= kill_step,
                 180,
                 f"step {kill_step}",
             )
@@ -174,8 +155,8 @@ def trial(work: Path, url: str, job: str, backend: str, kill_step: int, oom: boo
             os.killpg(pid, signal.SIGKILL)
 
         def back() -> float | None:
-            late = [r for r in rows(trace) if "step" in r and r["t"] > since]
-            worlds = {r["round"]: r["world"] for r in rows(trace) if "world" in r}
+            late = [r for r in trace_rows(trace) if "step" in r and r["t"] > since]
+            worlds = {r["round"]: r["world"] for r in trace_rows(trace) if "world" in r}
             full_size = [r["t"] for r in late if worlds.get(r["round"]) == full and r["round"] > 1]
             return min(full_size) if full_size else None
 

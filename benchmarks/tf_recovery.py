@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import trace_rows, wait_for
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "tf_ps.py"
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -98,33 +100,13 @@ def free_ports(n: int) -> list[int]:
 
 
 def steps(trace: Path) -> list[dict[str, Any]]:
-    if not trace.exists():
-        return []
-    out = []
-    for line in trace.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "step" in row:
-            out.append(row)
-    return out
-
-
-def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise RuntimeError(f"{what}: not within {timeout:g}s")
+    return [r for r in trace_rows(trace) if "step" in r]
 
 
 def next_step_after(trace: Path, t: float, timeout: float = 180) -> float:
     """Seconds from `t` to the first closure completed after it."""
     row = wait_for(
-        lambda: next((r for r in steps(trace) if r["t"] > t), None), timeout, "no step completed"
+        lambda: next((r for r in steps(trace) if r["t"] > t), None), timeout, "a step completed"
     )
     return float(row["t"]) - t
 
@@ -162,13 +144,13 @@ def rove_side(tmp: Path, url: str, repeat: int) -> tuple[float, float]:
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
     try:
-        wait_for(lambda: len(steps(trace)) >= 20, 240, "the rove job did not train")
+        wait_for(lambda: len(steps(trace)) >= 20, 240, "the rove job to train")
         pids = task_pids(url, job)
         killed = time.time()
         os.kill(pids[2], signal.SIGKILL)  # worker 0
         worker_s = next_step_after(trace, killed)
         done = len(steps(trace))
-        wait_for(lambda: len(steps(trace)) >= done + 5, 120, "no steady training after")
+        wait_for(lambda: len(steps(trace)) >= done + 5, 120, "steady training after")
         killed = time.time()
         os.kill(pids[1], signal.SIGKILL)  # the parameter server
         ps_s = next_step_after(trace, killed)
@@ -225,7 +207,7 @@ def manual_side(tmp: Path, repeat: int) -> float:
 
     procs = start()
     try:
-        wait_for(lambda: len(steps(trace)) >= 20, 240, "the manual job did not train")
+        wait_for(lambda: len(steps(trace)) >= 20, 240, "the manual job to train")
     finally:
         stop(procs)
     restarted = time.time()

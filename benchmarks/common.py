@@ -1,0 +1,56 @@
+"""Small helpers the benchmarks share: free ports, trainers' JSON-lines traces, waiting.
+
+Imported as `common` (a benchmark runs as `python benchmarks/NAME.py`, so this
+folder is on its path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def trace_rows(trace: Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of `trace` ([] before it exists)."""
+    out = []
+    if trace.exists():
+        for line in trace.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line being written right now
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    """`check()`'s first truthy value, polled every 50 ms.
+
+    Raises:
+        TimeoutError: naming `what`, after `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f}s")
