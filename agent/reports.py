@@ -13,32 +13,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from rove.agent.facts import NodeFacts
 from rove.agent.progress import Progress
 from rove.control import events as ev
-from rove.control import metrics
+from rove.control import goodput, metrics
 
 #: Seconds between two reports of a running round.
 EVERY_S = 5.0
 
 
-def summary(progress: Mapping[int, Progress]) -> dict[str, float | int] | None:
-    """The fields of a `training_progress` fact for these local ranks' reports (pure):
-    the slowest rank's step, the newest step's time, the latest first step (training
-    began when every rank stepped), and each duration's most of any rank."""
-    if not progress:
-        return None
-    ps = list(progress.values())
-    return {
-        "step": min(p.step for p in ps),
-        "at": max(p.at for p in ps),
-        "first_step": max(p.first_step for p in ps),
-        "first_at": max(p.first_at for p in ps),
-        "ckpt_block_s": max(p.ckpt_block_s for p in ps),
-        "data_wait_s": max(p.data_wait_s for p in ps),
-        "restore_s": max(p.restore_s for p in ps),
-    }
+def summary(progress: Mapping[int, Progress]) -> dict[str, Any] | None:
+    """The fields of a `training_progress` fact for these local ranks' reports (pure,
+    `rove.control.goodput.combined`)."""
+    return goodput.combined(list(progress.values())) if progress else None
 
 
 class ProgressReports:
@@ -57,7 +46,7 @@ class ProgressReports:
         self.every_s = every_s
         self.clock = clock
         self.round: int | None = None
-        self._sent: dict[str, float | int] | None = None
+        self._sent: dict[str, Any] | None = None
         self._last = 0.0
 
     def start(self, rnd: int) -> None:
@@ -85,16 +74,4 @@ class ProgressReports:
         before = float(self._sent["ckpt_block_s"]) if self._sent else 0.0
         metrics.CKPT_BLOCKING.labels(self.facts.job).inc(max(0.0, fields["ckpt_block_s"] - before))
         self._sent = fields
-        self.facts.emit(
-            ev.TrainingProgress(
-                **self.facts.envelope(),
-                round=self.round,
-                step=int(fields["step"]),
-                at=float(fields["at"]),
-                first_step=int(fields["first_step"]),
-                first_at=float(fields["first_at"]),
-                ckpt_block_s=float(fields["ckpt_block_s"]),
-                data_wait_s=float(fields["data_wait_s"]),
-                restore_s=float(fields["restore_s"]),
-            )
-        )
+        self.facts.emit(ev.TrainingProgress(**self.facts.envelope(), round=self.round, **fields))

@@ -37,9 +37,11 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import msgspec
 
 from rove.control import events as ev
 
@@ -75,6 +77,42 @@ class Failure:
     reason: str
 
 
+class _Reported(Protocol):
+    """A worker's progress file (`rove.agent.progress.Progress`) or a node's
+    `training_progress` fact."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def at(self) -> float: ...
+    @property
+    def first_step(self) -> int: ...
+    @property
+    def first_at(self) -> float: ...
+    @property
+    def ckpt_block_s(self) -> float: ...
+    @property
+    def data_wait_s(self) -> float: ...
+    @property
+    def restore_s(self) -> float: ...
+
+
+def combined(reports: Sequence[_Reported]) -> dict[str, Any]:
+    """Several workers' (or nodes') progress in one round as one: the slowest one's
+    step, the newest step's time, the latest first step (training began when every
+    one of them stepped), and each duration's most of any. The agent sums up its
+    local ranks this way (`rove.agent.reports`), and the ledger its nodes."""
+    return {
+        "step": min(p.step for p in reports),
+        "at": max(p.at for p in reports),
+        "first_step": max(p.first_step for p in reports),
+        "first_at": max(p.first_at for p in reports),
+        "ckpt_block_s": max(p.ckpt_block_s for p in reports),
+        "data_wait_s": max(p.data_wait_s for p in reports),
+        "restore_s": max(p.restore_s for p in reports),
+    }
+
+
 @dataclass
 class _Round:
     round: int
@@ -87,27 +125,11 @@ class _Round:
     points: list[tuple[int, float]] = field(default_factory=list)
 
     def progress(self) -> ev.TrainingProgress | None:
-        """The round's progress over all its nodes: the slowest node's step."""
+        """The round's progress over all its nodes (`combined`)."""
         if not self.latest:
             return None
         ps = list(self.latest.values())
-        slowest = min(ps, key=lambda p: p.step)
-        return ev.TrainingProgress(
-            job=slowest.job,
-            id=slowest.id,
-            producer=slowest.producer,
-            ts=slowest.ts,
-            node=slowest.node,
-            incarnation=slowest.incarnation,
-            round=self.round,
-            step=slowest.step,
-            at=max(p.at for p in ps),
-            first_step=max(p.first_step for p in ps),
-            first_at=max(p.first_at for p in ps),
-            ckpt_block_s=max(p.ckpt_block_s for p in ps),
-            data_wait_s=max(p.data_wait_s for p in ps),
-            restore_s=max(p.restore_s for p in ps),
-        )
+        return msgspec.structs.replace(ps[0], **combined(ps))
 
     def time_of(self, step: int) -> float:
         """When this round reached `step` (interpolated between reports)."""

@@ -212,6 +212,11 @@ def moment(text: str) -> dt.datetime | float:
     return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
 
 
+def moment_at(when: dt.datetime | float, now: float) -> float:
+    """The Unix time of a `moment` (a duration counts back from `now`)."""
+    return when.timestamp() if isinstance(when, dt.datetime) else now - when
+
+
 def add_metrics_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--metrics-port",

@@ -519,3 +519,21 @@ async def finished(
         + "\n"
         + "\n".join(stuck)
     )
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A local process's Prometheus metrics, as Prometheus parses them: (name, sorted
+    labels) -> value ({} while nothing serves on `port`)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    except OSError:
+        return {}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }

@@ -4,12 +4,10 @@ over HTTP and parsed as Prometheus parses it."""
 from __future__ import annotations
 
 import argparse
-import urllib.request
 
 import msgspec
 import pytest
 from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 
 from rove.control import events as ev
 from rove.control import goodput as gp
@@ -19,6 +17,7 @@ from rove.control.master.evolve import evolve
 from rove.control.master.metrics import JobMetrics
 from rove.control.master.state import initial
 from tests import factories as f
+from tests.support import scrape
 from tests.test_goodput import at, one_failure
 
 
@@ -88,12 +87,7 @@ def test_the_exporter_serves_what_prometheus_parses() -> None:
     job = "metrics-http"
     fold(job, one_failure())
     metrics.from_gpus([metrics.GpuReading(0, 87.0, 3 * 2**30, 80 * 2**30, 310.5, 61.0)])
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text.decode())
-        for s in family.samples
-    }
+    samples = scrape(port)
     assert samples[("rove_rounds_total", (("cause", "formed"), ("job", job)))] == 2
     assert samples[("rove_gpu_utilization_percent", (("gpu", "0"),))] == 87.0
     assert samples[("rove_gpu_power_watts", (("gpu", "0"),))] == 310.5

@@ -12,11 +12,9 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rove.control import events as ev
 from rove.control.bus import Bus
@@ -28,6 +26,7 @@ from tests.support import (
     free_port,
     pid_alive,
     rove_cli,
+    scrape,
     stored_events,
     trace_rows,
 )
@@ -194,19 +193,6 @@ def _goodput_agrees_with_the_trace(
     table = rove_cli("goodput", "--job", JOB, "--nats", bus.url, check=True).stdout
     assert f"goodput {g['goodput']:.1%}" in table and "wasted progress" in table
     return float(g["goodput"])
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """A process's Prometheus metrics, as Prometheus parses them ({} if not served yet)."""
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    except OSError:
-        return {}
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text.decode())
-        for s in family.samples
-    }
 
 
 async def test_kill_9_of_an_agent_the_other_continues_alone_then_the_node_comes_back(

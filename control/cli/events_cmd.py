@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import datetime as dt
 import sys
+import time
 
 from rove.control import aio, records, subjects
 from rove.control import events as ev
@@ -81,10 +82,10 @@ async def _run(args: argparse.Namespace) -> int:
                 out.write(f"{'':23}  #{rej.seq:<6} {'?':<24} {'(unreadable)':<16} {rej.error}\n")
 
         start_time = None
-        if isinstance(args.since, dt.datetime):
-            start_time = args.since
-        elif args.since is not None:
-            start_time = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=args.since)
+        if args.since is not None:
+            start_time = dt.datetime.fromtimestamp(
+                common.moment_at(args.since, time.time()), dt.UTC
+            )
         feed = await bus.subscribe(
             subjects.EVENTS_STREAM, subjects.job_events(args.job), show, bad, start_time=start_time
         )

@@ -40,7 +40,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     subjects.check_name("job", args.job)
     now = time.time()
-    since, until = _at(args.since, now), _at(args.until, now)
+    since, until = (
+        None if w is None else common.moment_at(w, now) for w in (args.since, args.until)
+    )
     if since is not None and until is not None and until <= since:
         raise ConfigError(f"--until ({_iso(until)}) must be after --since ({_iso(since)})")
     if args.svg is not None and not args.svg.parent.is_dir():
@@ -80,14 +82,6 @@ async def _read(args: argparse.Namespace) -> gp.Ledger:
 
 def _skip(rej: records.Rejection) -> None:
     pass  # unreadable events are dead letters already (see `rove events`)
-
-
-def _at(when: dt.datetime | float | None, now: float) -> float | None:
-    if when is None:
-        return None
-    if isinstance(when, dt.datetime):
-        return when.timestamp()
-    return now - when
 
 
 def _iso(ts: float) -> str:
