@@ -103,6 +103,7 @@ class Heartbeat:
         cpu, used, total = self.sampler.node()
         pids = self.runtime.pids() if self.runtime.running else {}
         progress = self.runtime.progress() if pids else {}
+        gpus = {g.gpu: g for g in self.sampler.devices()}  # local rank i uses GPU i
         ranks = []
         for local_rank, pid in sorted(pids.items()):
             pcpu, rss = self.sampler.process(pid)
@@ -114,7 +115,7 @@ class Heartbeat:
                     rate.busy_per_step = (p.busy_s - rate.busy_s) / (p.step - rate.step)
             if p is not None:
                 rate.samples, rate.at, rate.step, rate.busy_s = p.samples, p.at, p.step, p.busy_s
-            gpu_mem, gpu_util = self.sampler.gpu(local_rank)
+            gpu = gpus.get(local_rank)
             ranks.append(
                 ev.RankStat(
                     rank=first + local_rank,
@@ -124,8 +125,8 @@ class Heartbeat:
                     samples_per_s=round(rate.rate, 2),
                     cpu_percent=pcpu,
                     rss_bytes=rss,
-                    gpu_mem_bytes=gpu_mem,
-                    gpu_util_percent=gpu_util,
+                    gpu_mem_bytes=None if gpu is None else gpu.memory_used,
+                    gpu_util_percent=None if gpu is None else gpu.util_percent,
                     busy_s=None if rate.busy_per_step is None else round(rate.busy_per_step, 4),
                 )
             )
@@ -142,5 +143,5 @@ class Heartbeat:
             capacity=self.sampler.capacity(),
         )
         metrics.from_heartbeat(hb)
-        metrics.from_gpus(self.sampler.devices())
+        metrics.from_gpus(list(gpus.values()))
         return hb

@@ -54,17 +54,6 @@ class Sampler:
             self._procs.pop(pid, None)
             return 0.0, 0
 
-    def gpu(self, index: int) -> tuple[int | None, float | None]:
-        """(memory used in bytes, utilization percent) of GPU `index`, or Nones."""
-        if self._nvml is None or index >= self.gpus:
-            return None, None
-        with contextlib.suppress(Exception):
-            handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
-            mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
-            util = self._nvml.nvmlDeviceGetUtilizationRates(handle)
-            return int(mem.used), float(util.gpu)
-        return None, None
-
     def devices(self) -> list[metrics.GpuReading]:
         """Every GPU's use, memory, power and temperature (empty without pynvml or GPUs)."""
         out = []
