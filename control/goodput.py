@@ -339,6 +339,8 @@ class Report:
     rounds: int
     failures: tuple[Failure, ...]
     ended: str
+    #: the job's whole timeline (not only the window), for pictures
+    intervals: tuple[Interval, ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -388,6 +390,7 @@ def report(
         rounds=sum(1 for r in ledger.rounds.values() if lo <= r.ts <= hi),
         failures=tuple(f for f in ledger.failures if lo <= f.ts <= hi),
         ended=ledger.ended,
+        intervals=tuple(intervals),
     )
 
 

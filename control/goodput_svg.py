@@ -4,7 +4,7 @@ above it, each failure marked, and a legend with each bucket's share (pure text 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from xml.sax.saxutils import escape
 
 from rove.control.goodput import Bucket, Failure, Interval, Report
@@ -26,8 +26,9 @@ _W, _LEFT, _RIGHT = 1000, 20, 20
 _BAR_Y, _BAR_H = 70, 40
 
 
-def render(report: Report, intervals: Sequence[Interval]) -> str:
-    """The SVG document for `report` (its window) and the job's `intervals`."""
+def render(report: Report) -> str:
+    """The SVG document for `report`: its window of the job's timeline."""
+    intervals = report.intervals
     lo, hi = report.start, report.end
     span = max(hi - lo, 1e-9)
     width = _W - _LEFT - _RIGHT

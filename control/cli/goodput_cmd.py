@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     ledger = aio.run(_read(args))
     report = gp.report(ledger, now, since, until)
     if args.svg is not None:
-        args.svg.write_text(render_svg(report, ledger.timeline(now)))
+        args.svg.write_text(render_svg(report))
     if args.json:
         sys.stdout.write(json.dumps(as_json(report)) + "\n")
     else:
