@@ -1,7 +1,8 @@
 """Records per second through rove's stream path, beside a bare Kafka consumer, and freshness.
 
 A librdkafka mock cluster (a real Kafka-protocol server on loopback) lives in
-this process; a real nats-server and a real `rove master` run beside it.
+this process; a real nats-server, a real `rove master` and a real
+`rove kafka-bridge` per topic run beside it.
 
 1. Throughput, for two workloads:
    - *click*: JSON click events as `examples/online.py` produces them, decoded
@@ -13,8 +14,10 @@ this process; a real nats-server and a real `rove master` run beside it.
    - *bare*: one `confluent_kafka.Consumer`, assigned every partition from the
      start (no group), reads them all in batches, decodes each record and
      stacks batches of `--batch-size`, in this process;
-   - *rove*: `rove kafka-bridge` (in this process) cuts the topic into shards,
-     the master leases them, and a `StreamIterable` reads exactly the leased
+   - *rove*: `rove kafka-bridge` (its own process, as deployed) cuts the topic
+     into shards, and has published them when the clock starts (as in a running
+     job, where it follows the stream); the master (its own process too) leases
+     them, and a `StreamIterable` reads exactly the leased
      ranges, decodes with the same function and hands batches of `--batch-size`
      to the loop, acknowledging each shard; with `--loader-workers` 0 (in this
      process, like the bare consumer), and again with 2 DataLoader workers.
@@ -36,7 +39,6 @@ they came from.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -55,10 +57,9 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 from torch.utils.data._utils.collate import default_collate
 
+from common import wait_for
 from rove.control import logs
-from rove.control.bus import Bus, BusOptions
 from rove.control.embedded import EmbeddedServer
-from rove.control.kafka_bridge import BrokerReader, KafkaBridge
 
 JOB = "bench-stream"
 PARTITIONS = 4
@@ -155,43 +156,40 @@ def bare(
     return elapsed
 
 
-class BridgeThread:
-    """A Kafka bridge for `topic` in its own event loop (a thread of this process)."""
+class BridgeProcess:
+    """`rove kafka-bridge` for `topic`, its own process as deployed (not a thread of the
+    reading process, which a real trainer never shares with it); ready once it has
+    published shards."""
 
-    def __init__(self, url: str, bootstrap: str, topic: str, shard_records: int) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.args = (url, bootstrap, topic, shard_records)
-        self.bridge: KafkaBridge | None = None
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._run(),))
-        self.thread.start()
-        self.ready.wait(30)
-
-    async def _run(self) -> None:
-        url, bootstrap, topic, shard_records = self.args
-        bus = await Bus.connect(BusOptions(url=url))
-        reader = BrokerReader(bootstrap, topic)
-        self.bridge = KafkaBridge(
-            bus,
-            JOB,
-            reader,
-            dataset=topic,
-            bridge_id=f"bench-{topic}",
-            shard_records=shard_records,
-            linger_s=0.05,
-            poll_s=0.05,
+    def __init__(self, url: str, bootstrap: str, topic: str, args: argparse.Namespace) -> None:
+        self.log = Path(args.tmp) / f"bridge-{topic}.log"
+        self.proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "rove.control.cli.main", "kafka-bridge"),
+                *("--job", JOB, "--nats", url, "--bootstrap", bootstrap, "--topic", topic),
+                *("--id", f"bench-{topic}", "--shard-records", str(args.shard_records)),
+                *("--linger", "0.05", "--poll", "0.05"),
+            ],
+            stdout=open(self.log, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "ROVE_LOG_LEVEL": "info"},
         )
-        self.ready.set()
-        try:
-            await self.bridge.run()
-        finally:
-            reader.close()
-            await bus.close()
+
+    def wait_published(self) -> None:
+        def published() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the bridge exited: {self.log.read_text()[-2000:]}")
+            return "published" in self.log.read_text()
+
+        wait_for(published, 120, "the bridge's first shards")
 
     def stop(self) -> None:
-        if self.bridge is not None:
-            self.loop.call_soon_threadsafe(self.bridge.stop)
-        self.thread.join(30)
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def rove_read(
@@ -204,10 +202,11 @@ def rove_read(
     decode: Callable[[bytes], Any],
     loader_workers: int,
     fresh: bool,
+    ready: Callable[[], None] = lambda: None,
 ) -> tuple[float, float, list[float]]:
     """(seconds to the first batch, seconds for the rest) for rove's stream path to deliver
-    `n` records of `topic` to the loop, decoded and batched, and (with `fresh`) each
-    record's age when it arrived."""
+    `n` records of `topic` to the loop, decoded and batched, and (with `fresh`) the age
+    of each record produced after the bridge was `ready` when it arrived."""
     from rove.shard_service.stream import StreamIterable
 
     def parse(record: Any) -> Any:  # what the bare consumer does with a record
@@ -216,7 +215,10 @@ def rove_read(
     def parse_stamped(record: Any) -> Any:  # and the produce time, for freshness
         return (decode(record.value or b""), record.ts)
 
-    bridge = BridgeThread(url, bootstrap, topic, args.shard_records)
+    bridge = BridgeProcess(url, bootstrap, topic, args)
+    bridge.wait_published()  # as in a running job: the bridge has caught up
+    since = time.time()
+    ready()
     data = StreamIterable(
         topic,
         bootstrap=bootstrap,
@@ -239,7 +241,7 @@ def rove_read(
             if fresh:
                 sample, stamps = batch
                 now = time.time()
-                ages.extend(now - float(t) for t in stamps)
+                ages.extend(now - float(t) for t in stamps if t >= since)
             else:
                 sample = batch
             got += len(sample[0] if isinstance(sample, list | tuple) else sample)
@@ -324,6 +326,7 @@ def main() -> None:
     bootstrap = ",".join(f"{b.host}:{b.port}" for b in meta.brokers.values())
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        args.tmp = tmp
         server = EmbeddedServer(Path(tmp) / "nats")
         server.start()
         assert server.url is not None
@@ -344,18 +347,20 @@ def main() -> None:
                 ]
                 results[w.name] = summary(w, runs, args.batch_size)
             # freshness: click records produced at a steady rate while rove reads them
+            # (after one record per partition, which the bridge publishes when it is up)
             n = int(args.rate * args.seconds)
+            produce(producer, "fresh", PARTITIONS, click_value)
             feeder = threading.Thread(target=steady, args=(producer, "fresh", n, args.rate))
-            feeder.start()
             _, _, ages = rove_read(
                 server.url,
                 bootstrap,
                 "fresh",
-                n,
+                n + PARTITIONS,
                 args,
                 decode=decode_click,
                 loader_workers=0,
                 fresh=True,
+                ready=feeder.start,
             )
             feeder.join()
         except BaseException:

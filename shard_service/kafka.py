@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from typing import cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -155,7 +156,18 @@ class RangeReader:
             yield from chunk
 
     def chunks(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[list[Record]]:
-        """The records of `shard` from position `offset` on, in lists as they arrive.
+        """The records of `shard` from position `offset` on, in lists as they arrive."""
+        start = shard.start
+        for msgs in self.messages(shard, offset):
+            yield [Record(m, start) for m in msgs]
+
+    def messages(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[list[Message]]:
+        """The Kafka messages of `shard` from position `offset` on, in lists as they
+        arrive: what `chunks` wraps, for a caller that makes each `Record` only when it
+        uses it. (A record object per message, made a whole fetch at a time, outlives
+        the young garbage collections while the fetch is decoded: it reaches the old
+        generation and brings on full collections, which cost tenths of a second in a
+        process that imported torch.)
 
         Raises:
             DataError: records of the range were deleted by retention, the range stopped
@@ -174,7 +186,7 @@ class RangeReader:
                 chunk, ended = self._take(buffer, shard)
                 if chunk:
                     last_progress = time.monotonic()
-                    self._next[p] = chunk[-1].offset + 1
+                    self._next[p] = _offset(chunk[-1]) + 1
                     yield chunk
                 if ended or self._next[p] >= shard.end:
                     self._next[p] = shard.end
@@ -208,21 +220,25 @@ class RangeReader:
         elif self._buffered_bytes[p] < self.buffer_bytes // 2:
             self._resume(p)
 
-    def _take(self, buffer: deque[Message], shard: ev.StreamShard) -> tuple[list[Record], bool]:
+    def _take(self, buffer: deque[Message], shard: ev.StreamShard) -> tuple[list[Message], bool]:
         """The buffered records of `shard`'s range (and whether it ended): they leave the
         buffer; records past the range stay for the next one."""
-        end, start, p = shard.end, shard.start, shard.partition
+        end, p = shard.end, shard.partition
         if _offset(buffer[-1]) < end:
             msgs, ended = list(buffer), False
             buffer.clear()
         else:
-            cut = next(i for i, m in enumerate(buffer) if _offset(m) >= end)
+            # the first record at or past `end`: offsets rise by one a record or more,
+            # so it is at most `end - first` records in
+            cut = max(0, min(len(buffer) - 1, end - _offset(buffer[0])))
+            while cut > 0 and _offset(buffer[cut - 1]) >= end:
+                cut -= 1
             msgs, ended = [buffer.popleft() for _ in range(cut)], True
         if self._buffered_bytes[p]:  # records kept while another partition was read
             self._buffered_bytes[p] = max(0, self._buffered_bytes[p] - sum(map(len, msgs)))
             if p in self._paused and self._buffered_bytes[p] < self.buffer_bytes // 2:
                 self._resume(p)
-        return [Record(m, start) for m in msgs], ended
+        return msgs, ended
 
     def _fetch(self, reading: int, shard: ev.StreamShard, offset: int) -> None:
         """One `consume`: records go to their partitions' buffers (errors of the partition
@@ -235,21 +251,20 @@ class RangeReader:
         if not got:
             got = self.consumer.consume(num_messages=1, timeout=self.poll_s)
         # (librdkafka drops what it fetched before a seek: every record here is current)
-        others: set[int] = set()
-        for msg in got:
-            p = cast(int, msg.partition())
-            if msg.error() is not None:
+        buffers = self._buffer
+        before = {p: len(b) for p, b in buffers.items() if p != reading}
+        for msg in got:  # the one loop over every record: kept to the least
+            if msg.error() is None:
+                buffers[msg.partition()].append(msg)  # type: ignore[index]
+            else:
                 self._failure(msg, reading, shard, offset)
-            elif p == reading:
-                self._buffer[p].append(msg)
-            else:  # kept for later: counted against the buffer's bound
-                self._buffer[p].append(msg)
-                self._buffered_bytes[p] += len(msg)
-                others.add(p)
-        for p in others:
-            bound = self.buffer_bytes if p in self._planned else self.buffer_bytes // 32
-            if self._buffered_bytes[p] > bound:
-                self._pause(p)
+        for p, had in before.items():  # kept for later: counted against the buffer's bound
+            buffer = buffers[p]
+            if len(buffer) > had:
+                self._buffered_bytes[p] += sum(map(len, islice(buffer, had, None)))
+                bound = self.buffer_bytes if p in self._planned else self.buffer_bytes // 32
+                if self._buffered_bytes[p] > bound:
+                    self._pause(p)
 
     def _failure(self, msg: Message, reading: int, shard: ev.StreamShard, offset: int) -> None:
         """An error librdkafka delivered: raised if it is the partition being read's,

@@ -48,12 +48,14 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from itertools import repeat
+from typing import Any, NamedTuple, cast
 
 import msgspec
 import structlog
 import torch
 import torch.distributed as dist
+from confluent_kafka import Message
 from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
@@ -94,14 +96,18 @@ class _Filling:
         self.newest_ts = 0.0
 
     def add(
-        self, key: int, partition: int, samples: list[Any], records: list[Record], last: bool
+        self, key: int, shard: ev.StreamShard, samples: list[Any], msgs: list[Message], last: bool
     ) -> None:
-        """`samples` decoded from `records` of shard `key`; `last`: its range ends here."""
+        """`samples` decoded from the messages `msgs` of shard `key`; `last`: its range
+        ends here."""
         self.samples.extend(samples)
-        self.where.extend([(partition, r.offset) for r in records])
-        self.progress[key] = (records[-1].position + 1, last)
+        self.where.extend(zip(repeat(shard.partition), map(Message.offset, msgs)))
+        newest = msgs[-1]
+        self.progress[key] = (cast(int, newest.offset()) - shard.start + 1, last)
         # the newest record of a partition is its last: its produce time is the batch's
-        self.newest_ts = max(self.newest_ts, records[-1].ts)
+        kind, ms = newest.timestamp()
+        if kind:
+            self.newest_ts = max(self.newest_ts, ms / 1000)
 
     def take(self) -> _Batch:
         batch = _Batch(
@@ -232,25 +238,25 @@ class StreamIterable(LeasedIterable):
         """Decode the records of `ref` into `batch`, yielding whenever it is full. The
         last decoded record waits for the next: whichever turns out to be the range's
         last carries the news that the shard is complete."""
-        key, partition, size = ref.key, shard.partition, self.batch_size
+        key, size = ref.key, self.batch_size
         samples: list[Any] = []
-        records: list[Record] = []
+        msgs: list[Message] = []
         dead = _DeadLetters()
-        for chunk in reader.chunks(shard, ref.offset):
-            got, kept = self._decode(chunk, dead)
+        for fetched in reader.messages(shard, ref.offset):
+            got, kept = self._decode(fetched, shard.start, dead)
             samples.extend(got)
-            records.extend(kept)
+            msgs.extend(kept)
             # all but the newest record go out, a batch's room at a time
             while len(samples) > 1:
                 room = min(size - len(batch.samples), len(samples) - 1)
-                batch.add(key, partition, samples[:room], records[:room], False)
-                del samples[:room], records[:room]
+                batch.add(key, shard, samples[:room], msgs[:room], False)
+                del samples[:room], msgs[:room]
                 if len(batch.samples) >= size:
                     yield
         if dead.count:
-            self._dead_letters(c, partition, dead)
+            self._dead_letters(c, shard.partition, dead)
         if samples:
-            batch.add(key, partition, samples, records, True)
+            batch.add(key, shard, samples, msgs, True)
             if len(batch.samples) >= size:
                 yield
         else:
@@ -258,21 +264,25 @@ class StreamIterable(LeasedIterable):
             # far as it can be
             c.done(ref)
 
-    def _decode(self, chunk: list[Record], dead: _DeadLetters) -> tuple[list[Any], list[Record]]:
-        """The samples of the records `decode` reads, and those records; the others go
-        to `dead`."""
+    def _decode(
+        self, msgs: list[Message], start: int, dead: _DeadLetters
+    ) -> tuple[list[Any], list[Message]]:
+        """The samples `decode` reads from the messages `msgs` of a range starting at
+        offset `start`, and those messages; the others go to `dead`. Each `Record` is
+        made as it is decoded and dropped after (see `RangeReader.messages`)."""
+        decode = self.decode
         try:
-            return [self.decode(r) for r in chunk], chunk
+            return [decode(Record(m, start)) for m in msgs], msgs
         except Exception:  # noqa: BLE001 - the user's decoder: anything may go wrong
             pass  # one record or more is bad: find which, one by one
         samples, kept = [], []
-        for record in chunk:
+        for m in msgs:
             try:
-                samples.append(self.decode(record))
+                samples.append(decode(Record(m, start)))
             except Exception as exc:  # noqa: BLE001 - the user's decoder
-                dead.add(record.offset, exc)
+                dead.add(cast(int, m.offset()), exc)
                 continue
-            kept.append(record)
+            kept.append(m)
         return samples, kept
 
     def _dead_letters(self, c: DataClient, partition: int, dead: _DeadLetters) -> None:
