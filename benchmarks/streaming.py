@@ -54,10 +54,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from common import wait_for
 from confluent_kafka import Consumer, Producer, TopicPartition
 from torch.utils.data._utils.collate import default_collate
 
-from common import wait_for
 from rove.control import logs
 from rove.control.embedded import EmbeddedServer
 

@@ -101,7 +101,8 @@ class _Filling:
         """`samples` decoded from the messages `msgs` of shard `key`; `last`: its range
         ends here."""
         self.samples.extend(samples)
-        self.where.extend(zip(repeat(shard.partition), map(Message.offset, msgs)))
+        offsets = cast("Iterator[int]", map(Message.offset, msgs))  # read ones: never None
+        self.where.extend(zip(repeat(shard.partition), offsets))
         newest = msgs[-1]
         self.progress[key] = (cast(int, newest.offset()) - shard.start + 1, last)
         # the newest record of a partition is its last: its produce time is the batch's
