@@ -13,7 +13,9 @@ way, through a `LeaseKeeper`:
   checkpoint, and the master rolls the dataset back to it;
 * **answers**: a lease adds shards; a refusal raises `DataError` with the
   master's reason; no answer for `answer_timeout_s` logs a warning and goes on
-  waiting (a master may be failing over).
+  waiting (a master may be failing over). A stream's request is parked by the
+  master until shards are cut, so its caller waits in slices (`poll(timeout=)`)
+  and does other things (idle ticks) between them.
 
 The caller says what it holds and consumes (`top_up`, `measure`) and takes the
 new leases (`poll`); the keeper decides when to ask. The clock is injected.
@@ -35,8 +37,10 @@ log = structlog.get_logger("rove.data")
 
 #: The most shards a client holds ahead of use, however fast it trains.
 MAX_AHEAD = 64
-#: A stream with nothing cut yet: seconds before asking again (not a request loop).
-STREAM_IDLE_S = 0.5
+#: A stream's request answered with nothing: seconds before asking again. The master
+#: parks a stream's request until shards are cut (or `PARK_S`), so this only keeps an
+#: empty answer from turning into a request loop.
+STREAM_IDLE_S = 0.1
 
 
 class DataError(PermanentError):
@@ -73,6 +77,8 @@ class LeaseKeeper:
         #: stream datasets: the offset range of each shard leased (`ShardLeased.ranges`)
         self.ranges: dict[int, ev.StreamShard] = {}
         self._idle_until = 0.0
+        #: since when an answer is awaited without a warning (a slice of `poll` each)
+        self._awaited_since: float | None = None
 
     @property
     def name(self) -> str:
@@ -115,8 +121,9 @@ class LeaseKeeper:
 
     # ------------------------------------------------------------------ answers
 
-    def poll(self, wait: bool) -> list[ev.ShardRef]:
-        """New leases: every answer that has come, after waiting for one if `wait`.
+    def poll(self, wait: bool, timeout: float | None = None) -> list[ev.ShardRef]:
+        """New leases: every answer that has come, after waiting for one if `wait` (at
+        most `timeout` seconds, else `answer_timeout_s`).
 
         Raises:
             DataError: the master refused a request (its reason is the message).
@@ -124,22 +131,38 @@ class LeaseKeeper:
         answers = self.client.answers
         got: list[ev.ShardRef] = []
         try:
-            first = answers.get(timeout=self.answer_timeout_s) if wait else answers.get_nowait()
+            if not wait:
+                first = answers.get_nowait()
+            else:
+                if self._awaited_since is None:
+                    self._awaited_since = self.clock()
+                slice_s = self.answer_timeout_s if timeout is None else timeout
+                first = answers.get(timeout=max(0.0, slice_s))
         except queue.Empty:
             if wait:
-                log.warning(
-                    "no answer from the master yet; still waiting (is a rove master running?)",
-                    dataset=self.name,
-                    job=self.client.job,
-                    waited_s=self.answer_timeout_s,
-                )
+                self._no_answer(whole=timeout is None)
             return got
+        self._awaited_since = None
         got.extend(self._take(first))
         while True:
             try:
                 got.extend(self._take(answers.get_nowait()))
             except queue.Empty:
                 return got
+
+    def _no_answer(self, whole: bool) -> None:
+        """A wait ended without an answer: warn if it was a `whole` one, or once waits
+        in slices have added up to `answer_timeout_s`."""
+        now = self.clock()
+        waited = 0.0 if self._awaited_since is None else now - self._awaited_since
+        if whole or waited >= self.answer_timeout_s:
+            log.warning(
+                "no answer from the master yet; still waiting (is a rove master running?)",
+                dataset=self.name,
+                job=self.client.job,
+                waited_s=round(self.answer_timeout_s if whole else waited, 1),
+            )
+            self._awaited_since = now
 
     def _take(self, answer: ev.ShardLeased | ev.DataRejected) -> tuple[ev.ShardRef, ...]:
         if isinstance(answer, ev.DataRejected):

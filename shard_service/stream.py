@@ -213,7 +213,10 @@ class StreamIterable(LeasedIterable):
                 elif time.monotonic() - ticked >= self.idle_s:
                     yield _IDLE_TICK  # nothing to read now
                     ticked = time.monotonic()
-            held.extend(keeper.poll(wait=not held and bool(keeper.outstanding)))
+            # (a request for a stream waits in the master until shards are cut: in
+            # slices, so that idle ticks go on)
+            waiting = not held and bool(keeper.outstanding)
+            held.extend(keeper.poll(wait=waiting, timeout=self.idle_s))
             if not held:
                 if not keeper.outstanding:
                     time.sleep(0.05)  # nothing cut yet: the keeper asks again shortly

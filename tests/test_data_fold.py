@@ -13,6 +13,7 @@ from msgspec.structs import replace
 from rove.control import events as ev
 from rove.control import shards
 from rove.control.master import data as data_fold
+from rove.control.master.decide import decide
 from rove.control.master.state import JobState
 from shard_service.tracker import Tracker
 from tests import factories
@@ -38,6 +39,13 @@ class Data:
         )  # type: ignore[arg-type]
 
     def request(self, client: str, count: int, **kw: object) -> ev.ShardLeased | ev.DataRejected:
+        answers = self.ask(client, count, **kw)
+        assert len(answers) == 1, answers
+        return answers[0]
+
+    def ask(self, client: str, count: int, **kw: object) -> list[ev.ShardLeased | ev.DataRejected]:
+        """Request `count` shards; the answers the next tick gives `client` (none while
+        a stream's request is parked)."""
         req = ev.ShardRequested(
             **self._env(client),  # type: ignore[arg-type]
             dataset=kw.pop("dataset", "d"),  # type: ignore[arg-type]
@@ -48,13 +56,17 @@ class Data:
             **kw,  # type: ignore[arg-type]
         )
         self.sim.apply(req)
-        answers = [
+        return self.answers(client, self.sim.tick())
+
+    @staticmethod
+    def answers(
+        client: str, decisions: list[ev.Decision]
+    ) -> list[ev.ShardLeased | ev.DataRejected]:
+        return [
             d
-            for d in self.sim.tick()
+            for d in decisions
             if isinstance(d, ev.ShardLeased | ev.DataRejected) and d.client == client
         ]
-        assert len(answers) == 1, answers
-        return answers[0]
 
     def done(self, client: str, ref: ev.ShardRef, **kw: object) -> list[ev.Decision]:
         self.sim.apply(
@@ -296,14 +308,14 @@ def _cut(data: Data, *ranges: tuple[int, int, int]) -> None:
 def test_a_stream_dataset_leases_the_shards_a_bridge_cut_with_their_offset_ranges() -> None:
     data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
     data.register("c1", STREAM)
-    empty = data.request("c1", 2)
-    assert isinstance(empty, ev.ShardLeased)
-    assert empty.shards == () and not empty.exhausted, "a stream waits for data, never ends"
+    assert data.ask("c1", 2) == [], "nothing cut yet: the request waits in the master"
     _cut(data, (0, 0, 10), (1, 0, 4), (0, 10, 20))
-    got = data.request("c1", 2)
-    assert isinstance(got, ev.ShardLeased)
-    assert [r.key for r in got.shards] == [0, 1]
+    (got,) = data.answers("c1", data.sim.tick())
+    assert isinstance(got, ev.ShardLeased), "the cut shards go to the parked request"
+    assert [r.key for r in got.shards] == [0, 1] and got.request == data.n - 1
     assert got.ranges == (ev.StreamShard(0, 0, 10), ev.StreamShard(1, 0, 4))
+    assert not got.exhausted, "a stream never ends"
+    assert not data.state.data.datasets["d"].parked
     data.done("c1", ev.ShardRef(0))
     ds = data.state.data.datasets["d"]
     assert dict(ds.done) == {0: True} and ds.nodes["na"].samples == 10
@@ -375,6 +387,17 @@ def test_a_commit_prunes_the_stream_below_its_position_and_older_restores_are_re
     assert isinstance(fresh, ev.DataRejected) and "a fresh start" in fresh.reason
 
 
+def _leased(
+    answers: list[ev.ShardLeased | ev.DataRejected],
+) -> list[tuple[int, int, ev.StreamShard]]:
+    """(key, offset, range) of each shard the answers lease."""
+    out = []
+    for a in answers:
+        assert isinstance(a, ev.ShardLeased), a
+        out.extend((r.key, r.offset, rng) for r, rng in zip(a.shards, a.ranges, strict=True))
+    return out
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_pruning_changes_nothing_a_restorable_lineage_sees(seed: int) -> None:
     """Two masters fold the same stream script; one also folds the checkpoint commits
@@ -396,12 +419,15 @@ def test_pruning_changes_nothing_a_restorable_lineage_sees(seed: int) -> None:
             for d in (pruned, whole):
                 _cut(d, (p, nxt[p], nxt[p] + n))
             nxt[p] += n
-        elif roll < 0.45:  # a lease
+            # a request parked on the empty stream gets the new shards
+            answers = [Data.answers("c1", d.sim.tick()) for d in (pruned, whole)]
+            assert _leased(answers[0]) == _leased(answers[1])
+            held.update((k, o) for k, o, _ in _leased(answers[0]))
+        elif roll < 0.45:  # a lease (or a request parked until the next cut)
             count = rnd.randint(1, 3)
-            answers = [d.request("c1", count, round=round_) for d in (pruned, whole)]
-            assert answers[0].shards == answers[1].shards  # type: ignore[union-attr]
-            assert answers[0].ranges == answers[1].ranges  # type: ignore[union-attr]
-            held.update((r.key, r.offset) for r in answers[0].shards)  # type: ignore[union-attr]
+            answers = [d.ask("c1", count, round=round_) for d in (pruned, whole)]
+            assert _leased(answers[0]) == _leased(answers[1])
+            held.update((k, o) for k, o, _ in _leased(answers[0]))
         elif roll < 0.65 and held:  # train: a shard done, or part of one
             key = rnd.choice(sorted(held))
             if rnd.random() < 0.6:
@@ -430,17 +456,78 @@ def test_pruning_changes_nothing_a_restorable_lineage_sees(seed: int) -> None:
             restore_step, position = saves[at]
             round_ += 1
             answers = [
-                d.request("c1", 2, round=round_, restore=position, restore_step=restore_step)
+                d.ask("c1", 2, round=round_, restore=position, restore_step=restore_step)
                 for d in (pruned, whole)
             ]
-            assert isinstance(answers[0], ev.ShardLeased), answers[0]
-            assert answers[0].shards == answers[1].shards  # type: ignore[union-attr]
-            assert answers[0].ranges == answers[1].ranges  # type: ignore[union-attr]
+            assert not any(isinstance(a, ev.DataRejected) for a in answers[0]), answers[0]
+            assert _leased(answers[0]) == _leased(answers[1])
             done = set(shards.from_ranges(position.done))
-            held = {r.key: r.offset for r in answers[0].shards}  # type: ignore[union-attr]
+            held = {k: o for k, o, _ in _leased(answers[0])}
             saves = saves[: at + 1]
             committed_at = min(committed_at, at)
     assert pruned.state.data.streams.streams["d"].floor > 0, "the script pruned something"
     assert len(pruned.state.data.streams.streams["d"].shards) < len(
         whole.state.data.streams.streams["d"].shards
     )
+
+
+def test_parked_stream_requests_get_shards_oldest_first_and_only_as_many_as_cut() -> None:
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    data.register("c1", STREAM)
+    data.register("c2", STREAM)
+    assert data.ask("c1", 2) == []
+    data.sim.now += 1
+    assert data.ask("c2", 2, node="nb") == []
+    _cut(data, (0, 0, 10), (1, 0, 4), (0, 10, 20))  # 3 shards for 4 asked
+    decisions = data.sim.tick()
+    (first,) = data.answers("c1", decisions)
+    (second,) = data.answers("c2", decisions)
+    assert isinstance(first, ev.ShardLeased) and isinstance(second, ev.ShardLeased)
+    assert [r.key for r in first.shards] == [0, 1], "the older request first, in full"
+    assert [r.key for r in second.shards] == [2]
+    ds = data.state.data.datasets["d"]
+    assert ds.leases[2].client == "c2" and ds.leases[2].node == "nb"
+    assert ds.leases[2].deadline == data.sim.now + STREAM.lease_s
+    assert not ds.parked and not ds.grants
+
+
+def test_a_request_parked_too_long_is_answered_empty_and_shards_cut_meanwhile_still_reach_it() -> (
+    None
+):
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    data.register("c1", STREAM)
+    assert data.ask("c1", 2) == []
+    assert data.answers("c1", data.sim.tick(data_fold.PARK_S / 2)) == [], "still waiting"
+    # the leader decides the empty answer; before it is folded, shards are cut
+    data.sim.now += data_fold.PARK_S
+    decisions, _, _ = decide(data.state, data.sim.liveness, data.sim.now)
+    (empty,) = data.answers("c1", decisions)
+    assert isinstance(empty, ev.ShardLeased) and empty.shards == ()
+    _cut(data, (0, 0, 10))
+    data.sim.apply(empty)
+    (got,) = data.answers("c1", data.sim.tick())
+    assert isinstance(got, ev.ShardLeased) and [r.key for r in got.shards] == [0]
+    assert got.id != empty.id, "two answers to one request, neither lost as a duplicate"
+    ds = data.state.data.datasets["d"]
+    assert not ds.parked and not ds.grants and ds.leases[0].client == "c1"
+    # a request answered empty and then nothing cut: no shards go to it later
+    assert data.ask("c1", 1) == []
+    (again,) = data.answers("c1", data.sim.tick(data_fold.PARK_S))
+    assert isinstance(again, ev.ShardLeased) and again.shards == ()
+    _cut(data, (0, 10, 20))
+    assert data.answers("c1", data.sim.tick()) == []
+    assert data.state.data.datasets["d"].cursor == 1, "shard 1 waits for the next request"
+
+
+def test_a_new_round_drops_the_requests_parked_by_the_round_before() -> None:
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    data.register("c1", STREAM)
+    assert data.ask("c1", 2) == []
+    assert data.ask("c2", 1, round=1) == []  # a worker of the next round, fresh start
+    ds = data.state.data.datasets["d"]
+    assert [w.client for w in ds.parked.values()] == ["c2"]
+    _cut(data, (0, 0, 10), (0, 10, 20))
+    decisions = data.sim.tick()
+    assert data.answers("c1", decisions) == []
+    (got,) = data.answers("c2", decisions)
+    assert isinstance(got, ev.ShardLeased) and [r.key for r in got.shards] == [0]

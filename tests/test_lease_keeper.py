@@ -164,3 +164,36 @@ def test_a_stream_keeps_each_shards_range_sizes_ahead_by_them_and_waits_when_not
     assert [r.key for r in k.poll(wait=False)] == [0, 1]
     assert k.ranges == {0: ranges[0], 1: ranges[1]}
     assert k.shard_size() == 30
+
+
+def test_a_wait_in_slices_warns_only_once_the_slices_add_up_to_the_answer_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream's request waits in the master until shards are cut: its caller waits in
+    short slices (idle ticks between them), and no slice alone is a missing master."""
+    from rove.shard_service import keeper as keeper_module
+
+    warned: list[dict[str, Any]] = []
+
+    class Log:
+        def warning(self, message: str, **kw: Any) -> None:
+            warned.append(kw)
+
+    monkeypatch.setattr(keeper_module, "log", Log())
+    k, c, clock = keeper(answer_timeout_s=10.0)
+    k.top_up(0, [])
+    for _ in range(10):
+        assert k.poll(wait=True, timeout=0.0) == []
+        clock.now += 1.0
+    assert not warned, "9 s of slices: not yet"
+    assert k.poll(wait=True, timeout=0.0) == []
+    assert [w["waited_s"] for w in warned] == [10.0]
+    assert k.poll(wait=True, timeout=0.0) == [] and len(warned) == 1, "then once a period"
+    c.lease(1, 5)
+    assert [r.key for r in k.poll(wait=True, timeout=0.0)] == [5]
+    k.top_up(0, [5])
+    clock.now += 5.0
+    assert k.poll(wait=True, timeout=0.0) == []
+    clock.now += 6.0
+    assert k.poll(wait=True, timeout=0.0) == []
+    assert len(warned) == 1, "an answer starts the count again"

@@ -14,6 +14,13 @@ become remainders from their offset, everything else (leased or done after
 the checkpoint) goes back to todo. Acknowledgements from an older round are
 refused, so nothing trained outside the lineage counts.
 
+A stream's request that finds nothing cut yet is *parked*, not answered: the
+fold of the next `stream_shards` allocates to parked requests, oldest first,
+so a waiting trainer gets new records as soon as the bridge publishes them
+(no polling). A request parked for `PARK_S` is answered empty (`due`), and the
+client asks again; that answer has an id of its own, so shards allocated to
+the request meanwhile are still announced.
+
 Bad input (unknown dataset, a key out of range, an acknowledgement of a shard
 the client does not hold, a duplicate, a conflicting registration) changes
 nothing but a pending `data_rejected` answer.
@@ -33,6 +40,9 @@ from rove.control.master import streams
 
 #: The most shards one request may ask for.
 MAX_REQUEST = 1024
+#: Seconds a stream's request waits for shards to be cut before it is answered empty
+#: (well under a client's answer timeout: a quiet stream is not a missing master).
+PARK_S = 5.0
 
 
 class Lease(msgspec.Struct, frozen=True, array_like=True):
@@ -56,6 +66,18 @@ class Grant(msgspec.Struct, frozen=True, array_like=True):
     deadline: float
     exhausted: bool
     ranges: tuple[ev.StreamShard, ...] = ()
+
+
+class Parked(msgspec.Struct, frozen=True, array_like=True):
+    """A stream's request that found nothing cut: allocated when shards are."""
+
+    client: str
+    request: int
+    node: str
+    rank: int
+    round: int
+    count: int
+    since: float
 
 
 class NodeData(msgspec.Struct, frozen=True, array_like=True):
@@ -87,6 +109,7 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     leases: immutables.Map[int, Lease] = msgspec.field(default_factory=immutables.Map)
     done: immutables.Map[int, bool] = msgspec.field(default_factory=immutables.Map)
     grants: immutables.Map[str, Grant] = msgspec.field(default_factory=immutables.Map)
+    parked: immutables.Map[str, Parked] = msgspec.field(default_factory=immutables.Map)
     bad_clients: frozenset[str] = frozenset()
     nodes: immutables.Map[str, NodeData] = msgspec.field(default_factory=immutables.Map)
     requeued_total: int = 0
@@ -189,18 +212,37 @@ def on_requested(d: DataState, e: ev.ShardRequested) -> DataState:
     ds = replace(ds, leases=leases)
     if e.count == 0:
         return _put(d, ds)
-    ds, granted = _allocate(ds, e.count, end)
+    want = Parked(e.client, e.request, e.node, e.rank, e.round, e.count, e.ts)
+    if ds.spec.stream and not ds.requeued and ds.cursor >= end:  # nothing to lease yet
+        return _put(d, replace(ds, parked=ds.parked.set(f"{e.client}/{e.request}", want)))
+    return _put(d, _grant(d, ds, want, end, e.ts))
+
+
+def _grant(d: DataState, ds: Dataset, want: Parked, end: int, now: float) -> Dataset:
+    """`ds` with `want`'s shards allocated (as many of `want.count` as there are) and a
+    grant to announce."""
+    deadline = now + ds.spec.lease_s
+    ds, granted = _allocate(ds, want.count, end)
     leases = ds.leases
     for ref in granted:
-        leases = leases.set(ref.key, Lease(e.client, e.node, e.rank, e.round, ref.offset, deadline))
+        leases = leases.set(
+            ref.key, Lease(want.client, want.node, want.rank, want.round, ref.offset, deadline)
+        )
     ranges: tuple[ev.StreamShard, ...] = ()
     if ds.spec.stream:
         table = d.streams.streams[ds.name].shards if granted else immutables.Map()
         ranges = tuple(table[ref.key] for ref in granted)
     exhausted = not granted and not ds.requeued and ds.cursor >= end and not ds.spec.stream
-    grant = Grant(e.client, e.request, e.node, e.rank, granted, deadline, exhausted, ranges)
-    grants = ds.grants.set(f"{e.client}/{e.request}", grant)
-    return _put(d, replace(ds, leases=leases, grants=grants))
+    grant = Grant(
+        want.client, want.request, want.node, want.rank, granted, deadline, exhausted, ranges
+    )
+    key = f"{want.client}/{want.request}"
+    return replace(
+        ds,
+        leases=leases,
+        grants=ds.grants.set(key, grant),
+        parked=ds.parked.delete(key) if key in ds.parked else ds.parked,
+    )
 
 
 def _allocate(ds: Dataset, count: int, end: int) -> tuple[Dataset, tuple[ev.ShardRef, ...]]:
@@ -242,12 +284,23 @@ def restore(
         leases=immutables.Map(),
         done=done,
         grants=immutables.Map(),
+        parked=immutables.Map(),  # requests of the round before: their clients are gone
         restores=ds.restores + 1,
     )
 
 
 def on_stream_shards(d: DataState, e: ev.StreamShardsAdded) -> DataState:
-    return replace(d, streams=streams.on_shards(d.streams, e))
+    """New shards in the table; requests parked on the dataset get them, oldest first."""
+    d = replace(d, streams=streams.on_shards(d.streams, e))
+    ds = d.datasets.get(e.dataset)
+    if ds is None or not ds.parked:
+        return d
+    end = total(d, ds)
+    for want in sorted(ds.parked.values(), key=lambda w: (w.since, w.client, w.request)):
+        if not ds.requeued and ds.cursor >= end:
+            break
+        ds = _grant(d, ds, want, end, e.ts)
+    return _put(d, ds)
 
 
 def on_stream_checkpointed(d: DataState, e: ev.StreamCheckpointed) -> DataState:
@@ -277,10 +330,19 @@ def on_committed(d: DataState, e: ev.CkptCommitted) -> DataState:
 
 
 def on_leased(d: DataState, e: ev.ShardLeased) -> DataState:
+    """An announced answer: its grant, or its parked request (answered empty), is done
+    with. (A parked request answered empty may have been granted shards meanwhile:
+    that grant stays, to be announced.)"""
     ds = d.datasets.get(e.dataset)
     if ds is None:
         return d
-    return _put(d, replace(ds, grants=ds.grants.delete(f"{e.client}/{e.request}")))
+    key = f"{e.client}/{e.request}"
+    grant = ds.grants.get(key)
+    if grant is not None and grant.shards == e.shards:
+        ds = replace(ds, grants=ds.grants.delete(key))
+    if key in ds.parked:
+        ds = replace(ds, parked=ds.parked.delete(key))
+    return _put(d, ds)
 
 
 def on_done(d: DataState, e: ev.ShardDone) -> DataState:
@@ -363,10 +425,12 @@ def on_rejected(d: DataState, e: ev.DataRejected) -> DataState:
 
 
 class Announce(msgspec.Struct, frozen=True, kw_only=True):
-    """Announce `grant`, an allocation the fold already made, to its client."""
+    """Announce `grant`, an allocation the fold already made, to its client; `unparked`:
+    the empty answer to a request parked for `PARK_S`."""
 
     dataset: str
     grant: Grant
+    unparked: bool = False
 
 
 class AnnounceRestore(msgspec.Struct, frozen=True, kw_only=True):
@@ -415,8 +479,17 @@ def due(
                 )
             )
         out.extend(Announce(dataset=ds.name, grant=g) for g in ds.grants.values())
+        out.extend(
+            Announce(dataset=ds.name, grant=_empty(w, ds.spec.lease_s, now), unparked=True)
+            for w in ds.parked.values()
+            if now - w.since >= PARK_S
+        )
         out.extend(_requeues(ds, current_round, lost_nodes, now))
     return out
+
+
+def _empty(want: Parked, lease_s: float, now: float) -> Grant:
+    return Grant(want.client, want.request, want.node, want.rank, (), now + lease_s, False)
 
 
 def _requeues(

@@ -177,8 +177,11 @@ def _data_decision(state: JobState, intent: data.DataIntent, now: float) -> ev.D
                 partial_shards=intent.partial_shards,
             )
         case data.Announce(grant=g):
+            # the empty answer to a parked request is an answer of its own: shards granted
+            # to the request meanwhile are announced too (not deduplicated by the id)
+            idle = ("parked",) if intent.unparked else ()
             return ev.ShardLeased(
-                **_envelope(state, now, "shard_leased", intent.dataset, g.client, g.request),
+                **_envelope(state, now, "shard_leased", intent.dataset, g.client, g.request, *idle),
                 dataset=intent.dataset,
                 client=g.client,
                 request=g.request,

@@ -35,11 +35,13 @@ log = structlog.get_logger("rove.master")
 #: How long a published decision is not re-published while we wait to see it folded.
 INFLIGHT_S = 5.0
 #: Facts someone waits on: the leader decides as soon as it folds one, not at the next
-#: tick. Data clients wait for their leases; a failed or finished round, a node that
-#: joins or leaves, a network-check report or a stop wait for the next round or the end.
+#: tick. Data clients wait for their leases (a stream's parked requests for the shards a
+#: bridge cuts); a failed or finished round, a node that joins or leaves, a
+#: network-check report or a stop wait for the next round or the end.
 #: (An acknowledgement is answered only when refused; that waits for the next tick.)
 _WAKE_ON = (
     ev.ShardRequested,
+    ev.StreamShardsAdded,
     ev.DatasetRegistered,
     ev.WorkerExited,
     ev.WorkersSucceeded,
