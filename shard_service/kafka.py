@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import cast
 
@@ -136,6 +136,9 @@ class RangeReader:
         self._planned: set[int] = set()
         #: an error librdkafka reported for a partition not being read: raised when it is
         self._failed: dict[int, KafkaError] = {}
+        #: partition -> the range `take` reads of it, and when it last got a record
+        self._reading: dict[int, tuple[ev.StreamShard, int]] = {}
+        self._progress: dict[int, float] = {}
 
     def prepare(self, ranges: Iterable[tuple[ev.StreamShard, int]]) -> None:
         """The `(shard, offset)` ranges to be read next, in order: each partition fetches
@@ -147,8 +150,9 @@ class RangeReader:
             if shard.start + offset < shard.end:
                 firsts.setdefault(shard.partition, shard.start + offset)
         for p, at in firsts.items():
-            self._position(p, at)
-        self._planned = set(firsts)
+            if p not in self._reading:  # (one being read goes on: its next range follows)
+                self._position(p, at)
+        self._planned = set(firsts) | set(self._reading)
 
     def read(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[Record]:
         """The records of `shard` from position `offset` on, one by one."""
@@ -163,39 +167,80 @@ class RangeReader:
 
     def messages(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[list[Message]]:
         """The Kafka messages of `shard` from position `offset` on, in lists as they
-        arrive: what `chunks` wraps, for a caller that makes each `Record` only when it
-        uses it. (A record object per message, made a whole fetch at a time, outlives
-        the young garbage collections while the fetch is decoded: it reaches the old
-        generation and brings on full collections, which cost tenths of a second in a
+        arrive: `take` for one range.
+
+        Raises:
+            DataError: as `take`.
+        """
+        while True:
+            for _p, msgs, ended in self.take({shard.partition: (shard, offset)}):
+                if msgs:
+                    yield msgs
+                if ended:
+                    return
+
+    def take(
+        self, ranges: Mapping[int, tuple[ev.StreamShard, int]]
+    ) -> list[tuple[int, list[Message], bool]]:
+        """One read of the ranges being read, at most one per partition (partition ->
+        `(shard, offset)`, the range's records from position `offset` on): for each
+        partition that got any, `(partition, messages, ended)`, the Kafka messages of its
+        range that came since the last `take` (in offset order) and whether the range is
+        now whole. Waits up to `poll_s` when none was fetched yet. A range given again
+        continues where it stood; a new one for a partition starts (a seek if it is not
+        where the partition's last range ended).
+
+        All ranges are read as librdkafka fetches them, so records wait in no buffer of
+        this reader. (Messages are Kafka's; a caller makes each `Record` only when it
+        uses it: a record object per message, made a whole fetch at a time, would
+        outlive the young garbage collections while the fetch is decoded, reach the old
+        generation and bring on full collections, which cost tenths of a second in a
         process that imported torch.)
 
         Raises:
-            DataError: records of the range were deleted by retention, the range stopped
-                arriving for `stall_s`, or the broker failed the partition.
+            DataError: records of a range were deleted by retention, a range stopped
+                arriving for `stall_s`, or the broker failed its partition.
         """
-        first, p = shard.start + offset, shard.partition
-        if first >= shard.end:
-            return
-        self._position(p, first)
-        buffer = self._buffer[p]
-        last_progress = time.monotonic()
-        while True:
-            if not buffer:
-                self._fetch(p, shard, offset)
+        now = time.monotonic()
+        out: list[tuple[int, list[Message], bool]] = []
+        for p, (shard, offset) in ranges.items():
+            if self._reading.get(p) != (shard, offset):
+                self._reading[p] = (shard, offset)
+                self._progress[p] = now
+                first = shard.start + offset
+                if first >= shard.end:
+                    out.append(self._ended(p, shard, []))
+                    continue
+                self._position(p, first)
+        if out:
+            return out
+        if not any(self._buffer[p] for p in ranges):
+            self._fetch(ranges)
+        for p, (shard, _at) in ranges.items():
+            buffer = self._buffer[p]
             if buffer:
-                chunk, ended = self._take(buffer, shard)
-                if chunk:
-                    last_progress = time.monotonic()
-                    self._next[p] = _offset(chunk[-1]) + 1
-                    yield chunk
+                msgs, ended = self._take(buffer, shard)
+                if msgs:
+                    self._progress[p] = now
+                    self._next[p] = _offset(msgs[-1]) + 1
                 if ended or self._next[p] >= shard.end:
-                    self._next[p] = shard.end
-                    return
-            elif time.monotonic() - last_progress > self.stall_s:
+                    out.append(self._ended(p, shard, msgs))
+                elif msgs:
+                    out.append((p, msgs, False))
+            elif now - self._progress[p] > self.stall_s:
                 raise DataError(
                     f"topic {self.topic}: no record of partition {p} came for "
                     f"{self.stall_s:g}s, though the range ends at {shard.end}"
                 )
+        return out
+
+    def _ended(
+        self, p: int, shard: ev.StreamShard, msgs: list[Message]
+    ) -> tuple[int, list[Message], bool]:
+        """Partition `p`'s range is whole with `msgs`: the next range starts at its end."""
+        self._next[p] = max(self._next.get(p, shard.end), shard.end)
+        del self._reading[p]
+        return p, msgs, True
 
     def _position(self, p: int, first: int) -> None:
         """Make offset `first` the next record partition `p` delivers, and fetch it."""
@@ -240,11 +285,13 @@ class RangeReader:
                 self._resume(p)
         return msgs, ended
 
-    def _fetch(self, reading: int, shard: ev.StreamShard, offset: int) -> None:
-        """One `consume`: records go to their partitions' buffers (errors of the partition
+    def _fetch(self, ranges: Mapping[int, tuple[ev.StreamShard, int]]) -> None:
+        """One `consume`: records go to their partitions' buffers (errors of a partition
         being read are raised, those of others kept for when they are read)."""
-        if reading in self._failed:
-            raise self._error(self._failed.pop(reading), shard, offset)
+        for p in ranges:
+            if p in self._failed:
+                shard, offset = ranges[p]
+                raise self._error(self._failed.pop(p), shard, offset)
         # what is fetched already, at once; else wait for the next record (a batch
         # `consume` would wait for a whole batch, holding fresh records back)
         got = self.consumer.consume(num_messages=self.batch, timeout=0)
@@ -252,12 +299,12 @@ class RangeReader:
             got = self.consumer.consume(num_messages=1, timeout=self.poll_s)
         # (librdkafka drops what it fetched before a seek: every record here is current)
         buffers = self._buffer
-        before = {p: len(b) for p, b in buffers.items() if p != reading}
+        before = {p: len(b) for p, b in buffers.items() if p not in ranges}
         for msg in got:  # the one loop over every record: kept to the least
             if msg.error() is None:
                 buffers[msg.partition()].append(msg)  # type: ignore[index]
             else:
-                self._failure(msg, reading, shard, offset)
+                self._failure(msg, ranges)
         for p, had in before.items():  # kept for later: counted against the buffer's bound
             buffer = buffers[p]
             if len(buffer) > had:
@@ -266,14 +313,16 @@ class RangeReader:
                 if self._buffered_bytes[p] > bound:
                     self._pause(p)
 
-    def _failure(self, msg: Message, reading: int, shard: ev.StreamShard, offset: int) -> None:
-        """An error librdkafka delivered: raised if it is the partition being read's,
-        else kept for when that partition is read."""
+    def _failure(self, msg: Message, ranges: Mapping[int, tuple[ev.StreamShard, int]]) -> None:
+        """An error librdkafka delivered: raised if it is a partition being read's (or
+        the consumer's), else kept for when that partition is read."""
         error, p = cast(KafkaError, msg.error()), msg.partition()
         if error.code() == KafkaError._PARTITION_EOF:
             return
-        if p == reading or p is None or p < 0:
-            raise self._error(error, shard, offset)
+        if p is None or p < 0:
+            raise self._error(error, *next(iter(ranges.values())))
+        if p in ranges:
+            raise self._error(error, *ranges[p])
         self._failed[p] = error
 
     def _pause(self, p: int) -> None:

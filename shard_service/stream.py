@@ -125,6 +125,20 @@ class _Filling:
 _IDLE_TICK = _Batch(None, [], [], "", 0.0)
 
 
+class _Reading:
+    """A leased range a loader worker is reading: its undecodable records so far, and
+    its newest decoded record, held back until the next shows whether it is the last."""
+
+    __slots__ = ("dead", "delivered", "newest", "ref", "shard")
+
+    def __init__(self, ref: ev.ShardRef, shard: ev.StreamShard) -> None:
+        self.ref = ref
+        self.shard = shard
+        self.dead = _DeadLetters()
+        self.newest: tuple[Any, Message] | None = None
+        self.delivered = False  # a record of it went into a batch
+
+
 class _DeadLetters:
     """A shard's undecodable records: how many, the first offsets, the first error."""
 
@@ -200,13 +214,14 @@ class StreamIterable(LeasedIterable):
 
     def _batches(self, c: DataClient, reader: RangeReader) -> Iterator[_Batch]:
         keeper = self._keeper(c)
-        held: list[ev.ShardRef] = []
+        held: list[ev.ShardRef] = []  # leased, not being read yet
+        reading: dict[int, _Reading] = {}  # partition -> its range being read
         recent: deque[int] = deque(maxlen=4 * MAX_AHEAD)
         batch = _Filling(c.client)
         ticked = time.monotonic()
         while True:
             keeper.top_up(len(held), [*(r.key for r in held), *recent])
-            if not held:  # about to wait for the stream: what is batched goes out now
+            if not held and not reading:  # about to wait: what is batched goes out now
                 if batch.samples:
                     yield batch.take()
                     ticked = time.monotonic()
@@ -215,58 +230,61 @@ class StreamIterable(LeasedIterable):
                     ticked = time.monotonic()
             # (a request for a stream waits in the master until shards are cut: in
             # slices, so that idle ticks go on)
-            waiting = not held and bool(keeper.outstanding)
+            waiting = not held and not reading and bool(keeper.outstanding)
             held.extend(keeper.poll(wait=waiting, timeout=self.idle_s))
-            if not held:
+            # every partition's first held range is read at once, as Kafka delivers them
+            for ref in list(held):
+                shard = keeper.ranges[ref.key]
+                if shard.partition not in reading:
+                    reading[shard.partition] = _Reading(ref, shard)
+                    held.remove(ref)
+                    recent.append(ref.key)
+            if not reading:
                 if not keeper.outstanding:
                     time.sleep(0.05)  # nothing cut yet: the keeper asks again shortly
                 continue
-            # this range and those held next are fetched while it is read
+            # the ranges held next are fetched while these are read
             reader.prepare((keeper.ranges[r.key], r.offset) for r in held)
-            ref = held.pop(0)
-            recent.append(ref.key)
-            shard = keeper.ranges[ref.key]
-            for _full in self._shard(c, ref, shard, reader, batch):
-                yield batch.take()
-                ticked = time.monotonic()
-            keeper.measure(shard.records - ref.offset)
+            got = reader.take({p: (r.shard, r.ref.offset) for p, r in reading.items()})
+            for p, msgs, ended in got:
+                r = reading[p]
+                for _full in self._read(c, r, msgs, ended, batch):
+                    yield batch.take()
+                    ticked = time.monotonic()
+                if ended:
+                    del reading[p]
+                    keeper.measure(r.shard.records - r.ref.offset)
 
-    def _shard(
-        self,
-        c: DataClient,
-        ref: ev.ShardRef,
-        shard: ev.StreamShard,
-        reader: RangeReader,
-        batch: _Filling,
+    def _read(
+        self, c: DataClient, r: _Reading, msgs: list[Message], ended: bool, batch: _Filling
     ) -> Iterator[None]:
-        """Decode the records of `ref` into `batch`, yielding whenever it is full. The
-        last decoded record waits for the next: whichever turns out to be the range's
-        last carries the news that the shard is complete."""
-        key, size = ref.key, self.batch_size
-        samples: list[Any] = []
-        msgs: list[Message] = []
-        dead = _DeadLetters()
-        for fetched in reader.messages(shard, ref.offset):
-            got, kept = self._decode(fetched, shard.start, dead)
-            samples.extend(got)
-            msgs.extend(kept)
-            # all but the newest record go out, a batch's room at a time
-            while len(samples) > 1:
-                room = min(size - len(batch.samples), len(samples) - 1)
-                batch.add(key, shard, samples[:room], msgs[:room], False)
-                del samples[:room], msgs[:room]
-                if len(batch.samples) >= size:
-                    yield
-        if dead.count:
-            self._dead_letters(c, shard.partition, dead)
-        if samples:
-            batch.add(key, shard, samples, msgs, True)
+        """Decode the messages `msgs` of range `r` into `batch`, yielding whenever it is
+        full. The newest decoded record waits for the next: whichever turns out to be
+        the range's last carries the news that the shard is complete (`ended`)."""
+        samples, kept = self._decode(msgs, r.shard.start, r.dead)
+        if r.newest is not None:
+            samples.insert(0, r.newest[0])
+            kept.insert(0, r.newest[1])
+            r.newest = None
+        if not ended and samples:
+            r.newest = (samples.pop(), kept.pop())
+        size = self.batch_size
+        while samples:  # a batch's room at a time
+            room = min(size - len(batch.samples), len(samples))
+            last = ended and room == len(samples)
+            batch.add(r.ref.key, r.shard, samples[:room], kept[:room], last)
+            r.delivered = True
+            del samples[:room], kept[:room]
             if len(batch.samples) >= size:
                 yield
-        else:
+        if not ended:
+            return
+        if r.dead.count:
+            self._dead_letters(c, r.shard.partition, r.dead)
+        if not r.delivered:
             # nothing of this range reached the loop (all skipped): it is trained as
             # far as it can be
-            c.done(ref)
+            c.done(r.ref)
 
     def _decode(
         self, msgs: list[Message], start: int, dead: _DeadLetters
@@ -276,7 +294,7 @@ class StreamIterable(LeasedIterable):
         made as it is decoded and dropped after (see `RangeReader.messages`)."""
         decode = self.decode
         try:
-            return [decode(Record(m, start)) for m in msgs], msgs
+            return [decode(Record(m, start)) for m in msgs], msgs  # (the reader's own list)
         except Exception:  # noqa: BLE001 - the user's decoder: anything may go wrong
             pass  # one record or more is bad: find which, one by one
         samples, kept = [], []
