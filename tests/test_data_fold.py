@@ -478,6 +478,7 @@ def test_parked_stream_requests_get_shards_oldest_first_and_only_as_many_as_cut(
     assert data.ask("c1", 2) == []
     data.sim.now += 1
     assert data.ask("c2", 2, node="nb") == []
+    assert "0 leased, 0 requeued, 2 waiting for records" in _status_line(data)
     _cut(data, (0, 0, 10), (1, 0, 4), (0, 10, 20))  # 3 shards for 4 asked
     decisions = data.sim.tick()
     (first,) = data.answers("c1", decisions)
@@ -489,6 +490,14 @@ def test_parked_stream_requests_get_shards_oldest_first_and_only_as_many_as_cut(
     assert ds.leases[2].client == "c2" and ds.leases[2].node == "nb"
     assert ds.leases[2].deadline == data.sim.now + STREAM.lease_s
     assert not ds.parked and not ds.grants
+    assert "waiting for records" not in _status_line(data)
+
+
+def _status_line(data: Data) -> str:
+    """What `rove status` says of dataset d."""
+    from rove.control.cli.status_cmd import _dataset_line, _dataset_view
+
+    return _dataset_line(_dataset_view(data.state.data, data.state.data.datasets["d"]))
 
 
 def test_a_request_parked_too_long_is_answered_empty_and_shards_cut_meanwhile_still_reach_it() -> (

@@ -36,6 +36,36 @@ def test_a_shard_is_read_exactly_and_a_partly_trained_one_resumes_at_its_positio
         reader.close()
 
 
+def test_ranges_of_several_partitions_are_read_at_once_each_exactly_and_in_order(
+    kafka: KafkaCluster,
+) -> None:
+    """`take` reads a range per partition as the records come; one that ends makes way
+    for the partition's next range, which continues without a seek."""
+    for p in range(3):
+        kafka.produce("clicks", p, 40)
+    reader = RangeReader(kafka.bootstrap, "clicks", stall_s=30)
+    reading = {0: (ev.StreamShard(0, 0, 25), 0), 1: (ev.StreamShard(1, 5, 40), 3)}
+    reading[2] = (ev.StreamShard(2, 30, 30), 0)  # an empty range ends at once
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    ended: list[int] = []
+    try:
+        while reading:
+            for p, msgs, whole in reader.take(reading):
+                offsets = [m.offset() for m in msgs]
+                assert offsets == sorted(offsets) and not (set(offsets) & set(got[p]))
+                got[p] += offsets
+                if whole:
+                    ended.append(p)
+                    del reading[p]
+                    if p == 0 and got[0][-1] == 24:  # partition 0's next range follows
+                        reading[0] = (ev.StreamShard(0, 25, 40), 0)
+        assert got == {0: list(range(40)), 1: list(range(8, 40)), 2: []}
+        assert ended[0] == 2 and sorted(ended) == [0, 0, 1, 2]
+        assert not any(reader._buffer.values()), "no record is left waiting"
+    finally:
+        reader.close()
+
+
 def test_records_not_produced_yet_are_waited_for_then_a_stall_is_an_error(
     kafka: KafkaCluster,
 ) -> None:

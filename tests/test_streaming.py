@@ -41,6 +41,22 @@ def test_full_shards_at_once_and_the_rest_after_it_lingered() -> None:
     assert shards == [ev.StreamShard(0, 200, 260)] and waiting == {}
 
 
+def test_a_partition_added_to_the_topic_is_cut_from_its_first_record() -> None:
+    """The bridge reads the partition list on every poll: a partition that was not there
+    before is cut from its low watermark, and the master folds its shards as any."""
+    shards, _ = cut({}, [W(0, 0, 10)], shard_records=10, linger_s=0, waiting_since={}, now=0)
+    s = streams.on_shards(streams.StreamState(), added(*shards))
+    marks = [W(0, 0, 10), W(1, 0, 0), W(2, 0, 15)]  # two new partitions, one with records
+    shards, _ = cut(
+        dict(s.streams["clicks"].next), marks, shard_records=10, linger_s=0, waiting_since={}, now=1
+    )
+    assert shards == [ev.StreamShard(2, 0, 10), ev.StreamShard(2, 10, 15)]
+    s = streams.on_shards(s, added(*shards, ts=2.0))
+    table = s.streams["clicks"]
+    assert table.next[2] == 15 and table.count == 3 and not table.gaps
+    assert [table.shards[k] for k in range(3)] == [ev.StreamShard(0, 0, 10), *shards]
+
+
 def test_a_partition_behind_retention_resumes_at_its_low_watermark_and_the_gap_is_kept() -> None:
     shards, _ = cut(
         {0: 100}, [W(0, 150, 200)], shard_records=50, linger_s=0, waiting_since={}, now=0

@@ -228,6 +228,8 @@ def _dataset_view(d: Any, ds: Any) -> dict[str, Any]:
         "done": done,
         "leased": len(ds.leases),
         "todo": total - done - len(ds.leases),
+        # a stream's clients whose request waits in the master for records to be cut
+        "waiting_for_records": len(ds.parked),
         "epoch": (
             0
             if ds.spec.stream or not total
@@ -408,6 +410,11 @@ def _dataset_line(ds: dict[str, Any]) -> str:
         f"dataset {ds['name']}: epoch {ds['epoch'] + 1}/{ds['spec']['epochs']}, "
         f"{ds['done']}/{ds['shards']} shards done, {ds['leased']} leased, "
         f"{ds['requeued_total']} requeued{restored}"
+        + (
+            f", {ds['waiting_for_records']} waiting for records"
+            if ds.get("waiting_for_records")
+            else ""
+        )
         + (f"; by node: {per_node}" if per_node else "")
     )
 
