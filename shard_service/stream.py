@@ -48,7 +48,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from itertools import repeat
 from typing import Any, NamedTuple, cast
 
 import msgspec
@@ -76,7 +75,7 @@ class _Batch(NamedTuple):
     and per shard in it the position delivered up to and whether that ends the shard."""
 
     samples: Any  # None for an idle tick
-    where: list[tuple[int, int]]  # (partition, offset) of each sample
+    where: list[tuple[int, list[int]]]  # (partition, offsets) of each run of samples
     progress: list[tuple[int, int, bool]]  # (shard key, next position, shard complete)
     owner: str  # the loader worker's data client, which holds the leases
     newest_ts: float  # produce time of the newest record (0 when unknown)
@@ -91,7 +90,7 @@ class _Filling:
 
     def clear(self) -> None:
         self.samples: list[Any] = []
-        self.where: list[tuple[int, int]] = []
+        self.where: list[tuple[int, list[int]]] = []
         self.progress: dict[int, tuple[int, bool]] = {}
         self.newest_ts = 0.0
 
@@ -101,8 +100,9 @@ class _Filling:
         """`samples` decoded from the messages `msgs` of shard `key`; `last`: its range
         ends here."""
         self.samples.extend(samples)
-        offsets = cast("Iterator[int]", map(Message.offset, msgs))  # read ones: never None
-        self.where.extend(zip(repeat(shard.partition), offsets))
+        # (offsets, not a tuple per record: the main process expands them if asked)
+        offsets = cast("list[int]", list(map(Message.offset, msgs)))  # read ones: never None
+        self.where.append((shard.partition, offsets))
         newest = msgs[-1]
         self.progress[key] = (cast(int, newest.offset()) - shard.start + 1, last)
         # the newest record of a partition is its last: its produce time is the batch's
@@ -407,7 +407,7 @@ def _setting(given: str | None, env: str, what: str) -> str:
 
 class StreamLoader:
     """Batches of a `StreamIterable`, tags stripped and deliveries recorded;
-    `last_delivered` holds the (partition, offset) of the last batch's records.
+    `last_delivered` is the (partition, offset) of each of the last batch's records.
 
     With `lockstep`, an idle tick comes out as `None` (a zero-size step)."""
 
@@ -419,7 +419,11 @@ class StreamLoader:
         # the workers batch (`StreamIterable.__iter__`): no automatic batching here
         self.loader = DataLoader(data, batch_size=None, collate_fn=_as_is, **kwargs)
         self.lockstep = _distributed() if lockstep is None else lockstep
-        self.last_delivered: list[tuple[int, int]] = []
+        self._where: list[tuple[int, list[int]]] = []
+
+    @property
+    def last_delivered(self) -> list[tuple[int, int]]:
+        return [(p, offset) for p, offsets in self._where for offset in offsets]
 
     def __iter__(self) -> Iterator[Any]:
         self.data.iterated = True
@@ -427,7 +431,7 @@ class StreamLoader:
         def delivered(item: _Batch) -> Any:
             self.data._delivered(item.progress, item.owner)
             self.data.newest_ts = max(self.data.newest_ts, item.newest_ts)
-            self.last_delivered = list(item.where)
+            self._where = item.where
             return item.samples
 
         raw: Iterator[_Batch] = iter(self.loader)
