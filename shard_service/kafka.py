@@ -7,13 +7,13 @@ count records from the range's start, as the data position does
 (`ShardRef.offset`), so a partly trained shard resumes where the restored
 checkpoint stood.
 
+`take(ranges)` reads a range of each of several partitions at once, as
+librdkafka delivers them (what a loader worker does with the ranges it leased).
 A reader keeps every partition it has read assigned, so that librdkafka goes
 on fetching in the background: a range that continues where the partition's
-last range ended is read on without a seek, and `prepare(ranges)` starts
-fetching the ranges a worker holds next before it reads them. A range that
-starts elsewhere is a seek. Records fetched for a partition other than the
-one being read wait in a bounded buffer (the partition is paused while its
-buffer is full).
+last range ended is read on without a seek; one that starts elsewhere is a
+seek. Records fetched for a partition no range is reading wait in a bounded
+buffer (the partition is paused while its buffer is full).
 
 Records the broker no longer keeps (retention deleted them before they were
 trained) are not silently skipped: `read` raises `DataError` naming the
@@ -141,10 +141,11 @@ class RangeReader:
         self._progress: dict[int, float] = {}
 
     def prepare(self, ranges: Iterable[tuple[ev.StreamShard, int]]) -> None:
-        """The `(shard, offset)` ranges to be read next, in order: each partition fetches
-        from where the first of its ranges starts, while the range being read goes on.
-        A partition none of them needs buffers little (another reader may hold its next
-        ranges) before it pauses."""
+        """The `(shard, offset)` ranges to be read next, in order: a partition no range is
+        being read of fetches from where the first of its ranges starts (one being read
+        goes on; its next range follows). A partition none of them needs, and none is
+        being read of, buffers little (another reader may hold its next ranges) before
+        it pauses."""
         firsts: dict[int, int] = {}
         for shard, offset in ranges:
             if shard.start + offset < shard.end:

@@ -13,7 +13,10 @@
 The dataset's shards are cut by `rove kafka-bridge` (docs/streaming.md). Each
 loader worker is a data client of its own: it leases shards (each with its
 offset range), reads exactly those records with `RangeReader` (`assign` +
-`seek`, no consumer group) and yields `decode(record)`. As with
+`seek`, no consumer group; a range of every partition at once, as Kafka
+delivers them) and yields `decode(record)`. A request that finds nothing cut
+waits in the master until the bridge cuts more; the worker waits for it in
+slices of `idle_s`. As with
 `ShardedIterable`, the main process sees what reached the training loop and
 acknowledges a shard once its last record was delivered; the data position in
 the checkpoint is therefore the topic's offset vector of the trained model.
