@@ -263,21 +263,35 @@ class StreamIterable(LeasedIterable):
     ) -> Iterator[None]:
         """Decode the messages `msgs` of range `r` into `batch`, yielding whenever it is
         full. The newest decoded record waits for the next: whichever turns out to be
-        the range's last carries the news that the shard is complete (`ended`)."""
-        samples, kept = self._decode(msgs, r.shard.start, r.dead)
-        if r.newest is not None:
-            samples.insert(0, r.newest[0])
-            kept.insert(0, r.newest[1])
-            r.newest = None
-        if not ended and samples:
+        the range's last carries the news that the shard is complete (`ended`).
+
+        Messages are decoded a batch's room at a time, so no more decoded samples are
+        alive than a batch holds (kept longer, they would reach the old generation of
+        the garbage collector, and bring on its full collections)."""
+        key, shard, size = r.ref.key, r.shard, self.batch_size
+        i, n = 0, len(msgs)
+        while i < n:
+            # a batch's room, and one more while none is held back (it will be)
+            room = max(1, size - len(batch.samples)) + (r.newest is None)
+            piece = msgs[i : i + room]
+            i += len(piece)
+            samples, kept = self._decode(piece, shard.start, r.dead)
+            if not samples:
+                continue
+            if r.newest is not None:
+                samples.insert(0, r.newest[0])
+                kept.insert(0, r.newest[1])
             r.newest = (samples.pop(), kept.pop())
-        size = self.batch_size
-        while samples:  # a batch's room at a time
-            room = min(size - len(batch.samples), len(samples))
-            last = ended and room == len(samples)
-            batch.add(r.ref.key, r.shard, samples[:room], kept[:room], last)
+            if samples:
+                batch.add(key, shard, samples, kept, False)
+                r.delivered = True
+                if len(batch.samples) >= size:
+                    yield
+        if ended and r.newest is not None:
+            sample, msg = r.newest
+            r.newest = None
+            batch.add(key, shard, [sample], [msg], True)
             r.delivered = True
-            del samples[:room], kept[:room]
             if len(batch.samples) >= size:
                 yield
         if not ended:
