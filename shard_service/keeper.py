@@ -37,6 +37,8 @@ log = structlog.get_logger("rove.data")
 
 #: The most shards a client holds ahead of use, however fast it trains.
 MAX_AHEAD = 64
+#: Seconds of consumption the first rate estimate takes (then one a second).
+FIRST_RATE_S = 0.25
 #: A stream's request answered with nothing: seconds before asking again. The master
 #: parks a stream's request until shards are cut (or `PARK_S`), so this only keeps an
 #: empty answer from turning into a request loop.
@@ -183,14 +185,15 @@ class LeaseKeeper:
     # ------------------------------------------------------------------ consumption
 
     def measure(self, samples: int) -> None:
-        """`samples` more were consumed: one rate estimate a second, smoothed."""
+        """`samples` more were consumed: one rate estimate a second, smoothed (the first
+        after `FIRST_RATE_S`, so that a fast consumer holds enough ahead early)."""
         now = self.clock()
         self._consumed += samples
         if self._rate_mark is None:
             self._rate_mark = (now, self._consumed)
             return
         since, count = self._rate_mark
-        if now - since >= 1.0:
+        if now - since >= (1.0 if self.rate else FIRST_RATE_S):
             rate = (self._consumed - count) / (now - since)
             self.rate = rate if not self.rate else 0.5 * self.rate + 0.5 * rate
             self._rate_mark = (now, self._consumed)

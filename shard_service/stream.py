@@ -246,8 +246,14 @@ class StreamIterable(LeasedIterable):
                 if not keeper.outstanding:
                     time.sleep(0.05)  # nothing cut yet: the keeper asks again shortly
                 continue
-            # the ranges held next are fetched while these are read
-            reader.prepare((keeper.ranges[r.key], r.offset) for r in held)
+            # the ranges held next are fetched while these are read (each partition's
+            # first range is the one being read: its next follows without a seek)
+            reader.prepare(
+                [
+                    *((r.shard, r.ref.offset) for r in reading.values()),
+                    *((keeper.ranges[r.key], r.offset) for r in held),
+                ]
+            )
             got = reader.take({p: (r.shard, r.ref.offset) for p, r in reading.items()})
             for p, msgs, ended in got:
                 r = reading[p]

@@ -4,6 +4,8 @@ lost to retention named instead of skipped."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rove.control import events as ev
@@ -63,6 +65,45 @@ def test_ranges_of_several_partitions_are_read_at_once_each_exactly_and_in_order
         assert ended[0] == 2 and sorted(ended) == [0, 0, 1, 2]
         assert not any(reader._buffer.values()), "no record is left waiting"
     finally:
+        reader.close()
+
+
+def test_a_partitions_next_ranges_follow_the_one_being_read_without_fetching_twice(
+    kafka: KafkaCluster,
+) -> None:
+    """As a loader worker does: the ranges held are prepared, the range being read of
+    each partition first. The next ranges continue where it ends: no seek, so no
+    record is fetched twice."""
+    kafka.produce("clicks", 0, 60)
+    reader = RangeReader(kafka.bootstrap, "clicks", stall_s=30)
+    fetched = 0
+    consume = reader.consumer.consume
+
+    class Counting:
+        def consume(self, num_messages: int, timeout: float) -> list[Any]:
+            nonlocal fetched
+            got = consume(num_messages=num_messages, timeout=timeout)
+            fetched += len(got)
+            return got
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(reader.consumer_, name)
+
+    reader.consumer_ = reader.consumer  # type: ignore[attr-defined]
+    reader.consumer = Counting()  # type: ignore[assignment]
+    held = [(ev.StreamShard(0, a, a + 15), 0) for a in range(0, 60, 15)]
+    read: list[int] = []
+    try:
+        while held:
+            reader.prepare(held)
+            for _p, msgs, ended in reader.take({0: held[0]}):
+                read += [m.offset() for m in msgs]
+                if ended:
+                    held.pop(0)
+        assert read == list(range(60))
+        assert fetched == 60, "a record fetched twice: the next range was seeked to early"
+    finally:
+        reader.consumer = reader.consumer_  # type: ignore[attr-defined]
         reader.close()
 
 
