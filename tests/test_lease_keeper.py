@@ -78,10 +78,16 @@ def test_it_keeps_cover_s_seconds_of_shards_ahead_at_the_measured_rate() -> None
     k, _, clock = keeper(prefetch=2, cover_s=10.0)
     assert k.ahead() == 2
     k.measure(0)
-    clock.now = 1.0
-    k.measure(500)  # 500 samples/s: 10 s is 5000 samples, 50 shards of 100
-    assert k.ahead() == 50
-    clock.now = 2.0
+    clock.now = 0.1
+    k.measure(50)
+    assert k.ahead() == 2, "too soon for a first estimate"
+    clock.now = 0.25
+    k.measure(75)  # 500 samples/s: 10 s is 5000 samples, 50 shards of 100
+    assert k.ahead() == 50, "a first estimate early, so a fast consumer holds enough"
+    clock.now = 0.75
+    k.measure(1000)
+    assert k.ahead() == 50, "then one estimate a second"
+    clock.now = 1.25
     k.measure(100_000)
     assert k.ahead() == MAX_AHEAD, "capped, however fast it trains"
 
