@@ -47,8 +47,10 @@ from rove.agent.runtimes import default_runtime
 from rove.agent.worker_env import member_of, worker_envs
 from rove.control import aio, metrics, records, subjects, tf_cluster
 from rove.control import events as ev
-from rove.control.bus import Bus, Feed, options_env
+from rove.control.bus import Bus
+from rove.control.bus_options import options_env
 from rove.control.errors import RoveError
+from rove.control.feed import Feed
 from rove.control.outbox import Outbox
 
 log = structlog.get_logger("rove.agent")

@@ -20,7 +20,8 @@ from rove.agent.agent import AgentConfig
 from rove.control import aio, auth, embedded, metrics
 from rove.control import events as ev
 from rove.control import options as common
-from rove.control.bus import Bus, closed
+from rove.control.bus import Bus
+from rove.control.bus_options import closed
 from rove.control.errors import ConfigError
 from rove.control.master.runner import SupervisedMaster
 

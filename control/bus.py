@@ -17,16 +17,10 @@ handed to `on_rejected` instead of ever stopping the consumer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime as dt
 import functools
-import json
-import os
 import re
-import ssl
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import nats
@@ -47,8 +41,9 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import auth, catchup, embedded, metrics, records, retry, subjects
+from rove.control import auth, bus_options, catchup, metrics, records, retry, subjects
 from rove.control import events as ev
+from rove.control.bus_options import BusOptions as BusOptions  # (Bus.connect takes them)
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,
@@ -58,6 +53,7 @@ from rove.control.errors import (
     PermissionDeniedError,
     RoveError,
 )
+from rove.control.feed import STALL_CHECK_S, Feed, nothing_since
 from rove.control.natsclient import RoveNatsClient, ack_position
 
 log = structlog.get_logger("rove.bus")
@@ -66,112 +62,8 @@ EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject
 WRONG_LAST_SEQUENCE = 10071
 
 
-@dataclass(frozen=True, kw_only=True)
-class BusOptions:
-    """How to reach NATS and how to lay out the streams.
-
-    `url` may list several servers separated by commas. With no `url`, an
-    embedded server is started with its store under `embedded_dir`.
-    """
-
-    url: str | None = None
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    creds_file: str | None = None
-    nkey_seed_file: str | None = None
-    #: rove's own credentials file (`rove.control.auth`: nkey seed and inbox prefix)
-    auth_file: str | None = None
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_handshake_first: bool = False
-    inbox_prefix: str | None = None
-    name: str = "rove"
-    connect_timeout_s: float = 5.0
-    reconnect_forever: bool = False
-    replicas: int = 1
-    lease_ttl_s: float = 6.0
-    duplicate_window_s: float = 120.0
-    embedded_dir: Path | None = None
-    #: a configuration file for the embedded server (its users and permissions)
-    embedded_config: Path | None = None
-    create_streams: bool = True
-
-
-#: The environment variables that carry how to reach NATS (`rove` CLI flags read them too).
-_ENV_OF_OPTION: dict[str, str] = {
-    "user": "ROVE_NATS_USER",
-    "password": "ROVE_NATS_PASSWORD",
-    "token": "ROVE_NATS_TOKEN",
-    "creds_file": "ROVE_NATS_CREDS",
-    "nkey_seed_file": "ROVE_NATS_NKEY",
-    "auth_file": "ROVE_NATS_AUTH",
-    "tls_ca_file": "ROVE_NATS_TLS_CA",
-    "tls_cert_file": "ROVE_NATS_TLS_CERT",
-    "tls_key_file": "ROVE_NATS_TLS_KEY",
-}
-
-
 #: The server's answer to a publish the connection's permissions do not allow.
 _DENIED = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
-
-#: What is secret among them: handed to children in a file, never in their environment.
-_SECRET_OPTIONS = ("password", "token")
-#: The file with the secrets (`options_env`), readable by this user only.
-SECRETS_ENV = "ROVE_NATS_SECRETS"
-
-
-def options_env(options: BusOptions, url: str, secrets_dir: Path) -> dict[str, str]:
-    """Environment for a child process (a worker) to reach the same NATS as `options`.
-
-    Files (credentials, nkey seeds, TLS) are named by path; a password or token is
-    written to `secrets_dir/nats-secrets.json` (mode 0600) and only that path is in
-    the environment, so no secret shows in `/proc/<pid>/environ`."""
-    env = {"ROVE_NATS_URL": url}
-    secrets = {}
-    for option, var in _ENV_OF_OPTION.items():
-        value = getattr(options, option)
-        if not value:
-            continue
-        if option in _SECRET_OPTIONS:
-            secrets[option] = str(value)
-        else:
-            env[var] = str(value)
-    if secrets:
-        path = auth.write_private(secrets_dir / "nats-secrets.json", json.dumps(secrets).encode())
-        env[SECRETS_ENV] = str(path)
-    return env
-
-
-def closed(options: BusOptions, job: str, node: str = "") -> tuple[BusOptions, auth.JobAuth | None]:
-    """`options` for a standalone job's embedded server closed to everyone but this job:
-    fresh credentials for the launcher (master, and agent `node` or the scaler), the
-    workers and the CLI, each in a file only this user can read (docs/operations.md).
-    Unchanged (and no set) when credentials were given, or the server is not embedded:
-    the server is then the operator's to configure."""
-    given = (options.user, options.token, options.creds_file, options.nkey_seed_file)
-    if options.url is not None or any(given) or options.auth_file:
-        return options, None
-    job_auth = auth.embedded_job(embedded.job_dir(job) / "auth", job, node)
-    options = dataclasses.replace(
-        options, auth_file=str(job_auth.launcher), embedded_config=job_auth.config
-    )
-    return options, job_auth
-
-
-def options_from_env(url: str, **overrides: Any) -> BusOptions:
-    """BusOptions for `url` with the credentials and TLS files of the environment."""
-    found: dict[str, Any] = {
-        f: os.environ[v] for f, v in _ENV_OF_OPTION.items() if os.environ.get(v)
-    }
-    secrets = os.environ.get(SECRETS_ENV)
-    if secrets:
-        try:
-            found.update(json.loads(Path(secrets).read_text()))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{SECRETS_ENV}={secrets}: cannot read it ({exc})") from exc
-    return BusOptions(url=url, **{**found, **overrides})
 
 
 class Fence(NamedTuple):
@@ -189,112 +81,6 @@ class Fence(NamedTuple):
 
 OnRecorded = Callable[[records.Recorded], Awaitable[None] | None]
 OnRejected = Callable[[records.Rejection], Awaitable[None] | None]
-
-
-#: A feed that has not moved for this many checks while its stream holds newer
-#: messages for it is resubscribed (`Feed.watch`).
-STALL_CHECKS = 3
-#: Seconds between two of those checks.
-STALL_CHECK_S = 5.0
-
-
-def stalled(history: list[int], newest: int, checks: int = STALL_CHECKS) -> bool:
-    """Whether a feed is stuck: its last delivered sequence was the same at each of the
-    last `checks` checks (`history`, oldest first) while the stream has `newest` > it."""
-    recent = history[-checks:]
-    return len(recent) == checks and len(set(recent)) == 1 and newest > recent[-1]
-
-
-@dataclass
-class Feed:
-    """A running subscription; `caught_up` is set once the backlog has been delivered."""
-
-    sub: Any
-    target_seq: int
-    caught_up: asyncio.Event = field(default_factory=asyncio.Event)
-    last_seq: int = 0
-    resubscribed: int = 0
-    watchdog: asyncio.Task[None] | None = None
-
-    async def watch(
-        self,
-        newest: Callable[[], Awaitable[int]],
-        resubscribe: Callable[[int], Awaitable[Any]],
-        *,
-        what: str,
-        every_s: float = STALL_CHECK_S,
-    ) -> None:
-        """Resubscribe from the next sequence when this feed stalls (`stalled`).
-
-        nats-py's ordered consumer heals itself after missed heartbeats, but not
-        when recreating its consumer fails and the healing task dies with it: a
-        master or agent would then follow a frozen stream, alive and silent.
-        Messages delivered twice across the switch are skipped by sequence.
-        """
-        history: list[int] = []
-        while True:
-            await asyncio.sleep(every_s)
-            history = [*history[-(STALL_CHECKS - 1) :], self.last_seq]
-            if len(history) < STALL_CHECKS or len(set(history)) > 1:
-                continue
-            try:
-                ahead = await newest()
-            except RoveError:
-                continue
-            if not stalled(history, ahead):
-                continue
-            log.warning(
-                "subscription stalled: resubscribing",
-                feed=what,
-                delivered=self.last_seq,
-                stream_has=ahead,
-            )
-            old = self.sub
-            try:
-                self.sub = await resubscribe(self.last_seq + 1)
-            except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                log.warning("could not resubscribe; will try again", feed=what, error=repr(exc))
-                continue
-            self.resubscribed += 1
-            history = []
-            await _unsubscribe(old)
-
-    async def stop(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-        await _unsubscribe(self.sub)
-
-
-async def _unsubscribe(sub: Any) -> None:
-    try:
-        await sub.unsubscribe()
-    except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
-        pass
-
-
-def _tls_context(o: BusOptions) -> ssl.SSLContext | None:
-    if not (o.tls_ca_file or o.tls_cert_file):
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=o.tls_ca_file)
-    if o.tls_cert_file:
-        ctx.load_cert_chain(o.tls_cert_file, o.tls_key_file)
-    return ctx
-
-
-def _servers(url: str) -> list[str]:
-    servers = [u.strip() for u in url.split(",") if u.strip()]
-    for s in servers:
-        if "://" not in s:
-            raise ConfigError(
-                f"invalid NATS URL {s!r}: expected a form like nats://host:4222 "
-                "(or tls://host:4222); pass it with --nats or ROVE_NATS_URL"
-            )
-        scheme = s.split("://", 1)[0]
-        if scheme not in {"nats", "tls", "ws", "wss"}:
-            raise ConfigError(f"invalid NATS URL {s!r}: scheme must be nats, tls, ws or wss")
-    if not servers:
-        raise ConfigError("empty NATS URL: pass --nats nats://host:4222 or set ROVE_NATS_URL")
-    return servers
 
 
 class Bus:
@@ -333,7 +119,7 @@ class Bus:
                 raise ConfigError("no NATS URL and no directory for an embedded server")
             server = EmbeddedServer(store, config=options.embedded_config)
             url = await asyncio.to_thread(server.start)
-        servers = _servers(url)
+        servers = bus_options.servers(url)
         nc = await cls._connect_client(servers, options)
         bus = cls(nc, options, server)
         if options.create_streams:
@@ -381,7 +167,7 @@ class Bus:
             "error_cb": on_error,
             "disconnected_cb": on_disconnected,
             "reconnected_cb": on_reconnected,
-            "tls": _tls_context(o),
+            "tls": bus_options.tls_context(o),
             "tls_handshake_first": o.tls_handshake_first,
         }
         if o.user:
@@ -794,7 +580,7 @@ class Bus:
             config=config,
         )
         if start_time is not None and not feed.caught_up.is_set():
-            await _nothing_since(feed, target)
+            await nothing_since(feed, target)
 
         async def from_seq(seq: int) -> Any:
             # nothing delivered yet: the feed's own start (a time, the last per subject)
@@ -820,18 +606,6 @@ class Bus:
         self._watchdogs.add(feed.watchdog)
         feed.watchdog.add_done_callback(self._watchdogs.discard)
         return feed
-
-
-async def _nothing_since(feed: Feed, target: int) -> None:
-    """A feed starting at a time that has nothing to deliver from there is caught up,
-    and stands at the stream's last message (what it holds is all older than its start)."""
-    try:
-        info = await feed.sub.consumer_info()
-    except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
-        return  # not known: the first message (or the watchdog) settles it
-    if info.num_pending == 0 and feed.last_seq == 0:
-        feed.last_seq = target
-        feed.caught_up.set()
 
 
 async def _quiet_close(nc: NatsClient) -> None:

@@ -26,7 +26,8 @@ import structlog
 
 from rove.control import events as ev
 from rove.control import records, shards, subjects
-from rove.control.bus import Bus, options_from_env
+from rove.control.bus import Bus
+from rove.control.bus_options import options_from_env
 from rove.control.errors import RoveError
 from rove.control.outbox import Outbox
 

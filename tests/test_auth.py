@@ -157,7 +157,8 @@ async def test_a_standalone_job_admits_only_its_own_credentials_and_hides_them_f
     script = tmp_path / "probe.py"
     script.write_text(
         "import asyncio, json, os, sys\n"
-        "from rove.control.bus import Bus, BusOptions, options_from_env\n"
+        "from rove.control.bus import Bus, BusOptions\n"
+        "from rove.control.bus_options import options_from_env\n"
         "from rove.control.errors import NotAuthorizedError, PermissionDeniedError\n"
         "from tests import factories\n"
         f"out = {str(tmp_path / 'probe.json')!r}\n"

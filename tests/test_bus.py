@@ -10,7 +10,7 @@ import pytest
 
 from rove.control import events as ev
 from rove.control import records, subjects
-from rove.control.bus import Bus, BusOptions, Fence, stalled
+from rove.control.bus import Bus, BusOptions, Fence
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,
@@ -19,6 +19,7 @@ from rove.control.errors import (
     NotAuthorizedError,
     PublishDeadlineError,
 )
+from rove.control.feed import stalled
 from tests import factories
 from tests.support import eventually, free_port, patience
 
@@ -243,7 +244,7 @@ async def test_a_worker_reaches_an_authenticated_server_with_the_agents_credenti
 ) -> None:
     """`rove run` hands its workers the URL and credentials (`options_env`); a data
     client in the worker connects with them (`options_from_env`)."""
-    from rove.control.bus import options_env, options_from_env
+    from rove.control.bus_options import options_env, options_from_env
     from rove.shard_service.client import DataClient
 
     server = EmbeddedServer(tmp_path / "auth", extra_args=["--user", "rove", "--pass", "s3cret"])

@@ -15,8 +15,9 @@ import structlog
 
 from rove.control import events as ev
 from rove.control import records, subjects
-from rove.control.bus import Bus, Feed
+from rove.control.bus import Bus
 from rove.control.errors import LostEventsError
+from rove.control.feed import Feed
 from rove.control.master import continuity, snapshots
 from rove.control.master.evolve import evolve
 from rove.control.master.state import JobState, initial

@@ -1,0 +1,116 @@
+"""A running subscription (`Feed`) and the watchdog that heals it when it stalls.
+
+`Bus.subscribe` returns a `Feed`: nats-py's ordered consumer with the sequence
+it has delivered up to, an event set once the backlog is delivered, and a
+watchdog that resubscribes from the next sequence if the consumer stops
+delivering while its stream holds newer messages (`stalled`, pure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+
+from rove.control.errors import RoveError
+
+log = structlog.get_logger("rove.bus")
+
+
+#: A feed that has not moved for this many checks while its stream holds newer
+#: messages for it is resubscribed (`Feed.watch`).
+STALL_CHECKS = 3
+#: Seconds between two of those checks.
+STALL_CHECK_S = 5.0
+
+
+def stalled(history: list[int], newest: int, checks: int = STALL_CHECKS) -> bool:
+    """Whether a feed is stuck: its last delivered sequence was the same at each of the
+    last `checks` checks (`history`, oldest first) while the stream has `newest` > it."""
+    recent = history[-checks:]
+    return len(recent) == checks and len(set(recent)) == 1 and newest > recent[-1]
+
+
+@dataclass
+class Feed:
+    """A running subscription; `caught_up` is set once the backlog has been delivered."""
+
+    sub: Any
+    target_seq: int
+    caught_up: asyncio.Event = field(default_factory=asyncio.Event)
+    last_seq: int = 0
+    resubscribed: int = 0
+    watchdog: asyncio.Task[None] | None = None
+
+    async def watch(
+        self,
+        newest: Callable[[], Awaitable[int]],
+        resubscribe: Callable[[int], Awaitable[Any]],
+        *,
+        what: str,
+        every_s: float = STALL_CHECK_S,
+    ) -> None:
+        """Resubscribe from the next sequence when this feed stalls (`stalled`).
+
+        nats-py's ordered consumer heals itself after missed heartbeats, but not
+        when recreating its consumer fails and the healing task dies with it: a
+        master or agent would then follow a frozen stream, alive and silent.
+        Messages delivered twice across the switch are skipped by sequence.
+        """
+        history: list[int] = []
+        while True:
+            await asyncio.sleep(every_s)
+            history = [*history[-(STALL_CHECKS - 1) :], self.last_seq]
+            if len(history) < STALL_CHECKS or len(set(history)) > 1:
+                continue
+            try:
+                ahead = await newest()
+            except RoveError:
+                continue
+            if not stalled(history, ahead):
+                continue
+            log.warning(
+                "subscription stalled: resubscribing",
+                feed=what,
+                delivered=self.last_seq,
+                stream_has=ahead,
+            )
+            old = self.sub
+            try:
+                self.sub = await resubscribe(self.last_seq + 1)
+            except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                log.warning("could not resubscribe; will try again", feed=what, error=repr(exc))
+                continue
+            self.resubscribed += 1
+            history = []
+            await unsubscribe(old)
+
+    async def stop(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        await unsubscribe(self.sub)
+
+
+async def unsubscribe(sub: Any) -> None:
+    try:
+        await sub.unsubscribe()
+    except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
+        pass
+
+
+async def nothing_since(feed: Feed, target: int) -> None:
+    """A feed starting at a time that has nothing to deliver from there is caught up,
+    and stands at the stream's last message (what it holds is all older than its start)."""
+    try:
+        info = await feed.sub.consumer_info()
+    except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+        return  # not known: the first message (or the watchdog) settles it
+    if info.num_pending == 0 and feed.last_seq == 0:
+        feed.last_seq = target
+        feed.caught_up.set()
