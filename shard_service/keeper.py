@@ -78,6 +78,7 @@ class LeaseKeeper:
         self._last_request = 0.0
         #: stream datasets: the offset range of each shard leased (`ShardLeased.ranges`)
         self.ranges: dict[int, ev.StreamShard] = {}
+        self._range_records = 0  # their records, summed as they come (`shard_size`)
         self._idle_until = 0.0
         #: since when an answer is awaited without a warning (a slice of `poll` each)
         self._awaited_since: float | None = None
@@ -94,7 +95,7 @@ class LeaseKeeper:
             return self.spec.shard_size
         if not self.ranges:
             return 1
-        return max(1, sum(r.records for r in self.ranges.values()) // len(self.ranges))
+        return max(1, self._range_records // len(self.ranges))
 
     def ahead(self) -> int:
         """How many untaken shards to hold: `prefetch`, or `cover_s` seconds' worth."""
@@ -172,7 +173,10 @@ class LeaseKeeper:
         self.outstanding.discard(answer.request)
         self.exhausted = answer.exhausted and not answer.shards
         if self.spec.stream:
-            self.ranges.update(zip((r.key for r in answer.shards), answer.ranges, strict=True))
+            for ref, shard in zip(answer.shards, answer.ranges, strict=True):
+                known = self.ranges.get(ref.key)
+                self._range_records += shard.records - (known.records if known else 0)
+                self.ranges[ref.key] = shard
             if not answer.shards:
                 self._idle_until = self.clock() + STREAM_IDLE_S  # nothing cut yet
         return answer.shards

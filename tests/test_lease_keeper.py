@@ -170,6 +170,15 @@ def test_a_stream_keeps_each_shards_range_sizes_ahead_by_them_and_waits_when_not
     assert [r.key for r in k.poll(wait=False)] == [0, 1]
     assert k.ranges == {0: ranges[0], 1: ranges[1]}
     assert k.shard_size() == 30
+    # shard 0 requeued and leased again: counted once, with its range
+    client.answers.put(
+        ev.ShardLeased(
+            job="j1", id="a3", producer="m", ts=0.0, epoch=1, dataset="d", client="c",
+            request=3, shards=(ev.ShardRef(0, 5),), deadline=1e9, ranges=(ranges[0],),
+        )
+    )  # fmt: skip
+    assert [r.key for r in k.poll(wait=False)] == [0]
+    assert k.shard_size() == 30
 
 
 def test_a_wait_in_slices_warns_only_once_the_slices_add_up_to_the_answer_timeout(
