@@ -156,27 +156,15 @@ class RangeReader:
         self._planned = set(firsts) | set(self._reading)
 
     def read(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[Record]:
-        """The records of `shard` from position `offset` on, one by one."""
-        for chunk in self.chunks(shard, offset):
-            yield from chunk
-
-    def chunks(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[list[Record]]:
-        """The records of `shard` from position `offset` on, in lists as they arrive."""
-        start = shard.start
-        for msgs in self.messages(shard, offset):
-            yield [Record(m, start) for m in msgs]
-
-    def messages(self, shard: ev.StreamShard, offset: int = 0) -> Iterator[list[Message]]:
-        """The Kafka messages of `shard` from position `offset` on, in lists as they
-        arrive: `take` for one range.
+        """The records of `shard` from position `offset` on, one by one: `take` for one
+        range.
 
         Raises:
             DataError: as `take`.
         """
         while True:
             for _p, msgs, ended in self.take({shard.partition: (shard, offset)}):
-                if msgs:
-                    yield msgs
+                yield from (Record(m, shard.start) for m in msgs)
                 if ended:
                     return
 

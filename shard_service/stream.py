@@ -132,14 +132,13 @@ class _Reading:
     """A leased range a loader worker is reading: its undecodable records so far, and
     its newest decoded record, held back until the next shows whether it is the last."""
 
-    __slots__ = ("dead", "delivered", "newest", "ref", "shard")
+    __slots__ = ("dead", "newest", "ref", "shard")
 
     def __init__(self, ref: ev.ShardRef, shard: ev.StreamShard) -> None:
         self.ref = ref
         self.shard = shard
         self.dead = _DeadLetters()
         self.newest: tuple[Any, Message] | None = None
-        self.delivered = False  # a record of it went into a batch
 
 
 class _DeadLetters:
@@ -290,31 +289,29 @@ class StreamIterable(LeasedIterable):
             r.newest = (samples.pop(), kept.pop())
             if samples:
                 batch.add(key, shard, samples, kept, False)
-                r.delivered = True
                 if len(batch.samples) >= size:
                     yield
-        if ended and r.newest is not None:
-            sample, msg = r.newest
-            r.newest = None
-            batch.add(key, shard, [sample], [msg], True)
-            r.delivered = True
-            if len(batch.samples) >= size:
-                yield
         if not ended:
             return
         if r.dead.count:
             self._dead_letters(c, r.shard.partition, r.dead)
-        if not r.delivered:
-            # nothing of this range reached the loop (all skipped): it is trained as
-            # far as it can be
+        if r.newest is None:
+            # nothing of this range was decoded (all skipped), so none reached the loop:
+            # it is trained as far as it can be
             c.done(r.ref)
+            return
+        sample, msg = r.newest
+        r.newest = None
+        batch.add(key, shard, [sample], [msg], True)
+        if len(batch.samples) >= size:
+            yield
 
     def _decode(
         self, msgs: list[Message], start: int, dead: _DeadLetters
     ) -> tuple[list[Any], list[Message]]:
         """The samples `decode` reads from the messages `msgs` of a range starting at
         offset `start`, and those messages; the others go to `dead`. Each `Record` is
-        made as it is decoded and dropped after (see `RangeReader.messages`)."""
+        made as it is decoded and dropped after (see `RangeReader.take`)."""
         decode = self.decode
         try:
             return [decode(Record(m, start)) for m in msgs], msgs  # (the reader's own list)

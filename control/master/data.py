@@ -213,7 +213,7 @@ def on_requested(d: DataState, e: ev.ShardRequested) -> DataState:
     if e.count == 0:
         return _put(d, ds)
     want = Parked(e.client, e.request, e.node, e.rank, e.round, e.count, e.ts)
-    if ds.spec.stream and not ds.requeued and ds.cursor >= end:  # nothing to lease yet
+    if ds.spec.stream and _nothing_to_lease(ds, end):
         return _put(d, replace(ds, parked=ds.parked.set(f"{e.client}/{e.request}", want)))
     return _put(d, _grant(d, ds, want, end, e.ts))
 
@@ -232,7 +232,7 @@ def _grant(d: DataState, ds: Dataset, want: Parked, end: int, now: float) -> Dat
     if ds.spec.stream:
         table = d.streams.streams[ds.name].shards if granted else immutables.Map()
         ranges = tuple(table[ref.key] for ref in granted)
-    exhausted = not granted and not ds.requeued and ds.cursor >= end and not ds.spec.stream
+    exhausted = not granted and _nothing_to_lease(ds, end) and not ds.spec.stream
     grant = Grant(
         want.client, want.request, want.node, want.rank, granted, deadline, exhausted, ranges
     )
@@ -243,6 +243,11 @@ def _grant(d: DataState, ds: Dataset, want: Parked, end: int, now: float) -> Dat
         grants=ds.grants.set(key, grant),
         parked=ds.parked.delete(key) if key in ds.parked else ds.parked,
     )
+
+
+def _nothing_to_lease(ds: Dataset, end: int) -> bool:
+    """No shard of `ds` (of `end`) is requeued or untouched: all are leased or done."""
+    return not ds.requeued and ds.cursor >= end
 
 
 def _allocate(ds: Dataset, count: int, end: int) -> tuple[Dataset, tuple[ev.ShardRef, ...]]:
@@ -297,7 +302,7 @@ def on_stream_shards(d: DataState, e: ev.StreamShardsAdded) -> DataState:
         return d
     end = total(d, ds)
     for want in sorted(ds.parked.values(), key=lambda w: (w.since, w.client, w.request)):
-        if not ds.requeued and ds.cursor >= end:
+        if _nothing_to_lease(ds, end):
             break
         ds = _grant(d, ds, want, end, e.ts)
     return _put(d, ds)
