@@ -123,8 +123,7 @@ class FlashEngine:
         """Complete slots, newest step first."""
         out = []
         for i, seg in enumerate(self.segments):
-            if seg.map is None and seg.path.exists():
-                seg._open()
+            seg.refresh()
             h = seg.header()
             if h is not None and h.state == COMPLETE:
                 out.append(SlotInfo(i, h.step, h.sealed))
@@ -161,8 +160,7 @@ class FlashEngine:
         """
         dropped = []
         for seg in self.segments:
-            if seg.map is None and seg.path.exists():
-                seg._open()
+            seg.refresh()
             h = seg.header()
             if h is not None and h.state == COMPLETE and h.step > step:
                 seg.write_header(Header(EMPTY, h.generation + 1, h.step, 0, 0, 0, 0, False))

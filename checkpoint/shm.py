@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from rove.checkpoint.durable import CheckpointError
+
 MAGIC = b"ROVECKPT"
 VERSION = 1
 HEADER_SIZE = 4096
@@ -66,16 +68,38 @@ class Segment:
         self.path = path
         self.map: mmap.mmap | None = None
         self.size = 0
+        #: (device, inode) of the file mapped now: a writer that outgrows a slot replaces
+        #: its file, and every other process's mapping must follow (`refresh`)
+        self.identity: tuple[int, int] | None = None
         if path.exists():
             self._open()
 
     def _open(self) -> None:
-        fd = os.open(self.path, os.O_RDWR)
         try:
-            self.size = os.fstat(fd).st_size
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return  # removed meanwhile (the job's memory freed): nothing to map
+        try:
+            st = os.fstat(fd)
+            self.size = st.st_size
+            self.identity = (st.st_dev, st.st_ino)
             self.map = mmap.mmap(fd, self.size) if self.size else None
         finally:
             os.close(fd)
+
+    def refresh(self) -> None:
+        """Map the slot's file as it is now. A writer whose state outgrew the slot
+        replaced the file (`ensure`); a reader that kept its old mapping would see the old
+        steps only, forever. One `stat` when nothing changed."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            if self.map is not None:
+                self.close()
+            return
+        if self.map is None or (st.st_dev, st.st_ino) != self.identity or st.st_size != self.size:
+            self.close()
+            self._open()
 
     def ensure(self, size: int) -> None:
         """At least `size` bytes, pre-touched; an old, smaller segment is replaced."""
@@ -97,7 +121,8 @@ class Segment:
             os.close(fd)
         torch.frombuffer(new, dtype=torch.uint8).zero_()  # touch every page now, not in a save
         tmp.replace(self.path)
-        self.map, self.size = new, size
+        st = os.stat(self.path)
+        self.map, self.size, self.identity = new, size, (st.st_dev, st.st_ino)
 
     def header(self) -> Header | None:
         if self.map is None or self.size < HEADER_SIZE:
@@ -127,7 +152,15 @@ class Segment:
         )
 
     def view(self, offset: int, length: int) -> memoryview:
+        """`length` bytes at `offset`. A header that points past the mapping comes from a
+        newer, larger file than the one mapped (`refresh` was not called): refused, never
+        a short view that would persist or load a cut state."""
         assert self.map is not None
+        if offset + length > self.size:
+            raise CheckpointError(
+                f"{self.path.name}: bytes {offset}-{offset + length} lie past the "
+                f"{self.size} bytes mapped (the slot was replaced)"
+            )
         return memoryview(self.map)[offset : offset + length]
 
     def close(self) -> None:
@@ -138,6 +171,7 @@ class Segment:
                 pass  # a tensor still views it; the mapping goes with that tensor
             self.map = None
             self.size = 0
+            self.identity = None
 
     def unlink(self) -> None:
         self.close()

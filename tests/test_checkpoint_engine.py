@@ -16,6 +16,7 @@ import torch
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.layout import CheckpointLayoutError
 from rove.checkpoint.shm import WRITING
+from rove.checkpoint.storage import FileStorage
 
 
 def trained_state() -> dict[str, object]:
@@ -136,6 +137,35 @@ def test_segments_are_reused_and_grow_only_when_the_state_grows(tmp_path: Path) 
     engine.save(4, {"w": torch.zeros(10_000_000)})
     assert engine.segments[1].size > sizes[1]
     assert engine.load()[0] == 4
+
+
+def test_a_reader_follows_slots_the_writer_replaced_to_fit_a_larger_state(
+    tmp_path: Path,
+) -> None:
+    """The agent reads the slots its workers write, through engines of its own: a state
+    that outgrows its slot (a new, larger file) must not hide every later step from it."""
+    writer = FlashEngine("j1", 0, directory=tmp_path)
+    writer.save(1, {"w": torch.zeros(10)})
+    writer.save(2, {"w": torch.zeros(10)})
+    reader = FlashEngine("j1", 0, directory=tmp_path)
+    assert [s.step for s in reader.slots()] == [2, 1]
+    big = torch.arange(2_000_000, dtype=torch.float32)  # 200,000 times larger
+    writer.save(3, {"w": big})
+    writer.save(4, {"w": big + 1})
+    assert [s.step for s in reader.slots()] == [4, 3], "the reader maps the new files"
+    step, state = reader.load()
+    assert step == 4 and torch.equal(state["w"], big + 1)
+    writer.save(5, {"w": torch.ones(3)})  # and shrinks again: the larger slot is reused
+    step, state = reader.load()
+    assert step == 5 and torch.equal(state["w"], torch.ones(3))
+    storage = FileStorage(tmp_path / "ckpt")
+    newest = reader.newest()
+    assert newest is not None
+    storage.persist(reader, newest.slot, 0)
+    assert torch.equal(storage.load(5, 0)["w"], torch.ones(3))
+    older = next(s for s in reader.slots() if s.step == 4)
+    storage.persist(reader, older.slot, 0)
+    assert torch.equal(storage.load(4, 0)["w"], big + 1), "persisted whole, never cut short"
 
 
 WRITER = textwrap.dedent("""
