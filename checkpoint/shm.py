@@ -92,7 +92,7 @@ class Segment:
         replaced the file (`ensure`); a reader that kept its old mapping would see the old
         steps only, forever. One `stat` when nothing changed."""
         try:
-            st = os.stat(self.path)
+            st = self.path.stat()
         except FileNotFoundError:
             if self.map is not None:
                 self.close()
@@ -121,7 +121,7 @@ class Segment:
             os.close(fd)
         torch.frombuffer(new, dtype=torch.uint8).zero_()  # touch every page now, not in a save
         tmp.replace(self.path)
-        st = os.stat(self.path)
+        st = self.path.stat()
         self.map, self.size, self.identity = new, size, (st.st_dev, st.st_ino)
 
     def header(self) -> Header | None:
