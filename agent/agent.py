@@ -297,6 +297,8 @@ class Agent:
             case WorkersEnded(round=rnd) if rnd == self.status.round:
                 if item.failure is not None:
                     await self.checkpoints.breakpoint()
+                else:
+                    await self.checkpoints.final()  # durable before the node says it is done
                 self._workers_ended(item)
             case _Hang(round=rnd) if rnd == self.status.round and self.workers.running:
                 await self._hung(item)

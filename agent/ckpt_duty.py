@@ -104,6 +104,22 @@ class CheckpointDuty:
             self.log.info(f"saving at breakpoint: persisting step {step} from memory")
             await self._persist(step)
 
+    async def final(self) -> int | None:
+        """The round's workers all finished: make their newest step durable before the
+        node says so. Reports the newest step every local rank holds and, with a
+        checkpoint directory, persists it whatever `persist_every` says (a persist still
+        running is waited for first). The master commits it before it ends the job, and
+        the job's shared memory is freed only once the job ended. Returns the step, or
+        None when the workers saved nothing."""
+        self._report_in_memory()
+        if self._persisting is not None:
+            await asyncio.gather(self._persisting, return_exceptions=True)
+        step = self.saver.common_step()
+        if step is not None and self.saver.storage is not None and step > self.saver.persisted_step:
+            self.log.info(f"the workers finished: persisting their last step {step}")
+            await self._persist(step)
+        return step
+
     async def commit(self, step: int, round_: int) -> None:
         """The master committed `step` (of round `round_`'s lineage): the node of group
         rank 0 records it on storage, unless a newer round abandoned that step."""

@@ -176,3 +176,56 @@ def test_no_commit_is_decided_with_a_round_and_a_stale_one_is_not_folded() -> No
     )
     s.apply(late)
     assert s.state.ckpt.committed is None, "step 105 belongs to the abandoned lineage"
+
+
+def ended(s: Sim) -> list[ev.JobEnded]:
+    return [d for d in s.decisions if isinstance(d, ev.JobEnded)]
+
+
+def test_a_finishing_job_commits_its_last_step_before_it_ends_and_names_it() -> None:
+    s = running()
+    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+        s.apply(factories.in_memory(node, 40, ranks))
+        s.apply(factories.persisted(node, 40, ranks))
+        s.apply(factories.succeeded(node, 1))
+    decided = decide(s.state, s.liveness, s.now).decisions
+    kinds = [type(d) for d in decided]
+    assert kinds.index(ev.CkptCommitted) < kinds.index(ev.JobEnded), "committed first"
+    s.tick()
+    assert s.state.ckpt.committed == 40 and s.state.phase is ev.JobPhase.FINISHED
+    assert "its last checkpoint, step 40, is committed to storage" in ended(s)[0].reason
+
+
+def test_a_job_that_ends_says_which_step_is_durable_when_the_last_is_not() -> None:
+    s = running()
+    s.apply(factories.persisted("n1", 30, (0, 1)))
+    s.apply(factories.persisted("n2", 30, (2, 3)))
+    s.tick()
+    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+        s.apply(factories.in_memory(node, 40, ranks))
+    s.apply(factories.persisted("n1", 40, (0, 1)))
+    s.apply(factories.ckpt_failed("n2", 40))
+    s.apply(factories.succeeded("n1", 1))
+    s.apply(factories.succeeded("n2", 1))
+    s.tick()
+    reason = ended(s)[0].reason
+    assert "the newest durable checkpoint is step 30, not step 40" in reason
+    assert "disk is full" in reason
+
+
+def test_a_job_with_memory_checkpoints_only_says_none_is_durable() -> None:
+    s = running()
+    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+        s.apply(factories.in_memory(node, 40, ranks))
+        s.apply(factories.succeeded(node, 1))
+    s.tick()
+    reason = ended(s)[0].reason
+    assert "step 40) was kept in memory only: no step is durable" in reason
+
+
+def test_a_job_without_flash_checkpoints_ends_with_its_plain_reason() -> None:
+    s = running()
+    s.apply(factories.succeeded("n1", 1))
+    s.apply(factories.succeeded("n2", 1))
+    s.tick()
+    assert ended(s)[0].reason == "all 2 nodes finished their workers"

@@ -131,3 +131,23 @@ def restore_point(
     if c.committed is not None:
         return c.committed, ev.RestoreSource.STORAGE
     return None, ev.RestoreSource.NONE
+
+
+def at_end(c: CkptState, nodes: list[str], committing: int | None) -> str:
+    """What a job that ends now leaves durable, as a clause of its end reason ('' when
+    its workers saved no flash checkpoint). `nodes`: the last round's members;
+    `committing`: the step committed in the same breath, if any."""
+    durable = committing if committing is not None else c.committed
+    held = [c.memory[n][0] for n in nodes if n in c.memory]
+    newest = min(held) if held and len(held) == len(nodes) else None
+    if durable is None and newest is None:
+        return ""
+    if durable is None:
+        return (
+            f"; its newest checkpoint (step {newest}) was kept in memory only: no step is "
+            "durable (give --checkpoint-dir to persist them)"
+        )
+    if newest is not None and durable < newest:
+        why = f" ({c.last_error})" if c.last_error else ": not every rank persisted it"
+        return f"; the newest durable checkpoint is step {durable}, not step {newest}{why}"
+    return f"; its last checkpoint, step {durable}, is committed to storage"

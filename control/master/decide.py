@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from msgspec.structs import replace
+
 from rove.control import events as ev
 from rove.control.master import checkpoints as ckpt
 from rove.control.master import data, netcheck, optimizer
@@ -63,8 +65,11 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
         else:
             decisions.append(_rendezvous(state, outcome, now))
     if not any(isinstance(d, ev.RoundCompleted) for d in decisions):
-        # a round formed now starts a new lineage: what to commit is decided after it
-        decisions.extend(_commit(state, now))
+        # a round formed now starts a new lineage: what to commit is decided after it.
+        # Commits go first: a job that ends now ends with its last step committed (its
+        # agents persisted it before saying their workers finished), and says so.
+        commits = _commit(state, now)
+        decisions = [*commits, *(_ending(state, d, commits) for d in decisions)]
     decisions.extend(_data(state, now))
     return Decided(decisions, waiting, scale_waiting)
 
@@ -223,6 +228,15 @@ def _commit(state: JobState, now: float) -> list[ev.Decision]:
             round=state.rdzv.round,
         )
     ]
+
+
+def _ending(state: JobState, decision: ev.Decision, commits: list[ev.Decision]) -> ev.Decision:
+    """`decision`, and if it ends the job, its reason naming the step left durable."""
+    if not isinstance(decision, ev.JobEnded):
+        return decision
+    committing = next((c.step for c in commits if isinstance(c, ev.CkptCommitted)), None)
+    clause = ckpt.at_end(state.ckpt, [m.node for m in state.rdzv.members], committing)
+    return replace(decision, reason=(decision.reason + clause)[: ev.REASON_CHARS])
 
 
 def _lost_nodes(

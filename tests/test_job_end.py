@@ -1,0 +1,125 @@
+"""Every job ends, and ends whole: its last checkpoint committed before it is declared
+finished, on one NATS server and on a 3-node cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from rove.control import events as ev
+from rove.control.bus import Bus, BusOptions
+from tests.support import TRAIN, Cluster, MasterProc, RunProc, job_events, trace_rows
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+def _flash_train(tmp_path: Path) -> list[str]:
+    """examples/train.py saving a flash checkpoint every step: its last step is its last
+    save, and the job ends right after it."""
+    return [
+        str(TRAIN),
+        "--flash",
+        "--ckpt-every",
+        "1",
+        "--steps",
+        str(STEPS),
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
+    ]
+
+
+def _assert_ended_whole(tmp_path: Path, ckpt: Path, events: list[ev.Event]) -> None:
+    last_trained = max(r["step"] for r in trace_rows(tmp_path / "trace.jsonl"))
+    assert last_trained == STEPS
+    committed = json.loads((ckpt / "committed").read_text())["step"]
+    assert committed == last_trained, "the last step trained is the committed one"
+    kinds = [(type(e).__name__, getattr(e, "step", None)) for e in events]
+    commit_at = kinds.index(("CkptCommitted", STEPS))
+    ended = next(i for i, e in enumerate(events) if isinstance(e, ev.JobEnded))
+    assert commit_at < ended, "committed before the job was declared finished"
+    end = events[ended]
+    assert isinstance(end, ev.JobEnded) and end.phase is ev.JobPhase.FINISHED
+    assert f"its last checkpoint, step {STEPS}, is committed to storage" in end.reason
+
+
+def test_a_job_that_ends_right_after_a_flash_save_commits_that_step_first(
+    tmp_path: Path,
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    node = RunProc(
+        tmp_path,
+        "solo",
+        "--standalone",
+        "--job",
+        "endjob",
+        "--nproc-per-node",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--persist-every",
+        "5",  # the last step is not one of those due: it is persisted because it is last
+        *_flash_train(tmp_path),
+    )
+    assert node.wait(180) == 0, node.log()[-3000:]
+    assert f"its last checkpoint, step {STEPS}, is committed" in node.log()
+    events = _stored(tmp_path / "rove-home", "endjob")
+    _assert_ended_whole(tmp_path, ckpt, events)
+    assert not list(Path("/dev/shm").glob("rove-ckpt-endjob*")), "memory freed once it ended"
+
+
+def _stored(home: Path, job: str) -> list[ev.Event]:
+    """The events of an ended standalone job, read from its server's store on disk."""
+    from rove.control.embedded import EmbeddedServer
+
+    async def read() -> list[ev.Event]:
+        server = EmbeddedServer(home / "jobs" / job / "nats")
+        server.start()
+        try:
+            assert server.url is not None
+            bus = await Bus.connect(BusOptions(url=server.url))
+            try:
+                return await job_events(bus, job)
+            finally:
+                await bus.close()
+        finally:
+            server.stop()
+
+    return asyncio.run(read())
+
+
+async def test_on_a_3_node_cluster_the_last_step_is_committed_before_the_job_ends(
+    nats_cluster: Cluster, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    job = "endjob3"
+    master = MasterProc(nats_cluster.url, job, "m1", tmp_path)
+    node = RunProc(
+        tmp_path,
+        "n1",
+        "--nats",
+        nats_cluster.url,
+        "--job",
+        job,
+        "--node-id",
+        "n1",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        *_flash_train(tmp_path),
+    )
+    assert await asyncio.to_thread(node.wait, 240) == 0, node.log()[-3000:]
+    bus = await Bus.connect(BusOptions(url=nats_cluster.url, replicas=3))
+    try:
+        events = await job_events(bus, job)
+    finally:
+        await bus.close()
+    master.stop()
+    _assert_ended_whole(tmp_path, ckpt, events)
