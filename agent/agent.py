@@ -38,6 +38,7 @@ import structlog
 from rove.agent import checkrun, progress, warm
 from rove.agent.ckpt_duty import CheckpointDuty
 from rove.agent.diagnosis import signal_name
+from rove.agent.exit_watch import ExitWatch, Verdict
 from rove.agent.facts import NodeFacts
 from rove.agent.heartbeat import Heartbeat, free_ports
 from rove.agent.lifecycle import AgentPhase, advance
@@ -77,6 +78,9 @@ class AgentConfig:
     #: How often checkpoints are reported/persisted and hangs looked for.
     duty_s: float = 0.25
     hang_timeout_s: float = 0.0
+    #: A worker quiet this long after it or a peer returned from its script is stuck
+    #: on its way out (`rove.agent.exit_watch`).
+    exit_timeout_s: float = 60.0
     stop_timeout_s: float = 10.0
     start_method: str = "spawn"
     #: Extra modules the warm server imports (warm start only).
@@ -160,6 +164,9 @@ class Agent:
             ports=cfg.ports_offered,
         )
         self.reports = ProgressReports(self.facts, self.workers.progress)
+        self.exit_watch = ExitWatch(self.workers, cfg.state_dir / "stacks", cfg.exit_timeout_s)
+        #: what this round's workers ended with that the job's end should say
+        self._notes: list[str] = []
         self.status = AgentStatus()
         self.log = log.bind(job=cfg.job, node=cfg.node)
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
@@ -302,6 +309,8 @@ class Agent:
                 self._workers_ended(item)
             case _Hang(round=rnd) if rnd == self.status.round and self.workers.running:
                 await self._hung(item)
+            case Verdict(round=rnd) if rnd == self.status.round and self.workers.running:
+                await self._stuck(item)
             case checkrun.CheckResult():
                 self._check_reported(item)
             case ev.MasterElected(epoch=epoch):
@@ -376,6 +385,8 @@ class Agent:
             await asyncio.to_thread(warm.wait_ready)
         pids = self.workers.start(r.round, envs)
         self.reports.start(r.round)
+        self.exit_watch.new_round(r.round)
+        self._notes = []
         # torch's start_processes installs signal handlers of its own (they raise
         # inside the event loop); the agent stops workers itself, so take them back.
         self._install_signal_handlers()
@@ -468,7 +479,11 @@ class Agent:
         if root is None:
             self.log.info("all workers finished", round=ended.round)
             self._phase(AgentPhase.FINISHED)
-            self.facts.emit(ev.WorkersSucceeded(**self.facts.envelope(), round=ended.round))
+            self.facts.emit(
+                ev.WorkersSucceeded(
+                    **self.facts.envelope(), round=ended.round, note="; ".join(self._notes)
+                )
+            )
             return
         rank = self._first_rank() + root.local_rank
         metrics.NODE_WORKER_FAILURES.labels(self.cfg.job, root.diagnosis.kind.value).inc()
@@ -510,6 +525,37 @@ class Agent:
             )
         )
 
+    async def _stuck(self, verdict: Verdict) -> None:
+        """A worker that does not end (`ExitWatch`): end it, saying where it was stuck."""
+        first = self._first_rank()
+        rank = first + verdict.local_rank
+        line = verdict.describe(rank, first)
+        if verdict.done:
+            self.log.warning(
+                f"{line}; its work was done: ending it (stacks: {verdict.stacks_path})",
+                round=verdict.round,
+                rank=rank,
+            )
+            self._notes.append(f"rank {rank} was ended, stuck {verdict.where or 'on its way out'}")
+            await asyncio.to_thread(self.workers.end, verdict.local_rank)
+            return
+        self.log.error(
+            f"{line}; killing this node's workers (stacks: {verdict.stacks_path})",
+            round=verdict.round,
+            rank=rank,
+        )
+        await self._stop_workers(signal.SIGKILL)
+        self.facts.emit(
+            ev.WorkerExited(
+                **self.facts.envelope(),
+                round=verdict.round,
+                rank=rank,
+                local_rank=verdict.local_rank,
+                kind=ev.FailureKind.HANG,
+                reason=line[: ev.REASON_CHARS],
+            )
+        )
+
     async def _stop_workers(self, sig: signal.Signals = signal.SIGTERM) -> None:
         if self._watcher is not None:
             await aio.cancel_and_wait([self._watcher])
@@ -531,6 +577,11 @@ class Agent:
                 self.log.info(f"network check round {a.check_round} with {', '.join(group.nodes)}")
                 self._side_task(self._run_check(a, group, rank))
                 return
+
+    async def _examine(self, suspect: Any) -> None:
+        verdict = await self.exit_watch.examine(suspect)
+        if verdict is not None:
+            self._inbox.put_nowait(verdict)
 
     async def _run_check(self, a: ev.NetworkCheckAssigned, group: ev.CheckGroup, rank: int) -> None:
         self._inbox.put_nowait(await checkrun.run_check(a, group, rank))
@@ -564,7 +615,11 @@ class Agent:
             self.checkpoints.tick()
             self.reports.tick()
             rnd = self.status.round
-            if self.cfg.hang_timeout_s > 0 and self._hang_round != rnd:
+            suspects, returned = self.exit_watch.tick(self.clock())
+            for suspect in suspects:
+                self._side_task(self._examine(suspect))
+            # a rank that returned reports no more steps: that is no hang
+            if self.cfg.hang_timeout_s > 0 and self._hang_round != rnd and not returned:
                 found = progress.silent(
                     self.workers.progress(), self.clock(), self.cfg.hang_timeout_s
                 )

@@ -4,6 +4,11 @@
 its parent (the agent) dies, then execs CMD in place (same pid, same open
 files, same environment). Without this, a worker of an agent killed with -9
 lives on, still wired into a round that no longer exists.
+
+`python -u -m rove.agent.child --run script|module TARGET ARGS...` runs a Python
+training script in this very interpreter instead (`rove.agent.script`: as
+`python -u TARGET ARGS` would, its process groups held, ending as a fresh
+interpreter ends) and leaves with the status that interpreter would have.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import ctypes
 import os
 import signal
 import sys
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
 
@@ -25,15 +31,36 @@ def die_with_parent() -> None:
         pass  # not Linux: the agent still stops its workers on every clean exit
 
 
+#: The first argument that runs a Python script here instead of exec'ing a command.
+RUN = "--run"
+
+
 def main() -> None:
     argv = sys.argv[1:]
-    if not argv:
-        sys.exit("usage: python -m rove.agent.child CMD [ARGS...]")
+    if not argv or (argv[0] == RUN and len(argv) < 3):
+        sys.exit(
+            "usage: python -m rove.agent.child CMD [ARGS...]\n"
+            "       python -m rove.agent.child --run script|module TARGET [ARGS...]"
+        )
     parent = os.getppid()
     die_with_parent()
     if os.getppid() != parent:
         sys.exit(1)  # the agent died before the signal was armed
+    if argv[0] == RUN:
+        _run(argv[1], argv[2], argv[3:])
     os.execvp(argv[0], argv)
+
+
+def _run(kind: str, target: str, argv: list[str]) -> NoReturn:
+    from rove.agent import script
+
+    del sys.path[0]  # `-m` put the working directory there; the script's folder goes instead
+    caught: BaseException | None = None
+    try:
+        script.run(kind, target, argv)
+    except BaseException as exc:  # noqa: BLE001 - the script's own ending, whatever it was
+        caught = exc
+    os._exit(script.exit_status(caught))
 
 
 if __name__ == "__main__":

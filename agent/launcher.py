@@ -30,7 +30,7 @@ import structlog
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
-from rove.agent import managed, warm
+from rove.agent import child, managed, warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.control import aio, auth, embedded, logs, metrics, subjects, tf_cluster
 from rove.control import events as ev
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from rove.control.kafka_bridge import KafkaBridge
 
 log = structlog.get_logger("rove.run")
+
+#: A worker quiet this long after it or a peer returned is stuck (`--hang-timeout` sets it).
+EXIT_TIMEOUT_S = 60.0
 
 
 #: torchrun's flags whose meaning under rove differs from torchrun's: rove's help text.
@@ -189,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="a worker with no step progress (rove.agent.progress.report) for this "
-        "long is hung and restarted (default: off)",
+        "long is hung and restarted (default: off); also how long a worker may stay "
+        "quiet (no CPU, I/O or step) after it or a peer returned from its script before "
+        "it is ended as stuck (default 60)",
     )
     g.add_argument(
         "--last-call-timeout",
@@ -399,8 +404,16 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         entrypoint = warm.run_script
         worker_args = list(warm.entry_args([str(a) for a in cmd_args]))
         start_method = launch.start_method
+    elif not args.no_python and str(cmd) == sys.executable:
+        # A fresh interpreter that runs the script through rove.agent.child: it dies with
+        # its agent, holds its process groups and ends as an interpreter does (see there)
+        entrypoint = sys.executable
+        worker_args = ["-u", "-m", "rove.agent.child", child.RUN]
+        worker_args += warm.entry_args([str(a) for a in cmd_args])
+        start_method = launch.start_method
     else:
-        # Through rove.agent.child, so workers die with their agent (see there).
+        # Another interpreter (PYTHON_EXEC) or --no-python: exec'd through
+        # rove.agent.child, so the worker still dies with its agent
         entrypoint = sys.executable
         worker_args = ["-m", "rove.agent.child", str(cmd), *(str(a) for a in cmd_args)]
         start_method = launch.start_method
@@ -419,6 +432,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         role=launch.role,
         heartbeat_s=args.heartbeat_interval,
         hang_timeout_s=args.hang_timeout or 0.0,
+        exit_timeout_s=args.hang_timeout or EXIT_TIMEOUT_S,
         stop_timeout_s=float(args.shutdown_timeout) if args.shutdown_timeout else 10.0,
         start_method=start_method,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,

@@ -37,7 +37,11 @@ from typing import NamedTuple
 _STEP = struct.Struct("<qddd")
 #: first step, when it ended, seconds blocked in checkpoint saves, waiting for data, restoring
 _EXTRA = struct.Struct("<qdddd")
-_LAYOUT_SIZE = _STEP.size + _EXTRA.size
+#: when the worker's script returned successfully, and when the ending that follows
+#: (threads joined, atexit handlers run) was over (0 until then): rove's script runner
+_END = struct.Struct("<dd")
+_END_AT = _STEP.size + _EXTRA.size
+_LAYOUT_SIZE = _END_AT + _END.size
 ENV = "ROVE_PROGRESS_FILE"
 
 
@@ -126,6 +130,24 @@ def restored(seconds: float) -> None:
         w.write_extra()
 
 
+def script_returned() -> None:
+    """The worker's script returned (or exited with status 0): its work is done, what
+    is left is the process's own ending (threads, atexit handlers). Written by rove's
+    script runner, so the agent can tell a rank stuck on its way out from one at work."""
+    w = _get_writer()
+    if w is not None:
+        _END.pack_into(w.map, _END_AT, time.time(), 0.0)
+
+
+def script_ended() -> None:
+    """After `script_returned`: the process's own ending is over too; what is left is
+    waiting for the other local ranks (a warm worker) and exiting."""
+    w = _get_writer()
+    if w is not None:
+        returned, _ = _END.unpack_from(w.map, _END_AT)
+        _END.pack_into(w.map, _END_AT, returned, time.time())
+
+
 def create(path: Path) -> None:
     """Agent side: a zeroed progress file for one worker."""
     path.write_bytes(b"\0" * _LAYOUT_SIZE)
@@ -142,6 +164,19 @@ def read(path: Path) -> Progress | None:
     if at <= 0:
         return None
     return Progress(step, samples, at, busy, *_EXTRA.unpack_from(data, _STEP.size))
+
+
+def ending(path: Path) -> tuple[float, float]:
+    """(when the worker's script returned successfully, when its ending was over);
+    0.0 for what has not happened (or without a file)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return 0.0, 0.0
+    if len(data) < _LAYOUT_SIZE:
+        return 0.0, 0.0
+    returned, ended = _END.unpack_from(data, _END_AT)
+    return float(returned), float(ended)
 
 
 def read_all(files: dict[int, Path]) -> dict[int, Progress]:

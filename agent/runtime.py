@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from rove.agent.diagnosis import Diagnosis
 from rove.agent.progress import Progress
+from rove.agent.stuck import Activity
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class WorkerRuntime(abc.ABC):
     * `running`, `round`, `pids()` and `progress()` (each local rank's last
       reported step) describe the workers now; `progress()` reads files and
       may be called from any thread.
+    * `activity()` says what each live worker has done so far (CPU, I/O, steps,
+      whether its script returned), for the agent's watch on workers stuck on their
+      way out (`rove.agent.stuck`); `end(local_rank)` kills one such worker whose
+      work was done: the round still counts as succeeded. Runtimes whose workers
+      are not watched this way return {} and are never asked to `end` one.
 
     Implementations are safe to call from several threads: `wait` does its
     blocking work in one while `stop` may run in another.
@@ -105,3 +111,9 @@ class WorkerRuntime(abc.ABC):
 
     @abc.abstractmethod
     def progress(self) -> dict[int, Progress]: ...
+
+    def activity(self) -> dict[int, Activity]:
+        return {}
+
+    def end(self, local_rank: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not end single workers")

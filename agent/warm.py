@@ -11,10 +11,12 @@ function entrypoints.
 
 In the forked worker, `run_script` does what `python -u SCRIPT ARGS` (or
 `python -u -m MODULE ARGS`) would: `sys.argv`, `sys.path[0]`, unbuffered
-output, `__name__ == "__main__"`. What differs from a fresh interpreter:
-modules imported by the server are already imported (with the environment the
-agent had when it started), and OpenMP reads `OMP_NUM_THREADS` only once, so
-the worker applies it with `torch.set_num_threads`.
+output, `__name__ == "__main__"`, a session of its own, and the ending of an
+interpreter (threads joined, atexit handlers run: `rove.agent.script`). What
+differs from a fresh interpreter: modules imported by the server are already
+imported (with the environment the agent had when it started), and OpenMP reads
+`OMP_NUM_THREADS` only once, so the worker applies it with
+`torch.set_num_threads`.
 
 Workers die with their agent: the server exits when the agent does (its
 alive-pipe closes), and each worker asks the kernel for SIGKILL when the server
@@ -26,12 +28,9 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import runpy
 import sys
-from pathlib import Path
 
-import setproctitle
-
+from rove.agent import script
 from rove.agent.child import die_with_parent
 
 #: Imported by the server before it forks anything.
@@ -42,6 +41,8 @@ PRELOAD = (
     "torch._dynamo",  # DDP imports it on construction: about 1 s
     "torch.distributed.elastic.multiprocessing",
     "rove.agent.warm",
+    "rove.agent.script",
+    "rove.agent.groups",
     "rove.agent.progress",
     "rove.checkpoint.api",
 )
@@ -85,6 +86,9 @@ def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
 def run_script(kind: str, target: str, *argv: str) -> None:
     """Run the training script or module in this (forked) process as `__main__`."""
     die_with_parent()  # the server's death; it dies with the agent
+    # A session of its own, as torchrun's workers have: a terminal's Ctrl-C reaches the
+    # launcher alone, which forwards it (workers shared the launcher's group before).
+    os.setsid()
     if os.getpid() != SERVER_PID and os.getppid() != SERVER_PID:
         # The server (so the agent) died between the fork and the line above: the signal
         # was armed too late and would never come. An orphan must not train on.
@@ -102,13 +106,4 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True, write_through=True)
-    # `ps` and `pkill -f` see the command a fresh worker would have, not the server's.
-    flags = ["-u", "-m"] if kind == "module" else ["-u"]
-    setproctitle.setproctitle(" ".join([sys.executable, *flags, target, *argv]))
-    sys.argv = [target, *argv]
-    if kind == "module":
-        sys.path.insert(0, str(Path.cwd()))
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, str(Path(target).resolve().parent))
-        runpy.run_path(target, run_name="__main__")
+    script.run(kind, target, argv)

@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import structlog
 from torch.distributed.elastic.multiprocessing import (
     DefaultLogsSpecs,
@@ -35,6 +36,7 @@ from rove.agent import progress
 from rove.agent.diagnosis import Diagnosis, classify, read_tail
 from rove.agent.runtime import RootFailure, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
+from rove.agent.stuck import Activity
 from rove.control.events import FailureKind
 
 log = structlog.get_logger("rove.agent")
@@ -64,6 +66,8 @@ class TorchRuntime(WorkerRuntime):
         self.pcontext: PContext | None = None
         self._round = 0
         self.progress_files: dict[int, Path] = {}
+        #: pids killed after their work was done (lingering, or stuck on their way out)
+        self._reaped: set[int] = set()
         self._lock = threading.Lock()  # start, poll and stop run in different threads
         quiet_torch_tracebacks()
 
@@ -88,6 +92,7 @@ class TorchRuntime(WorkerRuntime):
         with self._lock:
             assert self.pcontext is None, "the previous round's workers still run"
             self.progress_files = files
+            self._reaped = set()
             self.pcontext = start_processes(
                 name=self.name,
                 entrypoint=self.entrypoint,
@@ -107,14 +112,13 @@ class TorchRuntime(WorkerRuntime):
         rnd = self._round
         pids = self.pids()
         watched = Sentinels(pids, _return_fds(self.pcontext))
-        reaped: set[int] = set()
-        reaper = asyncio.create_task(self._reap_lingering(pids, reaped))
+        reaper = asyncio.create_task(self._reap_lingering(pids, self._reaped))
         try:
             while True:
                 result = await asyncio.to_thread(self._poll)
                 if result is not None:
-                    failed = result.is_failed() and not (
-                        reaped and {f.pid for f in result.failures.values()} <= reaped
+                    failed = result.is_failed() and not all(
+                        self._was_done(f) for f in result.failures.values()
                     )
                     return WorkersEnded(rnd, root_failure(result) if failed else None)
                 if not await watched.next_exit():
@@ -125,15 +129,24 @@ class TorchRuntime(WorkerRuntime):
             reaper.cancel()
             watched.close()
 
+    def _was_done(self, failure: ProcessFailure) -> bool:
+        """A worker that ended badly after its work was done: killed by the agent once
+        done (`_reaped`), or torn down by torch after its script had returned (when a
+        peer that never returned was ended)."""
+        path = self.progress_files.get(failure.local_rank)
+        return failure.pid in self._reaped or (
+            path is not None and progress.ending(path)[0] > 0 and bool(self._reaped)
+        )
+
     async def _reap_lingering(self, pids: dict[int, int], reaped: set[int]) -> None:
         """Kill a worker that returned from its function but does not exit.
 
         Once every worker of a function entrypoint has returned, torch tells them to
-        exit and waits for each, without a timeout, holding the agent's poll: a
-        process stuck on its way out (an atexit hook, a thread that never ends) would
-        leave the agent waiting forever while the job waits for this node. After
-        `exit_grace_s` such a process is killed (`reaped`); its work was done, so
-        the round still counts as succeeded.
+        exit and waits for each, without a timeout, holding the agent's poll. A worker
+        returns from `rove.agent.script.run` only after its ending (threads joined,
+        atexit handlers run: one stuck there is the exit watch's), so little is left
+        that could hold it; this is the backstop: after `exit_grace_s` such a process
+        is killed (`reaped`); its work was done, so the round still counts as succeeded.
         """
         finished = getattr(self.pcontext, "_worker_finished_event", None)
         if finished is None:
@@ -173,6 +186,43 @@ class TorchRuntime(WorkerRuntime):
 
     def progress(self) -> dict[int, progress.Progress]:
         return progress.read_all(self.progress_files)
+
+    def activity(self) -> dict[int, Activity]:
+        out = {}
+        files = self.progress_files
+        for local_rank, pid in self.pids().items():
+            path = files.get(local_rank)
+            reported = progress.read(path) if path is not None else None
+            returned_at, ended_at = progress.ending(path) if path is not None else (0.0, 0.0)
+            cpu_s, io, alive = 0.0, 0, True
+            try:
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    alive = proc.status() != psutil.STATUS_ZOMBIE
+                    cpu = proc.cpu_times()
+                    counters = proc.io_counters()
+                cpu_s, io = cpu.user + cpu.system, counters.read_chars + counters.write_chars
+            except psutil.NoSuchProcess:
+                alive = False
+            except (psutil.Error, OSError):
+                continue  # its I/O cannot be read: not watched
+            out[local_rank] = Activity(
+                cpu_s=cpu_s,
+                io=io,
+                step=reported.step if reported is not None else -1,
+                returned_at=returned_at,
+                ended_at=ended_at,
+                alive=alive,
+            )
+        return out
+
+    def end(self, local_rank: int) -> None:
+        pid = self.pids().get(local_rank)
+        if pid is None:
+            return
+        self._reaped.add(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

@@ -338,9 +338,12 @@ class TrainingProgress(NodeFact, tag="training_progress", frozen=True, kw_only=T
 
 
 class WorkersSucceeded(NodeFact, tag="workers_succeeded", frozen=True, kw_only=True):
-    """Every worker of `node` in `round` exited with code 0."""
+    """Every worker of `node` in `round` finished its script: each exited with code 0,
+    or was ended by the agent once its work was done, stuck on its way out (`note`
+    says which and where)."""
 
     round: int
+    note: str = ""
 
 
 # --------------------------------------------------------------------------- data shards

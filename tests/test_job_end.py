@@ -123,3 +123,53 @@ async def test_on_a_3_node_cluster_the_last_step_is_committed_before_the_job_end
         await bus.close()
     master.stop()
     _assert_ended_whole(tmp_path, ckpt, events)
+
+
+DEADLOCK = Path(__file__).parent / "scripts" / "teardown_deadlock.py"
+
+
+def _deadlock_job(tmp_path: Path, name: str, *flags: str, hold: bool) -> RunProc:
+    return RunProc(
+        tmp_path,
+        name,
+        "--standalone",
+        "--job",
+        name,
+        "--nproc-per-node",
+        "2",
+        "--hang-timeout",
+        "5",
+        *flags,
+        str(DEADLOCK),
+        env={"ROVE_HOLD_PROCESS_GROUPS": "1" if hold else "0"},
+    )
+
+
+def test_a_script_that_would_deadlock_in_torchs_gloo_teardown_ends_when_groups_are_held(
+    tmp_path: Path,
+) -> None:
+    node = _deadlock_job(tmp_path, "held", hold=True)
+    assert node.wait(180) == 0, node.log()[-3000:]
+    log = node.log()
+    assert "rank 0: done" in log and "rank 1: done" in log, "no rank deadlocked"
+    assert "is stuck" not in log
+
+
+@pytest.mark.parametrize("start", ["warm", "fresh"])
+def test_a_rank_stuck_in_torchs_teardown_after_its_peer_returned_is_named_and_ended(
+    tmp_path: Path, start: str
+) -> None:
+    """The workaround switched off, torch deadlocks rank 0 as it drops its DDP module
+    after rank 1 returned: the agent writes its stacks, names the deadlock, ends the rank
+    and the job ends saying so."""
+    flags = () if start == "warm" else ("--no-warm-start",)
+    node = _deadlock_job(tmp_path, f"stuck-{start}", *flags, hold=False)
+    assert node.wait(240) == 0, node.log()[-3000:]
+    log = node.log()
+    assert "rank 1: done" in log and "rank 0: done" not in log, "rank 0 deadlocked"
+    assert "worker rank 0 is stuck in torch's gloo teardown deadlock" in log
+    assert "after rank 1 returned; its work was done: ending it" in log
+    assert "c10d::ProcessGroupGloo::~ProcessGroupGloo" in log, "its stacks are in the log"
+    (stacks,) = (tmp_path / "rove-home").rglob("stacks/round1-local0-*.txt")
+    assert "gil_scoped_acquire" in stacks.read_text()
+    assert "rank 0 was ended, stuck in torch's gloo teardown deadlock" in log.splitlines()[-1]

@@ -54,6 +54,15 @@ def _reports(tmp_path: Path) -> dict[str, dict[str, object]]:
     return {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
 
 
+def _ended_as_an_interpreter_ends(tmp_path: Path, reports: dict[str, dict[str, object]]) -> None:
+    """Each worker ran in a session of its own, ran its script's atexit handlers and
+    flushed the file its script left open, as a fresh interpreter does."""
+    for rank, r in reports.items():
+        assert r["sid"] == r["pid"], "a session of its own, as torchrun's workers have"
+        assert (tmp_path / f"{rank}.atexit").read_text() == "ran", "atexit handlers ran"
+        assert (tmp_path / f"{rank}.unclosed").read_text() == "flushed at the end"
+
+
 @pytest.mark.slow
 def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
     tmp_path: Path,
@@ -72,6 +81,7 @@ def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
         assert f"-u {SCRIPT} {tmp_path}" in str(r["cmdline"]), "ps and pkill -f see the script"
     assert len({r["ppid"] for r in reports.values()}) == 1, "one server forked both"
     assert "rank 0 says hello" in log and "rank 1 says hello" in log
+    _ended_as_an_interpreter_ends(tmp_path, reports)
 
 
 @pytest.mark.slow
@@ -80,7 +90,24 @@ def test_without_warm_start_workers_are_fresh_interpreters(tmp_path: Path) -> No
     assert code == 0, log[-3000:]
     reports = _reports(tmp_path)
     assert sorted(reports) == ["0", "1"]
-    assert all(r["torch_preloaded"] is False for r in reports.values())
+    for r in reports.values():
+        assert r["torch_preloaded"] is False
+        assert r["name"] == "__main__" and r["argv"] == [str(SCRIPT), str(tmp_path)]
+        assert r["path0"] == str(SCRIPT.parent), "the script's folder, not the working one"
+        assert f"-u {SCRIPT} {tmp_path}" in str(r["cmdline"]), "ps and pkill -f see the script"
+    _ended_as_an_interpreter_ends(tmp_path, reports)
+
+
+@pytest.mark.slow
+def test_a_fresh_worker_that_raises_fails_with_its_own_traceback(tmp_path: Path) -> None:
+    code, log = _run(tmp_path, "--no-warm-start", script_args=("--raise",))
+    assert code != 0
+    assert "ValueError: rank 1 refuses on purpose" in log, log[-3000:]
+    assert "how_started.py" in log
+    assert "rove/agent" not in log.split("Traceback", 1)[-1].split("ValueError")[0], (
+        "rove's frames are not in the script's traceback"
+    )
+    assert (tmp_path / "1.atexit").read_text() == "ran", "atexit handlers run after an error"
 
 
 @pytest.mark.slow

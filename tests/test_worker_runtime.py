@@ -1,6 +1,6 @@
 """The worker runtime port's contract, run against each way torch workers start.
 
-`fresh`: a new interpreter per worker (`python -m rove.agent.child python -u SCRIPT`);
+`fresh`: a new interpreter per worker (`python -u -m rove.agent.child --run script SCRIPT`);
 `warm`: a function entrypoint forked from the warm server. A TensorFlow runtime
 will pass the same suite.
 """
@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from rove.agent import warm
 from rove.agent.runtime import WorkerRuntime
 from rove.agent.workers import TorchRuntime
 from rove.control.events import FailureKind
-from tests.support import patience, pid_alive
+from tests.support import eventually, patience, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,19 @@ if os.environ.get("LINGER_RANK") == str(rank):  # returns, then never exits
 
 
 @pytest.fixture(params=["fresh", "warm"])
-def runtime(request: pytest.FixtureRequest, tmp_path: Path) -> WorkerRuntime:
+def runtime(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[WorkerRuntime]:
+    made = _runtime(request.param, tmp_path)
+    yield made
+    # a failed test may leave workers (and torch's threads that tee their logs) behind
+    made.stop(signal.SIGKILL, 1.0)
+
+
+def _runtime(kind: str, tmp_path: Path) -> WorkerRuntime:
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT)
     # as `rove run` sets them: stderr on the console and in a file, for the diagnosis
     logs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.NONE, tee=Std.ERR)
-    if request.param == "warm":
+    if kind == "warm":
         warm.start(())
         return TorchRuntime(
             warm.run_script,
@@ -57,7 +65,7 @@ def runtime(request: pytest.FixtureRequest, tmp_path: Path) -> WorkerRuntime:
         )
     return TorchRuntime(
         sys.executable,
-        ["-m", "rove.agent.child", sys.executable, "-u", str(script)],
+        ["-u", "-m", "rove.agent.child", "--run", "script", str(script)],
         logs,
         tmp_path / "progress",
     )
@@ -142,21 +150,24 @@ async def test_progress_reports_each_ranks_step(runtime: WorkerRuntime) -> None:
         await asyncio.to_thread(runtime.stop, signal.SIGTERM, 10.0)
 
 
-async def test_a_warm_worker_that_returns_but_never_exits_is_killed_after_a_grace(
-    tmp_path: Path,
+async def test_a_worker_stuck_after_its_script_returned_is_seen_and_ended_as_done(
+    runtime: WorkerRuntime,
 ) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(SCRIPT)
-    warm.start(())
-    runtime = TorchRuntime(
-        warm.run_script,
-        ["script", str(script)],
-        DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.NONE, tee=Std.ERR),
-        tmp_path / "progress",
-        start_method="forkserver",
-        exit_grace_s=1.0,
-    )
+    """A script that returns with a thread that never ends keeps its process alive, as
+    in a fresh interpreter: the runtime shows it returned but not ended, and a worker
+    the agent ends then counts as done (`rove.agent.exit_watch`)."""
     pids = runtime.start(1, envs(2, LINGER_RANK="1"))
+
+    def lingering() -> bool:
+        a = runtime.activity()
+        done = 0 not in a or not a[0].alive or a[0].ended_at > 0  # warm: waits for rank 1
+        return 1 in a and a[1].returned_at > 0 and done
+
+    await eventually(lingering, timeout=60)
+    stuck = runtime.activity()[1]
+    assert stuck.alive and stuck.ended_at == 0, "its ending waits for the thread"
+    assert stuck.step == 1
+    await asyncio.to_thread(runtime.end, 1)
     ended = await asyncio.wait_for(runtime.wait(), patience(60))
     assert ended.failure is None, "its work was done: the round succeeded"
     assert not runtime.running

@@ -80,6 +80,8 @@ class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
     failure: Failure | None = None
     last_failure: Failure | None = None
     succeeded: frozenset[str] = frozenset()
+    #: what the round's nodes said as their workers finished (a worker ended stuck)
+    notes: tuple[str, ...] = ()
     broken_since: float | None = None
     excluded: immutables.Map[str, str] = msgspec.field(default_factory=immutables.Map)
     master_port: int = 0
@@ -173,7 +175,8 @@ def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
 def on_workers_succeeded(r: RdzvState, e: ev.WorkersSucceeded) -> RdzvState:
     if not _reports_on_current_round(r, e):
         return r
-    return replace(r, succeeded=r.succeeded | {e.node})
+    notes = (*r.notes, f"on node {e.node}, {e.note}") if e.note else r.notes
+    return replace(r, succeeded=r.succeeded | {e.node}, notes=notes)
 
 
 #: Task restarts kept for `rove status` (their count per role is exact).
@@ -206,6 +209,7 @@ def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
         last_failure=r.failure if restarted else None,
         failure=None,
         succeeded=frozenset(),
+        notes=(),
         broken_since=None,
         master_port=e.master_port,
         tasks=e.tasks,
@@ -325,7 +329,9 @@ def _finished(r: RdzvState) -> str | None:
             return f"the TensorFlow coordinator (chief, on node {head.node}) finished"
         return None
     if r.succeeded >= {m.node for m in r.members}:
-        return f"all {len(r.members)} nodes finished their workers"
+        return f"all {len(r.members)} nodes finished their workers" + "".join(
+            f"; {note}" for note in r.notes
+        )
     return None
 
 

@@ -2,10 +2,13 @@
 
 Checked before anything is imported: whether torch was already imported (warm
 start forks workers from a server that imported it), `__name__`, `sys.argv`,
-`sys.path[0]`. `--raise` makes rank 1 raise after writing, to test the error
-path of a warm worker.
+`sys.path[0]`, its session. At exit (an atexit handler) it writes OUT/<rank>.atexit,
+and it leaves OUT/<rank>.unclosed open with buffered text, which a fresh interpreter
+flushes as it ends. `--raise` makes rank 1 raise after writing, to test the error
+path of a worker.
 """
 
+import atexit
 import sys
 
 preloaded = "torch" in sys.modules
@@ -30,9 +33,13 @@ rank = os.environ["RANK"]
             "ppid": os.getppid(),
             "start_method": __import__("multiprocessing").get_start_method(),
             "cmdline": Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(),
+            "sid": os.getsid(0),
         }
     )
 )
+atexit.register(lambda: (out / f"{rank}.atexit").write_text("ran"))
+unclosed = open(out / f"{rank}.unclosed", "w")  # noqa: SIM115 - left open on purpose
+unclosed.write("flushed at the end")
 print(f"rank {rank} says hello", flush=True)
 if "--raise" in sys.argv and rank == "1":
     raise ValueError("rank 1 refuses on purpose")
