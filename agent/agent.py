@@ -27,6 +27,7 @@ import hashlib
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from rove.agent import checkrun, progress, warm
+from rove.agent import checkrun, child, progress, warm
 from rove.agent.ckpt_duty import CheckpointDuty
 from rove.agent.diagnosis import signal_name
 from rove.agent.exit_watch import ExitWatch, Verdict
@@ -139,6 +140,7 @@ class Agent:
         *,
         clock: Callable[[], float] = time.time,
         runtime: Callable[[AgentConfig, str], WorkerRuntime] = default_runtime,
+        signals: aio.StopSignals | None = None,
     ):
         self.bus = bus
         self.cfg = cfg
@@ -179,6 +181,10 @@ class Agent:
         self._checks_run: set[int] = set()
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._watcher: asyncio.Task[None] | None = None
+        #: SIGINT/SIGTERM: the launcher's, for the whole process, or the agent's own
+        self.signals = signals or aio.StopSignals()
+        self._own_signals = signals is None
+        self._interrupted = asyncio.Event()
 
     @property
     def _warm(self) -> bool:
@@ -236,17 +242,23 @@ class Agent:
             self._on_rejected,
             last_per_subject=True,
         )
-        self._install_signal_handlers()
+        self.signals.ask, self.signals.insist = self.interrupt, self.kill_now
+        self.signals.install()
+        if self.signals.received:  # before the agent was there to hear it
+            self.interrupt(self.signals.received[0])
         tasks = [
             asyncio.create_task(self._actor(), name="actor"),
             asyncio.create_task(self._duties(), name="duties"),
             asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
         ]
+        for task in [*tasks, self.facts.outbox.task]:
+            if task is not None:
+                task.add_done_callback(self._supervise)
         try:
             code = await self._done
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+            if self._own_signals:
+                self.signals.remove()
             await aio.cancel_and_wait([*tasks, *self._side_tasks])
             await self._stop_workers()
             await _stop_feed(feed)
@@ -256,15 +268,43 @@ class Agent:
                     "could not send every fact before exiting", unsent=self.facts.outbox.pending
                 )
             await self.facts.outbox.stop()
+            if self._warm:
+                warm.stop()  # nothing left to fork (a server still importing would linger)
             if self.status.phase is not AgentPhase.STOPPING:
                 self._phase(AgentPhase.STOPPING)  # leaving on an error, not a decision
             self._phase(AgentPhase.STOPPED)
         return code
 
-    def _install_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._inbox.put_nowait, _Signal(sig))
+    def interrupt(self, signum: int) -> None:
+        """The first SIGINT or SIGTERM: the workers get it too, and the agent leaves
+        (once they ended, or after the stop timeout). Called on the event loop."""
+        self._interrupted.set()
+        self._inbox.put_nowait(_Signal(signum))
+
+    def kill_now(self, signum: int) -> None:
+        """A second signal: kill the workers, their children and the warm server, and
+        end this process at once."""
+        name = signal.Signals(signum).name
+        self.log.warning(f"received {name} again: killing the workers and leaving at once")
+        child.kill_trees(list(self.workers.pids().values()))
+        warm.stop()
+        self.signals.exit_now(signum)
+
+    def _supervise(self, task: asyncio.Task[Any]) -> None:
+        """A long-lived task ended: unless the agent is leaving, that is a bug. Say so
+        with its traceback and leave the job, rather than live on doing nothing."""
+        if task.cancelled() or (self._done is not None and self._done.done()):
+            return
+        exc = task.exception()
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else "it returned"
+        self.log.error(
+            f"the agent's {task.get_name()} task ended ({what}); leaving the job",
+            exc_info=exc,
+        )
+        self._finish(
+            EXIT_FAILED,
+            f"internal error: the agent's {task.get_name()} task ended ({what}); see the log above",
+        )
 
     def _finish(self, code: int, reason: str) -> None:
         self.status.end_reason = reason
@@ -282,7 +322,14 @@ class Agent:
     def _side_task(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
+        task.add_done_callback(self._side_task_ended)
+
+    def _side_task_ended(self, task: asyncio.Task[Any]) -> None:
+        """A short task (a network check, a look at a stuck worker) is not worth the
+        job: its failure is logged with its traceback, and the agent goes on."""
+        self._side_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("a task of the agent failed", exc_info=task.exception())
 
     # ------------------------------------------------------------------ actor
 
@@ -297,8 +344,11 @@ class Agent:
         match item:
             case _Signal(signum=signum):
                 name = signal.Signals(signum).name
-                self.log.info(f"received {name}; stopping workers and leaving the job")
-                await self._stop_workers()
+                self.log.info(
+                    f"received {name}; passing it to the workers and leaving the job "
+                    f"(again: at once)"
+                )
+                await self._stop_workers(signal.Signals(signum))
                 await self.checkpoints.breakpoint()
                 self._finish(128 + signum, f"agent received {name}")
             case WorkersEnded(round=rnd) if rnd == self.status.round:
@@ -379,17 +429,15 @@ class Agent:
             r.round, r.restore_step, ranks, r.world_size, group_rank, self.job_run
         )
         self._group_rank = group_rank
-        if self._warm:
-            # Forking workers waits for the warm server's imports (seconds on a busy
-            # machine): wait for them here, off the event loop, so heartbeats go on.
-            await asyncio.to_thread(warm.wait_ready)
+        if self._warm and not await self._warm_ready():
+            return  # a signal came first: the actor acts on it next
         pids = self.workers.start(r.round, envs)
         self.reports.start(r.round)
         self.exit_watch.new_round(r.round)
         self._notes = []
         # torch's start_processes installs signal handlers of its own (they raise
         # inside the event loop); the agent stops workers itself, so take them back.
-        self._install_signal_handlers()
+        self.signals.install()
         self._round_event = r
         self._phase(AgentPhase.RUNNING)
         self.status.starts += 1
@@ -419,6 +467,31 @@ class Agent:
                 pids=tuple(pids[lr] for lr in sorted(pids)),
             )
         )
+
+    async def _warm_ready(self) -> bool:
+        """Wait for the warm server's imports (seconds on a busy machine; forking waits
+        for them too) in a thread of its own, so heartbeats go on and a signal is not
+        kept waiting (nor is the process's exit: the thread is a daemon). False when a
+        signal came first."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def done() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        def wait() -> None:
+            warm.wait_ready()
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(done)
+
+        threading.Thread(target=wait, name="warm-ready", daemon=True).start()
+        interrupted: asyncio.Future[Any] = asyncio.ensure_future(self._interrupted.wait())
+        try:
+            await asyncio.wait([ready, interrupted], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            interrupted.cancel()
+        return ready.done() and not self._interrupted.is_set()
 
     async def _watch(self) -> None:
         """Wait for this round's workers to end; hand that to the actor."""

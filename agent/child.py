@@ -35,6 +35,24 @@ def die_with_parent() -> None:
 RUN = "--run"
 
 
+def kill_trees(pids: list[int]) -> None:
+    """SIGKILL these processes and every process below them, now (a second signal)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            top = psutil.Process(pid)
+            procs += [top, *top.children(recursive=True)]
+        except psutil.Error:
+            continue
+    for proc in procs:
+        try:
+            proc.kill()  # psutil checks the pid still names the same process
+        except psutil.Error:
+            continue
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if not argv or (argv[0] == RUN and len(argv) < 3):

@@ -332,11 +332,29 @@ def _auto_config(args: argparse.Namespace) -> None:
         args.network_check = True
 
 
+#: Numeric flags and the least each may be (an out-of-range one is refused at once).
+_AT_LEAST = (
+    ("node_unit", 1),
+    ("max_restarts", 0),
+    ("persist_every", 1),
+    ("keep_checkpoints", 1),
+    ("shutdown_timeout", 0),
+    ("monitor_interval", 0),
+)
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for dest, least in _AT_LEAST:
+        value = getattr(args, dest, None)
+        if value is not None and value < least:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least {least}, got {value:g}")
+
+
 def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     """The agent's configuration from parsed arguments; raises ConfigError for bad ones."""
     _auto_config(args)
-    if args.node_unit < 1:
-        raise ConfigError(f"--node-unit must be at least 1, got {args.node_unit}")
+    _check_ranges(args)
     standalone = bool(args.standalone)
     try:
         lo, hi = parse_min_max_nnodes(str(args.nnodes))
@@ -360,7 +378,18 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         raise ConfigError("--run-path runs a script file: it cannot go with -m or --no-python")
     if not (args.module or args.no_python) and not script.is_file():
         raise ConfigError(f"training script {args.training_script} not found")
-    launch, cmd, cmd_args = config_from_args(args)
+    nproc_error = ConfigError(
+        f"--nproc-per-node must be a number of at least 1, or auto, cpu or gpu; "
+        f"got {args.nproc_per_node}"
+    )
+    try:
+        launch, cmd, cmd_args = config_from_args(args)
+    except ValueError as exc:
+        if "nproc_per_node" in str(exc):
+            raise nproc_error from exc
+        raise
+    if launch.nproc_per_node < 1:
+        raise nproc_error
     if launch.min_nodes > launch.max_nodes:
         raise ConfigError(f"--nnodes {args.nnodes}: MIN is larger than MAX")
     if launch.max_nodes < args.node_unit:
@@ -509,6 +538,10 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
             "no NATS server to meet the other nodes on: pass --nats URL (or set "
             "ROVE_NATS_URL), or --standalone for a one-machine job with its own server and master"
         )
+    # SIGINT and SIGTERM for the whole run: the first stops the job's workers (with the
+    # same signal) and leaves cleanly, a second one ends everything at once
+    signals = aio.StopSignals()
+    signals.install()
     options = common.bus_options(
         args,
         name=f"rove-agent-{cfg.node}",
@@ -542,7 +575,7 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
             file=sys.stderr,
             flush=True,
         )
-        agent = Agent(bus, cfg)
+        agent = Agent(bus, cfg, signals=signals)
         code = await agent.run()
         print(f"rove: {agent.status.end_reason}", file=sys.stderr, flush=True)
         return code

@@ -25,9 +25,11 @@ dies.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 
 from rove.agent import script
@@ -58,6 +60,16 @@ def start(extra: tuple[str, ...] = ()) -> None:
     """Start the warm server now (it imports in the background); idempotent."""
     multiprocessing.set_forkserver_preload([*PRELOAD, *extra])
     multiprocessing.forkserver.ensure_running()
+
+
+def stop() -> None:
+    """Kill the warm server now, if this process started one (a second signal: there
+    is nothing left to fork; it would end by itself once this process exits)."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def wait_ready() -> None:

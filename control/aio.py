@@ -1,13 +1,16 @@
 """Running rove's coroutines: on uvloop when it is installed (10-40% faster JetStream I/O).
 
 Also `cancel_and_wait`, the one way rove stops its background tasks, and
-`stop_on_signals`, how a daemon ends on SIGTERM or SIGINT.
+`StopSignals` / `stop_on_signals`, how a rove process ends on SIGTERM or SIGINT: the
+first signal asks it to stop cleanly, a second one ends it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
@@ -45,8 +48,53 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], *, recancel_s: f
             t.exception()  # retrieved: no "exception was never retrieved" warning
 
 
-def stop_on_signals(stop: Callable[[], object]) -> None:
-    """Call `stop()` when this process gets SIGTERM or SIGINT (inside a running loop)."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
+class StopSignals:
+    """SIGTERM and SIGINT for a process that stops in two steps.
+
+    The first signal *asks*: `ask(signum)` starts a clean stop (it must return at once:
+    it runs on the event loop). Any later one *insists*: `insist(signum)` ends the
+    process now (the default: `exit_now`). Both may be set after `install()`; a signal
+    received before `ask` was set is in `received`, for the owner to act on.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(
+        self,
+        ask: Callable[[int], object] | None = None,
+        insist: Callable[[int], object] | None = None,
+    ) -> None:
+        self.ask: Callable[[int], object] = ask or (lambda _signum: None)
+        self.insist: Callable[[int], object] = insist or self.exit_now
+        self.received: list[int] = []
+
+    def install(self) -> None:
+        """Handle both signals on the running loop (again: after a library replaced the
+        handlers, as torch's `start_processes` does)."""
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            loop.add_signal_handler(sig, self._on, sig)
+
+    def remove(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    def _on(self, signum: int) -> None:
+        self.received.append(signum)
+        (self.ask if len(self.received) == 1 else self.insist)(signum)
+
+    def exit_now(self, signum: int) -> None:
+        """End this process at once, with the status of the first signal received
+        (128 + its number, as a shell reports a process a signal ended)."""
+        name = signal.Signals(signum).name
+        print(f"rove: {name} again: stopping at once", file=sys.stderr, flush=True)
+        os._exit(128 + self.received[0])
+
+
+def stop_on_signals(stop: Callable[[], object]) -> StopSignals:
+    """Call `stop()` when this process gets SIGTERM or SIGINT (inside a running loop);
+    a second signal ends the process at once."""
+    signals = StopSignals(lambda _signum: stop())
+    signals.install()
+    return signals

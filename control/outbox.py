@@ -46,6 +46,11 @@ class Outbox:
         self._queue.put_nowait(event)
 
     @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The task that publishes (for its owner to supervise)."""
+        return self._task
+
+    @property
     def pending(self) -> int:
         return self._queue.qsize() + (0 if self._idle.is_set() else 1)
 

@@ -1,0 +1,199 @@
+"""SIGINT and SIGTERM stop `rove run` at every stage of a job and leave no process
+behind; the workers get the signal rove received; a second signal ends it at once.
+Out-of-range numbers are refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rove.control.embedded import EmbeddedServer
+from tests.support import MasterProc, RunProc, patience, rove_cli
+
+SCRIPTS = Path(__file__).parent / "scripts"
+WORKER = SCRIPTS / "signal_worker.py"
+
+
+class Watched:
+    """A `rove run` started in a session of its own (as from a terminal), and every
+    process it started, kept as it runs: after it ends, none may be left."""
+
+    def __init__(self, tmp_path: Path, name: str, *args: str, env: dict[str, str] | None = None):
+        self.run = RunProc(tmp_path, name, *args, env=env, preexec=os.setsid)
+        self.seen: dict[int, psutil.Process] = {}
+
+    def look(self) -> None:
+        try:
+            top = psutil.Process(self.run.proc.pid)
+            for proc in [top, *top.children(recursive=True)]:
+                self.seen.setdefault(proc.pid, proc)
+        except psutil.Error:
+            pass
+
+    def wait_for(self, check: object, timeout: float = 120) -> None:
+        deadline = time.monotonic() + patience(timeout)
+        while time.monotonic() < deadline:
+            self.look()
+            if callable(check) and check():
+                return
+            assert self.run.proc.poll() is None, self.run.log()[-3000:]
+            time.sleep(0.1)
+        pytest.fail(f"not reached within {timeout}s:\n{self.run.log()[-3000:]}")
+
+    def signal(self, sig: int, *, group: bool = False) -> None:
+        self.look()
+        if group:  # as a terminal's Ctrl-C: the whole foreground process group
+            os.killpg(self.run.proc.pid, sig)
+        else:
+            self.run.proc.send_signal(sig)
+
+    def ended(self, within: float) -> int:
+        code = self.run.wait(within)
+        deadline = time.monotonic() + patience(10)
+        left: list[str] = []
+        while time.monotonic() < deadline:
+            left = [
+                f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in self.seen.values() if _running(p)
+            ]
+            if not left:
+                return code
+            time.sleep(0.1)
+        pytest.fail("processes left behind:\n" + "\n".join(left))
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _started(out: Path, n: int = 2) -> bool:
+    return len(list(out.glob("*.started"))) == n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["warm", "fresh"])
+def test_ctrl_c_while_training_reaches_the_workers_once_and_lets_them_clean_up(
+    tmp_path: Path, start: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    flags = () if start == "warm" else ("--no-warm-start",)
+    job = Watched(
+        tmp_path, "ctrlc", "--standalone", "--nproc-per-node", "2", *flags, str(WORKER), str(out)
+    )
+    job.wait_for(lambda: _started(out))
+    job.signal(signal.SIGINT, group=True)
+    assert job.ended(within=60) == 128 + signal.SIGINT
+    for rank in ("0", "1"):
+        assert (out / f"{rank}.signal").read_text() == "SIGINT", "the signal rove received"
+        assert (out / f"{rank}.cleaned").read_text() == "yes", "its clean-up was not cut short"
+    assert "received SIGINT; passing it to the workers" in job.run.log()
+
+
+@pytest.mark.slow
+def test_sigterm_while_training_is_passed_to_the_workers(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    job = Watched(tmp_path, "term", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out))
+    job.wait_for(lambda: _started(out))
+    job.signal(signal.SIGTERM)
+    assert job.ended(within=60) == 128 + signal.SIGTERM
+    assert {(out / f"{r}.signal").read_text() for r in "01"} == {"SIGTERM"}
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_a_job_whose_workers_ignore_the_first_at_once(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    job = Watched(
+        tmp_path,
+        "stubborn",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "600",  # the workers would get ten minutes to stop
+        str(WORKER),
+        str(out),
+        "ignore-term",
+    )
+    job.wait_for(lambda: _started(out))
+    job.signal(signal.SIGTERM)
+    job.wait_for(lambda: "passing it to the workers" in job.run.log())
+    job.signal(signal.SIGTERM)
+    assert job.ended(within=30) == 128 + signal.SIGTERM
+    assert "SIGTERM again: killing the workers and leaving at once" in job.run.log()
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_warm_server_imports_stops_the_job_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    job = Watched(
+        tmp_path,
+        "importing",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--preload",
+        "slow_import",  # the warm server sleeps a minute importing it
+        str(WORKER),
+        str(out),
+        env={"PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])},
+    )
+    job.wait_for(lambda: "decided round_completed" in job.run.log())
+    time.sleep(0.5)
+    job.signal(signal.SIGINT)
+    assert job.ended(within=20) == 128 + signal.SIGINT
+    assert not _started(out, 1), "no worker was started after the signal"
+
+
+@pytest.mark.slow
+def test_a_signal_before_the_round_forms_stops_the_node(
+    nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    assert nats_server.url is not None
+    master = MasterProc(nats_server.url, "waits", "m1", tmp_path)
+    job = Watched(
+        tmp_path,
+        "waiting",
+        *("--nats", nats_server.url, "--job", "waits", "--node-id", "n1", "--nnodes", "2"),
+        str(WORKER),
+        str(tmp_path),
+    )
+    job.wait_for(lambda: "waiting for a rendezvous round" in job.run.log())
+    job.signal(signal.SIGTERM)
+    assert job.ended(within=30) == 128 + signal.SIGTERM
+    master.stop()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--nproc-per-node", "0"),
+        ("--nproc-per-node", "-1"),
+        ("--nproc-per-node", "two"),
+        ("--max-restarts", "-1"),
+        ("--persist-every", "0"),
+        ("--keep-checkpoints", "0"),
+        ("--shutdown-timeout", "-5"),
+        ("--node-unit", "0"),
+    ],
+)
+def test_an_out_of_range_number_is_refused_before_anything_starts(
+    tmp_path: Path, flag: str, value: str
+) -> None:
+    out = rove_cli("run", "--standalone", flag, value, str(WORKER), str(tmp_path))
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.startswith("rove run:")]
+    assert len(lines) == 1 and flag in lines[0], out.stderr
+    assert not (tmp_path / "rove-home" / "jobs").exists(), "nothing was started"
