@@ -175,6 +175,7 @@ class Agent:
         self._done: asyncio.Future[int] | None = None
         self._round_event: ev.RoundCompleted | None = None
         self._started_at = clock()
+        self._run = 1  # the newest run of the job this agent has heard of
         self.job_run = ""
         self._group_rank: int | None = None
         self._hang_round = -1
@@ -385,15 +386,21 @@ class Agent:
             case ev.NodeExcluded(node=node, incarnation=inc) if self.facts.is_me(node, inc):
                 await self._stop_workers()
                 self._finish(EXIT_FAILED, f"node {node} was excluded: {item.reason}")
+            case ev.JobEnded(phase=phase, reason=reason) if (
+                self.status.starts == 0 and item.ts < self._started_at
+            ):
+                # an earlier run's end: this node's join starts the job's next run
+                self.log.info(
+                    f"job {self.cfg.job} ended earlier ({phase.value}); its next run starts "
+                    "with this node"
+                )
+            case ev.RunStarted(run=run) if self.status.starts == 0 and run > self._run:
+                self._run = run
+                self.status.round = 0  # the new run's rounds count from 1 again
+                self.log.info(f"run {run} of job {self.cfg.job} started; joining it")
+                self._register()  # what this node said before belongs to the earlier run
             case ev.JobEnded(phase=phase, reason=reason):
                 await self._stop_workers()
-                if self.status.starts == 0 and item.ts < self._started_at:
-                    self._finish(
-                        EXIT_FAILED,
-                        f"job {self.cfg.job} already ended earlier "
-                        f"({phase.value}: {reason}); start a new job with another --job",
-                    )
-                    return
                 code = EXIT_FINISHED if phase is ev.JobPhase.FINISHED else EXIT_FAILED
                 if phase is ev.JobPhase.FINISHED:
                     self.checkpoints.job_finished()

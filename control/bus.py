@@ -618,3 +618,5 @@ async def _quiet_close(nc: NatsClient) -> None:
         await nc.close()
     except (nats.errors.Error, OSError, asyncio.CancelledError):
         pass
+    except RuntimeError:
+        pass  # uvloop: the transport was already closed under nats-py (the server is gone)

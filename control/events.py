@@ -567,6 +567,15 @@ class JobEnded(Decision, tag="job_ended", frozen=True, kw_only=True):
     reason: str = ""
 
 
+class RunStarted(Decision, tag="run_started", frozen=True, kw_only=True):
+    """The job had ended and `node` joined it again (`rove run` under an ended job's
+    name, as torchrun reruns an `--rdzv-id`): run number `run` of the job starts from
+    scratch. What came before it belongs to the earlier runs (`rove events --run N`)."""
+
+    run: int
+    node: str
+
+
 class EventRejected(Decision, tag="event_rejected", frozen=True, kw_only=True):
     """Dead letter: a payload that failed to decode or validate, recorded and skipped."""
 
@@ -607,6 +616,7 @@ AnyEvent = (
     | JobConfigured
     | NodeLost
     | JobEnded
+    | RunStarted
     | EventRejected
     | JobSubmitted
     | ScalePlan

@@ -43,6 +43,26 @@ def run_reporting(command: str, fn: Callable[[], int]) -> int:
         return EXIT_INTERRUPTED
 
 
+def add_run_arg(p: argparse.ArgumentParser) -> None:
+    """`--run N`: which run of a job a reader reads (a job name can run again)."""
+    p.add_argument(
+        "--run",
+        type=at_least_one,
+        metavar="N",
+        help="which run of the job (a job name run again starts its next run; default: the newest)",
+    )
+
+
+def at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_nats_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("NATS connection")
     g.add_argument(

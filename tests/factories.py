@@ -95,6 +95,12 @@ def ended(epoch: int, phase: ev.JobPhase = ev.JobPhase.STOPPED, *, job: str = JO
     )
 
 
+def run_started(epoch: int, run: int = 2, node: str = "n1", *, job: str = JOB) -> ev.RunStarted:
+    return ev.RunStarted(
+        **ev.decision_envelope(job, epoch, "m1", 200.0, "run_started", run), run=run, node=node
+    )
+
+
 def rejected(seq: int, epoch: int, *, job: str = JOB) -> ev.EventRejected:
     return ev.EventRejected(
         job=job,
@@ -307,6 +313,7 @@ def every_event() -> list[ev.Event]:
         check_reported("n1", 0),
         check_assigned(0, 7, ("n1", "n2")),
         check_completed(7),
+        run_started(1),
     ]
 
 

@@ -100,3 +100,41 @@ def test_an_ended_job_decides_nothing() -> None:
 def test_nothing_is_decided_before_the_job_is_configured() -> None:
     state = evolve(initial("j1"), factories.joined("n1", ts=1.0), 1)
     assert decide(state, {}, now=10_000.0) == []
+
+
+def test_a_node_that_joins_an_ended_job_starts_its_next_run_from_scratch() -> None:
+    from tests.sim import Sim
+
+    s = Sim(ev.RdzvParams(min_nodes=1, max_nodes=1))
+    s.join("n1")
+    s.tick()
+    s.apply(factories.succeeded("n1", 1))
+    s.tick()
+    assert s.state.phase is ev.JobPhase.FINISHED
+    assert s.tick(60) == [], "an ended job decides nothing while no node joins it"
+    s.join("n2", inc="i2")
+    (started,) = s.tick()
+    assert isinstance(started, ev.RunStarted) and (started.run, started.node) == (2, "n2")
+    assert s.state.run == 2 and s.state.phase is ev.JobPhase.PENDING and not s.state.nodes
+    assert (s.state.leader, s.state.epoch) == ("m1", 1), "the leadership goes on"
+    assert s.state.counters.rounds == 1, "the counts go on"
+    assert s.tick(5) == [], "nothing until the leader configured the run"
+    s.apply(factories.configured(1))
+    s.join("n2", inc="i2")  # its agent joins again, in the new run
+    (first,) = s.tick()
+    assert isinstance(first, ev.RoundCompleted) and first.round == 1
+    assert first.id != s.rounds()[0].id, "run 2's round 1 is not run 1's (deduplication)"
+    assert first.restore_step is None, "nothing of run 1 is restored"
+
+
+def test_a_node_that_joined_before_the_job_ended_starts_no_run() -> None:
+    from tests.sim import Sim
+
+    s = Sim(ev.RdzvParams(min_nodes=1, max_nodes=2))
+    s.join("n1")
+    s.tick(10)
+    s.join("n2", inc="i2")  # waits for the next round
+    s.apply(factories.succeeded("n1", 1))
+    s.tick()
+    assert s.state.phase is ev.JobPhase.FINISHED
+    assert s.tick(60) == [] and s.state.run == 1

@@ -11,7 +11,7 @@ import pytest
 
 from rove.control import events as ev
 from rove.control.bus import Bus, BusOptions
-from tests.support import TRAIN, Cluster, MasterProc, RunProc, job_events, trace_rows
+from tests.support import TRAIN, Cluster, MasterProc, RunProc, job_events, rove_cli, trace_rows
 
 pytestmark = pytest.mark.slow
 
@@ -173,3 +173,36 @@ def test_a_rank_stuck_in_torchs_teardown_after_its_peer_returned_is_named_and_en
     (stacks,) = (tmp_path / "rove-home").rglob("stacks/round1-local0-*.txt")
     assert "gil_scoped_acquire" in stacks.read_text()
     assert "rank 0 was ended, stuck in torch's gloo teardown deadlock" in log.splitlines()[-1]
+
+
+async def test_a_rerun_under_an_ended_jobs_name_is_its_next_run_and_the_earlier_stay_readable(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """As torchrun runs an `--rdzv-id` again. (Once refused: "already ended earlier".)"""
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from run', os.environ['TORCHELASTIC_RUN_ID'])\n")
+    master = MasterProc(bus.url, "again", "m1", tmp_path)
+    for i in range(3):
+        node = RunProc(
+            tmp_path,
+            f"run{i + 1}",
+            *("--nats", bus.url, "--rdzv-id", "again", "--node-id", f"n{i + 1}", "--nnodes", "1"),
+            str(script),
+        )
+        assert await asyncio.to_thread(node.wait, 120) == 0, node.log()[-3000:]
+        assert "hello from run again" in node.log()
+        assert "job again finished" in node.log()
+    events = await job_events(bus, "again")
+    assert [e.run for e in events if isinstance(e, ev.RunStarted)] == [2, 3]
+    assert sum(isinstance(e, ev.JobEnded) for e in events) == 3
+    first = rove_cli("events", "--job", "again", "--run", "1", "--nats", bus.url, check=True)
+    assert "node_joined" in first.stdout and "n1" in first.stdout
+    assert "n2" not in first.stdout and "run_started" not in first.stdout
+    second = rove_cli("status", "--job", "again", "--run", "2", "--nats", bus.url, check=True)
+    assert second.stdout.startswith("job again (run 2): finished"), second.stdout
+    assert "n2" in second.stdout and "n3" not in second.stdout
+    newest = rove_cli("status", "--job", "again", "--nats", bus.url, check=True)
+    assert newest.stdout.startswith("job again (run 3): finished"), newest.stdout
+    none = rove_cli("events", "--job", "again", "--run", "4", "--nats", bus.url)
+    assert none.returncode == 2 and "the job has run 3 time(s)" in none.stderr
+    master.stop()

@@ -640,24 +640,6 @@ async def test_a_full_disk_is_a_clear_event_training_goes_on_and_nothing_is_comm
         master.stop()
 
 
-def test_rove_run_under_a_finished_jobs_name_exits_at_once_saying_so(tmp_path: Path) -> None:
-    """Once a job has ended, every later `rove run` under its name leaves with the reason.
-
-    (Its agent once never exited: a heartbeat task swallowed its cancellation.)
-    """
-    script = tmp_path / "hello.py"
-    script.write_text("print('hello')\n")
-    runs = []
-    for i in range(3):
-        node = RunProc(tmp_path, f"run{i}", "--standalone", "--job", "done-job", str(script))
-        runs.append((node.wait(120), node.log()))
-    assert runs[0][0] == 0, runs[0][1][-3000:]
-    for code, log in runs[1:]:
-        assert code == 1, log[-3000:]
-        assert "job done-job already ended earlier (finished" in log
-        assert "start a new job with another --job" in log
-
-
 def test_the_example_keeps_each_jobs_checkpoints_apart_so_a_new_job_trains_afresh(
     tmp_path: Path,
 ) -> None:

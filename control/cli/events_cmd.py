@@ -8,7 +8,7 @@ import datetime as dt
 import sys
 import time
 
-from rove.control import aio, records, subjects
+from rove.control import aio, records, runs, subjects
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
@@ -36,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--node", help="only events about this node")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    common.add_run_arg(p)
     common.add_nats_args(p)
     p.set_defaults(func=run)
 
@@ -68,8 +69,12 @@ async def _run(args: argparse.Namespace) -> int:
         if not await bus.job_exists(args.job):
             raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
 
+        bounds = (
+            (0, None) if args.run is None else runs.span(await runs.starts(bus, args.job), args.run)
+        )
+
         def show(rec: records.Recorded) -> None:
-            if not matches(rec.event, types, args.node):
+            if not matches(rec.event, types, args.node) or not runs.within(rec.seq, bounds):
                 return
             if args.json:
                 out.write(event_json(rec).decode() + "\n")

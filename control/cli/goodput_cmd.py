@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rove.control import aio, records, subjects
+from rove.control import aio, records, runs, subjects
 from rove.control import goodput as gp
 from rove.control import options as common
 from rove.control.bus import Bus
@@ -33,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--until", type=common.moment, metavar="WHEN", help=f"window end: {when}")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--svg", type=Path, metavar="FILE", help="also draw the timeline to FILE")
+    common.add_run_arg(p)
     common.add_nats_args(p)
     p.set_defaults(func=run)
 
@@ -67,8 +68,11 @@ async def _read(args: argparse.Namespace) -> gp.Ledger:
         if not await bus.job_exists(args.job):
             raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
 
+        bounds = runs.span(await runs.starts(bus, args.job), args.run)
+
         def add(rec: records.Recorded) -> None:
-            ledger.add(rec.event)
+            if runs.within(rec.seq, bounds):
+                ledger.add(rec.event)
 
         feed = await bus.subscribe(
             subjects.EVENTS_STREAM, subjects.job_events(args.job), add, _skip

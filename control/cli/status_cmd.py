@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from rove.control import aio, shards, subjects
+from rove.control import aio, records, runs, shards, subjects
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
@@ -19,14 +19,16 @@ from rove.control.errors import UnknownJobError
 from rove.control.master import data, streams
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder
+from rove.control.master.evolve import evolve
 from rove.control.master.replica import Replica
-from rove.control.master.state import JobState
+from rove.control.master.state import JobState, initial
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="show a job's state", description=__doc__)
     p.add_argument("--job", required=True, help="job name")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_run_arg(p)
     common.add_nats_args(p)
     p.set_defaults(func=run)
 
@@ -41,17 +43,43 @@ async def _run(args: argparse.Namespace) -> int:
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
             raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
-        replica = Replica(bus, args.job)
-        await replica.start()
-        await replica.stop()
         kv, _ttl = await bus.lease_bucket()
         holder = await current_holder(kv, subjects.lease_key(args.job))
-    view = status_view(replica.state, replica.liveness, holder, time.time())
+        until = None
+        if args.run is not None:
+            _, until = runs.span(await runs.starts(bus, args.job), args.run)
+        if until is None:  # the newest run: the job's state now
+            replica = Replica(bus, args.job)
+            await replica.start()
+            await replica.stop()
+            state, liveness = replica.state, replica.liveness
+        else:  # an earlier run: the fold up to the next run's start
+            state, liveness, holder = await _fold_until(bus, args.job, until), {}, None
+    view = status_view(state, liveness, holder, time.time())
     if args.json:
         sys.stdout.write(json.dumps(view) + "\n")
     else:
         sys.stdout.write(render(view))
     return common.EXIT_OK
+
+
+async def _fold_until(bus: Bus, job: str, until: int) -> JobState:
+    """The job's state as it was just before stream sequence `until`."""
+    state = initial(job)
+
+    def fold(rec: records.Recorded) -> None:
+        nonlocal state
+        if rec.seq < until:
+            state = evolve(state, rec.event, rec.seq)
+
+    feed = await bus.subscribe(
+        subjects.EVENTS_STREAM, subjects.job_events(job), fold, lambda _rej: None
+    )
+    try:
+        await feed.caught_up.wait()
+    finally:
+        await feed.stop()
+    return state
 
 
 def status_view(
@@ -85,6 +113,7 @@ def status_view(
     waiting = decided.waiting
     return {
         "job": state.job,
+        "run": state.run,
         "phase": state.phase.value,
         "round": r.round,
         "round_active": r.active,
@@ -425,7 +454,9 @@ _NO_HOLDER = "nobody (failover in progress, or no master running)"
 
 def render(view: dict[str, Any]) -> str:
     lines = [
-        f"job {view['job']}: {view['phase']}"
+        f"job {view['job']}"
+        + (f" (run {view['run']})" if view.get("run", 1) > 1 else "")
+        + f": {view['phase']}"
         + (f" ({view['end_reason']})" if view["end_reason"] else ""),
         f"leader {view['leader'] or '(none elected yet)'}, epoch {view['epoch']}; "
         f"lease held by {view['lease_holder'] or _NO_HOLDER}",

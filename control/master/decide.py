@@ -42,7 +42,9 @@ class Decided(NamedTuple):
 
 
 def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) -> Decided:
-    if state.phase.terminal or state.spec is None:
+    if state.phase.terminal:
+        return Decided(_next_run(state, now), None)
+    if state.spec is None:
         return Decided([], None)
     decisions: list[ev.Decision] = []
     decisions.extend(_lost_nodes(state, liveness, now))
@@ -96,7 +98,29 @@ def _scale(state: JobState, intent: optimizer.Plan | optimizer.FailJob, now: flo
 
 
 def _envelope(state: JobState, now: float, *id_parts: object) -> ev.DecisionEnvelope:
-    return ev.decision_envelope(state.job, state.epoch, state.leader, now, *id_parts)
+    # a later run decides the same things again (round 1, step 10): its ids differ
+    run = () if state.run == 1 else (f"run{state.run}",)
+    return ev.decision_envelope(state.job, state.epoch, state.leader, now, *run, *id_parts)
+
+
+def _next_run(state: JobState, now: float) -> list[ev.Decision]:
+    """An ended job that a node joined since: its next run starts (`run_started`), as
+    torchrun runs again under an `--rdzv-id` it ran before."""
+    joined = [
+        n
+        for n in state.nodes.values()
+        if n.status is NodeStatus.ACTIVE and n.joined_seq > state.ended_seq > 0
+    ]
+    if not joined:
+        return []
+    run = state.run + 1
+    return [
+        ev.RunStarted(
+            **ev.decision_envelope(state.job, state.epoch, state.leader, now, "run_started", run),
+            run=run,
+            node=min(joined, key=lambda n: n.joined_seq).node,
+        )
+    ]
 
 
 def _rendezvous(state: JobState, intent: rdzv.Intent, now: float) -> ev.Decision:

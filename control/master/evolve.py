@@ -24,6 +24,7 @@ from rove.control.master.state import (
     JobState,
     NodeRecord,
     NodeStatus,
+    next_run,
 )
 
 _E = TypeVar("_E", bound=ev.Event)
@@ -95,6 +96,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 status=NodeStatus.ACTIVE,
                 joined_ts=event.ts,
                 nproc_per_node=event.nproc_per_node,
+                joined_seq=seq,
             )
             phase = ev.JobPhase.RUNNING if state.phase is ev.JobPhase.PENDING else state.phase
             return replace(
@@ -175,7 +177,12 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 end_reason=event.reason,
                 counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
+                ended_seq=seq,
             )
+        case ev.RunStarted():
+            if not state.phase.terminal or event.run != state.run + 1:
+                return replace(state, counters=replace(c, events=c.events + 1), applied_seq=seq)
+            return next_run(state, event.run, seq)
         case ev.EventRejected():
             recent = (*state.recent_rejections, event)[-RECENT_REJECTIONS:]
             return replace(

@@ -40,6 +40,7 @@ INFLIGHT_S = 5.0
 #: network-check report or a stop wait for the next round or the end.
 #: (An acknowledgement is answered only when refused; that waits for the next tick.)
 _WAKE_ON = (
+    ev.RunStarted,
     ev.ShardRequested,
     ev.StreamShardsAdded,
     ev.DatasetRegistered,
@@ -209,20 +210,7 @@ class MasterRunner(JobService):
             applied_seq=self.state.applied_seq,
             nodes=len(self.state.nodes),
         )
-        if self.state.spec is None:
-            await self._publish(
-                ev.JobConfigured(
-                    # one id whatever the epoch: only the first leader configures the job
-                    **ev.envelope(
-                        self.job,
-                        f"master:{self.master_id}",
-                        self.clock(),
-                        "job_configured",
-                    ),
-                    epoch=epoch,
-                    spec=self.spec,
-                )
-            )
+        await self._configure(epoch)
         await self._write_snapshot()
         next_renew = time.monotonic() + self.lease.renew_every_s
         while not self.stopping:
@@ -235,6 +223,27 @@ class MasterRunner(JobService):
                     raise FencedError("the leader lease expired or was taken")
                 next_renew = time.monotonic() + self.lease.renew_every_s
             await self.doze()
+
+    async def _configure(self, epoch: int) -> None:
+        """Configure the job's run (its settings, and a name for its shared memory),
+        unless a leader did already."""
+        if self.state.spec is not None:
+            return
+        run = self.state.run
+        await self._publish(
+            ev.JobConfigured(
+                # one id whatever the epoch: only the first leader configures the run
+                **ev.envelope(
+                    self.job,
+                    f"master:{self.master_id}",
+                    self.clock(),
+                    "job_configured",
+                    *(() if run == 1 else (run,)),
+                ),
+                epoch=epoch,
+                spec=self.spec,
+            )
+        )
 
     async def _election_fence(self, epoch: int) -> Fence:
         """Fence for our `master_elected`: the last message now on the election subject.
@@ -261,6 +270,7 @@ class MasterRunner(JobService):
             raise FencedError(
                 f"master {self.state.leader} was elected with epoch {self.state.epoch}"
             )
+        await self._configure(epoch)  # a new run of the job, since the election
         now = self.clock()
         # A rejection is forgotten only when its dead letter comes back folded.
         for rej in list(self._unrecorded.values()):

@@ -48,6 +48,8 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     joined_ts: float
     nproc_per_node: int = 1
     reason: str = ""
+    #: the stream sequence of its `node_joined`
+    joined_seq: int = 0
 
 
 class Counters(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,11 +92,33 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     data: DataState = msgspec.field(default_factory=DataState)
     scale: ScaleState = msgspec.field(default_factory=ScaleState)
     applied_seq: int = 0
+    #: which run of the job this is (a node joining an ended job starts the next one)
+    run: int = 1
+    #: the stream sequence of the `job_ended` of this run (0 while it runs)
+    ended_seq: int = 0
+    #: the stream sequence of this run's `run_started` (0 for the first run)
+    run_seq: int = 0
 
 
 def initial(job: str) -> JobState:
     """The state of a job before any event."""
     return JobState(job=job)
+
+
+def next_run(state: JobState, run: int, seq: int) -> JobState:
+    """The state as run `run` starts at stream sequence `seq`: everything of the job's
+    earlier runs is left behind but the leadership, which goes on, and the counts."""
+    return JobState(
+        job=state.job,
+        leader=state.leader,
+        epoch=state.epoch,
+        elected_seq=state.elected_seq,
+        leader_since=state.leader_since,
+        counters=state.counters,
+        applied_seq=seq,
+        run=run,
+        run_seq=seq,
+    )
 
 
 def active_nodes(state: JobState) -> list[NodeRecord]:

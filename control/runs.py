@@ -1,0 +1,58 @@
+"""The runs of a job, as `rove events`, `rove status` and `rove goodput` read them.
+
+A job name can be run again, as torchrun runs an `--rdzv-id` again: a node that
+joins an ended job starts its next run (the master decides `run_started`; its fold
+leaves everything of the earlier runs behind). The events of all runs stay in the
+job's stream, so an earlier run stays readable: run N is the stretch of the stream
+after the end of run N-1 (run 1: from the beginning) up to the end of run N.
+"""
+
+from __future__ import annotations
+
+from rove.control import events as ev
+from rove.control import records, subjects
+from rove.control.bus import Bus
+from rove.control.errors import ConfigError
+
+
+async def starts(bus: Bus, job: str) -> dict[int, int]:
+    """Run number -> the stream sequence it starts at: run 1 at 0, each later run right
+    after the end of the one before (the join that started it belongs to it)."""
+    ends: list[int] = []
+    found = {1: 0}
+
+    def add(rec: records.Recorded) -> None:
+        if isinstance(rec.event, ev.JobEnded):
+            ends.append(rec.seq)
+        elif isinstance(rec.event, ev.RunStarted) and rec.event.run not in found:
+            found[rec.event.run] = max((e for e in ends if e < rec.seq), default=rec.seq - 1) + 1
+
+    feed = await bus.subscribe(subjects.EVENTS_STREAM, subjects.master(job, "*"), add, _skip)
+    try:
+        await feed.caught_up.wait()
+    finally:
+        await feed.stop()
+    return found
+
+
+def span(found: dict[int, int], run: int | None) -> tuple[int, int | None]:
+    """(first stream sequence of `run`, first sequence after it or None) from
+    `starts`; `run` None is the newest run (pure).
+
+    Raises:
+        ConfigError: no such run.
+    """
+    newest = max(found)
+    run = newest if run is None else run
+    if run not in found:
+        raise ConfigError(f"--run {run}: the job has run {newest} time(s) (runs 1-{newest})")
+    return found[run], found.get(run + 1)
+
+
+def within(seq: int, bounds: tuple[int, int | None]) -> bool:
+    lo, hi = bounds
+    return seq >= lo and (hi is None or seq < hi)
+
+
+def _skip(rej: records.Rejection) -> None:
+    pass  # dead letters are shown by `rove events`
