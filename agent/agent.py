@@ -27,7 +27,6 @@ import hashlib
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ import structlog
 
 from rove.agent import checkrun, child, progress, warm
 from rove.agent.ckpt_duty import CheckpointDuty
-from rove.agent.diagnosis import signal_name
+from rove.agent.endings import Endings
 from rove.agent.exit_watch import ExitWatch, Verdict
 from rove.agent.facts import NodeFacts
 from rove.agent.heartbeat import Heartbeat, free_ports
@@ -47,7 +46,7 @@ from rove.agent.reports import ProgressReports
 from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
 from rove.agent.worker_env import member_of, worker_envs
-from rove.control import aio, metrics, records, subjects, tf_cluster
+from rove.control import aio, records, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.bus_options import options_env
@@ -166,6 +165,7 @@ class Agent:
             ports=cfg.ports_offered,
         )
         self.reports = ProgressReports(self.facts, self.workers.progress)
+        self.endings = Endings(self.facts)
         self.exit_watch = ExitWatch(self.workers, cfg.state_dir / "stacks", cfg.exit_timeout_s)
         #: what this round's workers ended with that the job's end should say
         self._notes: list[str] = []
@@ -180,7 +180,10 @@ class Agent:
         self._group_rank: int | None = None
         self._hang_round = -1
         self._checks_run: set[int] = set()
-        self._side_tasks: set[asyncio.Task[Any]] = set()
+        #: its tasks: none dies silently (one that does ends the node with its traceback)
+        self.tasks = aio.Supervisor(
+            "the agent", self.log, lambda why: self._finish(EXIT_FAILED, why)
+        )
         self._watcher: asyncio.Task[None] | None = None
         #: SIGINT/SIGTERM: the launcher's, for the whole process, or the agent's own
         self.signals = signals or aio.StopSignals()
@@ -247,20 +250,21 @@ class Agent:
         self.signals.install()
         if self.signals.received:  # before the agent was there to hear it
             self.interrupt(self.signals.received[0])
-        tasks = [
+        loops = [
             asyncio.create_task(self._actor(), name="actor"),
             asyncio.create_task(self._duties(), name="duties"),
             asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
         ]
-        for task in [*tasks, self.facts.outbox.task]:
+        for task in [*loops, self.facts.outbox.task]:
             if task is not None:
-                task.add_done_callback(self._supervise)
+                self.tasks.keep(task)
         try:
             code = await self._done
         finally:
             if self._own_signals:
                 self.signals.remove()
-            await aio.cancel_and_wait([*tasks, *self._side_tasks])
+            self.tasks.stop()  # the outbox goes on: it sends the node's last facts
+            await aio.cancel_and_wait([*loops, *self.tasks.side])
             await self._stop_workers()
             await _stop_feed(feed)
             self.facts.emit(ev.NodeLeft(**self.facts.envelope(), reason=self.status.end_reason))
@@ -291,21 +295,8 @@ class Agent:
         warm.stop()
         self.signals.exit_now(signum)
 
-    def _supervise(self, task: asyncio.Task[Any]) -> None:
-        """A long-lived task ended: unless the agent is leaving, that is a bug. Say so
-        with its traceback and leave the job, rather than live on doing nothing."""
-        if task.cancelled() or (self._done is not None and self._done.done()):
-            return
-        exc = task.exception()
-        what = f"{type(exc).__name__}: {exc}" if exc is not None else "it returned"
-        self.log.error(
-            f"the agent's {task.get_name()} task ended ({what}); leaving the job",
-            exc_info=exc,
-        )
-        self._finish(
-            EXIT_FAILED,
-            f"internal error: the agent's {task.get_name()} task ended ({what}); see the log above",
-        )
+    def _failed(self, reason: str) -> None:
+        self._finish(EXIT_FAILED, reason)
 
     def _finish(self, code: int, reason: str) -> None:
         self.status.end_reason = reason
@@ -319,18 +310,6 @@ class Agent:
 
     def _on_rejected(self, rej: records.Rejection) -> None:
         pass  # logged by the bus; the leading master records it
-
-    def _side_task(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_task_ended)
-
-    def _side_task_ended(self, task: asyncio.Task[Any]) -> None:
-        """A short task (a network check, a look at a stuck worker) is not worth the
-        job: its failure is logged with its traceback, and the agent goes on."""
-        self._side_tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.log.error("a task of the agent failed", exc_info=task.exception())
 
     # ------------------------------------------------------------------ actor
 
@@ -436,7 +415,7 @@ class Agent:
             r.round, r.restore_step, ranks, r.world_size, group_rank, self.job_run
         )
         self._group_rank = group_rank
-        if self._warm and not await self._warm_ready():
+        if self._warm and not await warm.ready(self._interrupted):
             return  # a signal came first: the actor acts on it next
         pids = self.workers.start(r.round, envs)
         self.reports.start(r.round)
@@ -475,31 +454,6 @@ class Agent:
             )
         )
 
-    async def _warm_ready(self) -> bool:
-        """Wait for the warm server's imports (seconds on a busy machine; forking waits
-        for them too) in a thread of its own, so heartbeats go on and a signal is not
-        kept waiting (nor is the process's exit: the thread is a daemon). False when a
-        signal came first."""
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-
-        def done() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        def wait() -> None:
-            warm.wait_ready()
-            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
-                loop.call_soon_threadsafe(done)
-
-        threading.Thread(target=wait, name="warm-ready", daemon=True).start()
-        interrupted: asyncio.Future[Any] = asyncio.ensure_future(self._interrupted.wait())
-        try:
-            await asyncio.wait([ready, interrupted], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            interrupted.cancel()
-        return ready.done() and not self._interrupted.is_set()
-
     async def _watch(self) -> None:
         """Wait for this round's workers to end; hand that to the actor."""
         try:
@@ -516,20 +470,7 @@ class Agent:
 
     def _task_restarted(self, t: TaskRestart) -> None:
         """A task was started again in place (the runtime's own recovery): say so."""
-        metrics.NODE_WORKER_FAILURES.labels(self.cfg.job, t.diagnosis.kind.value).inc()
-        self.facts.emit(
-            ev.TaskRestarted(
-                **self.facts.envelope(),
-                round=self.status.round,
-                rank=self._first_rank() + t.local_rank,
-                role=t.role,
-                index=t.index,
-                kind=t.diagnosis.kind,
-                reason=t.diagnosis.reason,
-                exit_code=t.exit_code,
-                restarts=t.restarts,
-            )
-        )
+        self.endings.task_restarted(self.status.round, self._first_rank() + t.local_rank, t)
 
     def _restore_env(self, r: ev.RoundCompleted) -> dict[str, str]:
         env = {
@@ -559,50 +500,22 @@ class Agent:
         if root is None:
             self.log.info("all workers finished", round=ended.round)
             self._phase(AgentPhase.FINISHED)
-            self.facts.emit(
-                ev.WorkersSucceeded(
-                    **self.facts.envelope(), round=ended.round, note="; ".join(self._notes)
-                )
-            )
+            self.endings.succeeded(ended.round, self._notes)
             return
         rank = self._first_rank() + root.local_rank
-        metrics.NODE_WORKER_FAILURES.labels(self.cfg.job, root.diagnosis.kind.value).inc()
         self.log.error(
             f"worker rank {rank} failed: {root.diagnosis.kind.value}: {root.diagnosis.reason}",
             round=ended.round,
             rank=rank,
             exit_code=root.exit_code,
         )
-        self.facts.emit(
-            ev.WorkerExited(
-                **self.facts.envelope(),
-                round=ended.round,
-                rank=rank,
-                local_rank=root.local_rank,
-                kind=root.diagnosis.kind,
-                reason=root.diagnosis.reason,
-                exit_code=root.exit_code,
-                signal=signal_name(root.exit_code),
-                log_tail=root.log_tail[-ev.LOG_TAIL_BYTES :],
-            )
-        )
+        self.endings.failed(ended.round, rank, root)
 
     async def _hung(self, hang: _Hang) -> None:
         rank = self._first_rank() + hang.local_rank
         reason = f"no step progress for {hang.silent_s:.0f}s (last step {hang.step})"
-        self.reports.flush()
-        metrics.NODE_WORKER_FAILURES.labels(self.cfg.job, ev.FailureKind.HANG.value).inc()
-        self.log.error(f"worker rank {rank} is hung: {reason}; killing this node's workers")
-        await self._stop_workers(signal.SIGKILL)
-        self.facts.emit(
-            ev.WorkerExited(
-                **self.facts.envelope(),
-                round=hang.round,
-                rank=rank,
-                local_rank=hang.local_rank,
-                kind=ev.FailureKind.HANG,
-                reason=reason,
-            )
+        await self._hang(
+            hang.round, hang.local_rank, reason, f"worker rank {rank} is hung: {reason}"
         )
 
     async def _stuck(self, verdict: Verdict) -> None:
@@ -610,31 +523,23 @@ class Agent:
         first = self._first_rank()
         rank = first + verdict.local_rank
         line = verdict.describe(rank, first)
-        if verdict.done:
-            self.log.warning(
-                f"{line}; its work was done: ending it (stacks: {verdict.stacks_path})",
-                round=verdict.round,
-                rank=rank,
-            )
-            self._notes.append(f"rank {rank} was ended, stuck {verdict.where or 'on its way out'}")
-            await asyncio.to_thread(self.workers.end, verdict.local_rank)
+        if not verdict.done:
+            await self._hang(verdict.round, verdict.local_rank, line, line)
             return
-        self.log.error(
-            f"{line}; killing this node's workers (stacks: {verdict.stacks_path})",
+        self.log.warning(
+            f"{line}; its work was done: ending it (stacks: {verdict.stacks_path})",
             round=verdict.round,
             rank=rank,
         )
+        self._notes.append(f"rank {rank} was ended, stuck {verdict.where or 'on its way out'}")
+        await asyncio.to_thread(self.workers.end, verdict.local_rank)
+
+    async def _hang(self, round_: int, local_rank: int, reason: str, said: str) -> None:
+        """A hung worker: the node's workers are killed and the hang is the round's failure."""
+        self.reports.flush()
+        self.log.error(f"{said}; killing this node's workers", round=round_)
         await self._stop_workers(signal.SIGKILL)
-        self.facts.emit(
-            ev.WorkerExited(
-                **self.facts.envelope(),
-                round=verdict.round,
-                rank=rank,
-                local_rank=verdict.local_rank,
-                kind=ev.FailureKind.HANG,
-                reason=line[: ev.REASON_CHARS],
-            )
-        )
+        self.endings.hung(round_, self._first_rank() + local_rank, local_rank, reason)
 
     async def _stop_workers(self, sig: signal.Signals = signal.SIGTERM) -> None:
         if self._watcher is not None:
@@ -649,40 +554,26 @@ class Agent:
     def _network_check(self, a: ev.NetworkCheckAssigned) -> None:
         if self.status.round > 0 or a.check_round in self._checks_run:
             return  # checks are for a job's first round only; each round runs once
-        for group in a.groups:
-            pairs = list(zip(group.nodes, group.incarnations, strict=True))
-            if (self.cfg.node, self.incarnation) in pairs:
-                self._checks_run.add(a.check_round)
-                rank = pairs.index((self.cfg.node, self.incarnation))
-                self.log.info(f"network check round {a.check_round} with {', '.join(group.nodes)}")
-                self._side_task(self._run_check(a, group, rank))
-                return
-
-    async def _examine(self, suspect: Any) -> None:
-        verdict = await self.exit_watch.examine(suspect)
-        if verdict is not None:
-            self._inbox.put_nowait(verdict)
+        place = checkrun.my_place(a, self.cfg.node, self.incarnation)
+        if place is not None:
+            self._checks_run.add(a.check_round)
+            self.log.info(f"network check round {a.check_round} with {', '.join(place[0].nodes)}")
+            self.tasks.spawn(self._run_check(a, *place))
 
     async def _run_check(self, a: ev.NetworkCheckAssigned, group: ev.CheckGroup, rank: int) -> None:
         self._inbox.put_nowait(await checkrun.run_check(a, group, rank))
 
     def _check_reported(self, result: checkrun.CheckResult) -> None:
+        outcome = "ok" if result.ok else f"failed: {result.error}"
         self.log.info(
-            f"network check round {result.check_round}: "
-            + ("ok" if result.ok else f"failed: {result.error}"),
-            elapsed_s=result.elapsed_s,
+            f"network check round {result.check_round}: {outcome}", elapsed_s=result.elapsed_s
         )
-        self.facts.emit(
-            ev.NetworkCheckReported(
-                **self.facts.envelope(),
-                check_round=result.check_round,
-                ok=result.ok,
-                elapsed_s=result.elapsed_s,
-                matmul_s=result.matmul_s,
-                allreduce_s=result.allreduce_s,
-                error=result.error,
-            )
-        )
+        self.facts.emit(checkrun.reported(result, self.facts.envelope()))
+
+    async def _examine(self, suspect: Any) -> None:
+        verdict = await self.exit_watch.examine(suspect)
+        if verdict is not None:
+            self._inbox.put_nowait(verdict)
 
     # ------------------------------------------------------------------ duties
 
@@ -697,7 +588,7 @@ class Agent:
             rnd = self.status.round
             suspects, returned = self.exit_watch.tick(self.clock())
             for suspect in suspects:
-                self._side_task(self._examine(suspect))
+                self.tasks.spawn(self._examine(suspect))
             # a rank that returned reports no more steps: that is no hang
             if self.cfg.hang_timeout_s > 0 and self._hang_round != rnd and not returned:
                 found = progress.silent(

@@ -31,6 +31,30 @@ class CheckResult:
     error: str
 
 
+def my_place(
+    a: ev.NetworkCheckAssigned, node: str, incarnation: str
+) -> tuple[ev.CheckGroup, int] | None:
+    """(the group this node checks in, its rank there), or None when it has no part."""
+    for group in a.groups:
+        pairs = list(zip(group.nodes, group.incarnations, strict=True))
+        if (node, incarnation) in pairs:
+            return group, pairs.index((node, incarnation))
+    return None
+
+
+def reported(result: CheckResult, envelope: ev.NodeEnvelope) -> ev.NetworkCheckReported:
+    """The node's fact for its result."""
+    return ev.NetworkCheckReported(
+        **envelope,
+        check_round=result.check_round,
+        ok=result.ok,
+        elapsed_s=result.elapsed_s,
+        matmul_s=result.matmul_s,
+        allreduce_s=result.allreduce_s,
+        error=result.error,
+    )
+
+
 async def run_check(a: ev.NetworkCheckAssigned, group: ev.CheckGroup, rank: int) -> CheckResult:
     """Run this node's check process for assignment `a` in `group` as `rank`."""
     startup = policy.startup_s(a.timeout_s)

@@ -25,12 +25,15 @@ dies.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
 import sys
+import threading
+from typing import Any
 
 from rove.agent import script
 from rove.agent.child import die_with_parent
@@ -70,6 +73,32 @@ def stop() -> None:
     if pid:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+async def ready(interrupted: asyncio.Event) -> bool:
+    """Wait for the warm server's imports (seconds on a busy machine; forking waits for
+    them too) in a thread of its own, so the event loop goes on (heartbeats) and a
+    signal is not kept waiting, nor is the process's exit (the thread is a daemon).
+    False when `interrupted` was set first."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def wait() -> None:
+        wait_ready()
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+            loop.call_soon_threadsafe(finish)
+
+    threading.Thread(target=wait, name="warm-ready", daemon=True).start()
+    stop: asyncio.Future[Any] = asyncio.ensure_future(interrupted.wait())
+    try:
+        await asyncio.wait([done, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    return done.done() and not interrupted.is_set()
 
 
 def wait_ready() -> None:

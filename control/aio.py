@@ -1,6 +1,7 @@
 """Running rove's coroutines: on uvloop when it is installed (10-40% faster JetStream I/O).
 
-Also `cancel_and_wait`, the one way rove stops its background tasks, and
+Also `Supervisor`, which watches a component's tasks (none may die silently),
+`cancel_and_wait`, the one way rove stops its background tasks, and
 `StopSignals` / `stop_on_signals`, how a rove process ends on SIGTERM or SIGINT: the
 first signal asks it to stop cleanly, a second one ends it at once.
 """
@@ -90,6 +91,66 @@ class StopSignals:
         name = signal.Signals(signum).name
         print(f"rove: {name} again: stopping at once", file=sys.stderr, flush=True)
         os._exit(128 + self.received[0])
+
+
+class Supervisor:
+    """The tasks of one component (`what`: "the agent", "master m1"), so that none dies
+    silently: a process whose task died looks alive and does nothing.
+
+    * `keep(task)`: a long-lived task (an actor, a consumer, an outbox). If it ends
+      before `stop()` (an exception, or even a return), its traceback is logged with
+      `log` and `on_failure(reason)` is called (once): the component ends with a clear
+      error instead of living on deaf.
+    * `spawn(coro)`: a short side task (a check, a look at a worker); its failure is
+      logged with its traceback, and the component goes on.
+    * `stop()`: the component is leaving; nothing ending from now on is a failure (it
+      cancels its tasks with `cancel_and_wait`).
+    """
+
+    def __init__(self, what: str, log: Any, on_failure: Callable[[str], object]) -> None:
+        self.what = what
+        self.log = log
+        self.on_failure = on_failure
+        self.stopping = False
+        self._kept: set[asyncio.Task[Any]] = set()
+        self._side: set[asyncio.Task[Any]] = set()
+
+    def keep(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+        self._kept.add(task)
+        task.add_done_callback(self._kept_ended)
+        return task
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._side.add(task)
+        task.add_done_callback(self._side_ended)
+        return task
+
+    @property
+    def side(self) -> list[asyncio.Task[Any]]:
+        """The side tasks still running."""
+        return list(self._side)
+
+    def stop(self) -> None:
+        """The component is leaving: a task that ends from now on has not failed."""
+        self.stopping = True
+
+    def _kept_ended(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or self.stopping:
+            return
+        exc = task.exception()
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else "it returned"
+        self.log.error(f"{self.what}'s {task.get_name()} task ended ({what})", exc_info=exc)
+        self.stopping = True
+        self.on_failure(
+            f"internal error: {self.what}'s {task.get_name()} task ended ({what}); "
+            "see the log above"
+        )
+
+    def _side_ended(self, task: asyncio.Task[Any]) -> None:
+        self._side.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error(f"a task of {self.what} failed", exc_info=task.exception())
 
 
 def stop_on_signals(stop: Callable[[], object]) -> StopSignals:

@@ -31,9 +31,17 @@ def _started_processes() -> Iterator[None]:
     """Stop every `rove run` / `rove master` a test started, whatever its outcome."""
     support.STARTED.clear()
     yield
+    _stop_started()
+    support.STARTED.clear()
+
+
+def _stop_started() -> None:
+    """Stop the processes a test started. The NATS fixtures call it before they stop
+    their servers (this autouse fixture is torn down after them), so that processes
+    leave while the bus is there, as they do in production, instead of each waiting out
+    its deadlines for a bus that is gone."""
     for proc in reversed(support.STARTED):
         proc.stop()
-    support.STARTED.clear()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -61,6 +69,7 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
     server = EmbeddedServer(tmp_path / "nats")
     server.start()
     yield server
+    _stop_started()
     server.stop()
 
 
@@ -69,6 +78,7 @@ def nats_cluster(tmp_path: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path / "cluster")
     cluster.start()
     yield cluster
+    _stop_started()
     cluster.stop()
 
 

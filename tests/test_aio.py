@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rove.control.aio import cancel_and_wait
+from rove.control.aio import Supervisor, cancel_and_wait
 
 
 async def test_a_task_that_swallows_its_cancellation_is_cancelled_again() -> None:
@@ -38,3 +38,65 @@ async def test_finished_and_failed_tasks_are_waited_for_without_raising() -> Non
     await asyncio.sleep(0.01)
     await cancel_and_wait([done, failed])
     assert done.done() and failed.done()
+
+
+class Log:
+    """Records what a supervisor logs (pure logic: no need for structlog here)."""
+
+    def __init__(self) -> None:
+        self.errors: list[tuple[str, BaseException | None]] = []
+
+    def error(self, message: str, exc_info: BaseException | None = None) -> None:
+        self.errors.append((message, exc_info))
+
+
+async def test_a_kept_task_that_dies_is_logged_with_its_error_and_ends_the_component() -> None:
+    log, failures = Log(), []
+    sup = Supervisor("the agent", log, failures.append)
+
+    async def actor() -> None:
+        raise IndexError("range object index out of range")
+
+    task = sup.keep(asyncio.create_task(actor(), name="actor"))
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert failures == [
+        "internal error: the agent's actor task ended (IndexError: range object index out "
+        "of range); see the log above"
+    ]
+    ((message, exc),) = log.errors
+    assert "the agent's actor task ended" in message and isinstance(exc, IndexError)
+
+
+async def test_a_kept_task_that_returns_is_a_failure_too_but_not_once_stopping() -> None:
+    log, failures = Log(), []
+    sup = Supervisor("master m1", log, failures.append)
+
+    async def quits() -> None:
+        return None
+
+    await sup.keep(asyncio.create_task(quits(), name="consumer"))
+    await asyncio.sleep(0)
+    assert failures == [
+        "internal error: master m1's consumer task ended (it returned); see the log above"
+    ]
+    sup2 = Supervisor("master m2", log, failures.append)
+    sup2.stop()
+    await sup2.keep(asyncio.create_task(quits(), name="consumer"))
+    await asyncio.sleep(0)
+    assert len(failures) == 1, "a task ending while the component leaves is no failure"
+
+
+async def test_a_side_task_that_fails_is_logged_and_the_component_goes_on() -> None:
+    log, failures = Log(), []
+    sup = Supervisor("the agent", log, failures.append)
+
+    async def check() -> None:
+        raise OSError("no such device")
+
+    task = sup.spawn(check())
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert failures == [] and sup.side == []
+    ((message, exc),) = log.errors
+    assert message == "a task of the agent failed" and isinstance(exc, OSError)

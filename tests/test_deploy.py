@@ -104,7 +104,7 @@ def test_every_object_renders_and_validates_strictly(target: str) -> None:
 def parse_run_args(args: list[str]) -> None:
     """`rove run` arguments parse with its own parser, and the script is in the image
     (the repository, copied to /opt/rove by deploy/Dockerfile)."""
-    from rove.agent.launcher import build_parser as run_parser
+    from rove.agent.run_args import build_parser as run_parser
 
     try:
         parsed = run_parser().parse_args(args)

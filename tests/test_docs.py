@@ -50,7 +50,7 @@ def test_every_rove_command_in_the_docs_parses() -> None:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     commands = [c for d in docs for c in _code_commands(d)]
     assert len(commands) >= 8
-    from rove.agent.launcher import build_parser as run_parser
+    from rove.agent.run_args import build_parser as run_parser
 
     parser = build_parser()
     for command in commands:

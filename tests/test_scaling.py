@@ -341,8 +341,8 @@ async def test_on_kubernetes_a_pod_that_cannot_be_placed_is_retried_smaller_and_
 
 
 def test_nodes_of_an_auto_scaled_job_get_the_launchers_flags_but_its_own() -> None:
-    from rove.agent.launcher import build_parser
     from rove.agent.managed import node_argv
+    from rove.agent.run_args import build_parser
 
     argv = [
         *("--standalone", "--auto-scale", "--job", "j", "--metrics-port", "9400"),

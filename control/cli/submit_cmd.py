@@ -39,19 +39,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def build(args: argparse.Namespace) -> ev.Workload:
     """The workload from `rove submit`'s arguments (validated as `rove run` would)."""
-    from rove.agent import launcher, managed  # torch's parser: only when submitting
+    from rove.agent import managed  # torch's parser: only when submitting
+    from rove.agent.run_args import build_parser
 
-    run_args = list(args.run_args)
-    if run_args[:1] == ["--"]:
-        run_args = run_args[1:]
-    if not run_args:
+    argv = list(args.run_args)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
         raise ConfigError("nothing to run: give `rove run` arguments after --, e.g. -- train.py")
-    parser = launcher.build_parser()
+    parser = build_parser()
     try:
-        parsed = parser.parse_args(run_args)
+        parsed = parser.parse_args(argv)
     except SystemExit as exc:
-        raise ConfigError(f"bad `rove run` arguments after --: {' '.join(run_args)}") from exc
-    head = run_args[: len(run_args) - len(parsed.training_script_args) - 1]
+        raise ConfigError(f"bad `rove run` arguments after --: {' '.join(argv)}") from exc
+    head = argv[: len(argv) - len(parsed.training_script_args) - 1]
     for flag in ("--standalone", "--auto-scale", "--node-id", "--job", "--nats"):
         if any(a == flag or a.startswith(flag + "=") for a in head):
             raise ConfigError(
@@ -67,7 +68,7 @@ def build(args: argparse.Namespace) -> ev.Workload:
         args.node_cpu,
         args.policy,
     )
-    return managed.workload(run_args, parsed, str(cwd))
+    return managed.workload(argv, parsed, str(cwd))
 
 
 def run(args: argparse.Namespace) -> int:

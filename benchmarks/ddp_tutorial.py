@@ -3,8 +3,8 @@ on CPU and gloo: a Trainer object holds the DDP model, one epoch of a random dat
 `destroy_process_group()` at the end of `main`, and the DDP module dropped as `main`
 returns. Under torch 2.13 such a job can hang on its way out (rove.agent.groups).
 
-    rove run --standalone --nproc-per-node 2 tests/scripts/ddp_tutorial.py 1
-    torchrun --standalone --nproc-per-node 2 tests/scripts/ddp_tutorial.py 1
+    rove run --standalone --nproc-per-node 2 benchmarks/ddp_tutorial.py 1
+    torchrun --standalone --nproc-per-node 2 benchmarks/ddp_tutorial.py 1
 """
 
 from __future__ import annotations

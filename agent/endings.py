@@ -1,0 +1,73 @@
+"""How a round's workers ended, as this node's facts and metrics.
+
+The agent decides what happened (its actor); this says it: every worker finished
+(`workers_succeeded`, with a note when one was ended stuck on its way out), one failed
+(`worker_exited`, diagnosed, with its log tail), one hung (`worker_exited`, kind
+`hang`), or a task was restarted in place (`task_restarted`, TensorFlow).
+"""
+
+from __future__ import annotations
+
+from rove.agent.diagnosis import signal_name
+from rove.agent.facts import NodeFacts
+from rove.agent.runtime import RootFailure, TaskRestart
+from rove.control import events as ev
+from rove.control import metrics
+
+
+class Endings:
+    def __init__(self, facts: NodeFacts) -> None:
+        self.facts = facts
+
+    def succeeded(self, round_: int, notes: list[str]) -> None:
+        self.facts.emit(
+            ev.WorkersSucceeded(**self.facts.envelope(), round=round_, note="; ".join(notes))
+        )
+
+    def failed(self, round_: int, rank: int, root: RootFailure) -> None:
+        self._count(root.diagnosis.kind)
+        self.facts.emit(
+            ev.WorkerExited(
+                **self.facts.envelope(),
+                round=round_,
+                rank=rank,
+                local_rank=root.local_rank,
+                kind=root.diagnosis.kind,
+                reason=root.diagnosis.reason,
+                exit_code=root.exit_code,
+                signal=signal_name(root.exit_code),
+                log_tail=root.log_tail[-ev.LOG_TAIL_BYTES :],
+            )
+        )
+
+    def hung(self, round_: int, rank: int, local_rank: int, reason: str) -> None:
+        self._count(ev.FailureKind.HANG)
+        self.facts.emit(
+            ev.WorkerExited(
+                **self.facts.envelope(),
+                round=round_,
+                rank=rank,
+                local_rank=local_rank,
+                kind=ev.FailureKind.HANG,
+                reason=reason[: ev.REASON_CHARS],
+            )
+        )
+
+    def task_restarted(self, round_: int, rank: int, t: TaskRestart) -> None:
+        self._count(t.diagnosis.kind)
+        self.facts.emit(
+            ev.TaskRestarted(
+                **self.facts.envelope(),
+                round=round_,
+                rank=rank,
+                role=t.role,
+                index=t.index,
+                kind=t.diagnosis.kind,
+                reason=t.diagnosis.reason,
+                exit_code=t.exit_code,
+                restarts=t.restarts,
+            )
+        )
+
+    def _count(self, kind: ev.FailureKind) -> None:
+        metrics.NODE_WORKER_FAILURES.labels(self.facts.job, kind.value).inc()

@@ -1,0 +1,265 @@
+"""`rove run`'s command line: torchrun's own parser, rove's flags added, and what rove
+does with the torchrun flags it takes but ignores or reads differently."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import structlog
+from torch.distributed.run import get_args_parser
+
+from rove.control import options as common
+
+log = structlog.get_logger("rove.run")
+
+DESCRIPTION = "a drop-in for `torchrun` whose jobs survive failures."
+
+
+#: torchrun's flags whose meaning under rove differs from torchrun's: rove's help text.
+_RETOLD = {
+    "nnodes": "number of nodes N, or MIN:MAX: a round forms at once with MAX nodes, or with "
+    "MIN after --last-call-timeout; nodes that come later join the next round (with "
+    "--standalone: 1)",
+    "standalone": "one machine, one command: start an embedded NATS JetStream server and a "
+    "rove master in this process (no --nats needed)",
+    "rdzv_id": "default job name when --job is not given",
+    "max_restarts": "restarts (new rounds after a worker failure) before the job fails "
+    "(default 0, as torchrun); the same user error twice fails the job at once",
+    "start_method": "with --no-warm-start, how fresh worker interpreters are started "
+    "(default spawn); warm workers are forked from the warm server",
+    "shutdown_timeout": "seconds workers get to exit after SIGTERM before SIGKILL (default 10)",
+    "local_addr": "this node's address, advertised to the other nodes (default: the host's "
+    "address; 127.0.0.1 with --standalone)",
+}
+
+#: torchrun's flags that rove accepts, so torchrun command lines keep working, and
+#: ignores: why. A run that sets one gets a warning naming it.
+IGNORED = {
+    "rdzv_backend": "rove's rendezvous goes through its master on NATS (--nats)",
+    "rdzv_endpoint": "rove's rendezvous goes through its master on NATS (--nats)",
+    "rdzv_conf": "rendezvous settings are rove's own flags (--last-call-timeout, "
+    "--below-min-timeout)",
+    "monitor_interval": "the agent waits on the workers' process exits",
+    "event_log_handler": "rove records every event on NATS (see `rove events`)",
+    "node_rank": "rove gives group ranks in the order nodes joined the round",
+    "master_addr": "rove takes each round's store address from the round's first node",
+    "master_port": "rove gives each round a fresh free port (MASTER_PORT)",
+    "numa_binding": "not supported by rove yet",
+    "signals_to_handle": "the agent handles SIGTERM and SIGINT itself",
+    "duplicate_stdout_filters": "not supported by rove yet",
+    "duplicate_stderr_filters": "not supported by rove yet",
+    "virtual_local_rank": "not supported by rove yet",
+}
+
+
+def _retell_torchrun_flags(p: argparse.ArgumentParser) -> None:
+    for action in p._actions:
+        if action.dest in _RETOLD:
+            action.help = _RETOLD[action.dest]
+        elif action.dest in IGNORED:
+            action.help = f"ignored by rove: {IGNORED[action.dest]}"
+
+
+def warn_ignored(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """Warn about each ignored torchrun flag set on the command line; returns their names."""
+    named = []
+    for dest, why in IGNORED.items():
+        if getattr(args, dest, None) not in (None, parser.get_default(dest)):
+            flag = "--" + dest.replace("_", "-")
+            log.warning(f"{flag} is ignored: {why}")
+            named.append(flag)
+    return named
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = get_args_parser()
+    p.prog = "rove run"
+    p.description = DESCRIPTION
+    _retell_torchrun_flags(p)
+    g = p.add_argument_group("rove")
+    g.add_argument(
+        "--job",
+        default=os.environ.get("ROVE_JOB"),
+        help="job name (env ROVE_JOB); default: --rdzv-id, else <script>-<random>",
+    )
+    g.add_argument(
+        "--node-id",
+        default=os.environ.get("ROVE_NODE_ID"),
+        help="this node's id (env ROVE_NODE_ID; default: the host name). Several "
+        "`rove run` on one machine need distinct ids",
+    )
+    g.add_argument(
+        "--node-unit",
+        type=int,
+        default=1,
+        help="the number of nodes in a round is a multiple of this",
+    )
+    g.add_argument(
+        "--network-check",
+        action="store_true",
+        help="time a matmul and an allreduce in node pairs before training",
+    )
+    g.add_argument(
+        "--network-check-timeout",
+        type=common.positive,
+        default=120.0,
+        metavar="SECONDS",
+        help="a network-check group that takes longer has failed (default 120)",
+    )
+    g.add_argument(
+        "--exclude-straggler",
+        action="store_true",
+        help="with --network-check, exclude nodes slower than 2x the median",
+    )
+    g.add_argument(
+        "--checkpoint-dir",
+        default=os.environ.get("ROVE_CKPT_DIR"),
+        help="persist flash checkpoints here (env ROVE_CKPT_DIR); without it they stay in memory",
+    )
+    g.add_argument(
+        "--persist-every",
+        type=int,
+        default=1,
+        metavar="STEPS",
+        help="persist every STEPS-th in-memory step to --checkpoint-dir (default 1: each one); "
+        "memory still holds every save, and --save-at-breakpoint persists the newest on failure",
+    )
+    g.add_argument(
+        "--keep-checkpoints", type=int, default=3, help="committed steps kept on storage (3)"
+    )
+    g.add_argument(
+        "--save-at-breakpoint",
+        action="store_true",
+        help="persist the newest in-memory checkpoint when a worker fails",
+    )
+    g.add_argument(
+        "--auto-config",
+        action="store_true",
+        help="nnodes from $NODE_NUM, nproc-per-node from the accelerators found",
+    )
+    g.add_argument(
+        "--accelerator",
+        default="auto",
+        choices=["auto", "cpu", "nvidia.com/gpu"],
+        help="what the workers run on (default: detected)",
+    )
+    common.add_metrics_arg(g)
+    g.add_argument(
+        "--worker-nats-auth",
+        metavar="FILE",
+        default=os.environ.get("ROVE_WORKER_NATS_AUTH"),
+        help="the workers' own credentials (a trainer role's file from `rove auth init`), "
+        "which their data clients publish with; default: the agent's (env "
+        "ROVE_WORKER_NATS_AUTH)",
+    )
+    g.add_argument(
+        "--hang-timeout",
+        type=common.positive,
+        default=None,
+        metavar="SECONDS",
+        help="a worker with no step progress (rove.agent.progress.report) for this "
+        "long is hung and restarted (default: off); also how long a worker may stay "
+        "quiet (no CPU, I/O or step) after it or a peer returned from its script before "
+        "it is ended as stuck (default 60)",
+    )
+    g.add_argument(
+        "--last-call-timeout",
+        type=common.positive,
+        default=5.0,
+        metavar="SECONDS",
+        help="once --nnodes MIN nodes are there, wait this long for more (default 5)",
+    )
+    g.add_argument(
+        "--below-min-timeout",
+        type=common.positive,
+        default=300.0,
+        metavar="SECONDS",
+        help="below MIN nodes, wait this long for nodes before failing (default 300)",
+    )
+    g.add_argument(
+        "--node-timeout",
+        type=common.positive,
+        default=30.0,
+        metavar="SECONDS",
+        help="standalone master: a node silent this long is lost (default 30)",
+    )
+    g.add_argument(
+        "--heartbeat-interval",
+        type=common.positive,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between heartbeats (default 1)",
+    )
+    g.add_argument(
+        "--warm-start",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fork workers from a server that imported torch once, so a restart skips "
+        "interpreter start and imports (default: on); --no-warm-start starts every "
+        "worker as a fresh interpreter, as torchrun does (see docs/runtime.md)",
+    )
+    g.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="with warm start, also import MODULE once in the warm server (repeatable), "
+        "e.g. --preload transformers",
+    )
+    k = p.add_argument_group("streaming from Kafka (see docs/streaming.md)")
+    k.add_argument(
+        "--kafka-bootstrap",
+        metavar="SERVERS",
+        help="the Kafka brokers (host:port,...) the job streams from: its workers find them "
+        "in ROVE_KAFKA_BOOTSTRAP; with --standalone a Kafka bridge also runs in this process",
+    )
+    k.add_argument(
+        "--kafka-topic",
+        metavar="TOPIC",
+        help="the topic to stream (ROVE_KAFKA_TOPIC in the workers; required with "
+        "--kafka-bootstrap)",
+    )
+    k.add_argument(
+        "--kafka-group",
+        default="",
+        metavar="GROUP",
+        help="with --standalone: mirror each committed checkpoint's offsets to this consumer "
+        "group (for lag dashboards)",
+    )
+    k.add_argument(
+        "--kafka-shard-records",
+        type=int,
+        default=256,
+        metavar="N",
+        help="with --standalone: records per stream shard the bridge cuts (default 256)",
+    )
+    t = p.add_argument_group(
+        "TensorFlow parameter-server jobs (see docs/tensorflow.md): the script is the "
+        "coordinator (chief); rove runs the parameter servers and workers"
+    )
+    t.add_argument(
+        "--tf-ps",
+        action="store_true",
+        help="run a TF2 ParameterServerStrategy job: rank 0 runs the script as the chief, the "
+        "next --num-ps ranks are parameter servers, the rest are workers (each with TF_CONFIG)",
+    )
+    t.add_argument(
+        "--num-ps", type=int, default=1, metavar="P", help="parameter servers (default 1)"
+    )
+    t.add_argument(
+        "--num-workers",
+        type=int,
+        metavar="W",
+        help="with --standalone: W workers, so 1 + P + W processes (sets --nproc-per-node)",
+    )
+    a = p.add_argument_group("auto-scaling (a managed job: see docs/scaling.md)")
+    a.add_argument(
+        "--auto-scale",
+        action="store_true",
+        help="with --standalone: rove starts, replaces and resizes the job's nodes itself, as "
+        "local processes within --nnodes MIN:MAX (a master and a scaler run in this process)",
+    )
+    common.add_node_resource_args(a)
+    common.add_nats_args(p)
+    return p

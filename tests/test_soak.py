@@ -1,0 +1,31 @@
+"""Short jobs end: a run of `benchmarks/soak.py` (20 warm-started DDP jobs beside a
+CPU-bound process) in which a single hang fails, with the stacks of the hung job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import patience
+
+SOAK = Path(__file__).parent.parent / "benchmarks" / "soak.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_twenty_short_warm_started_jobs_all_end() -> None:
+    out = subprocess.run(
+        [sys.executable, str(SOAK), "--jobs", "20", "--launchers", "rove", "--fail-on-hang"],
+        capture_output=True,
+        text=True,
+        timeout=patience(900),
+        check=False,
+    )
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr[-20000:]}"
+    result = json.loads(out.stdout.splitlines()[-1])
+    rove = result["launchers"]["rove"]
+    assert (rove["runs"], rove["hangs"], rove["failed"]) == (20, 0, 0), out.stderr[-20000:]
