@@ -47,9 +47,9 @@ def run(kind: str, target: str, argv: Sequence[str]) -> None:
     """Run `target` (a script path, or a module name when `kind` is "module") as
     `__main__` with `argv`; raises what the script raised, after the ending."""
     groups.hold()
-    # `ps` and `pkill -f` see the command a fresh worker would have, not the runner's.
-    flags = ["-u", "-m"] if kind == "module" else ["-u"]
-    setproctitle.setproctitle(" ".join([sys.executable, *flags, target, *argv]))
+    title(
+        " ".join([sys.executable, *(["-u", "-m"] if kind == "module" else ["-u"]), target, *argv])
+    )
     sys.argv = [target, *argv]
     main: types.ModuleType | None = None
     succeeded = False
@@ -74,6 +74,17 @@ def run(kind: str, target: str, argv: Sequence[str]) -> None:
         end(main)
         if succeeded:
             progress.script_ended()
+
+
+def title(command: str) -> None:
+    """`ps` and `pkill -f` see the command a fresh worker would have, not the runner's.
+    Written over the process's own command line only (`SPT_NOENV`: a longer title is cut,
+    never spilled over the environment block, which `/proc/<pid>/environ` shows)."""
+    os.environ["SPT_NOENV"] = "1"
+    try:
+        setproctitle.setproctitle(command)
+    finally:
+        del os.environ["SPT_NOENV"]
 
 
 def _run_file(main: types.ModuleType, path: str) -> None:

@@ -542,7 +542,7 @@ async def test_after_a_worker_kill_every_rank_restores_from_memory_losing_at_mos
         str(ckpt),
         "--save-at-breakpoint",
         "--persist-every",
-        "1000",  # nothing reaches the disk but what the breakpoint saves
+        "1000",  # nothing reaches the disk but the breakpoint save and the last step
         str(TRAIN),
         "--flash",
         "--ckpt-every",
@@ -570,9 +570,10 @@ async def test_after_a_worker_kill_every_rank_restores_from_memory_losing_at_mos
     log = node.log()
     restored = min(r["step"] for r in after) - 1  # the newest step every rank held
     assert f"saving at breakpoint: persisting step {restored}" in log
-    assert json.loads((ckpt / "committed").read_text())["step"] == restored, (
-        "the breakpoint save was persisted by every rank and committed"
+    assert sorted(int(d.name.split("-")[1]) for d in ckpt.glob("step-*")) == [restored, 60], (
+        "nothing reached storage but the breakpoint save and the job's last step"
     )
+    assert json.loads((ckpt / "committed").read_text())["step"] == 60, "the last one committed"
     assert not list(Path("/dev/shm").glob(f"rove-ckpt-{job}*")), "shared memory freed"
 
 
