@@ -46,7 +46,7 @@ from rove.agent.reports import ProgressReports
 from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
 from rove.agent.worker_env import member_of, worker_envs
-from rove.control import aio, records, subjects, tf_cluster
+from rove.control import aio, records, retry, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control.bus import Bus
 from rove.control.bus_options import options_env
@@ -239,12 +239,15 @@ class Agent:
         if self._warm:
             warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
         self._register()
-        feed = await self.bus.subscribe(
-            subjects.EVENTS_STREAM,
-            subjects.master(self.cfg.job, ">"),
-            self._on_decision,
-            self._on_rejected,
-            last_per_subject=True,
+        feed = await retry.wait_out(  # started while JetStream has no quorum: it waits
+            lambda: self.bus.subscribe(
+                subjects.EVENTS_STREAM,
+                subjects.master(self.cfg.job, ">"),
+                self._on_decision,
+                self._on_rejected,
+                last_per_subject=True,
+            ),
+            what=f"the decisions of job {self.cfg.job}",
         )
         self.signals.ask, self.signals.insist = self.interrupt, self.kill_now
         self.signals.install()

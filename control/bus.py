@@ -107,9 +107,12 @@ class Bus:
     async def connect(cls, options: BusOptions) -> Bus:
         """Connect (or start an embedded server), then ensure streams exist.
 
+        A daemon (`reconnect_forever`) waits for a server that is down, or a JetStream
+        without quorum, however long, saying so once a minute.
+
         Raises:
-            ConfigError: malformed URL or options.
-            BusUnavailableError: the server could not be reached in time.
+            ConfigError: malformed URL or options; refused credentials.
+            BusUnavailableError: the server could not be reached in time (not a daemon).
         """
         server: EmbeddedServer | None = None
         url = options.url
@@ -120,11 +123,21 @@ class Bus:
             server = EmbeddedServer(store, config=options.embedded_config)
             url = await asyncio.to_thread(server.start)
         servers = bus_options.servers(url)
-        nc = await cls._connect_client(servers, options)
+        if options.reconnect_forever:
+            # a daemon started while NATS is down, or JetStream has no quorum, waits
+            nc = await retry.wait_out(
+                lambda: cls._connect_client(servers, options),
+                what=f"connecting to NATS at {', '.join(servers)} (is the URL right?)",
+            )
+        else:
+            nc = await cls._connect_client(servers, options)
         bus = cls(nc, options, server)
         if options.create_streams:
             try:
-                await bus.ensure_streams()
+                if options.reconnect_forever:
+                    await retry.wait_out(bus.ensure_streams, what="JetStream's streams")
+                else:
+                    await bus.ensure_streams()
             except BaseException:
                 await bus.close()
                 raise

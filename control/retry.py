@@ -5,12 +5,17 @@ to JetStream, the outboxes of agents and data clients, the supervision of an
 in-process master. What is worth another try is decided by `backoff` alone:
 
 * a `TemporaryError` is retried after its own `retry_after` when it names one;
-* nats-py's timeouts, "no responders", reconnect and buffer errors, and
-  JetStream's 503 (no leader yet) are retried with the policy's backoff;
+* nats-py's timeouts, "no responders", reconnect and buffer errors, JetStream's
+  503 (no leader yet, no quorum) and the answers a clustered stream gives while a
+  proposal is in flight (`BUSY_CODES`) are retried with the policy's backoff;
 * anything else is raised at once.
 
 The first attempt runs outside stamina: most calls succeed at once, and a
 publish should not pay for the retry machinery it does not use (~30 µs).
+
+`wait_out` is the same policy without a deadline, for a daemon starting while the
+bus is away (NATS down, JetStream without quorum): it waits, saying so once and then
+once a minute, and goes on when the bus is back.
 """
 
 from __future__ import annotations
@@ -44,13 +49,25 @@ RETRYABLE: tuple[type[Exception], ...] = (
 )
 
 
+#: JetStream's answers on a clustered (R3) stream that mean "not now": a write that
+#: checks a subject's last sequence while another write checked against that subject is
+#: still being proposed (10164: "wrong last sequence", with no sequence number; a real
+#: mismatch is 10071), and a retried write whose first try is still being proposed
+#: (10158: "duplicate message id is in process"). Retried, the first is checked against
+#: what was stored (a deposed master's write is then refused with 10071), the second
+#: is answered as the duplicate it is. One server (R1) never gives either.
+BUSY_CODES = frozenset({10164, 10158})
+
+
 def backoff(exc: Exception) -> bool | float:
     """Whether `exc` is worth another try: False, True (the policy's backoff) or seconds."""
     if isinstance(exc, TemporaryError):
         return exc.retry_after if exc.retry_after > 0 else True
     if isinstance(exc, RETRYABLE):
         return True
-    return isinstance(exc, nats.js.errors.APIError) and exc.code == 503
+    return isinstance(exc, nats.js.errors.APIError) and (
+        exc.code == 503 or exc.err_code in BUSY_CODES
+    )
 
 
 async def call(
@@ -115,3 +132,36 @@ async def call(
         f"{what}: {failed} after {tries} tries in {deadline_s:g}s (last error: "
         f"{type(last).__name__}: {last}); {advice}"
     ) from last
+
+
+async def wait_out(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    every_s: float = 60.0,
+    wait_initial: float = 0.5,
+    wait_max: float = 5.0,
+) -> T:
+    """`await fn()` until it succeeds, however long the bus stays away: a retryable
+    failure is tried again with backoff; the first is logged at once (naming `what`)
+    and then one line every `every_s`. Any other failure is raised.
+    """
+    began = time.monotonic()
+    said = 0.0
+    wait = wait_initial
+    while True:
+        try:
+            return await fn()
+        except Exception as exc:
+            if not backoff(exc):
+                raise
+            now = time.monotonic()
+            if not said or now - said >= every_s:
+                said = now
+                log.warning(
+                    f"waiting for the bus: {what} ({type(exc).__name__}: {exc}); "
+                    "going on when it answers",
+                    waited_s=round(now - began),
+                )
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, wait_max)

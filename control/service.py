@@ -22,7 +22,7 @@ from collections.abc import Callable
 import structlog
 
 from rove.control import events as ev
-from rove.control import records, subjects
+from rove.control import records, retry, subjects
 from rove.control.bus import Bus
 from rove.control.master.replica import Replica
 from rove.control.master.state import JobState
@@ -78,8 +78,10 @@ class JobService(abc.ABC):
     # ------------------------------------------------------------------ running
 
     async def run(self) -> None:
-        """Catch up with the job, then `serve()`; stops following on the way out."""
-        await self.replica.start()
+        """Catch up with the job (waiting for the bus as long as it takes: a daemon
+        started while JetStream has no quorum goes on once it has), then `serve()`;
+        stops following on the way out."""
+        await retry.wait_out(self._follow, what=f"{self.name} following job {self.job}")
         try:
             await self.serve()
         finally:
@@ -88,6 +90,13 @@ class JobService(abc.ABC):
                     log.warning("could not send every fact before stopping", service=self.name)
                 await self._outbox.stop()
             await self.replica.stop()
+
+    async def _follow(self) -> None:
+        try:
+            await self.replica.start()
+        except BaseException:
+            await self.replica.stop()  # a half-started replica, to start again afresh
+            raise
 
     def stop(self) -> None:
         self._stopping.set()

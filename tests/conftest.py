@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import logs
+from rove.control import logs, subjects
 from rove.control.bus import Bus, BusOptions
 from rove.control.embedded import EmbeddedServer
 from tests import support
@@ -80,6 +80,56 @@ def nats_cluster(tmp_path: Path) -> Iterator[Cluster]:
     yield cluster
     _stop_started()
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One 3-node cluster for the session (started on first use): tests that need the
+    production shape but do not hurt the cluster share it (`cluster_bus`)."""
+    cluster = Cluster(tmp_path_factory.mktemp("shared-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+async def _cluster_bus(cluster: Cluster) -> Bus:
+    """A bus on `cluster` (R3 streams) whose streams are made afresh (deleted, not purged:
+    a purged stream still remembers the message ids of its deduplication window)."""
+    b = await Bus.connect(BusOptions(url=cluster.url, replicas=3, lease_ttl_s=TEST_LEASE_TTL))
+    for stream in (  # (connect waited for JetStream to have a leader, creating them)
+        subjects.EVENTS_STREAM,
+        subjects.HEARTBEAT_STREAM,
+        subjects.SNAPSHOT_STREAM,
+        f"KV_{subjects.LEASE_BUCKET}",
+    ):
+        await b.js.delete_stream(stream)
+    await b.ensure_streams()
+    return b
+
+
+@pytest.fixture
+async def cluster_bus(shared_cluster: Cluster) -> AsyncIterator[Bus]:
+    """A bus on the shared 3-node cluster (R3 streams), its streams emptied first."""
+    b = await _cluster_bus(shared_cluster)
+    yield b
+    await b.close()
+
+
+@pytest.fixture(params=["one server", "3-node cluster"])
+async def any_bus(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Bus]:
+    """The same test on one server (R1) and on a 3-node cluster (R3)."""
+    server = None
+    if request.param == "one server":
+        server = EmbeddedServer(tmp_path / "nats")
+        server.start()
+        assert server.url is not None
+        b = await Bus.connect(BusOptions(url=server.url, lease_ttl_s=TEST_LEASE_TTL))
+    else:
+        b = await _cluster_bus(request.getfixturevalue("shared_cluster"))
+    yield b
+    await b.close()
+    if server is not None:
+        server.stop()
 
 
 @pytest.fixture

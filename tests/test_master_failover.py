@@ -11,12 +11,20 @@ import pytest
 
 from rove.control import events as ev
 from rove.control import subjects
-from rove.control.bus import Bus
+from rove.control.bus import Bus, BusOptions
 from rove.control.master import snapshots
 from rove.control.master.election import current_holder
 from rove.control.master.state import NodeStatus
 from tests.conftest import TEST_LEASE_TTL
-from tests.support import Agents, MasterProc, eventually, fold_records, patience, stored_events
+from tests.support import (
+    Agents,
+    Cluster,
+    MasterProc,
+    eventually,
+    fold_records,
+    patience,
+    stored_events,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -194,3 +202,22 @@ async def test_an_in_process_master_that_crashes_is_restarted_and_leads(
     finally:
         supervised.stop()
         await asyncio.wait_for(task, patience(30))
+
+
+async def test_a_master_started_while_the_cluster_has_no_quorum_waits_and_then_leads(
+    nats_cluster: Cluster, tmp_path: Path
+) -> None:
+    """(It exited with ServiceUnavailableError, 10008, from its replica's subscribe.)"""
+    bus = await Bus.connect(BusOptions(url=nats_cluster.url, replicas=3))
+    await bus.close()  # the streams exist, on three servers
+    for node in nats_cluster.nodes[1:]:
+        node.kill()  # two of three: JetStream has no quorum
+    master = MasterProc(nats_cluster.url, "j1", "m1", tmp_path)
+    await eventually(lambda: "waiting for the bus" in master.log(), timeout=60)
+    await asyncio.sleep(3)
+    assert master.proc.poll() is None, master.log()[-3000:]
+    for node in nats_cluster.nodes[1:]:
+        node.start()
+    await eventually(lambda: "elected leader" in master.log(), timeout=90)
+    assert master.proc.poll() is None
+    master.stop()
