@@ -41,6 +41,7 @@ from rove.agent.endings import Endings
 from rove.agent.exit_watch import ExitWatch, Verdict
 from rove.agent.facts import NodeFacts
 from rove.agent.heartbeat import Heartbeat, free_ports
+from rove.agent.leader_watch import LeaderWatch
 from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.reports import ProgressReports
 from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
@@ -166,6 +167,7 @@ class Agent:
         )
         self.reports = ProgressReports(self.facts, self.workers.progress)
         self.endings = Endings(self.facts)
+        self.leader_watch = LeaderWatch(bus, cfg.job)
         self.exit_watch = ExitWatch(self.workers, cfg.state_dir / "stacks", cfg.exit_timeout_s)
         #: what this round's workers ended with that the job's end should say
         self._notes: list[str] = []
@@ -257,6 +259,7 @@ class Agent:
             asyncio.create_task(self._actor(), name="actor"),
             asyncio.create_task(self._duties(), name="duties"),
             asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
+            asyncio.create_task(self.leader_watch.run(), name="leader watch"),
         ]
         for task in [*loops, self.facts.outbox.task]:
             if task is not None:

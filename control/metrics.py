@@ -88,6 +88,11 @@ WORKER_RATE = prometheus_client.Gauge(
 WORKER_RSS = prometheus_client.Gauge(
     "rove_worker_rss_bytes", "Each local worker's resident memory", ["job", "local_rank"]
 )
+LEADERLESS = prometheus_client.Gauge(
+    "rove_job_leaderless_seconds",
+    "Seconds since this node last saw a master hold its job's leader lease (0: one leads)",
+    ["job"],
+)
 NODE_WORKER_FAILURES = prometheus_client.Counter(
     "rove_node_worker_failures",
     "This node's worker processes that ended badly, by diagnosis",

@@ -171,6 +171,7 @@ def status_view(
         "leader": state.leader or None,
         "epoch": state.epoch,
         "lease_holder": holder.master if holder else None,
+        "last_decision_age_s": round(now - state.decided_at, 1) if state.decided_at else None,
         "applied_seq": state.applied_seq,
         "spec": msgspec.to_builtins(state.spec) if state.spec else None,
         "nodes": nodes,
@@ -452,6 +453,18 @@ _ENDED = frozenset(p.value for p in ev.JobPhase if p.terminal)
 _NO_HOLDER = "nobody (failover in progress, or no master running)"
 
 
+def _no_holder(view: dict[str, Any]) -> str:
+    age = view.get("last_decision_age_s")
+    if age is None or view["phase"] in _ENDED:
+        return _NO_HOLDER
+    return (
+        f"nobody: no master has decided anything for {age:.0f}s (start one: "
+        f"rove master --job {view['job']})"
+        if age >= 60
+        else _NO_HOLDER
+    )
+
+
 def render(view: dict[str, Any]) -> str:
     lines = [
         f"job {view['job']}"
@@ -459,7 +472,7 @@ def render(view: dict[str, Any]) -> str:
         + f": {view['phase']}"
         + (f" ({view['end_reason']})" if view["end_reason"] else ""),
         f"leader {view['leader'] or '(none elected yet)'}, epoch {view['epoch']}; "
-        f"lease held by {view['lease_holder'] or _NO_HOLDER}",
+        f"lease held by {view['lease_holder'] or _no_holder(view)}",
         f"{view['counters']['events']} events folded (stream seq {view['applied_seq']}), "
         f"{view['counters']['rejected']} rejected",
         _round_line(view),

@@ -56,6 +56,8 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
 
 def evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
     new = _evolve(state, event, seq)
+    if isinstance(event, ev.Decision) and event.epoch >= state.epoch:
+        new = replace(new, decided_at=max(new.decided_at, event.ts))
     if isinstance(event, ev.CkptCommitted) and event.epoch >= state.epoch:
         new = replace(new, data=data.on_committed(new.data, event))  # prunes streams
     scale = scaling.FOLDS.get(type(event))

@@ -98,6 +98,8 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     ended_seq: int = 0
     #: the stream sequence of this run's `run_started` (0 for the first run)
     run_seq: int = 0
+    #: when the newest decision folded was made (a master's clock; 0 before any)
+    decided_at: float = 0.0
 
 
 def initial(job: str) -> JobState:
@@ -118,6 +120,7 @@ def next_run(state: JobState, run: int, seq: int) -> JobState:
         applied_seq=seq,
         run=run,
         run_seq=seq,
+        decided_at=state.decided_at,
     )
 
 

@@ -1,0 +1,86 @@
+"""The agent's watch on its job's leadership: nobody leading is said, not kept quiet.
+
+Workers train on without a master, on the shard leases they hold (docs/operations.md:
+what survives what), but while no master leads nothing can be decided: no failure
+is handled, no round forms, no checkpoint is committed. Every `every_s` the watch
+reads who holds the job's leader lease; once nobody has held it for `after_s` (60 s
+by default) it logs one line naming the job and how long, then one every
+`repeat_s`, and one when a master leads again. The node's
+`rove_job_leaderless_seconds` gauge says the same to Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import structlog
+
+from rove.control import metrics, subjects
+from rove.control.bus import Bus
+from rove.control.master.election import current_holder
+
+log = structlog.get_logger("rove.agent")
+
+#: Seconds without a leading master before an agent says so.
+LEADERLESS_AFTER_S = 60.0
+
+
+class LeaderWatch:
+    def __init__(
+        self,
+        bus: Bus,
+        job: str,
+        *,
+        after_s: float = LEADERLESS_AFTER_S,
+        every_s: float = 5.0,
+        repeat_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.bus = bus
+        self.job = job
+        self.after_s = after_s
+        self.every_s = every_s
+        self.repeat_s = repeat_s
+        self.clock = clock
+        self.log = log.bind(job=job)
+        self._since: float | None = None  # when the lease was first seen free
+        self._said = 0.0
+
+    async def run(self) -> None:
+        kv = None
+        while True:
+            try:
+                if kv is None:
+                    kv, _ttl = await self.bus.lease_bucket()
+                holder = await current_holder(kv, subjects.lease_key(self.job))
+            except Exception as exc:  # noqa: BLE001 - the bus is away: said by the bus itself
+                self.log.debug("could not read the leader lease", error=str(exc))
+            else:
+                self.saw(None if holder is None else holder.master)
+            await asyncio.sleep(self.every_s)
+
+    def saw(self, leader: str | None) -> None:
+        """What the lease says now: `leader` holds it, or nobody (None)."""
+        now = self.clock()
+        if leader is not None:
+            if self._since is not None and self._said:
+                self.log.info(
+                    f"master {leader} leads job {self.job} again, after "
+                    f"{now - self._since:.0f}s without one"
+                )
+            self._since, self._said = None, 0.0
+            metrics.LEADERLESS.labels(self.job).set(0)
+            return
+        if self._since is None:
+            self._since = now
+        without = now - self._since
+        metrics.LEADERLESS.labels(self.job).set(without)
+        if without >= self.after_s and (not self._said or now - self._said >= self.repeat_s):
+            self._said = now
+            self.log.warning(
+                f"no master has led job {self.job} for {without:.0f}s: the workers train on "
+                "their leased shards, but no failure is handled and nothing is committed; "
+                f"start one (rove master --job {self.job})"
+            )
