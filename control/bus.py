@@ -53,7 +53,7 @@ from rove.control.errors import (
     PermissionDeniedError,
     RoveError,
 )
-from rove.control.feed import STALL_CHECK_S, Feed, nothing_since
+from rove.control.feed import STALL_CHECK_S, Feed, RejectionLog, nothing_since
 from rove.control.natsclient import RoveNatsClient, ack_position
 
 log = structlog.get_logger("rove.bus")
@@ -96,6 +96,7 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream(timeout=5.0, publish_async_max_pending=4000)
         self.options = options
         self.server = server
+        self.rejections = RejectionLog()
         self._lease_kv: KeyValue | None = None
         #: seconds between two stall checks of each feed (`Feed.watch`)
         self.stall_check_s = STALL_CHECK_S
@@ -546,13 +547,7 @@ class Bus:
                     result = on_recorded(item)
                 else:
                     assert isinstance(item, records.Rejection)
-                    log.warning(
-                        "rejected a stored message",
-                        stream=stream,
-                        seq=seq,
-                        subject=subject,
-                        error=item.error,
-                    )
+                    self.rejections.saw(item)
                     result = on_rejected(item)
             except RoveError:
                 log.exception("handler failed on a stored message; skipped", stream=stream, seq=seq)

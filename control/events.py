@@ -577,7 +577,10 @@ class RunStarted(Decision, tag="run_started", frozen=True, kw_only=True):
 
 
 class EventRejected(Decision, tag="event_rejected", frozen=True, kw_only=True):
-    """Dead letter: a payload that failed to decode or validate, recorded and skipped."""
+    """Dead letter: payloads that failed to decode or validate, recorded and skipped:
+    `count` of them on `subject`, from stream sequence `stream_seq` to `last_seq`
+    (a burst is one dead letter); `error`, `payload_size` and `payload_head` are the
+    first one's."""
 
     stream: str
     stream_seq: int
@@ -585,6 +588,13 @@ class EventRejected(Decision, tag="event_rejected", frozen=True, kw_only=True):
     error: str
     payload_size: int
     payload_head: bytes = b""
+    count: int = 1
+    last_seq: int = 0
+
+    @property
+    def upto(self) -> int:
+        """The newest stream sequence this dead letter covers."""
+        return max(self.stream_seq, self.last_seq)
 
 
 AnyEvent = (

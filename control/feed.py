@@ -1,4 +1,5 @@
-"""A running subscription (`Feed`) and the watchdog that heals it when it stalls.
+"""A running subscription (`Feed`), the watchdog that heals it when it stalls, and how
+a process says it rejected stored messages (`RejectionLog`).
 
 `Bus.subscribe` returns a `Feed`: nats-py's ordered consumer with the sequence
 it has delivered up to, an event set once the backlog is delivered, and a
@@ -9,6 +10,8 @@ delivering while its stream holds newer messages (`stalled`, pure).
 from __future__ import annotations
 
 import asyncio
+import collections
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +21,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 
+from rove.control import records
 from rove.control.errors import RoveError
 
 log = structlog.get_logger("rove.bus")
@@ -114,3 +118,38 @@ async def nothing_since(feed: Feed, target: int) -> None:
     if info.num_pending == 0 and feed.last_seq == 0:
         feed.last_seq = target
         feed.caught_up.set()
+
+
+class RejectionLog:
+    """How a process says it rejected stored messages: each message once, however many
+    of its feeds read it, and a flood in a few lines. The first rejection from a sender
+    (a subject) is logged with its error; after that, one line per sender every
+    `every_s` with how many more there were."""
+
+    def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.every_s = every_s
+        self.clock = clock
+        self._seen: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        self._said: dict[str, tuple[float, int]] = {}  # subject -> (when, not said since)
+
+    def saw(self, rej: records.Rejection) -> None:
+        key = (rej.stream, rej.seq)
+        if key in self._seen:
+            return  # another feed of this process read it already
+        self._seen[key] = None
+        if len(self._seen) > 100_000:
+            self._seen.popitem(last=False)
+        now = self.clock()
+        when, unsaid = self._said.get(rej.subject, (float("-inf"), 0))
+        if now - when < self.every_s:
+            self._said[rej.subject] = (when, unsaid + 1)
+            return
+        self._said[rej.subject] = (now, 0)
+        more = f" (and {unsaid} more from it since the last line)" if unsaid else ""
+        log.warning(
+            f"rejected a stored message{more}",
+            stream=rej.stream,
+            seq=rej.seq,
+            subject=rej.subject,
+            error=rej.error,
+        )

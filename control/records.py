@@ -57,17 +57,21 @@ def job_of_subject(subject: str) -> str | None:
 
 
 def dead_letter(
-    job: str, rejection: Rejection, *, master: str, epoch: int, now: float
+    job: str, rejections: list[Rejection], *, master: str, epoch: int, now: float
 ) -> ev.EventRejected:
-    """The `event_rejected` decision recording `rejection` (id unique per stored message)."""
+    """The `event_rejected` decision recording a burst of `rejections` on one subject
+    (in stream order): one dead letter with their count, the first one's error and head.
+    Its id names the first one's sequence, whichever master records it."""
+    first, last = rejections[0], rejections[-1]
     return ev.EventRejected(
-        # one id per stored message, whichever master records it
-        **ev.envelope(job, f"master:{master}", now, "rejected", rejection.stream, rejection.seq),
+        **ev.envelope(job, f"master:{master}", now, "rejected", first.stream, first.seq),
         epoch=epoch,
-        stream=rejection.stream,
-        stream_seq=rejection.seq,
-        subject=rejection.subject,
-        error=rejection.error[:1000],
-        payload_size=len(rejection.payload),
-        payload_head=rejection.payload[: ev.PAYLOAD_HEAD_BYTES],
+        stream=first.stream,
+        stream_seq=first.seq,
+        subject=first.subject,
+        error=first.error[:1000],
+        payload_size=len(first.payload),
+        payload_head=first.payload[: ev.PAYLOAD_HEAD_BYTES],
+        count=len(rejections),
+        last_seq=last.seq,
     )

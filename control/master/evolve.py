@@ -191,7 +191,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 state,
                 applied_seq=seq,
                 recent_rejections=recent,
-                counters=replace(c, events=c.events + 1, rejected=c.rejected + 1),
+                counters=replace(c, events=c.events + 1, rejected=c.rejected + event.count),
             )
         case ev.WorkerExited():
             return replace(

@@ -56,6 +56,8 @@ _WAKE_ON = (
 )
 #: How long a leader that stops waits to fold what is stored before its last snapshot.
 STOP_CATCH_UP_S = 5.0
+#: Dead letters a leader writes per tick at most (each covers a burst from one sender).
+DEAD_LETTERS_PER_TICK = 8
 #: Answers to data clients (thousands a second: logged at debug level).
 _ANSWERS = (ev.ShardLeased, ev.DataRejected)
 
@@ -85,8 +87,10 @@ class MasterRunner(JobService):
         self.fence: Fence | None = None
         self.lease: Lease | None = None
         self._inflight: dict[str, float] = {}
-        self._unrecorded: dict[tuple[str, int], records.Rejection] = {}
-        self._recorded: set[tuple[str, int]] = set()
+        #: (stream, subject: who sent them) -> rejections no dead letter covers yet
+        self._unrecorded: dict[tuple[str, str], list[records.Rejection]] = {}
+        #: (stream, subject) -> the newest sequence a dead letter covers
+        self._recorded: dict[tuple[str, str], int] = {}
         self._last_snapshot_seq = 0
         self._last_snapshot_at = 0.0
         self._waiting = ""
@@ -111,14 +115,19 @@ class MasterRunner(JobService):
         if type(rec.event) in _WAKE_ON:
             self.wake()  # a data client waits for its answer: decide now
         if isinstance(rec.event, ev.EventRejected):
-            key = (rec.event.stream, rec.event.stream_seq)
-            self._recorded.add(key)
-            self._unrecorded.pop(key, None)
+            e = rec.event
+            key = (e.stream, e.subject)
+            self._recorded[key] = max(self._recorded.get(key, 0), e.upto)
+            left = [r for r in self._unrecorded.get(key, ()) if r.seq > e.upto]
+            if left:
+                self._unrecorded[key] = left
+            else:
+                self._unrecorded.pop(key, None)
 
     def on_rejected(self, rej: records.Rejection) -> None:
-        key = (rej.stream, rej.seq)
-        if key not in self._recorded:
-            self._unrecorded[key] = rej
+        key = (rej.stream, rej.subject)
+        if rej.seq > self._recorded.get(key, 0):
+            self._unrecorded.setdefault(key, []).append(rej)  # in stream order
 
     # ------------------------------------------------------------------ main loop
 
@@ -271,13 +280,6 @@ class MasterRunner(JobService):
             )
         await self._configure(epoch)  # a new run of the job, since the election
         now = self.clock()
-        # A rejection is forgotten only when its dead letter comes back folded.
-        for rej in list(self._unrecorded.values()):
-            await self._publish(
-                records.dead_letter(
-                    self.job, rej, master=self.master_id, epoch=self.state.epoch, now=now
-                )
-            )
         decisions, waiting, scale_waiting = decide(self.state, self.replica.liveness, now)
         self._say_why_waiting(waiting)
         self._say_why_no_plan(scale_waiting)
@@ -286,6 +288,17 @@ class MasterRunner(JobService):
         # subject is being proposed (so writes sent together were refused; docs/architecture.md)
         for decision in decisions:
             await self._publish(decision)
+        # Dead letters after the decisions, a burst per sender in one, a few per tick: a
+        # flood of garbage never delays a decision (each dead letter was once a fenced,
+        # fsynced write of its own, ahead of them). A rejection is forgotten only when its
+        # dead letter comes back folded.
+        bursts = sorted(self._unrecorded.values(), key=lambda burst: burst[0].seq)
+        for burst in bursts[:DEAD_LETTERS_PER_TICK]:
+            await self._publish(
+                records.dead_letter(
+                    self.job, burst, master=self.master_id, epoch=self.state.epoch, now=now
+                )
+            )
         if self._snapshot_due(now):
             await self._write_snapshot()
 
@@ -357,7 +370,12 @@ def _key_fields(decision: ev.Decision) -> dict[str, object]:
         case ev.JobEnded():
             return {"phase": decision.phase.value, "reason": decision.reason}
         case ev.EventRejected():
-            return {"stream": decision.stream, "stream_seq": decision.stream_seq}
+            return {
+                "stream": decision.stream,
+                "stream_seq": decision.stream_seq,
+                "count": decision.count,
+                "subject": decision.subject,
+            }
         case ev.DataRejected():
             return {
                 "dataset": decision.dataset,
