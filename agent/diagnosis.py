@@ -115,7 +115,8 @@ def _clip(text: str) -> str:
 def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") -> Diagnosis:
     """Classify one failed worker."""
     sig = signal_name(exit_code)
-    exception = error_file_message(error_data) or last_exception(log_tail)
+    recorded = error_file_message(error_data)
+    exception = recorded or last_exception(log_tail)
     text = "\n".join(x for x in (exception or "", log_tail) if x)
     if _HARDWARE.search(text):
         line = next((x for x in text.splitlines() if _HARDWARE.search(x)), "hardware fault")
@@ -123,7 +124,9 @@ def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") 
     if _OOM.search(text):
         line = next((x for x in text.splitlines() if _OOM.search(x)), "out of memory")
         return Diagnosis(FailureKind.OOM, _clip(exception or line))
-    if sig in _KILL_SIGNALS:
+    if sig in _KILL_SIGNALS and not recorded:
+        # (a worker whose error file records an exception raised it, and was then torn
+        # down during its ending: the exception is what happened to it)
         return Diagnosis(FailureKind.KILLED, f"killed by {sig}")
     if _COMMUNICATION.search(text):
         line = next((x for x in text.splitlines() if _COMMUNICATION.search(x)), "")

@@ -68,6 +68,9 @@ def run(kind: str, target: str, argv: Sequence[str]) -> None:
     except SystemExit as exc:
         succeeded = exc.code in (None, 0)
         raise
+    except BaseException as exc:
+        _record_now(exc)
+        raise
     finally:
         if succeeded:
             progress.script_returned()
@@ -99,6 +102,21 @@ def _run_file(main: types.ModuleType, path: str) -> None:
     with io.open_code(absolute) as f:
         code = compile(f.read(), absolute, "exec", dont_inherit=True)
     exec(code, main.__dict__)
+
+
+def _record_now(exc: BaseException) -> None:
+    """Write torch's error file (`TORCHELASTIC_ERROR_FILE`, what `@record` writes) for
+    the exception the script raised before the ending runs: a peer's failure may get this
+    worker torn down during its ending, and the exception is what happened to it. (torch
+    writes it again as the exception reaches its own `record`.)"""
+    if not isinstance(exc, Exception) or "torch" not in sys.modules:
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+    except Exception:  # noqa: BLE001 - the error file is a help; the exception still propagates
+        pass
 
 
 def end(main: types.ModuleType | None = None) -> None:

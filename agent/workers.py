@@ -307,8 +307,8 @@ def _symptom_rank(failure: ProcessFailure, diagnosis: Diagnosis) -> int:
     """0 for a likely cause, 1 for a likely symptom of another worker's death."""
     if diagnosis.kind is FailureKind.COMMUNICATION:
         return 1  # a broken connection: usually a peer that died
-    if failure.exitcode == -signal.SIGTERM:
-        return 2  # usually torch's own teardown of the survivors
+    if failure.exitcode == -signal.SIGTERM and not failure.error_file_data:
+        return 2  # usually torch's own teardown of the survivors (one that raised is a cause)
     return 0
 
 

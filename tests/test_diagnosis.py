@@ -85,6 +85,16 @@ def test_a_kill_is_not_mistaken_for_the_user_error_its_log_happens_to_contain() 
     assert classify(-9, None, TRACEBACK).kind is FailureKind.KILLED
 
 
+def test_a_worker_that_raised_and_was_torn_down_in_its_ending_is_its_exception() -> None:
+    """Its error file records what it raised; torch's SIGTERM came after (its peer had
+    failed meanwhile). (Once diagnosed 'killed by SIGTERM', and a repeated user error
+    then took one more restart to be seen.)"""
+    recorded = {"message": {"message": "ValueError: learning rate must be positive"}}
+    d = classify(-15, recorded, "")
+    assert d.kind is FailureKind.USER_ERROR and "learning rate" in d.reason
+    assert classify(-15, None, TRACEBACK).kind is FailureKind.KILLED, "without the file: killed"
+
+
 def test_the_reason_is_bounded_even_for_huge_messages() -> None:
     huge = "ValueError: " + "x" * 100_000
     d = classify(1, {"message": {"message": huge}}, "")
