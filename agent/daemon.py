@@ -6,8 +6,8 @@ pool registry (`rove.control.pool`) with its capacity, and refreshes that every
 entry), it starts N exactly as `rove run` would, a `rove run` process with the
 job's workload and N's memory limit (`rove.control.scaler.local` does the
 starting), and marks itself running. When N ends (the job finished, N was
-excluded, it crashed) the daemon reports `node_gone` if the job still runs, and
-goes back to idle; when a scaler releases it, it stops N first.
+excluded, it crashed) the daemon reports `node_gone` unless the node exited with
+status 0 (its job finished), and goes back to idle; when a scaler releases it, it stops N first.
 
 Everything it changes in its entry is a compare-and-set on the revision it last
 saw, so an assignment is never overwritten unseen.
@@ -125,7 +125,8 @@ class PoolDaemon:
             ended = await self.backend.ended(current.job)
             if any(e.node == current.node for e in ended):
                 gone = next(e for e in ended if e.node == current.node)
-                await self._report_gone(current, gone.reason, gone.exit_code)
+                if gone.exit_code != 0:  # (0: the job finished, or the node was let go)
+                    await self._report_gone(current, gone.reason, gone.exit_code)
                 await self._write(kv, _idle(current, now))
                 self.log.info(
                     "node ended: back in the pool, idle", job=current.job, node=current.node
