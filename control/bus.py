@@ -33,6 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
+    DiscardPolicy,
     Header,
     KeyValueConfig,
     RetentionPolicy,
@@ -60,6 +61,8 @@ log = structlog.get_logger("rove.bus")
 
 EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 WRONG_LAST_SEQUENCE = 10071
+#: Heartbeats older than this are dropped (a node's newest is all that matters).
+HEARTBEAT_MAX_AGE_S = 86400.0
 
 
 #: The server's answer to a publish the connection's permissions do not allow.
@@ -267,6 +270,10 @@ class Bus:
                 num_replicas=o.replicas,
                 duplicate_window=o.duplicate_window_s,
                 allow_direct=True,
+                # bounded (docs/operations.md, "Storage"): old events are retired
+                max_age=o.events_max_age_s,
+                max_bytes=o.events_max_bytes,
+                discard=DiscardPolicy.OLD,
             ),
             StreamConfig(
                 name=subjects.HEARTBEAT_STREAM,
@@ -279,6 +286,7 @@ class Bus:
                 max_msgs_per_subject=1,
                 duplicate_window=o.duplicate_window_s,
                 allow_direct=True,
+                max_age=HEARTBEAT_MAX_AGE_S,  # an ended job's nodes leave nothing behind
             ),
             StreamConfig(
                 name=subjects.SNAPSHOT_STREAM,
@@ -289,6 +297,7 @@ class Bus:
                 max_msgs_per_subject=1,
                 allow_rollup_hdrs=True,
                 allow_direct=True,
+                max_age=o.events_max_age_s,  # no use once the job's events are retired
             ),
         ]
 

@@ -52,6 +52,12 @@ class BusOptions:
     #: a configuration file for the embedded server (its users and permissions)
     embedded_config: Path | None = None
     create_streams: bool = True
+    #: How long the event stream keeps events, when it is created (env ROVE_EVENTS_MAX_AGE):
+    #: older ones are retired, the jobs they belong to long over (docs/operations.md).
+    events_max_age_s: float = 30 * 86400.0
+    #: The most bytes the event stream keeps, oldest dropped first (-1: JetStream's own
+    #: limit only; env ROVE_EVENTS_MAX_BYTES)
+    events_max_bytes: int = -1
 
 
 #: The environment variables that carry how to reach NATS (`rove` CLI flags read them too).

@@ -10,6 +10,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rove.control import embedded
 from rove.control.bus import BusOptions
@@ -198,7 +199,21 @@ def bus_options(
         replicas=replicas,
         lease_ttl_s=lease_ttl_s,
         embedded_dir=embedded_dir,
+        **_stream_limits(),
     )
+
+
+def _stream_limits() -> dict[str, Any]:
+    """The event stream's limits from ROVE_EVENTS_MAX_AGE and ROVE_EVENTS_MAX_BYTES."""
+    limits: dict[str, Any] = {}
+    try:
+        if os.environ.get("ROVE_EVENTS_MAX_AGE"):
+            limits["events_max_age_s"] = duration(os.environ["ROVE_EVENTS_MAX_AGE"])
+        if os.environ.get("ROVE_EVENTS_MAX_BYTES"):
+            limits["events_max_bytes"] = byte_size(os.environ["ROVE_EVENTS_MAX_BYTES"])
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"ROVE_EVENTS_MAX_AGE / ROVE_EVENTS_MAX_BYTES: {exc}") from exc
+    return limits
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from nats.js.api import DiscardPolicy
 
 from rove.control import events as ev
 from rove.control import records, subjects
@@ -353,4 +354,35 @@ def test_the_embedded_server_fsyncs_every_message_before_acknowledging_it(tmp_pa
             config = json.load(answer)["jetstream"]["config"]
         assert config["sync_always"] is True
     finally:
+        server.stop()
+
+
+async def test_every_stream_is_bounded_and_old_events_are_retired(tmp_path: Path) -> None:
+    import argparse
+
+    from rove.control import options
+
+    server = EmbeddedServer(tmp_path / "nats")
+    server.start()
+    env = {"ROVE_EVENTS_MAX_AGE": "7d", "ROVE_EVENTS_MAX_BYTES": "2G"}
+    args = argparse.Namespace(
+        nats=server.url,
+        **{a: None for a in ("nats_user", "nats_password", "nats_token", "nats_creds")},
+        **{a: None for a in ("nats_nkey", "nats_auth", "nats_tls_ca", "nats_tls_cert")},
+        nats_tls_key=None,
+        replicas=0,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        opts = options.bus_options(args, name="t")
+    bus = await Bus.connect(opts)
+    try:
+        events = (await bus.js.stream_info(subjects.EVENTS_STREAM)).config
+        assert events.max_age == 7 * 86400 and events.max_bytes == 2 * 2**30
+        assert events.discard in ("old", DiscardPolicy.OLD)
+        for name in (subjects.HEARTBEAT_STREAM, subjects.SNAPSHOT_STREAM):
+            assert (await bus.js.stream_info(name)).config.max_age > 0, name
+    finally:
+        await bus.close()
         server.stop()

@@ -235,6 +235,39 @@ def test_the_nats_configuration_is_valid_and_prod_fsyncs_every_write(
     assert bool(re.search(r"^tls \{", config["data"]["tls.conf"], re.M)) == (overlay == "prod")
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _bytes(text: str) -> int:
+    """'768M', '8G', '10Gi', '2Gi' -> bytes (NATS and Kubernetes units, binary)."""
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text.strip(), re.I)
+    assert found, text
+    return int(float(found.group(1)) * _UNITS[found.group(2).upper()])
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_jetstream_stays_below_the_volume_and_the_memory_limit_of_its_pods(overlay: str) -> None:
+    """A store allowed past its volume fills the disk first, and then JetStream disables
+    itself for every job on the cluster (prod once allowed 64G on a 10Gi volume)."""
+    docs = render(f"overlays/{overlay}")
+    [sts] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "rove-nats"]
+    [config] = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("rove-nats-config")
+    ]
+    volume = _bytes(
+        sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+    )
+    [nats] = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "nats"]
+    memory = _bytes(nats["resources"]["limits"]["memory"])
+    js = config["data"]["jetstream.conf"]
+    file_store = _bytes(re.search(r"max_file_store:\s*(\S+)", js).group(1))  # type: ignore[union-attr]
+    memory_store = _bytes(re.search(r"max_memory_store:\s*(\S+)", js).group(1))  # type: ignore[union-attr]
+    assert file_store <= 0.8 * volume, f"max_file_store {file_store} on a {volume}-byte volume"
+    assert memory_store <= 0.5 * memory, f"max_memory_store {memory_store}, limit {memory}"
+
+
 def test_security_posture() -> None:
     for target in TARGETS:
         docs = render(target)
