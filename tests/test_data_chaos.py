@@ -13,7 +13,9 @@ step it restored), every index of every epoch must appear exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import itertools
 import os
 import random
 import signal
@@ -23,10 +25,11 @@ from pathlib import Path
 import pytest
 
 from rove.control import events as ev
-from rove.control.bus import Bus
+from rove.control.bus import Bus, BusOptions
 from tests.lineage import lineage, progress, rows
 from tests.support import (
     ROOT,
+    Cluster,
     MasterProc,
     RunProc,
     eventually,
@@ -50,16 +53,61 @@ async def leader(bus: Bus) -> str:
     return elected[-1].master if elected else ""
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
-async def test_every_sample_once_per_epoch_through_worker_agent_and_master_kills(
-    bus: Bus, tmp_path: Path, seed: int
-) -> None:
+def random_plan(seed: int) -> list[tuple[str, int]]:
     rnd = random.Random(seed)
     actions = ["worker", "master", "agent"]
     rnd.shuffle(actions)
     total_steps = SAMPLES * EPOCHS // (4 * 8)  # about, at 4 ranks
     at = sorted(rnd.sample(range(total_steps // 6, total_steps * 4 // 5), 3))
-    await chaos(bus, tmp_path, seed, list(zip(actions, at, strict=True)))
+    return list(zip(actions, at, strict=True))
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+async def test_every_sample_once_per_epoch_through_worker_agent_and_master_kills(
+    bus: Bus, tmp_path: Path, seed: int
+) -> None:
+    await chaos(bus, tmp_path, seed, random_plan(seed))
+
+
+async def test_on_a_3_node_cluster_every_sample_once_through_worker_agent_and_master_kills(
+    cluster_bus: Bus, tmp_path: Path
+) -> None:
+    """The production shape: R3 streams, a leader and a standby master, two agents."""
+    await chaos(cluster_bus, tmp_path, 13, random_plan(13))
+
+
+async def test_on_a_3_node_cluster_a_quorum_loss_pauses_the_job_and_loses_nothing(
+    nats_cluster: Cluster, tmp_path: Path
+) -> None:
+    """Two of three NATS servers die for 15 s a third into the first epoch (JetStream has
+    no quorum: nothing can be stored or decided), then come back."""
+    bus = await Bus.connect(BusOptions(url=nats_cluster.url, replicas=3, reconnect_forever=True))
+    try:
+        await chaos(bus, tmp_path, 3, [("quorum", SAMPLES // (4 * 8) // 3)], cluster=nats_cluster)
+    finally:
+        await bus.close()
+
+
+async def test_a_flood_of_garbage_on_the_jobs_subjects_pauses_no_training(
+    cluster_bus: Bus, tmp_path: Path
+) -> None:
+    """50,000 messages of random bytes in about 10 s on the job's subjects, a third into
+    the first epoch: dead letters go behind the decisions, so leases keep coming."""
+    steps_per_epoch = SAMPLES // (4 * 8)
+    _, flooded = await chaos(cluster_bus, tmp_path, 4, [("flood", steps_per_epoch // 3)])
+    began, ended = flooded["flood"], flooded["flood_end"]
+    times = sorted(r["t"] for r in rows(tmp_path / "trace.jsonl") if "t" in r)
+    during = [t for t in times if began <= t <= ended]
+    assert len(during) > 10, "steps went on during the flood"
+    gaps = [b - a for a, b in itertools.pairwise(times) if began <= b <= ended + 2]
+    print(f"flood: {len(during)} step-rows in {ended - began:.1f}s; longest pause {max(gaps):.2f}s")
+    letters = [
+        r.event
+        for r in await stored_events(cluster_bus, JOB)
+        if isinstance(r.event, ev.EventRejected)
+    ]
+    assert sum(e.count for e in letters) >= FLOOD, "every garbage message is dead-lettered"
+    assert len(letters) < 1000, "in bursts, not one dead letter each"
 
 
 async def test_scale_from_two_nodes_to_one_and_back_in_the_middle_of_an_epoch(
@@ -90,11 +138,38 @@ async def test_training_goes_on_while_no_master_leads(bus: Bus, tmp_path: Path) 
     assert any(middle < t < leaderless[1] for t in times), "and still before the new leader"
 
 
+#: Seconds two of three NATS servers stay down in the quorum-loss test.
+QUORUM_LOSS_S = 15.0
+#: Garbage messages the flood publishes, in about 10 s.
+FLOOD = 50_000
+
+
+async def flood(bus: Bus) -> None:
+    """FLOOD messages of random bytes on the job's subjects (a node's, a dataset's), in
+    about 10 s, as a misbehaving client with a trainer's or an agent's rights would."""
+    rnd = random.Random(0)
+    targets = [f"rove.ev.{JOB}.node.intruder", f"rove.ev.{JOB}.data.samples"]
+    began = time.monotonic()
+    for i in range(FLOOD):
+        await bus.nc.publish(targets[i % 2], rnd.randbytes(rnd.randrange(1, 200)))
+        if i % 500 == 499:
+            await bus.nc.flush()
+            await asyncio.sleep(max(0.0, began + 10 * (i + 1) / FLOOD - time.monotonic()))
+    await bus.nc.flush()
+
+
 async def chaos(
-    bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
+    bus: Bus,
+    tmp_path: Path,
+    seed: int,
+    plan: list[tuple[str, int]],
+    cluster: Cluster | None = None,
 ) -> tuple[list[int], dict[str, float]]:
-    """Run the job, doing each (action, at step) of `plan`; check the lineage; return the
-    world size of each round, and when each action was done."""
+    """Run the job, doing each (action, at step) of `plan` (kill a worker, the leading
+    master or an agent; `quorum`: two of `cluster`'s three servers down for a while;
+    `flood`: garbage on the job's subjects); check the lineage, and that no master exited
+    but those killed; return the world size of each round, and when each action was
+    done."""
     rnd = random.Random(seed)
     trace = tmp_path / "trace.jsonl"
     masters = {
@@ -118,6 +193,7 @@ async def chaos(
 
     nodes = {"na": agent("na", "na-1"), "nb": agent("nb", "nb-1")}
     everyone = list(nodes.values())
+    killed_master = ""
     done_actions = []
     killed: dict[str, float] = {}
     try:
@@ -129,8 +205,18 @@ async def chaos(
                 pids = sorted({r["pid"] for r in rows(trace) if r["round"] == latest})
                 victim = rnd.choice([p for p in pids if pid_alive(p)] or pids)
                 os.kill(victim, signal.SIGKILL)
+            elif action == "quorum":
+                assert cluster is not None
+                for server in cluster.nodes[1:]:
+                    server.kill()
+                await asyncio.sleep(QUORUM_LOSS_S)
+                for server in cluster.nodes[1:]:
+                    server.start()
+            elif action == "flood":
+                await flood(bus)
+                killed["flood_end"] = time.time()
             elif action == "master":
-                name = await leader(bus)
+                name = killed_master = await leader(bus)
                 masters[name].kill()
                 fresh = f"m{len(masters) + 1}"
                 masters[fresh] = MasterProc(bus.url, JOB, fresh, tmp_path, "--node-timeout", "4")
@@ -146,6 +232,10 @@ async def chaos(
             done_actions.append(action)
         codes = await finished(bus, JOB, nodes, [*everyone, *masters.values()])
         assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
+        for name, m in masters.items():
+            if name != killed_master:
+                assert m.proc.poll() is None, f"master {name} exited:\n{m.log()[-3000:]}"
+                assert "Traceback" not in m.log(), f"master {name}:\n{m.log()[-3000:]}"
     finally:
         for p in everyone:
             p.stop()
