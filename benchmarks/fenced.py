@@ -9,7 +9,10 @@ data clients), `--writes` in all:
   before: a refusal ended the master);
 * `together_retried`: all at once, with rove's retry policy (a refused write is sent
   again);
-* `one_at_a_time`: each write after the previous one is acknowledged (what it does now).
+* `one_at_a_time`: each write after the previous one is acknowledged (what it does
+  with its other decisions, whose order matters);
+* `together_then_in_turn`: all at once, then those refused one at a time (what it does
+  now with its answers to data clients).
 
 For each: writes per second, and the writes the server refused at least once (10164,
 "wrong last sequence" with no number: another write checked against the same subject
@@ -68,6 +71,15 @@ async def run_way(bus: Bus, way: str, n: int, window: int) -> dict[str, float]:
         if way == "one_at_a_time":
             for w in tick:
                 await bus.publish(w, fence=fence)
+        elif way == "together_then_in_turn":
+            outcomes = await asyncio.gather(
+                *(bus.publish(w, fence=fence, busy_retried=False) for w in tick),
+                return_exceptions=True,
+            )
+            for w, outcome in zip(tick, outcomes, strict=True):
+                if isinstance(outcome, nats.js.errors.APIError):
+                    refused += 1
+                    await bus.publish(w, fence=fence)
         else:
             outcomes = await asyncio.gather(
                 *(_raw(bus, w, fence) for w in tick), return_exceptions=True
@@ -93,7 +105,7 @@ async def shape(url: str, replicas: int, n: int, window: int) -> dict[str, objec
     bus = await Bus.connect(BusOptions(url=url, replicas=replicas))
     try:
         out: dict[str, object] = {}
-        for way in ("together_raw", "together_retried", "one_at_a_time"):
+        for way in ("together_raw", "together_retried", "one_at_a_time", "together_then_in_turn"):
             out[way] = await run_way(bus, way, n, window)
         return out
     finally:

@@ -69,6 +69,15 @@ HEARTBEAT_MAX_AGE_S = 86400.0
 _DENIED = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
 
 
+class Busy(Exception):
+    """A clustered stream's busy answer that the caller retries itself (not retryable
+    here: `retry.backoff` lets it through)."""
+
+    def __init__(self, answer: nats.js.errors.APIError) -> None:
+        super().__init__(str(answer))
+        self.answer = answer
+
+
 class Fence(NamedTuple):
     """A master write is accepted only while `subject`'s last sequence is `seq`."""
 
@@ -360,20 +369,28 @@ class Bus:
         *,
         fence: Fence | None = None,
         deadline_s: float = 10.0,
+        busy_retried: bool = True,
     ) -> int:
         """Publish `event` on its subject; return its stream sequence.
 
         A duplicate of an already stored event (same id) returns the stored sequence.
+        With `busy_retried=False`, a clustered stream's "busy" answer (`retry.BUSY_CODES`)
+        is raised at once instead of retried (the caller sends the write again itself).
 
         Raises:
             FencedError: `fence` no longer holds: a newer master was elected.
             PublishDeadlineError: retryable failures lasted past `deadline_s`.
+            nats.js.errors.APIError: a busy answer, with `busy_retried=False`.
         """
         headers: dict[str, str] = {Header.MSG_ID.value: event.id}
         if fence is not None:
             headers.update(fence.headers())
         return await self.publish_raw(
-            subjects.subject_for(event), ev.encode(event), headers, deadline_s=deadline_s
+            subjects.subject_for(event),
+            ev.encode(event),
+            headers,
+            deadline_s=deadline_s,
+            busy_retried=busy_retried,
         )
 
     async def publish_raw(
@@ -383,6 +400,7 @@ class Bus:
         headers: dict[str, str] | None = None,
         *,
         deadline_s: float = 10.0,
+        busy_retried: bool = True,
     ) -> int:
         async def attempt(wait_s: float) -> int:
             try:
@@ -410,11 +428,15 @@ class Bus:
                         f"the server refused a write to {subject}: {exc.description}; "
                         "a newer master holds the lease"
                     ) from exc
+                if not busy_retried and exc.err_code in retry.BUSY_CODES:
+                    raise Busy(exc) from exc
                 raise
             return int(ack.seq)
 
         try:
             seq: int = await self._retry_with_timeout(attempt, deadline_s=deadline_s, what=subject)
+        except Busy as busy:
+            raise busy.answer from None  # for the caller to send again
         except FencedError:
             raise  # a deposed master's write: the fence working, not a failure
         except Exception:

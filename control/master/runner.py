@@ -11,10 +11,12 @@ to standby, its folded state still valid. Standbys keep following, ready.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Callable
 
+import nats.js.errors
 import stamina
 import structlog
 
@@ -283,11 +285,23 @@ class MasterRunner(JobService):
         decisions, waiting, scale_waiting = decide(self.state, self.replica.liveness, now)
         self._say_why_waiting(waiting)
         self._say_why_no_plan(scale_waiting)
-        # One at a time, in order: every write is fenced on the election subject, and a
-        # clustered stream refuses a fenced write while another checked against the same
-        # subject is being proposed (so writes sent together were refused; docs/architecture.md)
+        # Decisions one at a time, in order. The answers to data clients, independent of
+        # each other, go together, and those a clustered stream refuses as busy (a fenced
+        # write checked while another is being proposed) one at a time after them: one
+        # server takes them all at once, a cluster in turn (benchmarks/fenced.py).
+        answers = [d for d in decisions if isinstance(d, _ANSWERS)]
         for decision in decisions:
-            await self._publish(decision)
+            if not isinstance(decision, _ANSWERS):
+                await self._publish(decision)
+        if answers:
+            sent = await asyncio.gather(
+                *(self._publish(a, busy_retried=False) for a in answers), return_exceptions=True
+            )
+            for answer, outcome in zip(answers, sent, strict=True):
+                if isinstance(outcome, nats.js.errors.APIError):
+                    await self._publish(answer)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
         # Dead letters after the decisions, a burst per sender in one, a few per tick: a
         # flood of garbage never delays a decision (each dead letter was once a fenced,
         # fsynced write of its own, ahead of them). A rejection is forgotten only when its
@@ -318,14 +332,14 @@ class MasterRunner(JobService):
             if reason:
                 self.log.info(f"no plan yet: {reason}", plans=self.state.scale.plans)
 
-    async def _publish(self, decision: ev.Decision) -> None:
+    async def _publish(self, decision: ev.Decision, *, busy_retried: bool = True) -> None:
         assert self.fence is not None
         mono = time.monotonic()
         if self._inflight.get(decision.id, 0.0) > mono:
             return
         self._inflight[decision.id] = mono + INFLIGHT_S
         try:
-            seq = await self.bus.publish(decision, fence=self.fence)
+            seq = await self.bus.publish(decision, fence=self.fence, busy_retried=busy_retried)
         except BaseException:
             self._inflight.pop(decision.id, None)
             raise
