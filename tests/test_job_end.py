@@ -206,3 +206,26 @@ async def test_a_rerun_under_an_ended_jobs_name_is_its_next_run_and_the_earlier_
     none = rove_cli("events", "--job", "again", "--run", "4", "--nats", bus.url)
     assert none.returncode == 2 and "the job has run 3 time(s)" in none.stderr
     master.stop()
+
+
+def test_a_state_that_grows_and_shrinks_mid_job_is_persisted_at_every_later_step(
+    tmp_path: Path,
+) -> None:
+    """(A state that outgrew its slot was never persisted again: the agent kept mapping
+    the slot's old file and saw only old steps, and the job ended rc 0.)"""
+    ckpt = tmp_path / "ckpt"
+    script = Path(__file__).parent / "scripts" / "growing_state.py"
+    node = RunProc(
+        tmp_path,
+        "grows",
+        *("--standalone", "--job", "grows", "--nproc-per-node", "2"),
+        *("--checkpoint-dir", str(ckpt), "--keep-checkpoints", "20"),
+        str(script),
+    )
+    assert node.wait(180) == 0, node.log()[-3000:]
+    events = _stored(tmp_path / "rove-home", "grows")
+    persisted = {e.step for e in events if isinstance(e, ev.CkptPersisted)}
+    assert set(range(6, 15)) <= persisted, f"every step after the growth: {sorted(persisted)}"
+    assert json.loads((ckpt / "committed").read_text())["step"] == 14
+    grown = sorted(ckpt.glob("step-00000008/rank-*.ckpt"))
+    assert len(grown) == 2 and all(p.stat().st_size > 8_000_000 for p in grown), "whole"
