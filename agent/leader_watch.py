@@ -15,10 +15,12 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import nats.errors
 import structlog
 
 from rove.control import metrics, subjects
 from rove.control.bus import Bus
+from rove.control.errors import RoveError
 from rove.control.master.election import current_holder
 
 log = structlog.get_logger("rove.agent")
@@ -55,8 +57,9 @@ class LeaderWatch:
                 if kv is None:
                     kv, _ttl = await self.bus.lease_bucket()
                 holder = await current_holder(kv, subjects.lease_key(self.job))
-            except Exception as exc:  # noqa: BLE001 - the bus is away: said by the bus itself
-                self.log.debug("could not read the leader lease", error=str(exc))
+            except (RoveError, nats.errors.Error, OSError, TimeoutError) as exc:
+                # the bus is away (said by the bus itself): look again next time
+                self.log.debug("could not read the leader lease", error=repr(exc))
             else:
                 self.saw(None if holder is None else holder.master)
             await asyncio.sleep(self.every_s)
