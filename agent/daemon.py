@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 from rove.agent.metrics import Sampler
 from rove.control import events as ev
 from rove.control import pool as registry
+from rove.control import retry
 from rove.control.bus import Bus
 from rove.control.pool import PoolEntry, PoolState
 from rove.control.scaler.local import LocalBackend
@@ -65,12 +66,22 @@ class PoolDaemon:
         self._stopping.set()
 
     async def run(self) -> None:
-        kv = await registry.bucket(self.bus)
-        await self._announce(kv)
+        kv = await retry.wait_out(  # started while JetStream has no quorum: it waits
+            lambda: registry.bucket(self.bus), what=f"the registry of pool {self.pool}"
+        )
+        await retry.wait_out(lambda: self._announce(kv), what=f"announcing {self.agent}")
         self.log.info("agent in the pool, idle", capacity=self.capacity.describe())
         try:
+            said = 0.0
             while not self._stopping.is_set():
-                await self._step(kv)
+                try:
+                    await self._step(kv)
+                except Exception as exc:
+                    if not retry.backoff(exc):
+                        raise
+                    if time.monotonic() - said > 60:  # a bus outage: ride it out
+                        said = time.monotonic()
+                        self.log.warning("the bus did not answer; trying again", error=repr(exc))
                 try:
                     await asyncio.wait_for(self._stopping.wait(), 0.25)
                 except TimeoutError:
