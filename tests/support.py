@@ -66,13 +66,16 @@ def free_port() -> int:
 class Cluster:
     """Three `nats-server -js` nodes routed into one cluster on loopback."""
 
-    def __init__(self, root: Path, size: int = 3) -> None:
+    def __init__(self, root: Path, size: int = 3, *, host: str = "127.0.0.1") -> None:
+        """`host`: where clients connect (0.0.0.0: every address of this host, for
+        clients in a network namespace); the routes stay on loopback."""
         self.client_ports = [free_port() for _ in range(size)]
         self.route_ports = [free_port() for _ in range(size)]
         routes = ",".join(f"nats://127.0.0.1:{p}" for p in self.route_ports)
         self.nodes = [
             EmbeddedServer(
                 root / f"n{i + 1}",
+                host=host,
                 port=self.client_ports[i],
                 server_name=f"n{i + 1}",
                 extra_args=[
@@ -89,7 +92,11 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return ",".join(f"nats://127.0.0.1:{p}" for p in self.client_ports)
+        return self.url_at("127.0.0.1")
+
+    def url_at(self, ip: str) -> str:
+        """The cluster's URL for a client that reaches this host at `ip`."""
+        return ",".join(f"nats://{ip}:{p}" for p in self.client_ports)
 
     def start(self) -> None:
         for n in self.nodes:

@@ -27,6 +27,7 @@ import pytest
 from rove.control import events as ev
 from rove.control.bus import Bus, BusOptions
 from tests.lineage import lineage, progress, rows
+from tests.netns import Netns
 from tests.support import (
     ROOT,
     Cluster,
@@ -34,6 +35,7 @@ from tests.support import (
     RunProc,
     eventually,
     finished,
+    job_events,
     pid_alive,
     stored_events,
 )
@@ -88,6 +90,29 @@ async def test_on_a_3_node_cluster_a_quorum_loss_pauses_the_job_and_loses_nothin
         await bus.close()
 
 
+async def test_a_node_cut_off_for_20_s_comes_back_and_every_sample_is_trained_once(
+    tmp_path: Path,
+) -> None:
+    """Node nb lives in a network namespace; its link goes down for 20 s a third into the
+    first epoch (no NATS, no peer), then up. (Its agent went mute after such a cut: a
+    retried publish answered 10158 ended its outbox, and the job failed 300 s later.)"""
+    cluster = Cluster(tmp_path / "cluster", host="0.0.0.0")
+    cluster.start()
+    netns = Netns().create()
+    bus = await Bus.connect(BusOptions(url=cluster.url, replicas=3, reconnect_forever=True))
+    try:
+        plan = [("partition", SAMPLES // (4 * 8) // 3)]
+        await chaos(bus, tmp_path, 9, plan, cluster=cluster, netns=netns)
+        joins = [
+            e for e in await job_events(bus, JOB) if isinstance(e, ev.NodeJoined) and e.node == "nb"
+        ]
+        assert len(joins) >= 2, "nb joined again once it was back"
+    finally:
+        await bus.close()
+        netns.delete()
+        cluster.stop()
+
+
 async def test_a_flood_of_garbage_on_the_jobs_subjects_pauses_no_training(
     cluster_bus: Bus, tmp_path: Path
 ) -> None:
@@ -140,6 +165,8 @@ async def test_training_goes_on_while_no_master_leads(bus: Bus, tmp_path: Path) 
 
 #: Seconds two of three NATS servers stay down in the quorum-loss test.
 QUORUM_LOSS_S = 15.0
+#: Seconds node nb stays cut off from NATS and its peer in the partition test.
+PARTITION_S = 20.0
 #: Garbage messages the flood publishes, in about 10 s.
 FLOOD = 50_000
 
@@ -164,6 +191,7 @@ async def chaos(
     seed: int,
     plan: list[tuple[str, int]],
     cluster: Cluster | None = None,
+    netns: Netns | None = None,
 ) -> tuple[list[int], dict[str, float]]:
     """Run the job, doing each (action, at step) of `plan` (kill a worker, the leading
     master or an agent; `quorum`: two of `cluster`'s three servers down for a while;
@@ -178,17 +206,28 @@ async def chaos(
     await eventually(lambda: leader(bus), timeout=30)
 
     def agent(node: str, name: str) -> RunProc:
+        url, addr, where = bus.url, "127.0.0.1", {}
+        if netns is not None:  # node nb lives behind a link the test can cut; na beside it
+            inside = node == "nb"
+            assert cluster is not None
+            url = cluster.url_at(netns.host_ip) if inside else bus.url
+            addr = netns.ns_ip if inside else netns.host_ip
+            where = {
+                "env": {"GLOO_SOCKET_IFNAME": netns.ns_if if inside else netns.host_if},
+                "preexec": netns.enter if inside else None,
+            }
         return RunProc(
             tmp_path,
             name,
-            *("--nats", bus.url, "--job", JOB, "--node-id", node, "--local-addr", "127.0.0.1"),
+            *("--nats", url, "--job", JOB, "--node-id", node, "--local-addr", addr),
             *("--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "30"),
             *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
             *("--checkpoint-dir", str(tmp_path / "ckpt")),
             str(SCRIPT),
             *("--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--step-sleep", "0.12"),
             *("--seed", str(seed), "--trace", str(trace)),
-            env={"ROVE_SHM_DIR": str(tmp_path / "shm")},  # killed agents leave slots behind
+            env={"ROVE_SHM_DIR": str(tmp_path / "shm"), **where.get("env", {})},
+            preexec=where.get("preexec"),  # (killed agents leave slots behind: their own dir)
         )
 
     nodes = {"na": agent("na", "na-1"), "nb": agent("nb", "nb-1")}
@@ -212,6 +251,11 @@ async def chaos(
                 await asyncio.sleep(QUORUM_LOSS_S)
                 for server in cluster.nodes[1:]:
                     server.start()
+            elif action == "partition":
+                assert netns is not None
+                netns.cut()  # node nb: no NATS, no peers
+                await asyncio.sleep(PARTITION_S)
+                netns.heal()
             elif action == "flood":
                 await flood(bus)
                 killed["flood_end"] = time.time()
