@@ -81,7 +81,7 @@ async def test_on_a_3_node_cluster_every_sample_once_through_worker_agent_and_ma
 async def test_on_a_3_node_cluster_a_quorum_loss_pauses_the_job_and_loses_nothing(
     nats_cluster: Cluster, tmp_path: Path
 ) -> None:
-    """Two of three NATS servers die for 15 s a third into the first epoch (JetStream has
+    """Two of three NATS servers die for 20 s a third into the first epoch (JetStream has
     no quorum: nothing can be stored or decided), then come back."""
     bus = await Bus.connect(BusOptions(url=nats_cluster.url, replicas=3, reconnect_forever=True))
     try:
@@ -164,7 +164,7 @@ async def test_training_goes_on_while_no_master_leads(bus: Bus, tmp_path: Path) 
 
 
 #: Seconds two of three NATS servers stay down in the quorum-loss test.
-QUORUM_LOSS_S = 15.0
+QUORUM_LOSS_S = 20.0
 #: Seconds node nb stays cut off from NATS and its peer in the partition test.
 PARTITION_S = 20.0
 #: Garbage messages the flood publishes, in about 10 s.
