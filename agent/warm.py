@@ -147,4 +147,17 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True, write_through=True)
+    _fresh_randomness()
     script.run(kind, target, argv)
+
+
+def _fresh_randomness() -> None:
+    """Draw new seeds, as a fresh interpreter does: a fork inherits the server's random
+    state, so every worker (and every restart) would share torch's and numpy's draws
+    (Python's `random` is reseeded at fork by CPython itself)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()

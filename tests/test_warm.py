@@ -82,6 +82,10 @@ def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
     assert len({r["ppid"] for r in reports.values()}) == 1, "one server forked both"
     assert "rank 0 says hello" in log and "rank 1 says hello" in log
     _ended_as_an_interpreter_ends(tmp_path, reports)
+    draws = [tuple(r["draws"]) for r in reports.values()]  # type: ignore[arg-type]
+    assert all(len(set(d)) == 2 for d in zip(*draws, strict=True)), (
+        "each worker draws its own torch seed and numpy numbers, as a fresh interpreter does"
+    )
 
 
 @pytest.mark.slow

@@ -34,6 +34,11 @@ rank = os.environ["RANK"]
             "start_method": __import__("multiprocessing").get_start_method(),
             "cmdline": Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(),
             "sid": os.getsid(0),
+            "draws": [
+                torch.initial_seed(),
+                torch.rand(1).item(),
+                __import__("numpy").random.rand(),
+            ],
         }
     )
 )
