@@ -114,6 +114,14 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         raise ConfigError(f"--nnodes {args.nnodes}: use N or MIN:MAX ({exc})") from exc
     if not 0 < lo <= hi:
         raise ConfigError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+    if not standalone and not args.nats and hi == 1 and not args.auto_scale:
+        # torchrun's one-node command lines (no rendezvous flags, a static --master-addr,
+        # a c10d endpoint): one machine, so rove's embedded default serves it
+        standalone = args.standalone = True
+        log.info(
+            "one node and no --nats: running as --standalone, with its own NATS server and "
+            "master (the rendezvous flags given, if any, are not needed)"
+        )
     if args.auto_scale and not standalone:
         raise ConfigError(
             "--auto-scale runs a master and a scaler in this process, with --standalone; on a "
@@ -287,8 +295,9 @@ def _kafka_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> int:
     if not args.nats and not standalone:
         raise ConfigError(
-            "no NATS server to meet the other nodes on: pass --nats URL (or set "
-            "ROVE_NATS_URL), or --standalone for a one-machine job with its own server and master"
+            f"--nnodes {args.nnodes}: the nodes meet on a NATS server, and none was given: add "
+            "--nats nats://HOST:4222 (or set ROVE_NATS_URL) on every node, with a "
+            "`rove master --job J --nats ...` beside them (docs/runtime.md, 'Several nodes')"
         )
     # SIGINT and SIGTERM for the whole run: the first stops the job's workers (with the
     # same signal) and leaves cleanly, a second one ends everything at once

@@ -168,7 +168,7 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
         (["frobnicate"], common.EXIT_USAGE, "invalid choice"),
         (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
         (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
-        (["run", "examples/train.py"], common.EXIT_USAGE, "no NATS server to meet"),
+        (["run", "--nnodes", "2", "examples/train.py"], common.EXIT_USAGE, "add --nats"),
         (["run", "--standalone", "--nnodes", "3:2", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
         (
             ["run", "--standalone", "--nnodes", "2", "examples/train.py"],

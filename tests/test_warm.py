@@ -162,3 +162,32 @@ def test_a_worker_forked_as_its_server_dies_does_not_train_as_an_orphan(tmp_path
         timeout=60,
     )
     assert ok.returncode == 0 and marker.read_text() == "yes", ok.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (),
+        ("--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", "29531"),
+        ("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29532", "--rdzv-id", "tut"),
+    ],
+)
+def test_torchruns_one_node_command_lines_run_on_the_embedded_default(
+    tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    """(They were refused: "no NATS server to meet the other nodes on".)"""
+    out = rove_cli(
+        "run",
+        "--nproc-per-node",
+        "2",
+        *flags,
+        str(SCRIPT),
+        str(tmp_path),
+        timeout=180,
+        env={"ROVE_HOME": str(tmp_path / "home")},
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert "running as --standalone" in log
+    assert sorted(_reports(tmp_path)) == ["0", "1"]
