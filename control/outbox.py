@@ -37,6 +37,8 @@ class Outbox:
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        #: why the outbox stopped sending (None while it works): its owner acts on it
+        self.failure: BaseException | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="outbox")
@@ -57,13 +59,25 @@ class Outbox:
     async def _run(self) -> None:
         while True:
             event = await self._queue.get()
-            await retry.call(
-                functools.partial(self._publish, event),
-                what=f"{ev.kind(event)} {event.id}",
-                deadline_s=None,
-                wait_initial=0.5,
-                wait_max=self.wait_max_s,
-            )
+            try:
+                await retry.call(
+                    functools.partial(self._publish, event),
+                    what=f"{ev.kind(event)} {event.id}",
+                    deadline_s=None,
+                    wait_initial=0.5,
+                    wait_max=self.wait_max_s,
+                )
+            except Exception as exc:
+                # not worth retrying (a role that may not write it, a payload too large):
+                # said with the fact it failed on; the owner learns it from `failure`
+                log.error(
+                    f"cannot publish {self.what}; nothing more is sent",
+                    kind=ev.kind(event),
+                    id=event.id,
+                    exc_info=exc,
+                )
+                self.failure = exc
+                raise
             if self._queue.empty():
                 self._idle.set()
 

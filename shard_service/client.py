@@ -149,7 +149,18 @@ class DataClient:
         return self._seq
 
     def send(self, event: ev.Event) -> None:
-        """Publish `event` (in order with earlier ones) without waiting."""
+        """Publish `event` (in order with earlier ones) without waiting.
+
+        Raises:
+            RoveError: the client can no longer publish (its outbox failed on a fact it
+                may never send): the worker stops, with the reason, rather than wait
+                for answers that cannot come.
+        """
+        failure = self._outbox.failure if self._outbox is not None else None
+        if failure is not None:
+            raise RoveError(
+                f"the data client of {self.dataset} cannot publish: {failure!r}"
+            ) from failure
         self._loop.call_soon_threadsafe(self._put, event)
 
     def register(self, spec: ev.DatasetSpec) -> None:
