@@ -70,30 +70,44 @@ class Feed:
         history: list[int] = []
         while True:
             await asyncio.sleep(every_s)
-            history = [*history[-(STALL_CHECKS - 1) :], self.last_seq]
-            if len(history) < STALL_CHECKS or len(set(history)) > 1:
-                continue
             try:
-                ahead = await newest()
-            except RoveError:
-                continue
-            if not stalled(history, ahead):
-                continue
-            log.warning(
-                "subscription stalled: resubscribing",
-                feed=what,
-                delivered=self.last_seq,
-                stream_has=ahead,
-            )
-            old = self.sub
-            try:
-                self.sub = await resubscribe(self.last_seq + 1)
-            except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                log.warning("could not resubscribe; will try again", feed=what, error=repr(exc))
-                continue
-            self.resubscribed += 1
-            history = []
-            await unsubscribe(old)
+                history = await self._check(history, newest, resubscribe, what)
+            except Exception:  # a watchdog that dies would leave its feed unwatched
+                log.exception("the feed's stall check failed; checking again", feed=what)
+                history = []
+
+    async def _check(
+        self,
+        history: list[int],
+        newest: Callable[[], Awaitable[int]],
+        resubscribe: Callable[[int], Awaitable[Any]],
+        what: str,
+    ) -> list[int]:
+        """One stall check; returns the history of delivered sequences to keep."""
+        history = [*history[-(STALL_CHECKS - 1) :], self.last_seq]
+        if len(history) < STALL_CHECKS or len(set(history)) > 1:
+            return history
+        try:
+            ahead = await newest()
+        except RoveError:
+            return history
+        if not stalled(history, ahead):
+            return history
+        log.warning(
+            "subscription stalled: resubscribing",
+            feed=what,
+            delivered=self.last_seq,
+            stream_has=ahead,
+        )
+        old = self.sub
+        try:
+            self.sub = await resubscribe(self.last_seq + 1)
+        except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            log.warning("could not resubscribe; will try again", feed=what, error=repr(exc))
+            return history
+        self.resubscribed += 1
+        await unsubscribe(old)
+        return []
 
     async def stop(self) -> None:
         if self.watchdog is not None:

@@ -93,12 +93,17 @@ class Outbox:
             raise
 
     async def flush(self, timeout_s: float | None) -> bool:
-        """Wait until every fact is published; False if `timeout_s` ran out first."""
+        """Wait until every fact is published; False if `timeout_s` ran out first, or
+        at once if the outbox failed (what is left cannot be sent)."""
+        if self.failure is not None:
+            return self._idle.is_set()
+        idle = asyncio.ensure_future(self._idle.wait())
+        waits = [idle] if self._task is None else [idle, self._task]
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            idle.cancel()
+        return self._idle.is_set()
 
     async def stop(self) -> None:
         if self._task is not None:

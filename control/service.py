@@ -24,6 +24,7 @@ import structlog
 from rove.control import events as ev
 from rove.control import records, retry, subjects
 from rove.control.bus import Bus
+from rove.control.errors import RoveError
 from rove.control.master.replica import Replica
 from rove.control.master.state import JobState
 from rove.control.outbox import Outbox
@@ -106,7 +107,17 @@ class JobService(abc.ABC):
         return self._stopping.is_set()
 
     def emit(self, event: ev.Event) -> None:
-        """Publish a fact through this service's outbox (started on first use)."""
+        """Publish a fact through this service's outbox (started on first use).
+
+        Raises:
+            RoveError: the outbox failed on a fact it may never send (said in the log
+                with that fact): the service ends with the reason instead of living on
+                with its facts unsent.
+        """
+        if self._outbox is not None and self._outbox.failure is not None:
+            raise RoveError(
+                f"{self.name} cannot publish its facts: {self._outbox.failure!r}"
+            ) from self._outbox.failure
         if self._outbox is None:
             self._outbox = Outbox(self.bus, what=f"facts of {self.name}")
             self._outbox.start()
