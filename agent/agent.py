@@ -44,7 +44,7 @@ from rove.agent.heartbeat import Heartbeat, free_ports
 from rove.agent.leader_watch import LeaderWatch
 from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.reports import ProgressReports
-from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
+from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
 from rove.agent.worker_env import member_of, worker_envs
 from rove.control import aio, records, retry, subjects, tf_cluster
@@ -128,6 +128,8 @@ class AgentStatus:
     starts: int = 0
     end_reason: str = ""
     history: list[AgentPhase] = field(default_factory=list)
+    #: the last failure of this node's workers (its global rank, and what happened)
+    failure: tuple[int, RootFailure] | None = None
 
 
 class Agent:
@@ -515,6 +517,7 @@ class Agent:
             rank=rank,
             exit_code=root.exit_code,
         )
+        self.status.failure = (rank, root)
         self.endings.failed(ended.round, rank, root)
 
     async def _hung(self, hang: _Hang) -> None:

@@ -107,6 +107,36 @@ def last_exception(log_tail: str) -> str | None:
     return None
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+#: where installed code lives: a frame there is a library's, not the script's
+_LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python\d[.\d]*[/\\]")
+
+
+def where(error_data: Any = None, log_tail: str = "") -> str | None:
+    """`train.py:42`: where the failing script raised, from the traceback in torch's error
+    file or else the last one in the log tail: the innermost frame outside installed
+    libraries (the innermost of all if every frame is a library's)."""
+    stack = ""
+    if isinstance(error_data, str):
+        try:
+            error_data = json.loads(error_data)
+        except json.JSONDecodeError:
+            error_data = None
+    message = error_data.get("message") if isinstance(error_data, dict) else None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        if isinstance(extra, dict) and isinstance(extra.get("py_callstack"), str):
+            stack = extra["py_callstack"]
+    if not stack and _TRACEBACK in log_tail:
+        stack = log_tail[log_tail.rindex(_TRACEBACK) :]
+    frames = [(path, line) for path, line in _FRAME.findall(stack) if path != "<string>"]
+    if not frames:
+        return None
+    own = [frame for frame in frames if not _LIBRARY.search(frame[0])]
+    path, line = (own or frames)[-1]
+    return f"{path}:{line}"
+
+
 def _clip(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "…"

@@ -15,6 +15,24 @@ from rove.control import events as ev
 from rove.control import metrics
 
 
+def summary(node: str, rank: int, root: RootFailure) -> list[str]:
+    """The lines a failed job ends with on the console of the node where a worker failed,
+    as torchrun's root-cause table: who, how it ended, what it raised, where, and where
+    its whole output is."""
+    sig = signal_name(root.exit_code)
+    how = f"killed by {sig}" if sig else f"exit code {root.exit_code}"
+    lines = [
+        f"root cause: rank {rank} (local rank {root.local_rank}, pid {root.pid}) "
+        f"on node {node}, {how}",
+        f"  {root.diagnosis.kind.value}: {root.diagnosis.reason}",
+    ]
+    if root.where:
+        lines.append(f"  at {root.where}")
+    if root.log_path:
+        lines.append(f"  its output: {root.log_path}")
+    return lines
+
+
 class Endings:
     def __init__(self, facts: NodeFacts) -> None:
         self.facts = facts

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-from rove.agent import child, managed, warm
+from rove.agent import child, endings, managed, warm
 from rove.agent.agent import Agent, AgentConfig
+from rove.agent.echo import EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
 from rove.control import aio, auth, embedded, logs, metrics, subjects, tf_cluster
 from rove.control import events as ev
@@ -158,14 +158,9 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])
     logs_specs = launch.logs_specs
     if args.logs_specs is None and args.redirects in (None, "0") and args.tee in (None, "0"):
-        # Keep stderr on the console (with torch's [rank] prefix) and in a file,
-        # so a failure can be diagnosed from its last lines.
-        logs_specs = DefaultLogsSpecs(
-            log_dir=args.log_dir,
-            redirects=Std.NONE,
-            tee=Std.ERR,
-            local_ranks_filter=getattr(logs_specs, "_local_ranks_filter", None),
-        )
+        # stderr on the console byte for byte, as under torchrun, and in a file, so a
+        # failure can be diagnosed from its last lines (rove.agent.echo)
+        logs_specs = EchoedLogs(args.log_dir, getattr(logs_specs, "_local_ranks_filter", None))
     params = ev.RdzvParams(
         min_nodes=launch.min_nodes,
         max_nodes=launch.max_nodes,
@@ -339,6 +334,9 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         agent = Agent(bus, cfg, signals=signals)
         code = await agent.run()
         print(f"rove: {agent.status.end_reason}", file=sys.stderr, flush=True)
+        if code != 0 and agent.status.failure is not None:
+            for line in endings.summary(cfg.node, *agent.status.failure):
+                print(f"rove: {line}", file=sys.stderr, flush=True)
         return code
     finally:
         if bridge is not None and bridge_task is not None:

@@ -29,6 +29,10 @@ class RootFailure:
     exit_code: int
     diagnosis: Diagnosis
     log_tail: str
+    #: its stderr's file, where there is one
+    log_path: str = ""
+    #: where the script raised ("train.py:42"), where a traceback says
+    where: str = ""
 
 
 @dataclass(frozen=True)

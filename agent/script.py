@@ -159,29 +159,35 @@ def exit_status(exc: BaseException | None) -> int:
         print(code, file=sys.stderr, flush=True)
         return 1
     if isinstance(exc, KeyboardInterrupt):
-        _print_uncaught(exc)
+        print_uncaught(exc)
         sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         return 130
-    _print_uncaught(exc)
+    print_uncaught(exc)
     return 1
 
 
-def _print_uncaught(exc: BaseException) -> None:
+def print_uncaught(exc: BaseException) -> None:
     """The traceback as the interpreter prints it, without rove's own frames."""
     tb = exc.__traceback__
     while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
+    whole = exc.__traceback__
+    exc.__traceback__ = tb  # (CPython's hook prints the exception's own traceback)
     try:
         sys.excepthook(type(exc), exc, tb)
     except Exception:  # noqa: BLE001 - a broken excepthook: print it plainly, as CPython does
         traceback.print_exception(type(exc), exc, tb)
+    finally:
+        exc.__traceback__ = whole
     sys.stderr.flush()
 
 
 #: Files whose frames a script's traceback never shows: rove's runners and runpy.
-_OURS = frozenset({__file__, runpy.__file__, str(Path(__file__).with_name("child.py"))})
+_OURS = frozenset(
+    {__file__, runpy.__file__, *(str(Path(__file__).with_name(n)) for n in ("child.py", "warm.py"))}
+)
 
 
 def _is_ours(filename: str) -> bool:

@@ -148,7 +148,13 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         if reconfigure is not None:
             reconfigure(line_buffering=True, write_through=True)
     _fresh_randomness()
-    script.run(kind, target, argv)
+    try:
+        script.run(kind, target, argv)
+    except Exception as exc:
+        # on the worker's stderr, as a fresh interpreter prints it (torch's own report of
+        # it, in the agent, is left out: the agent says what failed, diagnosed)
+        script.print_uncaught(exc)
+        raise
 
 
 def _fresh_randomness() -> None:

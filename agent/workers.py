@@ -33,7 +33,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.utils.api import macros
 
 from rove.agent import progress
-from rove.agent.diagnosis import Diagnosis, classify, read_tail
+from rove.agent.diagnosis import Diagnosis, classify, read_tail, where
+from rove.agent.echo import Echo, EchoedLogs
 from rove.agent.runtime import RootFailure, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
 from rove.agent.stuck import Activity
@@ -64,6 +65,7 @@ class TorchRuntime(WorkerRuntime):
         self.progress_dir = progress_dir
         self.start_method = start_method
         self.pcontext: PContext | None = None
+        self._echo: Echo | None = None
         self._round = 0
         self.progress_files: dict[int, Path] = {}
         #: pids killed after their work was done (lingering, or stuck on their way out)
@@ -102,6 +104,9 @@ class TorchRuntime(WorkerRuntime):
                 start_method=self.start_method,
             )
             self._round = round_
+            if isinstance(self.logs_specs, EchoedLogs):
+                stderrs = {lr: str(path) for lr, path in self.pcontext.stderrs.items()}
+                self._echo = Echo(self.logs_specs.echoed(stderrs)).start()
             return dict(self.pcontext.pids())
 
     def pids(self) -> dict[int, int]:
@@ -176,6 +181,7 @@ class TorchRuntime(WorkerRuntime):
                 _add_other_failures(pcontext, result)
             if result is not None:
                 self.pcontext = None
+                self._stop_echo()
             return result
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
@@ -183,6 +189,13 @@ class TorchRuntime(WorkerRuntime):
             if self.pcontext is not None:
                 self.pcontext.close(death_sig=sig, timeout=int(max(1, timeout_s)))
                 self.pcontext = None
+            self._stop_echo()
+
+    def _stop_echo(self) -> None:
+        """Copy the ended workers' last output to the console, then stop copying."""
+        if self._echo is not None:
+            self._echo.stop()
+            self._echo = None
 
     def progress(self) -> dict[int, progress.Progress]:
         return progress.read_all(self.progress_files)
@@ -282,7 +295,8 @@ def _failure(local_rank: int, pid: int, code: int, error_file: str) -> ProcessFa
 
 
 class PreformattedTraceback(logging.Filter):
-    """Formats a record's traceback before torch's log formatter sees it.
+    """Formats a record's traceback before torch's log formatter sees it, and leaves out
+    torch's report of a failed worker function (a second copy of its traceback).
 
     torch's formatter imports `torch._dynamo` (about 1.4 s) the first time it
     formats an exception, which it does when a worker fails: in the agent that
@@ -290,6 +304,8 @@ class PreformattedTraceback(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("failed (exitcode"):
+            return False  # the agent says it, diagnosed; the worker printed its traceback
         if record.exc_info:
             record.exc_text = "".join(traceback.format_exception(*record.exc_info)).rstrip()
             record.exc_info = None
@@ -333,12 +349,15 @@ def root_failure(result: RunProcsResult) -> RootFailure | None:
         )
         data = f.error_file_data if f.error_file_data else None
         diagnosis = classify(f.exitcode, data, tail)
-        candidates.append((_symptom_rank(f, diagnosis), f, diagnosis, tail))
-    _, first, diagnosis, tail = min(candidates, key=lambda c: c[0])
+        candidates.append((_symptom_rank(f, diagnosis), f, diagnosis, tail, data))
+    _, first, diagnosis, tail, data = min(candidates, key=lambda c: c[0])
+    path = result.stderrs.get(first.local_rank) or result.stdouts.get(first.local_rank)
     return RootFailure(
         local_rank=first.local_rank,
         pid=first.pid,
         exit_code=first.exitcode,
         diagnosis=diagnosis,
         log_tail=tail,
+        log_path=str(path or ""),
+        where=where(data, tail) or "",
     )

@@ -19,17 +19,23 @@ from rove.control.embedded import EmbeddedServer
 def rove_cli(
     *args: str, timeout: float = 30, check: bool = False, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`rove ARGS...` in a subprocess, its output captured as text.
+    """`rove ARGS...` in a subprocess, its output captured as text (as written: a
+    carriage return stays one).
 
     `env` is added to this process's environment.
     """
-    return subprocess.run(
+    out = subprocess.run(
         [sys.executable, "-m", "rove.control.cli.main", *args],
         capture_output=True,
-        text=True,
         timeout=patience(timeout),
         check=check,
         env={**os.environ, **env} if env else None,
+    )
+    return subprocess.CompletedProcess(
+        out.args,
+        out.returncode,
+        out.stdout.decode("utf-8", "replace"),
+        out.stderr.decode("utf-8", "replace"),
     )
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rove.agent.diagnosis import classify, last_exception, read_tail, signal_name
+from rove.agent.diagnosis import classify, last_exception, read_tail, signal_name, where
 from rove.control.events import REASON_CHARS, FailureKind
 
 TRACEBACK = """[default0]:Traceback (most recent call last):
@@ -190,3 +190,22 @@ def test_a_gloo_failure_without_record_names_the_broken_connection(tmp_path) -> 
 @pytest.mark.parametrize("placeholder", ["<NONE>", "<N/A>", {"message": "<NONE>"}])
 def test_torchs_placeholders_are_no_message(placeholder: object) -> None:
     assert classify(1, placeholder, TRACEBACK).reason.startswith("ValueError: learning rate")
+
+
+def test_where_names_the_scripts_innermost_frame_not_a_librarys() -> None:
+    library = '  File "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 9\n'
+    tail = (
+        "Traceback (most recent call last):\n"
+        '  File "/home/me/train.py", line 30, in <module>\n'
+        '  File "/home/me/model.py", line 12, in forward\n'
+        f"{library}ValueError: shapes\n"
+    )
+    assert where(None, tail) == "/home/me/model.py:12"
+    recorded = {"message": {"message": "E", "extraInfo": {"py_callstack": tail}}}
+    assert where(json.dumps(recorded), "") == "/home/me/model.py:12", "from the error file"
+    only_library = f"Traceback (most recent call last):\n{library}RuntimeError: x\n"
+    assert where(None, only_library) == (
+        "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py:9"
+    )
+    assert where(None, "no traceback here") is None
+    assert where({"message": "<NONE>"}, TRACEBACK) == "train.py:2", "torch's placeholder"

@@ -104,22 +104,36 @@ def test_without_warm_start_workers_are_fresh_interpreters(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_a_fresh_worker_that_raises_fails_with_its_own_traceback(tmp_path: Path) -> None:
-    code, log = _run(tmp_path, "--no-warm-start", script_args=("--raise",))
-    assert code != 0
-    assert "ValueError: rank 1 refuses on purpose" in log, log[-3000:]
-    assert "how_started.py" in log
-    assert "rove/agent" not in log.split("Traceback", 1)[-1].split("ValueError")[0], (
-        "rove's frames are not in the script's traceback"
-    )
+    code, log = _run(tmp_path, "--no-warm-start", "--max-restarts", "0", script_args=("--raise",))
+    _on_the_console_as_torchrun_and_a_root_cause(code, log)
     assert (tmp_path / "1.atexit").read_text() == "ran", "atexit handlers run after an error"
+
+
+def _on_the_console_as_torchrun_and_a_root_cause(code: int, log: str) -> None:
+    """The workers' output byte for byte (no `[default0]:` prefix, a carriage return
+    kept), the failing rank's traceback as an interpreter prints it (none of rove's
+    frames, none of torch's second copy), and a root-cause summary at the end."""
+    assert code == 1, log[-3000:]
+    assert "rank 1 at 1/2\rrank 1 at 2/2\n" in log, log[-3000:]
+    assert "[default" not in log
+    assert log.count("Traceback (most recent call last)") == 1, log[-3000:]
+    traceback = log.split("Traceback (most recent call last):", 1)[1].split("\n")
+    frames = [line for line in traceback[:8] if line.startswith("  File ")]
+    assert frames == [f'  File "{SCRIPT}", line 51, in <module>'], traceback[:8]
+    assert "ValueError: rank 1 refuses on purpose" in traceback[:8]
+    summary = log[log.index("rove: root cause: ") :].splitlines()
+    assert summary[0].startswith("rove: root cause: rank 1 (local rank 1, pid "), summary
+    assert summary[0].endswith(", exit code 1"), summary
+    assert summary[1] == "rove:   user_error: ValueError: rank 1 refuses on purpose"
+    assert summary[2] == f"rove:   at {SCRIPT}:51"
+    assert summary[3].startswith("rove:   its output: ") and summary[3].endswith("stderr.log")
+    assert "rank 1 at 2/2" in Path(summary[3].split("its output: ", 1)[1]).read_text()
 
 
 @pytest.mark.slow
 def test_a_warm_worker_that_raises_is_reported_with_its_error(tmp_path: Path) -> None:
     code, log = _run(tmp_path, "--warm-start", "--max-restarts", "0", script_args=("--raise",))
-    assert code != 0
-    assert "rank 1 refuses on purpose" in log, log[-3000:]
-    assert "ValueError" in log
+    _on_the_console_as_torchrun_and_a_root_cause(code, log)
 
 
 @pytest.mark.slow

@@ -46,5 +46,6 @@ atexit.register(lambda: (out / f"{rank}.atexit").write_text("ran"))
 unclosed = open(out / f"{rank}.unclosed", "w")  # noqa: SIM115 - left open on purpose
 unclosed.write("flushed at the end")
 print(f"rank {rank} says hello", flush=True)
+sys.stderr.write(f"rank {rank} at 1/2\rrank {rank} at 2/2\n")  # a progress bar's redraw
 if "--raise" in sys.argv and rank == "1":
     raise ValueError("rank 1 refuses on purpose")
