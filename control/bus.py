@@ -42,7 +42,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import auth, bus_options, catchup, metrics, records, retry, subjects
+from rove.control import auth, bus_options, catchup, metrics, records, retry, stored, subjects
 from rove.control import events as ev
 from rove.control.bus_options import BusOptions as BusOptions  # (Bus.connect takes them)
 from rove.control.embedded import EmbeddedServer
@@ -134,7 +134,12 @@ class Bus:
             if store is None:
                 raise ConfigError("no NATS URL and no directory for an embedded server")
             server = EmbeddedServer(store, config=options.embedded_config)
-            url = await asyncio.to_thread(server.start)
+            try:
+                url = await asyncio.to_thread(server.start)
+            except BaseException:
+                await asyncio.to_thread(server.stop)
+                _discard_scratch(options)
+                raise
         servers = bus_options.servers(url)
         if options.reconnect_forever:
             # a daemon started while NATS is down, or JetStream has no quorum, waits
@@ -143,7 +148,13 @@ class Bus:
                 what=f"connecting to NATS at {', '.join(servers)} (is the URL right?)",
             )
         else:
-            nc = await cls._connect_client(servers, options)
+            try:
+                nc = await cls._connect_client(servers, options)
+            except BaseException:
+                if server is not None:
+                    await asyncio.to_thread(server.stop)
+                _discard_scratch(options)
+                raise
         bus = cls(nc, options, server)
         if options.create_streams:
             try:
@@ -254,6 +265,12 @@ class Bus:
         await _quiet_close(self.nc)
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
+        _discard_scratch(self.options)
+
+    @property
+    def stored_job(self) -> bool:
+        """Whether this bus reads an ended job's stored stream (a copy, read only)."""
+        return self.options.stored_job is not None
 
     async def __aenter__(self) -> Bus:
         return self
@@ -645,6 +662,12 @@ class Bus:
         self._watchdogs.add(feed.watchdog)
         feed.watchdog.add_done_callback(self._watchdogs.discard)
         return feed
+
+
+def _discard_scratch(options: BusOptions) -> None:
+    """Delete the scratch copy of an ended job's store that `options` read from."""
+    if options.stored_job is not None and options.embedded_dir is not None:
+        stored.discard(options.embedded_dir)
 
 
 async def _quiet_close(nc: NatsClient) -> None:

@@ -52,6 +52,9 @@ class BusOptions:
     #: a configuration file for the embedded server (its users and permissions)
     embedded_config: Path | None = None
     create_streams: bool = True
+    #: `embedded_dir` is a scratch copy of this ended job's stored stream
+    #: (`rove.control.stored`): read only, and deleted when the bus closes
+    stored_job: str | None = None
     #: How long the event stream keeps events, when it is created (env ROVE_EVENTS_MAX_AGE):
     #: older ones are retired, the jobs they belong to long over (docs/operations.md).
     events_max_age_s: float = 30 * 86400.0

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rove.control import embedded
-from rove.control.bus import BusOptions
+from rove.control import embedded, stored
+from rove.control.bus import Bus, BusOptions
 from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
 
 # Exit codes of the CLI.
@@ -146,6 +146,10 @@ def _check_files(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{flag.replace('_', '-')} {value}: no such file")
 
 
+#: the roles that only read a job: they read an ended job from its stored stream
+READERS = frozenset({"cli"})
+
+
 def bus_options(
     args: argparse.Namespace,
     *,
@@ -169,14 +173,25 @@ def bus_options(
     url = args.nats
     embedded_dir = None
     auth_file = getattr(args, "nats_auth", None)
+    embedded_config = None
+    stored_job = None
     if not url and job is not None:
         if allow_embedded:
             embedded_dir = embedded.job_dir(job) / "nats"
         else:
-            url = embedded.recorded_url(job)
+            url = stored.running_url(job)
             found = embedded.job_dir(job) / "auth" / f"{role}.json"
             if url and not auth_file and found.is_file():
                 auth_file = str(found)
+            ended = stored.StoredJob.find(job) if not url and role in READERS else None
+            if ended is not None:
+                # a job that has ended: its stored stream, read on a copy (rove.control.stored)
+                # (as the job's launcher: a heartbeat stream, kept in memory, is made anew)
+                embedded_dir, stored_job = ended.open(), job
+                embedded_config = ended.auth_config
+                found_creds = ended.credentials("launcher")
+                if not auth_file and found_creds is not None:
+                    auth_file = str(found_creds)
     if not url and embedded_dir is None:
         raise ConfigError(
             "no NATS server to connect to: pass --nats nats://host:4222 or set ROVE_NATS_URL "
@@ -199,6 +214,8 @@ def bus_options(
         replicas=replicas,
         lease_ttl_s=lease_ttl_s,
         embedded_dir=embedded_dir,
+        embedded_config=embedded_config,
+        stored_job=stored_job,
         **_stream_limits(),
     )
 
@@ -325,3 +342,14 @@ def add_node_resource_args(g: argparse._ArgumentGroup | argparse.ArgumentParser)
         metavar="KEY=VALUE",
         help="an optimiser setting, e.g. --policy settle_s=30 (repeatable; docs/scaling.md)",
     )
+
+
+def no_such_job(bus: Bus, job: str) -> UnknownJobError:
+    """The error of a reader that found no events of `job` on `bus`."""
+    if bus.stored_job:
+        return UnknownJobError(
+            f"job {job!r} has ended, and its stored events under "
+            f"{embedded.job_dir(job) / 'nats'} hold none of it: the folder is damaged or "
+            "was partly deleted"
+        )
+    return UnknownJobError(f"no events of job {job!r} on {bus.url}; check the job name")

@@ -13,7 +13,7 @@ from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.cli.format import event_json, event_line
-from rove.control.errors import ConfigError, UnknownJobError
+from rove.control.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -67,7 +67,7 @@ async def _run(args: argparse.Namespace) -> int:
     out = sys.stdout
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
-            raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
+            raise common.no_such_job(bus, args.job)
 
         bounds = (
             (0, None) if args.run is None else runs.span(await runs.starts(bus, args.job), args.run)
@@ -95,10 +95,15 @@ async def _run(args: argparse.Namespace) -> int:
             subjects.EVENTS_STREAM, subjects.job_events(args.job), show, bad, start_time=start_time
         )
         try:
-            if args.follow:
+            if args.follow and not bus.stored_job:
                 await asyncio.Event().wait()
             else:
                 await feed.caught_up.wait()
+                if args.follow:
+                    print(
+                        f"rove events: job {args.job} has ended: nothing more will come",
+                        file=sys.stderr,
+                    )
         finally:
             await feed.stop()
     return common.EXIT_OK

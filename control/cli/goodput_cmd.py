@@ -19,7 +19,7 @@ from rove.control import aio, records, runs, subjects
 from rove.control import goodput as gp
 from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.errors import ConfigError, UnknownJobError
+from rove.control.errors import ConfigError
 from rove.control.goodput_svg import render as render_svg
 
 
@@ -66,7 +66,7 @@ async def _read(args: argparse.Namespace) -> gp.Ledger:
     ledger = gp.Ledger()
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
-            raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
+            raise common.no_such_job(bus, args.job)
 
         bounds = runs.span(await runs.starts(bus, args.job), args.run)
 

@@ -11,11 +11,10 @@ from typing import Any
 
 import msgspec
 
-from rove.control import aio, records, runs, shards, subjects
+from rove.control import aio, embedded, records, runs, shards, subjects
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.errors import UnknownJobError
 from rove.control.master import data, streams
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder
@@ -42,7 +41,7 @@ async def _run(args: argparse.Namespace) -> int:
     options = common.bus_options(args, name="rove-status", job=args.job)
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
-            raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
+            raise common.no_such_job(bus, args.job)
         kv, _ttl = await bus.lease_bucket()
         holder = await current_holder(kv, subjects.lease_key(args.job))
         until = None
@@ -55,7 +54,9 @@ async def _run(args: argparse.Namespace) -> int:
             state, liveness = replica.state, replica.liveness
         else:  # an earlier run: the fold up to the next run's start
             state, liveness, holder = await _fold_until(bus, args.job, until), {}, None
+        stored = str(embedded.job_dir(args.job) / "nats") if bus.stored_job else None
     view = status_view(state, liveness, holder, time.time())
+    view["stored"] = stored
     if args.json:
         sys.stdout.write(json.dumps(view) + "\n")
     else:
@@ -472,11 +473,17 @@ def render(view: dict[str, Any]) -> str:
         + f": {view['phase']}"
         + (f" ({view['end_reason']})" if view["end_reason"] else ""),
         f"leader {view['leader'] or '(none elected yet)'}, epoch {view['epoch']}; "
-        f"lease held by {view['lease_holder'] or _no_holder(view)}",
+        + (
+            "no master runs: the job has ended"
+            if view["phase"] in _ENDED and not view["lease_holder"]
+            else f"lease held by {view['lease_holder'] or _no_holder(view)}"
+        ),
         f"{view['counters']['events']} events folded (stream seq {view['applied_seq']}), "
         f"{view['counters']['rejected']} rejected",
         _round_line(view),
     ]
+    if view.get("stored"):
+        lines.insert(1, f"(read from the job's stored events in {view['stored']})")
     if view["not_yet"]:
         n = view["not_yet"]
         lines.append(

@@ -13,7 +13,6 @@ from rove.control import aio, subjects
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
-from rove.control.errors import UnknownJobError
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,7 +33,7 @@ async def _run(args: argparse.Namespace) -> int:
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
-            raise UnknownJobError(f"no events of job {args.job!r} on {bus.url}; check the job name")
+            raise common.no_such_job(bus, args.job)
         event = ev.StopRequested(
             **ev.envelope(args.job, f"cli:{who}", time.time(), "stop", uuid.uuid4().hex),
             reason=args.reason or f"requested by {who}",

@@ -1,0 +1,96 @@
+"""A job that has ended, read from what it left on disk.
+
+A `--standalone` job keeps its whole event stream in its embedded server's store,
+`ROVE_HOME/jobs/<job>/nats/jetstream`. While the job runs the CLI reads it through
+that server (its URL in `nats.url`). Once the job has ended, or its launcher was
+killed and left a `nats.url` that answers no more, a reader opens the stored stream
+itself: `StoredJob.open()` copies the store to a scratch folder and the bus starts a
+server of its own on the copy (loopback, a free port, the job's own credentials),
+stopped and deleted when the reader closes it. Nothing a reader does is ever written
+to the job's own store (a JetStream server writes its store as it starts).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import structlog
+
+from rove.control import embedded
+from rove.control.errors import ConfigError
+
+log = structlog.get_logger("rove.stored")
+
+
+def answers(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether a server listens at `url` (a `nats.url` left by a killed launcher
+    names a port that no one listens on any more)."""
+    parts = urlsplit(url.split(",")[0].strip())
+    address = (parts.hostname or "127.0.0.1", parts.port or 4222)
+    try:
+        with socket.create_connection(address, timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def running_url(job: str) -> str | None:
+    """The URL of `job`'s embedded server if it still answers; a stale `nats.url`
+    (its server gone with a killed launcher) is removed."""
+    url = embedded.recorded_url(job)
+    if url is None:
+        return None
+    if answers(url):
+        return url
+    log.debug("a stale nats.url: its server is gone", job=job, url=url)
+    embedded.url_file(job).unlink(missing_ok=True)
+    return None
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """The stored stream of an ended job on this machine."""
+
+    job: str
+    store: Path  # ROVE_HOME/jobs/<job>/nats
+
+    @classmethod
+    def find(cls, job: str) -> StoredJob | None:
+        store = embedded.job_dir(job) / "nats"
+        return cls(job, store) if (store / "jetstream").is_dir() else None
+
+    @property
+    def auth_config(self) -> Path | None:
+        path = embedded.job_dir(self.job) / "auth" / "nats-auth.conf"
+        return path if path.is_file() else None
+
+    def credentials(self, role: str) -> Path | None:
+        path = embedded.job_dir(self.job) / "auth" / f"{role}.json"
+        return path if path.is_file() else None
+
+    def open(self) -> Path:
+        """A scratch copy of the store, for a server of the reader's own (the caller
+        deletes it: `discard`).
+
+        Raises:
+            ConfigError: the store cannot be copied (unreadable, or half deleted).
+        """
+        scratch = Path(tempfile.mkdtemp(prefix=f"rove-read-{self.job}-"))
+        try:
+            shutil.copytree(self.store / "jetstream", scratch / "jetstream")
+        except (OSError, shutil.Error) as exc:
+            discard(scratch)
+            raise ConfigError(
+                f"job {self.job!r} has ended and its stored events under {self.store} "
+                f"cannot be read: {exc}"
+            ) from exc
+        return scratch
+
+
+def discard(scratch: Path) -> None:
+    shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""A finished job stays readable: `rove events`, `status` and `goodput` after the job's
+launcher (and its embedded server) are gone read the job's stored stream, and say what
+they said while it ran; its store is never written by a reader."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.support import RunProc, eventually, free_port, rove_cli
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "scripts" / "gated.py"
+
+
+def _read(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return rove_cli(*args, "--job", "pm", timeout=60, env={"ROVE_HOME": str(home)})
+
+
+def _json(home: Path, command: str) -> dict:
+    out = _read(home, command, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _events(home: Path) -> list[dict]:
+    out = _read(home, "events", "--json")
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+async def test_an_ended_job_reads_as_it_did_while_it_ran(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    gate = tmp_path / "gate"
+    env = {"ROVE_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    run = RunProc(
+        tmp_path,
+        "pm",
+        *("--standalone", "--job", "pm", "--nproc-per-node", "2", "--max-restarts", "1"),
+        *(str(SCRIPT), str(gate)),
+        env=env,
+    )
+    try:
+        await eventually(
+            lambda: (tmp_path / "waiting-0").exists() and (tmp_path / "waiting-1").exists(),
+            timeout=120,
+        )
+        live_status = _json(home, "status")
+        live_events = _events(home)
+        live_goodput = _json(home, "goodput")
+        gate.write_text("go")
+        assert run.wait() == 0, run.log()
+    finally:
+        run.stop()
+    store = home / "jobs" / "pm" / "nats"
+    before = _digest(store)
+
+    status = _json(home, "status")
+    events = _events(home)
+    goodput = _json(home, "goodput")
+
+    assert live_status["phase"] == "running" and status["phase"] == "finished"
+    assert status["last_failure"] == live_status["last_failure"]
+    assert "the first attempt fails on purpose" in status["last_failure"]["reason"]
+    assert status["restarts"] == live_status["restarts"] == 1
+    assert events[: len(live_events)] == live_events, "the same events, in order"
+    assert [e["type"] for e in events[len(live_events) :]][-1] in ("node_left", "job_ended")
+    assert any(e["type"] == "job_ended" for e in events)
+    assert goodput["rounds"] == live_goodput["rounds"] == 2
+    assert goodput["failures"] == live_goodput["failures"]
+
+    text = _read(home, "status")
+    assert "read from the job's stored events" in text.stdout
+    assert "no master runs: the job has ended" in text.stdout
+    follow = _read(home, "events", "--follow")
+    assert follow.returncode == 0 and "has ended: nothing more will come" in follow.stderr
+
+    with ThreadPoolExecutor(2) as pool:  # two readers at once, each on its own copy
+        both = list(pool.map(lambda _: _read(home, "events").stdout, range(2)))
+    assert both[0] == both[1] and both[0].count("\n") == len(events)
+
+    assert _digest(store) == before, "a reader never writes to the job's store"
+    assert not list(Path(tempfile.gettempdir()).glob("rove-read-pm-*")), "copies deleted"
+
+
+async def test_a_stale_url_and_a_damaged_store_are_said_in_one_line(tmp_path: Path) -> None:
+    """A launcher killed with -9 leaves its `nats.url`; a half-deleted job folder is
+    no job to read."""
+    home = tmp_path / "home"
+    gate = tmp_path / "gate"
+    gate.write_text("go at once")
+    run = RunProc(
+        tmp_path,
+        "pm",
+        *("--standalone", "--job", "pm", "--nproc-per-node", "2", "--max-restarts", "1"),
+        *(str(SCRIPT), str(gate)),
+        env={"ROVE_HOME": str(home), "OMP_NUM_THREADS": "1"},
+    )
+    assert run.wait() == 0, run.log()
+    url_file = home / "jobs" / "pm" / "nats.url"
+    url_file.write_text(f"nats://127.0.0.1:{free_port()}\n")  # as a killed launcher leaves it
+    status = _read(home, "status")
+    assert status.returncode == 0, status.stderr
+    assert "pm: finished" in status.stdout
+    assert not url_file.exists(), "the stale nats.url is removed"
+
+    for stream in (home / "jobs" / "pm" / "nats").rglob("ROVE_EVENTS"):
+        for part in stream.rglob("*.blk"):
+            part.unlink()
+    damaged = _read(home, "events")
+    assert damaged.returncode == 4, damaged.stderr
+    lines = damaged.stderr.strip().splitlines()
+    assert len(lines) == 1 and "damaged or was partly deleted" in lines[0], damaged.stderr
+
+    missing = rove_cli("events", "--job", "nope", env={"ROVE_HOME": str(home)})
+    assert missing.returncode != 0 and "no NATS server to connect to" in missing.stderr
