@@ -1,21 +1,31 @@
-"""Workers' stderr on the console, byte for byte, and in a file for diagnosis.
+"""Workers' output on the console, byte for byte, and kept in the job's folder.
 
-torchrun leaves a worker's stderr on the launcher's terminal unless asked to
-redirect it. rove also needs the last lines in a file (to tell an out-of-memory
-from a NCCL error from a Python exception), so by default each worker's stderr
-goes to a file and `Echo` copies what is written there to the launcher's own
-stderr unchanged: no `[default0]:` prefix, carriage returns kept (a progress bar
-redraws its line), and nothing split or re-encoded. torch's own tee (`--tee`)
-is for users who ask for prefixed lines.
+torchrun leaves a worker's stdout and stderr on the launcher's terminal unless asked
+to redirect them. rove also keeps them (to tell an out-of-memory from a NCCL error
+from a Python exception, and to read them after the job: `rove logs`), so by default
+each worker writes to files in the job's folder,
+
+    ROVE_HOME/jobs/<job>/logs/<node>/round<R>/rank<RANK>.stdout   (and .stderr,
+                                                                    .error.json)
+
+and `Echo` copies what is written there to the launcher's own stdout and stderr
+unchanged: no `[default0]:` prefix, carriage returns kept (a progress bar redraws its
+line), nothing split or re-encoded. torch's own tee (`--tee`) is for users who ask for
+prefixed lines.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import LogsDest
+
+from rove.control import joblogs
 
 #: how long the copying thread sleeps when no worker wrote anything
 POLL_S = 0.05
@@ -23,20 +33,39 @@ POLL_S = 0.05
 CHUNK = 1 << 16
 
 
-class EchoedLogs(DefaultLogsSpecs):
-    """rove's default logs: each worker's stderr to a file under `log_dir`, echoed
-    raw (`Echo`) to the console for the ranks in `local_ranks_filter` (all if None);
-    stdout left on the console, as under torchrun."""
+class EchoedLogs(LogsSpecs):
+    """rove's default logs: each worker's stdout and stderr to files under `folder`
+    (one folder per round, files named by global rank), copied raw (`Echo`) to the
+    console for the local ranks in `local_ranks_filter` (all if None)."""
 
-    def __init__(self, log_dir: str | None, local_ranks_filter: set[int] | None) -> None:
-        super().__init__(log_dir=log_dir, redirects=Std.ERR, tee=Std.NONE)
+    def __init__(self, folder: Path, local_ranks_filter: set[int] | None = None) -> None:
+        super().__init__(log_dir=str(folder), local_ranks_filter=local_ranks_filter)
+        self.folder = folder
         self.echo_ranks = local_ranks_filter
 
-    def echoed(self, stderrs: Mapping[int, str]) -> dict[int, str]:
-        """The stderr files to copy to the console."""
+    @property
+    def root_log_dir(self) -> str:
+        return str(self.folder)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        first = envs[min(envs)] if envs else {}
+        round_dir = joblogs.round_folder(self.folder, first.get("ROVE_ROUND", "0"))
+        shutil.rmtree(round_dir, ignore_errors=True)  # a rerun of the job name
+        round_dir.mkdir(parents=True)
+        dest = LogsDest()
+        for local_rank, env in envs.items():
+            rank = env.get("RANK", local_rank)
+            dest.stdouts[local_rank] = str(round_dir / joblogs.file_name(rank, "stdout"))
+            dest.stderrs[local_rank] = str(round_dir / joblogs.file_name(rank, "stderr"))
+            dest.error_files[local_rank] = str(round_dir / joblogs.file_name(rank, "error.json"))
+            env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
+        return dest
+
+    def echoed(self, paths: Mapping[int, str]) -> dict[int, str]:
+        """The files among `paths` (local rank -> path) to copy to the console."""
         return {
             rank: path
-            for rank, path in stderrs.items()
+            for rank, path in paths.items()
             if path and (self.echo_ranks is None or rank in self.echo_ranks)
         }
 

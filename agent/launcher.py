@@ -33,7 +33,7 @@ from rove.agent import child, endings, managed, warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.agent.echo import EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
-from rove.control import aio, auth, embedded, logs, metrics, subjects, tf_cluster
+from rove.control import aio, auth, embedded, joblogs, logs, metrics, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
@@ -158,9 +158,13 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])
     logs_specs = launch.logs_specs
     if args.logs_specs is None and args.redirects in (None, "0") and args.tee in (None, "0"):
-        # stderr on the console byte for byte, as under torchrun, and in a file, so a
-        # failure can be diagnosed from its last lines (rove.agent.echo)
-        logs_specs = EchoedLogs(args.log_dir, getattr(logs_specs, "_local_ranks_filter", None))
+        # the workers' output on the console byte for byte, as under torchrun, and kept
+        # in the job's folder: a failure is diagnosed from it, `rove logs` reads it
+        # (rove.agent.echo)
+        logs_specs = EchoedLogs(
+            (Path(args.log_dir) / job if args.log_dir else joblogs.folder(job)) / node,
+            getattr(logs_specs, "_local_ranks_filter", None),
+        )
     params = ev.RdzvParams(
         min_nodes=launch.min_nodes,
         max_nodes=launch.max_nodes,

@@ -65,7 +65,7 @@ class TorchRuntime(WorkerRuntime):
         self.progress_dir = progress_dir
         self.start_method = start_method
         self.pcontext: PContext | None = None
-        self._echo: Echo | None = None
+        self._echoes: list[Echo] = []
         self._round = 0
         self.progress_files: dict[int, Path] = {}
         #: pids killed after their work was done (lingering, or stuck on their way out)
@@ -105,8 +105,11 @@ class TorchRuntime(WorkerRuntime):
             )
             self._round = round_
             if isinstance(self.logs_specs, EchoedLogs):
-                stderrs = {lr: str(path) for lr, path in self.pcontext.stderrs.items()}
-                self._echo = Echo(self.logs_specs.echoed(stderrs)).start()
+                shown = self.logs_specs.echoed
+                self._echoes = [
+                    Echo(shown(self.pcontext.stdouts), fd=1).start(),
+                    Echo(shown(self.pcontext.stderrs), fd=2).start(),
+                ]
             return dict(self.pcontext.pids())
 
     def pids(self) -> dict[int, int]:
@@ -193,9 +196,9 @@ class TorchRuntime(WorkerRuntime):
 
     def _stop_echo(self) -> None:
         """Copy the ended workers' last output to the console, then stop copying."""
-        if self._echo is not None:
-            self._echo.stop()
-            self._echo = None
+        for echo in self._echoes:
+            echo.stop()
+        self._echoes = []
 
     def progress(self) -> dict[int, progress.Progress]:
         return progress.read_all(self.progress_files)

@@ -64,6 +64,17 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def whole(text: str) -> int:
+    """A whole number, 0 or more (a rank, a round)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def add_nats_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("NATS connection")
     g.add_argument(

@@ -43,7 +43,20 @@ def test_what_workers_write_is_copied_unchanged_and_whole(tmp_path: Path) -> Non
     assert b"late rank\n" in text
 
 
-def test_the_ranks_filter_chooses_whose_output_is_echoed() -> None:
+def test_the_ranks_filter_chooses_whose_output_is_echoed(tmp_path: Path) -> None:
     paths = {0: "/x/0/stderr.log", 1: "/x/1/stderr.log", 2: ""}
-    assert EchoedLogs(None, None).echoed(paths) == {0: paths[0], 1: paths[1]}
-    assert EchoedLogs(None, {1}).echoed(paths) == {1: paths[1]}
+    assert EchoedLogs(tmp_path, None).echoed(paths) == {0: paths[0], 1: paths[1]}
+    assert EchoedLogs(tmp_path, {1}).echoed(paths) == {1: paths[1]}
+
+
+def test_each_round_and_rank_has_its_files_and_torchs_error_file(tmp_path: Path) -> None:
+    specs = EchoedLogs(tmp_path / "n1")
+    envs = {0: {"RANK": "4", "ROVE_ROUND": "2"}, 1: {"RANK": "5", "ROVE_ROUND": "2"}}
+    dest = specs.reify(envs)
+    folder = tmp_path / "n1" / "round2"
+    assert dest.stdouts == {0: str(folder / "rank4.stdout"), 1: str(folder / "rank5.stdout")}
+    assert dest.stderrs[1] == str(folder / "rank5.stderr")
+    assert envs[1]["TORCHELASTIC_ERROR_FILE"] == str(folder / "rank5.error.json")
+    (folder / "rank4.stdout").write_text("an earlier run of the job name")
+    specs.reify({0: {"RANK": "4", "ROVE_ROUND": "2"}})
+    assert not (folder / "rank4.stdout").exists(), "a rerun's round starts afresh"

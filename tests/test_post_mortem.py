@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.support import RunProc, eventually, free_port, rove_cli
+from tests.support import RunProc, eventually, free_port, patience, rove_cli
 
 pytestmark = pytest.mark.slow
 
@@ -63,10 +65,20 @@ async def test_an_ended_job_reads_as_it_did_while_it_ran(tmp_path: Path) -> None
         live_status = _json(home, "status")
         live_events = _events(home)
         live_goodput = _json(home, "goodput")
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "rove.control.cli.main", "logs", "--job", "pm", "--follow"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "ROVE_HOME": str(home)},
+        )
         gate.write_text("go")
         assert run.wait() == 0, run.log()
+        followed, follow_err = follower.communicate(timeout=patience(60))
     finally:
         run.stop()
+    assert follower.returncode == 0 and b"job pm has ended" in follow_err, follow_err
+    assert b"rank 0 attempt 1" in followed and b"rank 1 attempt 1" in followed
+    assert b"==> round 2, node " in followed, "several files: each under its title"
     store = home / "jobs" / "pm" / "nats"
     before = _digest(store)
 
@@ -89,6 +101,12 @@ async def test_an_ended_job_reads_as_it_did_while_it_ran(tmp_path: Path) -> None
     assert "no master runs: the job has ended" in text.stdout
     follow = _read(home, "events", "--follow")
     assert follow.returncode == 0 and "has ended: nothing more will come" in follow.stderr
+
+    first = _read(home, "logs", "--round", "1", "--rank", "1", "--stream", "stderr")
+    assert first.returncode == 0 and "RuntimeError: the first attempt fails" in first.stdout
+    assert "==>" not in first.stdout, "one file: as written"
+    newest = _read(home, "logs")
+    assert "rank 1 attempt 1" in newest.stdout and "attempt 0" not in newest.stdout
 
     with ThreadPoolExecutor(2) as pool:  # two readers at once, each on its own copy
         both = list(pool.map(lambda _: _read(home, "events").stdout, range(2)))

@@ -126,7 +126,8 @@ def _on_the_console_as_torchrun_and_a_root_cause(code: int, log: str) -> None:
     assert summary[0].endswith(", exit code 1"), summary
     assert summary[1] == "rove:   user_error: ValueError: rank 1 refuses on purpose"
     assert summary[2] == f"rove:   at {SCRIPT}:51"
-    assert summary[3].startswith("rove:   its output: ") and summary[3].endswith("stderr.log")
+    assert summary[3].startswith("rove:   its output: ") and summary[3].endswith("rank1.stderr")
+    assert "/jobs/warmjob/logs/" in summary[3], "kept in the job's folder"
     assert "rank 1 at 2/2" in Path(summary[3].split("its output: ", 1)[1]).read_text()
 
 

@@ -18,6 +18,7 @@ from rove.control.cli import (
     events_cmd,
     goodput_cmd,
     kafka_cmd,
+    logs_cmd,
     master_cmd,
     scaler_cmd,
     status_cmd,
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         events_cmd,
         status_cmd,
         goodput_cmd,
+        logs_cmd,
         stop_cmd,
         auth_cmd,
     ):
