@@ -33,7 +33,7 @@ from rove.agent import child, endings, managed, warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.agent.echo import EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
-from rove.control import aio, auth, embedded, joblogs, logs, metrics, subjects, tf_cluster
+from rove.control import aio, auth, embedded, joblogs, jobs, logs, metrics, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
@@ -309,6 +309,8 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         daemon=True,
         allow_embedded=standalone,
     )
+    if options.url is None:  # this machine keeps the job: its folder, and the others' rule
+        _housekeeping(cfg.job)
     options, job_auth = closed(options, cfg.job, cfg.node)
     if job_auth is not None:
         cfg = dataclasses.replace(cfg, worker_auth=job_auth.trainer)
@@ -353,6 +355,23 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
         await bus.close()
+
+
+def _housekeeping(job: str) -> None:
+    """A job stored on this machine starts: an earlier run's cached summary goes, and the
+    oldest other jobs' folders past the retention rule (`rove.control.jobs`)."""
+    jobs.forget_summary(job)
+    try:
+        removed = jobs.prune(jobs.keep_from_env(), besides=job)
+    except OSError as exc:
+        log.warning("could not prune old jobs' folders", error=repr(exc))
+        return
+    if removed:
+        log.info(
+            f"removed {len(removed)} old jobs' folders (keeping the newest "
+            f"{jobs.keep_from_env()}: ROVE_KEEP_JOBS; pin one with rove jobs --keep)",
+            jobs=removed,
+        )
 
 
 def _bridge(bus: Bus, cfg: AgentConfig, args: argparse.Namespace) -> KafkaBridge:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -137,6 +140,8 @@ async def test_a_stale_url_and_a_damaged_store_are_said_in_one_line(tmp_path: Pa
     assert "pm: finished" in status.stdout
     assert not url_file.exists(), "the stale nats.url is removed"
 
+    _jobs_and_retention(home)
+
     for stream in (home / "jobs" / "pm" / "nats").rglob("ROVE_EVENTS"):
         for part in stream.rglob("*.blk"):
             part.unlink()
@@ -147,3 +152,49 @@ async def test_a_stale_url_and_a_damaged_store_are_said_in_one_line(tmp_path: Pa
 
     missing = rove_cli("events", "--job", "nope", env={"ROVE_HOME": str(home)})
     assert missing.returncode != 0 and "no NATS server to connect to" in missing.stderr
+
+
+def _jobs_and_retention(home: Path) -> None:
+    """`rove jobs` lists the job as it ended; retention keeps the newest N, the running
+    and the pinned, and removes the rest (copies of the real job's folder, made older)."""
+    listed = _jobs_json(home)
+    assert [j["job"] for j in listed] == ["pm"]
+    assert listed[0]["state"] == "finished" and listed[0]["rounds"] == 2
+    assert listed[0]["restarts"] == 1 and "first attempt fails" in listed[0]["last_failure"]
+    assert (home / "jobs" / "pm" / "summary.json").is_file(), "cached once ended"
+    assert _jobs_json(home) == listed, "the cached summary says the same"
+
+    jobs = home / "jobs"
+    for age, name in enumerate(["old1", "old2", "old3", "old4"], start=1):
+        shutil.copytree(jobs / "pm", jobs / name)
+        (jobs / name / "summary.json").unlink()
+        for part in [jobs / name / "nats", jobs / name / "nats" / "ports", jobs / name / "logs"]:
+            for p in [part, *(part.iterdir() if part.name == "logs" else [])]:
+                os.utime(p, (time.time() - 3600 * age, time.time() - 3600 * age))
+    listener = socket.create_server(("127.0.0.1", 0))  # old3 "runs": its URL answers
+    (jobs / "old3" / "nats.url").write_text(f"nats://127.0.0.1:{listener.getsockname()[1]}\n")
+    try:
+        assert _read_plain(home, "jobs", "--keep", "old4").returncode == 0
+        pruned = _read_plain(home, "jobs", "--prune", env={"ROVE_KEEP_JOBS": "2"})
+        assert pruned.returncode == 0, pruned.stderr
+    finally:
+        listener.close()
+    left = sorted(p.name for p in jobs.iterdir())
+    assert left == ["old1", "old3", "old4", "pm"], "newest 2, the running one, the pinned one"
+    assert "removed job old2" in pruned.stdout
+    table = _read_plain(home, "jobs").stdout
+    assert "old4 *" in table and "pinned with rove jobs --keep" in table
+    bad = _read_plain(home, "jobs", "--prune", env={"ROVE_KEEP_JOBS": "some"})
+    assert bad.returncode == 2 and "ROVE_KEEP_JOBS" in bad.stderr
+
+
+def _read_plain(
+    home: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return rove_cli(*args, timeout=60, env={"ROVE_HOME": str(home), **(env or {})})
+
+
+def _jobs_json(home: Path) -> list[dict]:
+    out = _read_plain(home, "jobs", "--json")
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]

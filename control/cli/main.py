@@ -17,6 +17,7 @@ from rove.control.cli import (
     auth_cmd,
     events_cmd,
     goodput_cmd,
+    jobs_cmd,
     kafka_cmd,
     logs_cmd,
     master_cmd,
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         status_cmd,
         goodput_cmd,
         logs_cmd,
+        jobs_cmd,
         stop_cmd,
         auth_cmd,
     ):
