@@ -210,9 +210,17 @@ async def test_a_job_grows_from_the_pool_while_nodes_pay_and_never_beyond_max(
     end = await ended(bus, "scaled", timeout=300)
     assert end.phase is ev.JobPhase.FINISHED, end.reason
     events = await job_events(bus, "scaled")
-    rules = [p.rule for p in plans(events)]
+    made = plans(events)
+    rules = [p.rule for p in made]
     assert rules[:3] == [ev.ScaleRule.INITIAL, ev.ScaleRule.GROW, ev.ScaleRule.GROW], rules
-    assert ev.ScaleRule.SHRINK not in rules
+    # Each node pays on a quiet machine. On a loaded one the third may add less than
+    # min_marginal_speed of a node's speed (it did once in CI: 0.14): the optimiser then
+    # shrinks back, once, removing the node it added last, and grows no more.
+    shrinks = [p for p in made if p.rule is ev.ScaleRule.SHRINK]
+    assert rules[3:] == [ev.ScaleRule.SHRINK] * len(shrinks) and len(shrinks) <= 1, rules
+    if shrinks:
+        assert [n.node for n in made[2].launch] == list(shrinks[0].remove), "the last added"
+        assert "less than 0.2" in shrinks[0].reason
     sizes = [len(e.members) for e in events if isinstance(e, ev.RoundCompleted)]
     assert max(sizes) == 3 and sizes[0] == 1
     assert sum(d.has(n) for d in daemons for n in ("n0-a0", "n1-a0", "n2-a0", "n3-a0")) == 3
