@@ -171,9 +171,23 @@ def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") 
 
 
 def read_tail(path: str | None, limit: int = LOG_TAIL_BYTES) -> str:
-    """The last `limit` bytes of a log file (empty if there is none)."""
+    """The last `limit` bytes of a log file (empty if there is none), reaching back into
+    the file it was rotated from (`PATH.1`) when the newest is shorter."""
     if not path:
         return ""
+    tail = b""
+    for part in (path, path + ".1"):
+        try:
+            with open(part, "rb") as f:
+                f.seek(0, 2)
+                size = f.tell()
+                f.seek(max(0, size - (limit - len(tail))))
+                tail = f.read() + tail
+        except OSError:
+            break
+        if len(tail) >= limit:
+            break
+    return tail.decode("utf-8", "replace")
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)

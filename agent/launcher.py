@@ -31,7 +31,7 @@ from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
 from rove.agent import child, endings, managed, warm
 from rove.agent.agent import Agent, AgentConfig
-from rove.agent.echo import EchoedLogs
+from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
 from rove.control import aio, auth, embedded, joblogs, jobs, logs, metrics, subjects, tf_cluster
 from rove.control import events as ev
@@ -164,6 +164,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         logs_specs = EchoedLogs(
             (Path(args.log_dir) / job if args.log_dir else joblogs.folder(job)) / node,
             getattr(logs_specs, "_local_ranks_filter", None),
+            max_bytes=_log_max_bytes(),
         )
     params = ev.RdzvParams(
         min_nodes=launch.min_nodes,
@@ -355,6 +356,20 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
         await bus.close()
+
+
+def _log_max_bytes() -> int:
+    """Past how many bytes a worker's kept output is rotated (ROVE_LOG_MAX_BYTES)."""
+    text = os.environ.get("ROVE_LOG_MAX_BYTES", "").strip()
+    if not text:
+        return MAX_BYTES_DEFAULT
+    try:
+        value = common.byte_size(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"ROVE_LOG_MAX_BYTES: {exc}") from exc
+    if value < 1:
+        raise ConfigError(f"ROVE_LOG_MAX_BYTES must be at least 1 byte, got {text}")
+    return value
 
 
 def _housekeeping(job: str) -> None:

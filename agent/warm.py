@@ -35,7 +35,7 @@ import sys
 import threading
 from typing import Any
 
-from rove.agent import script
+from rove.agent import echo, script
 from rove.agent.child import die_with_parent
 
 #: Imported by the server before it forks anything.
@@ -127,6 +127,7 @@ def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
 def run_script(kind: str, target: str, *argv: str) -> None:
     """Run the training script or module in this (forked) process as `__main__`."""
     die_with_parent()  # the server's death; it dies with the agent
+    echo.redirect_to_pipes()  # before anything is printed (rove.agent.echo)
     # A session of its own, as torchrun's workers have: a terminal's Ctrl-C reaches the
     # launcher alone, which forwards it (workers shared the launcher's group before).
     os.setsid()

@@ -62,6 +62,10 @@ class TorchRuntime(WorkerRuntime):
         self.entrypoint = entrypoint
         self.args = list(args)
         self.logs_specs = logs_specs or DefaultLogsSpecs()
+        if isinstance(self.logs_specs, EchoedLogs):
+            # a function's workers open their pipes themselves (torch would open them
+            # as seekable files): rove.agent.warm.run_script
+            self.logs_specs.by_worker = callable(entrypoint)
         self.progress_dir = progress_dir
         self.start_method = start_method
         self.pcontext: PContext | None = None
@@ -105,11 +109,7 @@ class TorchRuntime(WorkerRuntime):
             )
             self._round = round_
             if isinstance(self.logs_specs, EchoedLogs):
-                shown = self.logs_specs.echoed
-                self._echoes = [
-                    Echo(shown(self.pcontext.stdouts), fd=1).start(),
-                    Echo(shown(self.pcontext.stderrs), fd=2).start(),
-                ]
+                self._echoes = [Echo(self.logs_specs.take()).start()]
             return dict(self.pcontext.pids())
 
     def pids(self) -> dict[int, int]:
@@ -128,7 +128,7 @@ class TorchRuntime(WorkerRuntime):
                     failed = result.is_failed() and not all(
                         self._was_done(f) for f in result.failures.values()
                     )
-                    return WorkersEnded(rnd, root_failure(result) if failed else None)
+                    return WorkersEnded(rnd, root_failure(result, self._kept) if failed else None)
                 if not await watched.next_exit():
                     # every process we watch has exited, yet torch reports the group as
                     # running: look again (torch reaps them on its own schedule)
@@ -136,6 +136,13 @@ class TorchRuntime(WorkerRuntime):
         finally:
             reaper.cancel()
             watched.close()
+
+    def _kept(self, result: RunProcsResult, local_rank: int, stream: str) -> str | None:
+        """Where a worker's stdout or stderr is kept (torch knows at most the pipe)."""
+        if isinstance(self.logs_specs, EchoedLogs):
+            return self.logs_specs.kept.get((local_rank, stream))
+        paths = result.stdouts if stream == "stdout" else result.stderrs
+        return paths.get(local_rank) or None
 
     def _was_done(self, failure: ProcessFailure) -> bool:
         """A worker that ended badly after its work was done: killed by the agent once
@@ -331,8 +338,17 @@ def _symptom_rank(failure: ProcessFailure, diagnosis: Diagnosis) -> int:
     return 0
 
 
-def root_failure(result: RunProcsResult) -> RootFailure | None:
-    """The failure that started the teardown.
+def _torchs(result: RunProcsResult, local_rank: int, stream: str) -> str | None:
+    paths = result.stdouts if stream == "stdout" else result.stderrs
+    return paths.get(local_rank) or None
+
+
+def root_failure(
+    result: RunProcsResult,
+    kept: Callable[[RunProcsResult, int, str], str | None] = _torchs,
+) -> RootFailure | None:
+    """The failure that started the teardown (`kept`: where a worker's "stdout" or
+    "stderr" is kept: by default the file torch redirected it to).
 
     torch records failures with one-second timestamps, the real one before the
     SIGTERMs of its own teardown. Among the earliest, a cause wins over a
@@ -347,14 +363,14 @@ def root_failure(result: RunProcsResult) -> RootFailure | None:
     for f in failures:
         if f.timestamp > earliest:
             continue
-        tail = read_tail(result.stderrs.get(f.local_rank)) or read_tail(
-            result.stdouts.get(f.local_rank)
+        tail = read_tail(kept(result, f.local_rank, "stderr")) or read_tail(
+            kept(result, f.local_rank, "stdout")
         )
         data = f.error_file_data if f.error_file_data else None
         diagnosis = classify(f.exitcode, data, tail)
         candidates.append((_symptom_rank(f, diagnosis), f, diagnosis, tail, data))
     _, first, diagnosis, tail, data = min(candidates, key=lambda c: c[0])
-    path = result.stderrs.get(first.local_rank) or result.stdouts.get(first.local_rank)
+    path = kept(result, first.local_rank, "stderr") or kept(result, first.local_rank, "stdout")
     return RootFailure(
         local_rank=first.local_rank,
         pid=first.pid,
