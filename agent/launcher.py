@@ -33,7 +33,18 @@ from rove.agent import child, endings, managed, warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
-from rove.control import aio, auth, embedded, joblogs, jobs, logs, metrics, subjects, tf_cluster
+from rove.control import (
+    aio,
+    auth,
+    embedded,
+    joblogs,
+    jobs,
+    logs,
+    metrics,
+    subjects,
+    suggest,
+    tf_cluster,
+)
 from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
@@ -111,7 +122,9 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     try:
         lo, hi = parse_min_max_nnodes(str(args.nnodes))
     except ValueError as exc:
-        raise ConfigError(f"--nnodes {args.nnodes}: use N or MIN:MAX ({exc})") from exc
+        raise ConfigError(
+            f"--nnodes {args.nnodes}: use a number of nodes N or a range MIN:MAX, e.g. 2 or 1:4"
+        ) from exc
     if not 0 < lo <= hi:
         raise ConfigError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
     if not standalone and not args.nats and hi == 1 and not args.auto_scale:
@@ -422,7 +435,9 @@ async def _serve(bridge: KafkaBridge) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    given = list(argv) if argv is not None else sys.argv[1:]
+    suggest.install(parser, given)
+    args = parser.parse_args(given)
     logs.configure()
 
     def run() -> int:

@@ -203,6 +203,18 @@ def bus_options(
                 found_creds = ended.credentials("launcher")
                 if not auth_file and found_creds is not None:
                     auth_file = str(found_creds)
+    if (
+        not url
+        and embedded_dir is None
+        and job is not None
+        and role in READERS
+        and not embedded.job_dir(job).is_dir()
+    ):
+        raise UnknownJobError(
+            f"no job {job!r} on this machine (nothing under {embedded.job_dir(job)}): "
+            "check the name (rove jobs lists them), or pass --nats nats://host:4222 "
+            "(or set ROVE_NATS_URL) for a job on a NATS server"
+        )
     if not url and embedded_dir is None:
         raise ConfigError(
             "no NATS server to connect to: pass --nats nats://host:4222 or set ROVE_NATS_URL "

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -149,7 +150,10 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
             "invalid NATS URL",
         ),
         (["status", "--job", "bad.name", "--nats", "nats://x:1"], common.EXIT_USAGE, "invalid job"),
-        (["status", "--job", "j1"], common.EXIT_USAGE, "no NATS server to connect to"),
+        (["status", "--job", "j1"], common.EXIT_UNKNOWN_JOB, "no job 'j1' on this machine"),
+        (["stop", "--job", "j1"], common.EXIT_USAGE, "no NATS server to connect to"),
+        (["status", "--jbo", "j1"], common.EXIT_USAGE, "(did you mean: --jbo → --job?)"),
+        (["stauts", "--job", "j1"], common.EXIT_USAGE, "(did you mean: stauts → status?)"),
         (
             ["events", "--job", "j1", "--since", "yesterday", "--nats", "nats://x:1"],
             common.EXIT_USAGE,
@@ -166,6 +170,12 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
             "no such file",
         ),
         (["frobnicate"], common.EXIT_USAGE, "invalid choice"),
+        (["run", "--standalone", "--nnodes", "abc", "x.py"], common.EXIT_USAGE, "e.g. 2 or 1:4"),
+        (
+            ["run", "--standalone", "--nproc-per-nodes", "2", "x.py"],
+            common.EXIT_USAGE,
+            "did you mean: --nproc-per-nodes → --nproc-per-node?",
+        ),
         (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
         (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
         (["run", "--nnodes", "2", "examples/train.py"], common.EXIT_USAGE, "add --nats"),
@@ -188,9 +198,9 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
     ],
 )
 def test_user_mistakes_get_one_clear_line_and_an_exit_code(
-    args: list[str], code: int, message: str
+    args: list[str], code: int, message: str, tmp_path: Path
 ) -> None:
-    out = rove_cli(*args)
+    out = rove_cli(*args, env={"ROVE_HOME": str(tmp_path)})
     assert out.returncode == code
     assert message in out.stderr
     assert "Traceback" not in out.stderr

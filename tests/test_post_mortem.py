@@ -151,7 +151,7 @@ async def test_a_stale_url_and_a_damaged_store_are_said_in_one_line(tmp_path: Pa
     assert len(lines) == 1 and "damaged or was partly deleted" in lines[0], damaged.stderr
 
     missing = rove_cli("events", "--job", "nope", env={"ROVE_HOME": str(home)})
-    assert missing.returncode != 0 and "no NATS server to connect to" in missing.stderr
+    assert missing.returncode == 4 and "no job 'nope' on this machine" in missing.stderr
 
 
 def _jobs_and_retention(home: Path) -> None:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from rove.control import logs
+from rove.control import logs, suggest
 from rove.control import options as common
 from rove.control.cli import (
     agent_cmd,
@@ -67,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_main(argv[1:])
     parser = build_parser()
+    suggest.install(parser, argv)
     args = parser.parse_args(argv)
     # Daemons tell what they do; one-shot commands print their answer and only warnings.
     logs.configure(args.log_level or ("info" if args.command in _DAEMONS else "warning"))

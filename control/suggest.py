@@ -1,0 +1,54 @@
+"""A mistyped flag or command gets the nearest real one suggested (pure but for the
+parser it reads), as `git` does: `--jbo` → "did you mean --job?"."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+from collections.abc import Sequence
+from typing import NoReturn
+
+_CHOICE = re.compile(r"invalid choice: '([^']*)'")
+
+
+def hint(parser: argparse.ArgumentParser, message: str, argv: Sequence[str]) -> str:
+    """`message` with a "did you mean" for each unknown flag of `argv` and a mistyped
+    choice (a command), when one is near."""
+    known = list(parser._option_string_actions)
+    guesses = []
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("-") and flag not in known and not _is_number(flag):
+            near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if near:
+                guesses.append(f"{flag} → {near[0]}")
+    choice = _CHOICE.search(message)
+    if choice is not None:
+        options = [c for a in parser._actions if a.choices is not None for c in a.choices]
+        near = difflib.get_close_matches(choice.group(1), [str(o) for o in options], n=1)
+        if near:
+            guesses.append(f"{choice.group(1)} → {near[0]}")
+    return message + (f" (did you mean: {', '.join(guesses)}?)" if guesses else "")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def install(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Make `parser` (and its subcommands' parsers) add suggestions to its errors."""
+    plain = parser.error
+
+    def error(message: str) -> NoReturn:
+        plain(hint(parser, message, argv))
+
+    parser.error = error  # type: ignore[method-assign]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                install(sub, argv)
