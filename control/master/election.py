@@ -10,6 +10,8 @@ that has not yet noticed is still stopped.
 
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import NamedTuple
 
 import nats.errors
@@ -17,7 +19,7 @@ import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
-from rove.control import subjects
+from rove.control import retry, subjects
 
 log = structlog.get_logger("rove.election")
 
@@ -28,6 +30,27 @@ _TRANSIENT = (
     nats.js.errors.NoStreamResponseError,
     nats.errors.ConnectionReconnectingError,
 )
+
+
+#: How often a renewal a clustered stream answered "busy" is sent again, and the
+#: first pause between tries (doubled each time): a proposal takes milliseconds.
+BUSY_TRIES = 5
+BUSY_PAUSE_S = 0.02
+
+_STORED_SEQ = re.compile(r"wrong last sequence: \d+")
+
+
+def busy(exc: Exception) -> bool:
+    """Whether a refused write to the lease key means "not now" rather than "not yours".
+
+    On a clustered (R3) bucket a compare-and-set that arrives while another write to the
+    key is being proposed (a standby's `create`, say) is refused with 10164, "wrong
+    last sequence" and no sequence number; nats-py turns both that and a real mismatch
+    (10071, "wrong last sequence: N") into `KeyWrongLastSequenceError`, keeping only the
+    description, which tells them apart."""
+    if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError):
+        return not _STORED_SEQ.search(exc.description or "")
+    return isinstance(exc, nats.js.errors.APIError) and exc.err_code in retry.BUSY_CODES
 
 
 class Holder(NamedTuple):
@@ -65,30 +88,46 @@ class Lease:
             nats.js.errors.KeyDeletedError,
         ):
             return None
-        except _TRANSIENT as exc:
-            log.debug("lease acquire attempt failed", error=type(exc).__name__)
+        except (*_TRANSIENT, nats.js.errors.APIError) as exc:
+            # unreachable, or refused as busy on a cluster: not acquired, tried again
+            log.debug("lease acquire attempt failed", error=f"{type(exc).__name__}: {exc}")
             return None
         self.revision = self.epoch = int(rev)
         return self.epoch
 
     async def renew(self) -> bool:
         """Extend the lease. False means it is lost: stop writing now."""
-        if self.revision is None:
-            return False
-        try:
-            self.revision = int(
-                await self.kv.update(self.key, self.master.encode(), last=self.revision)
-            )
-            return True
-        except nats.js.errors.KeyWrongLastSequenceError:
-            log.warning("leader lease was lost", master=self.master, epoch=self.epoch)
-            self.revision = None
-            return False
-        except _TRANSIENT as exc:
-            # Could not reach the bucket; the lease may still be ours. The caller
-            # keeps trying until the TTL runs out, then treats it as lost.
-            log.warning("could not renew the leader lease", error=type(exc).__name__)
-            return True
+        pause = BUSY_PAUSE_S
+        for _ in range(BUSY_TRIES):
+            if self.revision is None:
+                return False
+            try:
+                self.revision = int(
+                    await self.kv.update(self.key, self.master.encode(), last=self.revision)
+                )
+                return True
+            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError) as exc:
+                if busy(exc):  # another write to the key is being proposed: again, soon
+                    await asyncio.sleep(pause)
+                    pause *= 2
+                    continue
+                if not isinstance(exc, nats.js.errors.KeyWrongLastSequenceError):
+                    raise
+                log.warning("leader lease was lost", master=self.master, epoch=self.epoch)
+                self.revision = None
+                return False
+            except _TRANSIENT as exc:
+                # Could not reach the bucket; the lease may still be ours. Its writes
+                # stay fenced by the server meanwhile; the next renewal tells.
+                log.warning("could not renew the leader lease", error=type(exc).__name__)
+                return True
+        log.warning(
+            "the leader lease's bucket stayed busy; renewing at the next turn",
+            master=self.master,
+            epoch=self.epoch,
+            tries=BUSY_TRIES,
+        )
+        return True
 
     async def release(self) -> None:
         """Give the lease up now so a standby takes over without waiting for the TTL."""
@@ -96,8 +135,15 @@ class Lease:
             return
         try:
             await self.kv.delete(self.key, last=self.revision)
-        except (nats.js.errors.KeyWrongLastSequenceError, *_TRANSIENT):
-            pass
+        except nats.errors.Error as exc:
+            # Best effort by contract: taken meanwhile (10071), busy on a cluster (10164),
+            # or the bus is away. The lease then ends with its TTL.
+            log.info(
+                "could not release the leader lease; it expires with its TTL",
+                master=self.master,
+                epoch=self.epoch,
+                error=f"{type(exc).__name__}: {exc}",
+            )
         self.revision = None
 
     async def holder(self) -> Holder | None:

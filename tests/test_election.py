@@ -1,0 +1,58 @@
+"""The leader lease on one server and on a 3-node cluster: a renewal that meets a
+standby's attempt is never taken for a lost lease, and giving up a lease never fails."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.js.errors
+
+from rove.control.bus import Bus
+from rove.control.master.election import Lease, busy
+
+
+def test_a_busy_answer_is_told_from_a_real_mismatch() -> None:
+    clustered = nats.js.errors.KeyWrongLastSequenceError(description="wrong last sequence")
+    stored = nats.js.errors.KeyWrongLastSequenceError(description="wrong last sequence: 7")
+    assert busy(clustered) and not busy(stored)
+    assert busy(nats.js.errors.APIError(code=409, err_code=10158, description="in process"))
+    assert not busy(nats.js.errors.BadRequestError(code=400, err_code=10071))
+
+
+async def test_a_lease_taken_meanwhile_is_released_without_an_error(any_bus: Bus) -> None:
+    kv, ttl = await any_bus.lease_bucket()
+    lease = Lease(kv, "j1", "m1", ttl)
+    assert await lease.try_acquire() is not None
+    await kv.put(lease.key, b"someone else")  # the key moved on: the CAS of release fails
+    await lease.release()  # (raised BadRequestError 10071 / 10164 and ended the master)
+    assert lease.revision is None
+    assert (await kv.get(lease.key)).value == b"someone else", "nothing of theirs deleted"
+
+
+async def test_standbys_trying_to_acquire_never_take_a_lease_its_holder_renews(
+    any_bus: Bus,
+) -> None:
+    kv, ttl = await any_bus.lease_bucket()
+    leader = Lease(kv, "j1", "m1", ttl)
+    epoch = await leader.try_acquire()
+    assert epoch is not None
+    standbys = [Lease(kv, "j1", f"m{i}", ttl) for i in range(2, 6)]
+    stop = asyncio.Event()
+
+    async def contend(standby: Lease) -> int:
+        won = 0
+        while not stop.is_set():
+            won += await standby.try_acquire() is not None
+            await asyncio.sleep(0)
+        return won
+
+    contenders = [asyncio.create_task(contend(s)) for s in standbys]
+    try:
+        kept = [await leader.renew() for _ in range(40)]
+    finally:
+        stop.set()
+        wins = await asyncio.gather(*contenders)
+    assert all(kept), "a busy answer is not a lost lease"
+    assert sum(wins) == 0, "nobody else acquired a held lease"
+    holder = await kv.get(leader.key)
+    assert holder.value == b"m1" and holder.revision == leader.revision
