@@ -205,7 +205,9 @@ async def test_a_job_grows_from_the_pool_while_nodes_pay_and_never_beyond_max(
         "scaled",
         tmp_path,
         *train_args(tmp_path, "--step-sleep", "0.1", nnodes="1:3", samples=4000),
-        submit_args=("--policy", "settle_s=4"),
+        # (growth alone: on a loaded 2-core machine one node's work per step can pass
+        # twice the others' and be replaced as a straggler; test_a_straggler_is_replaced)
+        submit_args=("--policy", "settle_s=4", "--policy", "straggler_factor=1000"),
     )
     end = await ended(bus, "scaled", timeout=300)
     assert end.phase is ev.JobPhase.FINISHED, end.reason
