@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import structlog
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-from rove.agent import child, endings, managed, warm
+from rove.agent import child, endings, forkservers, managed, warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
@@ -196,6 +196,8 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         if problem is not None:
             raise ConfigError(f"--tf-ps: {problem}")
     warm_start = bool(args.warm_start) and not args.no_python
+    if not warm_start:
+        forkservers.stop()  # one `rove run` started early, reading its arguments roughly
     if warm_start:
         # Forked from the warm server (see rove.agent.warm).
         entrypoint: str | Callable[..., None] = warm.run_script
@@ -363,8 +365,7 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
             bridge.stop()
             await asyncio.gather(bridge_task, return_exceptions=True)
         if runner is not None and master_task is not None:
-            await asyncio.sleep(0.3)  # let the master fold the agent's last facts
-            runner.stop()
+            runner.stop()  # (a leader folds what is stored, the node's last facts, first)
             await asyncio.gather(master_task, return_exceptions=True)
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
@@ -447,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # torch's config_from_args: bad --nnodes / --nproc-per-node
             raise ConfigError(str(exc)) from exc
         if args.auto_scale:
+            forkservers.stop()  # its nodes are processes of their own, with theirs
             raw = list(argv) if argv is not None else sys.argv[1:]
             return aio.run(managed.run_managed(args, cfg, raw))
         return aio.run(_run(args, cfg, standalone))

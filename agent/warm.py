@@ -2,24 +2,23 @@
 
 A restarted worker used to pay for a fresh interpreter and `import torch`
 (about 1.4 s of a 2.5 s restart on a 2-core machine) before it could rejoin.
-With warm start, the agent keeps one multiprocessing *forkserver* alive for the
-whole job, and that server imports torch (and the modules named with
-`--preload`) once, when the agent starts. Every round's workers are forked from
-it, through torch's own `start_processes` with a function entrypoint, so log
-redirection, tee and the `@record` error file behave as they do for torchrun's
-function entrypoints.
+With warm start, every round's workers are forked from a multiprocessing
+*forkserver* that imported torch once (`rove.agent.forkservers`: a quick one that
+`rove run` starts before anything else, then a full one for restarts), through
+torch's own `start_processes` with a function entrypoint, so log redirection, tee
+and the `@record` error file behave as they do for torchrun's function entrypoints.
 
 In the forked worker, `run_script` does what `python -u SCRIPT ARGS` (or
 `python -u -m MODULE ARGS`) would: `sys.argv`, `sys.path[0]`, unbuffered
 output, `__name__ == "__main__"`, a session of its own, and the ending of an
 interpreter (threads joined, atexit handlers run: `rove.agent.script`). What
 differs from a fresh interpreter: modules imported by the server are already
-imported (with the environment the agent had when it started), and OpenMP reads
+imported (with the environment `rove run` had when it started), and OpenMP reads
 `OMP_NUM_THREADS` only once, so the worker applies it with
 `torch.set_num_threads`.
 
-Workers die with their agent: the server exits when the agent does (its
-alive-pipe closes), and each worker asks the kernel for SIGKILL when the server
+Workers die with their agent: a server exits when the agent does (its
+alive-pipe closes), and each worker asks the kernel for SIGKILL when its server
 dies.
 """
 
@@ -28,58 +27,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
-import multiprocessing.forkserver
 import os
-import signal
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any
 
-from rove.agent import echo, script
+from rove.agent import echo, forkservers, script
 from rove.agent.child import die_with_parent
 
-#: Imported by the server before it forks anything.
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch.nn.parallel",
-    "torch._dynamo",  # DDP imports it on construction: about 1 s
-    "torch.distributed.elastic.multiprocessing",
-    "rove.agent.warm",
-    "rove.agent.script",
-    "rove.agent.groups",
-    "rove.agent.progress",
-    "rove.checkpoint.api",
-)
-
-
 #: The warm server's pid, as every worker forked from it inherits it: this module is
-#: imported by the server itself before it forks (it is in PRELOAD). (If the server
-#: could not preload it, a worker imports it itself and this is the worker's own pid.)
+#: imported by the server itself before it forks (it is in every server's preload). (If
+#: the server could not preload it, a worker imports it itself and this is its own pid.)
 SERVER_PID = os.getpid()
 
 
-def start(extra: tuple[str, ...] = ()) -> None:
-    """Start the warm server now (it imports in the background); idempotent."""
-    multiprocessing.set_forkserver_preload([*PRELOAD, *extra])
-    multiprocessing.forkserver.ensure_running()
+def start(extra: Sequence[str] = ()) -> None:
+    """The agent starts: make sure a server will be there to fork from (it imports in
+    the background); `extra`: `--preload` modules. Idempotent."""
+    forkservers.start(extra)
 
 
 def stop() -> None:
-    """Kill the warm server now, if this process started one (a second signal: there
-    is nothing left to fork; it would end by itself once this process exits)."""
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    """Kill the warm servers now, if this process started any (a second signal: there
+    is nothing left to fork; they would end by themselves once this process exits)."""
+    forkservers.stop()
 
 
 async def ready(interrupted: asyncio.Event) -> bool:
-    """Wait for the warm server's imports (seconds on a busy machine; forking waits for
-    them too) in a thread of its own, so the event loop goes on (heartbeats) and a
-    signal is not kept waiting, nor is the process's exit (the thread is a daemon).
-    False when `interrupted` was set first."""
+    """Before a round forks its workers: the full server serves from now on if it is
+    ready (`rove.agent.forkservers.promote`). Wait for the serving server's imports
+    (seconds on a busy machine; forking waits for them too) in a thread of its own, so
+    the event loop goes on (heartbeats) and a signal is not kept waiting, nor is the
+    process's exit (the thread is a daemon). False when `interrupted` was set first."""
+    forkservers.promote()
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
@@ -112,6 +93,11 @@ def wait_ready() -> None:
 
 def _nothing() -> None:
     pass
+
+
+def forked() -> None:
+    """A round's workers were forked (see `rove.agent.forkservers.forked`)."""
+    forkservers.forked()
 
 
 def entry_args(cmd_args: list[str]) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from rove.agent.workers import PreformattedTraceback
 from tests.support import rove_cli
 
 SCRIPT = Path(__file__).parent / "scripts" / "how_started.py"
+ROUNDS = Path(__file__).parent / "scripts" / "warm_rounds.py"
 
 
 def test_entry_args_split_script_and_module_forms() -> None:
@@ -86,6 +87,48 @@ def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
     assert all(len(set(d)) == 2 for d in zip(*draws, strict=True)), (
         "each worker draws its own torch seed and numpy numbers, as a fresh interpreter does"
     )
+
+
+@pytest.mark.slow
+def test_the_first_round_forks_from_the_quick_server_and_a_restart_from_the_full_one(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "home"
+    scratch = tmp_path / "tmp"  # where the servers say they are ready
+    scratch.mkdir()
+    out = rove_cli(
+        *("run", "--standalone", "--job", "rounds", "--nproc-per-node", "2"),
+        *("--max-restarts", "1", str(ROUNDS), str(tmp_path)),
+        timeout=300,
+        env={"ROVE_HOME": str(home), "TMPDIR": str(scratch)},
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    reports = _reports(tmp_path)
+    assert sorted(reports) == ["0-0", "0-1", "1-0", "1-1"]
+    assert not any(r["launcher_main"] for r in reports.values()), (
+        "a forked worker does not run the launcher's main module again"
+    )
+    first, second = ([reports[f"{restart}-{rank}"] for rank in (0, 1)] for restart in (0, 1))
+    assert all(r["torch"] and not r["dynamo"] for r in first), "the quick server"
+    assert all(r["torch"] and r["dynamo"] for r in second), "the full server, for restarts"
+    assert len({r["ppid"] for r in first}) == len({r["ppid"] for r in second}) == 1
+    assert first[0]["ppid"] != second[0]["ppid"], "two servers"
+    assert not list(scratch.glob("rove-warm-*")), "the servers' folders are gone"
+
+
+def test_a_warm_server_is_started_early_only_where_warm_start_is_wanted() -> None:
+    from rove.agent import forkservers
+
+    for argv in (
+        ["--no-warm-start", "--standalone", "train.py"],
+        ["--tf-ps", "train.py"],
+        ["--no-python", "echo"],
+        ["--auto-scale", "train.py"],
+        ["--help"],
+        ["--standalone"],  # no script: the parser will say so
+    ):
+        assert forkservers.early_start(argv) is False, argv
+    assert forkservers.serving() is None
 
 
 @pytest.mark.slow

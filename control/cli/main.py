@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
+        # The warm server imports torch while this process does (rove.agent.forkservers)
+        from rove.agent import forkservers
+
+        forkservers.early_start(argv[1:])
         # `rove run` has torchrun's parser (torch's own), so it parses its own arguments.
         from rove.agent.launcher import main as run_main
 

@@ -1,0 +1,231 @@
+"""The warm servers workers are forked from: multiprocessing forkservers that imported
+torch once (stdlib only, so `rove run` can start one before it imports torch itself).
+
+Two servers, so that neither the first line nor a restart waits:
+
+- the *quick* server imports what a script needs before its first line (torch, and the
+  few rove modules a worker runs): `rove run` starts it first thing, so it imports
+  while the launcher imports torch for its own parser and the round forms (both take
+  about 2 s here; torchrun's workers import torch only after its launcher did);
+- the *full* server also imports what a restart would otherwise import again (DDP's
+  `torch._dynamo`, about 1.6 s, the checkpoint API, `--preload` modules). It is started
+  once the first round's workers are forked and serves every round after it is ready;
+  the quick one is then stopped.
+
+Where `rove run` did not start a quick server (a managed node, a test), the agent
+starts the full one as its first round forms, as before.
+
+A forked worker does not run the launcher's main module again (multiprocessing does
+that for every child of a forkserver: 0.5 s per worker for the `rove` command):
+`rove.agent.warm_ready`, imported last by each server, makes the server's `__main__`
+stand for the launcher's, and says the server is ready.
+
+multiprocessing keeps one forkserver per process behind module-level functions; the
+servers here are its own `ForkServer` objects, and the one that serves is installed in
+their place (`_install`): private to CPython's multiprocessing, and checked by
+`tests/test_warm.py` on the Python that runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.forkserver as mpfs
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator, Sequence
+from multiprocessing import spawn, util
+from pathlib import Path
+from typing import Any
+
+#: What a worker needs before its script's first line.
+QUICK = (
+    "torch",
+    "torch.distributed",
+    "rove.agent.warm",
+    "rove.agent.script",
+    "rove.agent.groups",
+    "rove.agent.progress",
+)
+#: And what a restart should find imported already.
+FULL = (
+    *QUICK,
+    "torch.nn.parallel",
+    "torch._dynamo",  # DDP imports it on construction: about 1.6 s
+    "torch.distributed.elastic.multiprocessing",
+    "rove.checkpoint.api",
+)
+#: Imported last by every server: it is ready (and its __main__ is the launcher's).
+READY_MODULE = "rove.agent.warm_ready"
+READY_ENV = "ROVE_WARM_READY_FILE"
+MAIN_NAME_ENV = "ROVE_WARM_MAIN_NAME"
+MAIN_PATH_ENV = "ROVE_WARM_MAIN_PATH"
+
+#: Flags of `rove run` under which no warm server is wanted (or no job runs).
+_NOT_WARM = frozenset(
+    {
+        "--no-warm-start",
+        "--no_warm_start",
+        "--no-python",
+        "--no_python",
+        "--tf-ps",
+        "--tf_ps",
+        "--auto-scale",
+        "--auto_scale",
+        "-h",
+        "--help",
+    }
+)
+
+
+class _Server:
+    """One forkserver of ours: multiprocessing's object and where it says it is ready."""
+
+    def __init__(self, preload: Sequence[str], kind: str) -> None:
+        self.kind = kind
+        self.preload = (*preload, READY_MODULE)
+        self._dir = Path(tempfile.mkdtemp(prefix=f"rove-warm-{kind}-"))
+        self.ready_file = self._dir / "ready"
+        # (Any: its private attributes, read and reset here, are not in typeshed)
+        self.server: Any = mpfs.ForkServer()
+        self.server.set_forkserver_preload(list(self.preload))
+        with _environ({READY_ENV: str(self.ready_file), **_main_marker()}):
+            self.server.ensure_running()
+
+    @property
+    def pid(self) -> int | None:
+        pid: int | None = self.server._forkserver_pid
+        return pid
+
+    def ready(self) -> bool:
+        """Whether it imported everything and serves (never blocks)."""
+        return self.ready_file.exists()
+
+    def kill(self) -> None:
+        """End it now (its workers die with it: they ask for SIGKILL when it dies)."""
+        pid, alive = self.server._forkserver_pid, self.server._forkserver_alive_fd
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        if alive is not None:
+            with contextlib.suppress(OSError):
+                os.close(alive)
+        address = self.server._forkserver_address
+        if address and not util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(OSError):
+                Path(address).unlink()
+        self.server._forkserver_pid = self.server._forkserver_alive_fd = None
+        self.server._forkserver_address = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Servers:
+    """This process's warm servers: the one that serves, and the full one to come."""
+
+    def __init__(self) -> None:
+        self.serving: _Server | None = None
+        self.coming: _Server | None = None
+        self.extra: tuple[str, ...] = ()
+
+    def install(self, server: _Server) -> None:
+        """Make `server` the one multiprocessing's "forkserver" context forks from."""
+        _install(server.server)
+        self.serving = server
+
+
+_servers = _Servers()
+
+
+def early_start(argv: Sequence[str]) -> bool:
+    """`rove run ARGS`, before anything else: start the quick server now, unless the
+    arguments say warm start is off (then the launcher stops one it would not use)."""
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    if flags & _NOT_WARM or os.environ.get("PYTHON_EXEC"):
+        return False
+    if not any(not a.startswith("-") for a in argv):
+        return False  # no script: the parser will say so (a flag's value passes this)
+    if _servers.serving is None:
+        _servers.install(_Server(QUICK, "quick"))
+    return True
+
+
+def start(extra: Sequence[str] = ()) -> None:
+    """The agent starts: a server to fork its first round from (a quick one that
+    `rove run` started, or else the full one now); `extra`: `--preload` modules, for
+    the full server."""
+    _servers.extra = tuple(extra)
+    if _servers.serving is None:
+        _servers.install(_Server((*FULL, *_servers.extra), "full"))
+
+
+def forked() -> None:
+    """A round's workers were forked: if they came from the quick server, the full
+    one starts importing now, for the rounds after this one."""
+    serving = _servers.serving
+    if serving is not None and serving.kind == "quick" and _servers.coming is None:
+        _servers.coming = _Server((*FULL, *_servers.extra), "full")
+
+
+def promote() -> None:
+    """Before a round forks its workers (the last round's have been stopped): the full
+    server serves from now on if it is ready; the quick one is stopped."""
+    coming = _servers.coming
+    if coming is None or not coming.ready():
+        return
+    old = _servers.serving
+    _servers.install(coming)
+    _servers.coming = None
+    if old is not None:
+        old.kill()
+
+
+def stop() -> None:
+    """Kill every warm server of this process now."""
+    for server in (_servers.coming, _servers.serving):
+        if server is not None:
+            server.kill()
+    _servers.coming = None
+
+
+def serving() -> tuple[str, int | None] | None:
+    """(kind, pid) of the server that forks now, if any."""
+    s = _servers.serving
+    return None if s is None else (s.kind, s.pid)
+
+
+def _install(server: mpfs.ForkServer) -> None:
+    mpfs._forkserver = server
+    mpfs.ensure_running = server.ensure_running
+    mpfs.get_inherited_fds = server.get_inherited_fds
+    mpfs.connect_to_new_process = server.connect_to_new_process
+    mpfs.set_forkserver_preload = server.set_forkserver_preload
+
+
+def _main_marker() -> dict[str, str]:
+    """How a child of a forkserver would find this process's main module (as
+    multiprocessing computes it), for the server to stand for it."""
+    data = spawn.get_preparation_data("rove-warm")
+    if "init_main_from_name" in data:
+        return {MAIN_NAME_ENV: str(data["init_main_from_name"])}
+    if "init_main_from_path" in data:
+        return {MAIN_PATH_ENV: str(data["init_main_from_path"])}
+    return {}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment while a server is spawned (it inherits
+    them; `rove.agent.warm_ready` takes them out of the server's own)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
