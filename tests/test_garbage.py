@@ -91,7 +91,7 @@ async def test_garbage_on_every_subject_is_dead_lettered_and_the_master_keeps_de
         firsts = {min(seq for seq, s in bad.items() if s == subject) for subject in EVENT_SUBJECTS}
         assert firsts <= {x.get("seq") for x in logged}, "each sender's first, with its sequence"
         assert len(logged) < len(bad_seqs), "a burst in a few lines, not a line each"
-        assert master.proc.poll() is None
+        assert await asyncio.to_thread(master.proc.wait, 30) == 0, "the job ended: it stops"
     finally:
         master.stop()
 
@@ -103,6 +103,7 @@ async def test_garbage_on_every_subject_is_dead_lettered_and_the_master_keeps_de
         await eventually(lambda: "elected leader" in restarted.log())
         state = fold_records(await stored_events(bus))
         assert state.leader == "mg2" and state.phase is ev.JobPhase.STOPPED
+        assert restarted.proc.poll() is None, "a master of an ended job waits for its next run"
     finally:
         restarted.stop()
 

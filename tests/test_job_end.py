@@ -172,7 +172,8 @@ def test_a_rank_stuck_in_torchs_teardown_after_its_peer_returned_is_named_and_en
     assert "c10d::ProcessGroupGloo::~ProcessGroupGloo" in log, "its stacks are in the log"
     (stacks,) = (tmp_path / "rove-home").rglob("stacks/round1-local0-*.txt")
     assert "gil_scoped_acquire" in stacks.read_text()
-    assert "rank 0 was ended, stuck in torch's gloo teardown deadlock" in log.splitlines()[-1]
+    (end,) = [x for x in log.splitlines() if x.startswith(f"rove: job stuck-{start} finished")]
+    assert "rank 0 was ended, stuck in torch's gloo teardown deadlock" in end
 
 
 async def test_a_rerun_under_an_ended_jobs_name_is_its_next_run_and_the_earlier_stay_readable(
@@ -181,7 +182,7 @@ async def test_a_rerun_under_an_ended_jobs_name_is_its_next_run_and_the_earlier_
     """As torchrun runs an `--rdzv-id` again. (Once refused: "already ended earlier".)"""
     script = tmp_path / "hello.py"
     script.write_text("import os\nprint('hello from run', os.environ['TORCHELASTIC_RUN_ID'])\n")
-    master = MasterProc(bus.url, "again", "m1", tmp_path)
+    master = MasterProc(bus.url, "again", "m1", tmp_path, "--keep-serving")
     for i in range(3):
         node = RunProc(
             tmp_path,

@@ -95,8 +95,16 @@ async def test_kill_9_of_a_worker_restarts_all_workers_in_a_new_round_and_the_jo
     bus: Bus, tmp_path: Path
 ) -> None:
     ports = {n: free_port() for n in ("m1", "na", "nb")}
-    master = MasterProc(
-        bus.url, JOB, "m1", tmp_path, "--node-timeout", "15", "--metrics-port", str(ports["m1"])
+    master = MasterProc(  # (it serves its metrics after the job ended: --keep-serving)
+        bus.url,
+        JOB,
+        "m1",
+        tmp_path,
+        "--node-timeout",
+        "15",
+        "--metrics-port",
+        str(ports["m1"]),
+        "--keep-serving",
     )
     nodes = {
         n: RunProc(
@@ -663,5 +671,5 @@ def test_the_example_keeps_each_jobs_checkpoints_apart_so_a_new_job_trains_afres
         assert node.wait(180) == 0, node.log()[-3000:]
         logs.append(node.log())
     for log in logs:
-        assert "training from step 0 to 3" in log and "restored from none" in log
+        assert "training from step 0 to 3" in log and "a fresh start" in log
     assert len(list((tmp_path / "checkpoints").iterdir())) == 2, "one folder per job"

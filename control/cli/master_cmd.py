@@ -1,7 +1,8 @@
 """`rove master`: run a master candidate for a job (leader or standby).
 
 Start it any number of times against the same NATS: one leads, the others
-follow the stream and take over within the lease TTL when the leader dies.
+follow the stream and take over within the lease TTL when the leader dies. Each
+stops (exit 0) when the job ends, unless `--keep-serving`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="SECONDS",
         help="or after this many seconds with new events (default 30)",
     )
+    p.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="stay once the job has ended, for its next run (default: stop with exit 0 "
+        "when the job this master followed ends)",
+    )
     common.add_metrics_arg(p)
     common.add_nats_args(p)
     p.set_defaults(func=run)
@@ -87,6 +94,7 @@ async def _run(args: argparse.Namespace, master_id: str) -> int:
         events.JobSpec(node_timeout_s=args.node_timeout),
         snapshot_every_events=args.snapshot_every,
         snapshot_every_s=args.snapshot_interval,
+        until_ended=not args.keep_serving,
     )
     aio.stop_on_signals(runner.stop)
     try:

@@ -78,7 +78,10 @@ class MasterRunner(JobService):
         tick_s: float = 0.25,
         snapshot_every_events: int = 1000,
         snapshot_every_s: float = 30.0,
+        until_ended: bool = False,
     ) -> None:
+        """`until_ended`: stop once the job ends (a job that had ended before this master
+        started is followed until its next run ends)."""
         super().__init__(bus, job, name=f"master {master_id}", clock=clock, tick_s=tick_s)
         self.master_id = master_id
         self.spec = spec
@@ -97,6 +100,9 @@ class MasterRunner(JobService):
         self._last_snapshot_at = 0.0
         self._waiting = ""
         self._scale_waiting = ""
+        self.until_ended = until_ended
+        #: the sequence this master had caught up to when it began serving
+        self._served_from: int | None = None
         self.log = log.bind(job=job, master=master_id)
 
     @property
@@ -112,6 +118,17 @@ class MasterRunner(JobService):
     # ------------------------------------------------------------------ hooks from the replica
 
     def on_event(self, rec: records.Recorded) -> None:
+        if (
+            self.until_ended
+            and isinstance(rec.event, ev.JobEnded)
+            and self._served_from is not None
+            and rec.seq > self._served_from
+        ):
+            self.log.info(
+                f"job {self.job} {rec.event.phase.value}; this master stops "
+                "(rove master --keep-serving stays for the job's next run)"
+            )
+            self.stop()
         self._inflight.pop(rec.event.id, None)
         self.metrics.observe(rec.event, self.state)
         if type(rec.event) in _WAKE_ON:
@@ -134,6 +151,7 @@ class MasterRunner(JobService):
     # ------------------------------------------------------------------ main loop
 
     async def serve(self) -> None:
+        self._served_from = self.state.applied_seq
         self._last_snapshot_seq = self.replica.snapshot_seq
         kv, ttl = await self.bus.lease_bucket()
         self.lease = Lease(kv, self.job, self.master_id, ttl)
