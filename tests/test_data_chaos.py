@@ -60,7 +60,9 @@ def random_plan(seed: int) -> list[tuple[str, int]]:
     actions = ["worker", "master", "agent"]
     rnd.shuffle(actions)
     total_steps = SAMPLES * EPOCHS // (4 * 8)  # about, at 4 ranks
-    at = sorted(rnd.sample(range(total_steps // 6, total_steps * 4 // 5), 3))
+    # In the first half: a killed agent's node comes back well before the job ends (one
+    # back after the end would rightly start the job's next run, training it again).
+    at = sorted(rnd.sample(range(total_steps // 6, total_steps // 2), 3))
     return list(zip(actions, at, strict=True))
 
 
@@ -278,7 +280,8 @@ async def chaos(
         assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
         for name, m in masters.items():
             if name != killed_master:
-                assert m.proc.poll() is None, f"master {name} exited:\n{m.log()[-3000:]}"
+                # (a master stops with 0 once the job has ended)
+                assert m.proc.poll() in (None, 0), f"master {name} failed:\n{m.log()[-3000:]}"
                 assert "Traceback" not in m.log(), f"master {name}:\n{m.log()[-3000:]}"
     finally:
         for p in everyone:
