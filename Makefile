@@ -27,15 +27,18 @@ $(VENV)/.installed-tests: $(VENV)/.installed
 	touch $@
 
 DEMO_DIR ?= .rove-demo
-DEMO_STEPS ?= 600
+DEMO_STEPS ?= 300
+DEMO_FAULT ?= kill:1@150
 
 # The main job: a small transformer trained by 2 workers under `rove run --standalone`
-# (its own NATS server and master). Kill a worker while it trains to watch it recover.
+# (its own NATS server and master), a flash checkpoint every 5 steps; at step 150 rove
+# kills rank 1 (--inject-fault) and the job heals itself from memory.
 demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR)
 	ROVE_HOME=$(DEMO_DIR)/home $(BIN)/rove run --standalone --job demo --nproc-per-node 2 \
-		--max-restarts 3 examples/train.py --steps $(DEMO_STEPS) --step-sleep 0.03 \
-		--ckpt-dir $(DEMO_DIR)/ckpt
+		--max-restarts 3 --inject-fault $(DEMO_FAULT) examples/train.py --steps $(DEMO_STEPS) \
+		--flash --ckpt-every 5 --step-sleep 0.03
+	@echo "the ended job stays readable: ROVE_HOME=$(DEMO_DIR)/home $(BIN)/rove goodput --job demo"
 
 # The control plane alone: two masters, simulated agents, a master killed with SIGKILL.
 demo-control-plane: $(VENV)/.installed

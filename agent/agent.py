@@ -40,10 +40,12 @@ from rove.agent.ckpt_duty import CheckpointDuty
 from rove.agent.endings import Endings
 from rove.agent.exit_watch import ExitWatch, Verdict
 from rove.agent.facts import NodeFacts
+from rove.agent.faults import Fault, FaultPlan
 from rove.agent.heartbeat import Heartbeat, free_ports
 from rove.agent.leader_watch import LeaderWatch
 from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.reports import ProgressReports
+from rove.agent.resumption import Resumption
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
 from rove.agent.worker_env import member_of, worker_envs
@@ -97,6 +99,8 @@ class AgentConfig:
     #: The workers' own credentials (`rove.control.auth`, the trainer role), when the
     #: agent's are not theirs to use (a standalone job: the agent's are the master's too)
     worker_auth: Path | None = None
+    #: Faults to inject on purpose (`--inject-fault`, `rove.agent.faults`).
+    faults: tuple[Fault, ...] = ()
 
     @property
     def ports_offered(self) -> int:
@@ -151,6 +155,7 @@ class Agent:
         self.incarnation = self.facts.incarnation
         self.workers = runtime(cfg, self.incarnation)
         self.workers.listener = self._task_restarted
+        self.faults = FaultPlan(cfg.faults)
         self.checkpoints = CheckpointDuty(
             self.facts,
             cfg.checkpoint_dir,
@@ -183,6 +188,7 @@ class Agent:
         self.job_run = ""
         self._group_rank: int | None = None
         self._hang_round = -1
+        self.resumption = Resumption(lambda text, **kw: self.log.info(text, say=True, **kw), clock)
         self._checks_run: set[int] = set()
         #: its tasks: none dies silently (one that does ends the node with its traceback)
         self.tasks = aio.Supervisor(
@@ -408,6 +414,8 @@ class Agent:
                 self._join_next_round()
             return
         group_rank, member = place
+        if self.workers.running:
+            self.resumption.interrupted()  # another node's failure, or a new size
         await self._stop_workers()
         envs = worker_envs(
             r,
@@ -435,6 +443,7 @@ class Agent:
         # inside the event loop); the agent stops workers itself, so take them back.
         self.signals.install()
         self._round_event = r
+        self.resumption.round_started(r)
         self._phase(AgentPhase.RUNNING)
         self.status.starts += 1
         self._watcher = asyncio.create_task(self._watch(), name=f"workers-round-{r.round}")
@@ -446,9 +455,15 @@ class Agent:
                 round=r.round,
                 cluster=tf_cluster.cluster(r.tasks),
             )
+        restore = (
+            f"; they restore step {r.restore_step} from {r.restore_source.value}"
+            if r.restore_step is not None and r.restore_source is not ev.RestoreSource.NONE
+            else ""
+        )  # (rove.agent.resumption says when they train again)
         self.log.info(
             f"round {r.round}: started {len(pids)} workers as ranks "
-            f"{ranks[0]}-{ranks[-1]} of {r.world_size}",
+            f"{ranks[0]}-{ranks[-1]} of {r.world_size} ({r.reason}){restore}",
+            say=True,
             round=r.round,
             group_rank=group_rank,
             restart_count=r.restart_count,
@@ -513,6 +528,7 @@ class Agent:
             self.endings.succeeded(ended.round, self._notes)
             return
         rank = self._first_rank() + root.local_rank
+        self.resumption.interrupted()
         self.log.error(
             f"worker rank {rank} failed: {root.diagnosis.kind.value}: {root.diagnosis.reason}",
             round=ended.round,
@@ -547,6 +563,7 @@ class Agent:
 
     async def _hang(self, round_: int, local_rank: int, reason: str, said: str) -> None:
         """A hung worker: the node's workers are killed and the hang is the round's failure."""
+        self.resumption.interrupted()
         self.reports.flush()
         self.log.error(f"{said}; killing this node's workers", round=round_)
         await self._stop_workers(signal.SIGKILL)
@@ -596,6 +613,10 @@ class Agent:
                 continue
             self.checkpoints.tick()
             self.reports.tick()
+            if self.faults.pending:
+                self._inject_faults()
+            if self.resumption.waiting:
+                self.resumption.progress(self.workers.progress())
             rnd = self.status.round
             suspects, returned = self.exit_watch.tick(self.clock())
             for suspect in suspects:
@@ -610,6 +631,21 @@ class Agent:
                     local_rank, p, silent_s = found
                     self._hang_round = rnd
                     self._inbox.put_nowait(_Hang(rnd, local_rank, p.step, silent_s))
+
+    def _inject_faults(self) -> None:
+        """`--inject-fault`: signal the workers whose rank reached a planned step."""
+        first = self._first_rank()
+        pids = self.workers.pids()
+        steps = {first + lr: p.step for lr, p in self.workers.progress().items()}
+        for fault in self.faults.due(steps):
+            pid = pids.get(fault.rank - first)
+            if pid is None:
+                continue
+            self.log.warning(
+                f"injecting a fault (--inject-fault): {fault}", rank=fault.rank, pid=pid
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, fault.signal)
 
 
 async def _stop_feed(feed: Feed) -> None:

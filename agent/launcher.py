@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import structlog
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-from rove.agent import child, endings, forkservers, managed, warm
+from rove.agent import child, endings, faults, forkservers, managed, warm
 from rove.agent.agent import Agent, AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
@@ -37,10 +37,12 @@ from rove.control import (
     aio,
     auth,
     embedded,
+    goodput,
     joblogs,
     jobs,
     logs,
     metrics,
+    runs,
     subjects,
     suggest,
     tf_cluster,
@@ -49,13 +51,16 @@ from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.bus_options import closed
-from rove.control.errors import ConfigError
+from rove.control.errors import ConfigError, RoveError
 from rove.control.master.runner import SupervisedMaster
 
 if TYPE_CHECKING:
     from rove.control.kafka_bridge import KafkaBridge
 
 log = structlog.get_logger("rove.run")
+
+#: How long the end of a job may wait for its events to say its goodput.
+GOODPUT_READ_S = 5.0
 
 #: A worker quiet this long after it or a peer returned is stuck (`--hang-timeout` sets it).
 EXIT_TIMEOUT_S = 60.0
@@ -236,6 +241,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         role=launch.role,
         heartbeat_s=args.heartbeat_interval,
         hang_timeout_s=args.hang_timeout or 0.0,
+        faults=_faults(args.inject_fault),
         exit_timeout_s=args.hang_timeout or EXIT_TIMEOUT_S,
         stop_timeout_s=float(args.shutdown_timeout) if args.shutdown_timeout else 10.0,
         start_method=start_method,
@@ -307,7 +313,7 @@ def _kafka_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     return (("ROVE_KAFKA_BOOTSTRAP", args.kafka_bootstrap), ("ROVE_KAFKA_TOPIC", args.kafka_topic))
 
 
-async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> int:
+async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool, log_path: Path) -> int:
     if not args.nats and not standalone:
         raise ConfigError(
             f"--nnodes {args.nnodes}: the nodes meet on a NATS server, and none was given: add "
@@ -347,18 +353,23 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
             if args.kafka_bootstrap:
                 bridge = _bridge(bus, cfg, args)
                 bridge_task = asyncio.create_task(_serve(bridge), name="kafka bridge")
-        print(
-            f"rove: job {cfg.job}, node {cfg.node}, NATS {bus.url}; "
-            f"watch it with: rove status --job {cfg.job}",
-            file=sys.stderr,
-            flush=True,
+        nats = "" if bus.server is not None else f" --nats {bus.url}"
+        say(
+            f"job {cfg.job}, node {cfg.node}, NATS {bus.url}; watch it with: rove status "
+            f"--job {cfg.job}{nats}; rove's log: {log_path}"
         )
         agent = Agent(bus, cfg, signals=signals)
         code = await agent.run()
-        print(f"rove: {agent.status.end_reason}", file=sys.stderr, flush=True)
+        say(agent.status.end_reason)
         if code != 0 and agent.status.failure is not None:
             for line in endings.summary(cfg.node, *agent.status.failure):
-                print(f"rove: {line}", file=sys.stderr, flush=True)
+                say(line)
+        if agent.status.starts:
+            await _say_goodput(bus, cfg.job)
+            say(
+                f"read it again with: rove status, rove events, rove goodput or rove logs "
+                f"--job {cfg.job}{nats}"
+            )
         return code
     finally:
         if bridge is not None and bridge_task is not None:
@@ -370,6 +381,41 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool) -> 
         if bus.server is not None:
             embedded.url_file(cfg.job).unlink(missing_ok=True)
         await bus.close()
+
+
+def say(line: str) -> None:
+    """A sentence for the person at the console (and the job's log)."""
+    print(f"rove: {line}", file=sys.stderr, flush=True)
+    log.debug(line)
+
+
+async def _say_goodput(bus: Bus, job: str) -> None:
+    """The job's goodput in one line, from its events (`rove goodput` tells the rest)."""
+    try:
+        folded = await asyncio.wait_for(runs.ledger(bus, job), GOODPUT_READ_S)
+    except (TimeoutError, RoveError) as exc:
+        log.info("could not read the job's events for its goodput", error=repr(exc))
+        return
+    report = goodput.report(folded, time.time())
+    worst = max(report.badput().items(), key=lambda kv: kv[1], default=None)
+    rest = (
+        f"; most of the rest went to {worst[0].value} ({worst[1]:.1f}s)"
+        if worst is not None and worst[1] >= 0.05
+        else ""
+    )
+    trained = report.seconds.get(goodput.Bucket.PRODUCTIVE, 0.0)
+    say(
+        f"goodput {100 * report.goodput:.1f}%: {trained:.1f}s of {report.total_s:.1f}s "
+        f"trained the model it ends with{rest}"
+    )
+
+
+def _faults(texts: Sequence[str]) -> tuple[faults.Fault, ...]:
+    """`--inject-fault` as a plan (rove.agent.faults); raises ConfigError naming a bad one."""
+    try:
+        return tuple(faults.parse(text) for text in texts)
+    except ValueError as exc:
+        raise ConfigError(f"--inject-fault {exc}") from exc
 
 
 def _log_max_bytes() -> int:
@@ -447,11 +493,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg, standalone = agent_config(args)
         except ValueError as exc:  # torch's config_from_args: bad --nnodes / --nproc-per-node
             raise ConfigError(str(exc)) from exc
+        log_path = logs.to_job_log(
+            joblogs.agent_log(cfg.job, cfg.node), everything=args.verbose or logs.verbose()
+        )
         if args.auto_scale:
             forkservers.stop()  # its nodes are processes of their own, with theirs
             raw = list(argv) if argv is not None else sys.argv[1:]
             return aio.run(managed.run_managed(args, cfg, raw))
-        return aio.run(_run(args, cfg, standalone))
+        return aio.run(_run(args, cfg, standalone, log_path))
 
     return common.run_reporting("rove run", run)
 

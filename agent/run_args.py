@@ -192,6 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between heartbeats (default 1)",
     )
     g.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="rove's whole log on the console too (env ROVE_VERBOSE=1); by default the "
+        "console gets short sentences and the log goes to the job's folder",
+    )
+    g.add_argument(
+        "--inject-fault",
+        action="append",
+        default=[],
+        metavar="[SIGNAL:]RANK@STEP",
+        help="send SIGNAL (kill, term, int, segv, abrt; default kill) to global rank RANK "
+        "when it reports step STEP, once (repeatable): e.g. kill:1@300 to see a failure "
+        "healed (see docs/runtime.md, 'Injecting a fault')",
+    )
+    g.add_argument(
         "--warm-start",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -4,6 +4,7 @@ but for reading folder listings).
     ROVE_HOME/jobs/<job>/logs/<node>/round<R>/rank<RANK>.stdout
                                               rank<RANK>.stderr
                                               rank<RANK>.error.json   (torch's @record)
+                                     rove.log   (the node's launcher: rove's own log)
 
 The agent writes there (`rove.agent.echo`); `rove logs` reads it.
 """
@@ -24,6 +25,11 @@ _FILE = re.compile(r"rank(\d+)\.(stdout|stderr)$")
 def folder(job: str) -> Path:
     """The job's log folder on this machine."""
     return embedded.job_dir(job) / "logs"
+
+
+def agent_log(job: str, node: str) -> Path:
+    """Where `rove run` keeps its own structured log for `node` of `job`."""
+    return folder(job) / node / "rove.log"
 
 
 def round_folder(node_folder: Path, round_: int | str) -> Path:

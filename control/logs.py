@@ -3,6 +3,13 @@
 Logs go to stderr as readable lines (colored on a terminal), or as JSON lines
 with `ROVE_LOG_FORMAT=json`. `ROVE_LOG_LEVEL` sets the level (default info).
 Loggers are bound with the entity they speak for: job, node, rank, round, step.
+
+A job's launcher (`rove run`) keeps the console for people (`to_job_log`): its
+structured log goes to a file in the job's folder, and the console gets short
+sentences, the lines logged with `say=True` (a round formed, a failure and its
+diagnosis, training again after one) and every warning and error, each as
+`rove: <what happened>`. `-v` (`ROVE_VERBOSE=1`) puts the whole log on the console
+as well.
 """
 
 from __future__ import annotations
@@ -10,36 +17,112 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any, TextIO
 
 import stamina.instrumentation
 import structlog
 
+#: Levels whose lines a job's console always gets.
+_LOUD = frozenset({"warning", "error", "critical"})
+
 
 def configure(level: str | None = None, fmt: str | None = None) -> None:
+    """Every line to stderr (the daemons and one-shot commands)."""
+    _configure(level, fmt, sys.stderr, console=None)
+
+
+def verbose() -> bool:
+    """Whether `ROVE_VERBOSE` asks for the whole log on the console."""
+    return os.environ.get("ROVE_VERBOSE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def to_job_log(path: Path, *, everything: bool = False) -> Path:
+    """A job's launcher: the structured log to `path` (appended; JSON lines unless
+    `ROVE_LOG_FORMAT` says otherwise), short sentences on the console, or with
+    `everything` every line on the console too. Returns the path.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = path.open("a", buffering=1, encoding="utf-8")
+    _configure(None, os.environ.get("ROVE_LOG_FORMAT") or "json", out, console=everything)
+    return path
+
+
+def _configure(level: str | None, fmt: str | None, out: TextIO, console: bool | None) -> None:
+    """`console`: None, every line goes to `out` alone; False, `out` gets every line and
+    stderr the short ones; True, both get every line."""
     level_name = (os.environ.get("ROVE_LOG_LEVEL") or level or "info").upper()
     fmt = fmt or os.environ.get("ROVE_LOG_FORMAT") or "console"
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = structlog.dev.ConsoleRenderer(colors=out.isatty())
+    processors: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=False),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if console is not None:
+        processors.append(_Console(everything=console))
+    else:
+        processors.append(_drop_say)
+    processors += [
+        structlog.processors.format_exc_info if fmt == "json" else structlog.dev.set_exc_info,
+        renderer,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=False),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info if fmt == "json" else structlog.dev.set_exc_info,
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level_name, logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
     # rove logs its retries itself, with the entity (rove.control.retry, the outboxes)
     stamina.instrumentation.set_on_retry_hooks([])
+
+
+def _drop_say(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    event.pop("say", None)
+    return event
+
+
+class _Console:
+    """The console's share of a line that goes to the job's log."""
+
+    def __init__(self, *, everything: bool) -> None:
+        self.everything = everything
+        self.render = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+
+    def __call__(
+        self, logger: Any, method: str, event: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        said = bool(event.pop("say", False))
+        if self.everything:
+            line = self.render(logger, method, dict(event))
+            print(line, file=sys.stderr, flush=True)
+        elif said or event.get("level") in _LOUD:
+            print(f"rove: {short(event)}", file=sys.stderr, flush=True)
+        return event
+
+
+def short(event: Mapping[str, Any]) -> str:
+    """A log line as one sentence for a person: what happened, and the error if any
+    (the traceback stays in the job's log)."""
+    text = str(event.get("event", ""))
+    error = event.get("error")
+    if error and str(error) not in text:
+        text = f"{text}: {error}"
+    exc = event.get("exc_info")
+    if isinstance(exc, BaseException):
+        text = f"{text}: {type(exc).__name__}: {exc}"
+    return text
 
 
 def silent(name: str) -> logging.Logger:

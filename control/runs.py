@@ -10,6 +10,7 @@ after the end of run N-1 (run 1: from the beginning) up to the end of run N.
 from __future__ import annotations
 
 from rove.control import events as ev
+from rove.control import goodput as gp
 from rove.control import records, subjects
 from rove.control.bus import Bus
 from rove.control.errors import ConfigError
@@ -52,6 +53,23 @@ def span(found: dict[int, int], run: int | None) -> tuple[int, int | None]:
 def within(seq: int, bounds: tuple[int, int | None]) -> bool:
     lo, hi = bounds
     return seq >= lo and (hi is None or seq < hi)
+
+
+async def ledger(bus: Bus, job: str, run: int | None = None) -> gp.Ledger:
+    """The goodput ledger of `run` of `job` (None: the newest), folded from its events."""
+    folded = gp.Ledger()
+    bounds = span(await starts(bus, job), run)
+
+    def add(rec: records.Recorded) -> None:
+        if within(rec.seq, bounds):
+            folded.add(rec.event)
+
+    feed = await bus.subscribe(subjects.EVENTS_STREAM, subjects.job_events(job), add, _skip)
+    try:
+        await feed.caught_up.wait()
+    finally:
+        await feed.stop()
+    return folded
 
 
 def _skip(rej: records.Rejection) -> None:

@@ -107,19 +107,24 @@ def main() -> None:
     ckpt = Path(args.ckpt_dir or Path("checkpoints") / job) / "ckpt.pt"
     start = 0
     source = "none"
+    load_s = 0.0
     flash = None
     if args.flash:
         from rove.checkpoint.api import FlashCheckpointer
 
         flash = FlashCheckpointer(os.environ.get("ROVE_CKPT_DIR"))
+        loading = time.monotonic()
         restored = flash.load()
+        load_s = time.monotonic() - loading
         if restored is not None:
             start, state = restored
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
             source = flash.restored_from
     elif ckpt.exists():
+        loading = time.monotonic()
         state = torch.load(ckpt, map_location=device)
+        load_s = time.monotonic() - loading
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
@@ -136,9 +141,14 @@ def main() -> None:
                 flush=True,
             )
         else:
+            restored_from = (
+                f"restored step {start} from {source} in {load_s:.3f}s"
+                if start
+                else "a fresh start"
+            )
             print(
                 f"training from step {start} to {args.steps} on {world} workers "
-                f"(restart {restart}, restored from {source})",
+                f"(restart {restart}, {restored_from})",
                 flush=True,
             )
     per_rank = max(1, args.batch_size // world)

@@ -363,7 +363,9 @@ TRAIN = ROOT / "examples" / "train.py"
 
 
 class RunProc(CliProc):
-    """A `rove run` subprocess (one node), its output captured to a file."""
+    """A `rove run` subprocess (one node), its output captured to a file: its whole log
+    too (`ROVE_VERBOSE=1`; by default the console gets short sentences, and the log goes
+    to the job's folder, which tests/test_demo.py checks)."""
 
     def __init__(
         self,
@@ -379,7 +381,7 @@ class RunProc(CliProc):
             log_dir / f"run-{name}.log",
             "run",
             *args,
-            env=env,
+            env={"ROVE_VERBOSE": "1", **(env or {})},
             preexec=preexec,
             cwd=cwd,
         )

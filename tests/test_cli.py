@@ -224,6 +224,23 @@ def test_an_ignored_torchrun_flag_is_named_in_a_warning() -> None:
     assert "--master-addr is ignored: rove takes each round's store address" in out.stderr
 
 
+def test_the_exit_codes_rove_help_lists_are_the_ones_it_uses() -> None:
+    """Each is produced where it says, tested: 0 and 1 by every job test, 2 by
+    test_user_mistakes_..., 3 and 4 below, 130 and 143 in tests/test_signals.py."""
+    flat = " ".join(rove_cli("--help", check=True).stdout.split())
+    listed = flat[flat.index("exit codes:") :]
+    for code, what in (
+        (common.EXIT_OK, "ok"),
+        (common.EXIT_FAILED, "failed"),
+        (common.EXIT_USAGE, "bad arguments"),
+        (common.EXIT_UNREACHABLE, "NATS unreachable"),
+        (common.EXIT_UNKNOWN_JOB, "unknown job"),
+        (common.EXIT_INTERRUPTED, "interrupted"),
+    ):
+        assert f"{code} {what}" in listed, listed
+    assert "143 SIGTERM" in listed
+
+
 def test_an_unreachable_server_exits_3() -> None:
     out = rove_cli("status", "--job", "j1", "--nats", f"nats://127.0.0.1:{free_port()}")
     assert out.returncode == common.EXIT_UNREACHABLE

@@ -126,24 +126,6 @@ def _blocks(path: Path) -> list[list[str]]:
     return blocks
 
 
-def test_the_readmes_kill_command_matches_a_worker_and_never_the_launcher() -> None:
-    import shlex
-
-    readme = ROOT / "README.md"
-    (line,) = [x for b in _blocks(readme) for x in b if x.strip().startswith("pkill")]
-    words = shlex.split(line.split("#", 1)[0])
-    assert "-f" in words and "-n" in words
-    pattern = words[-1]
-    # the command lines as `ps` shows them: a worker (fresh or warm) and the launcher
-    worker = "/repo/.venv/bin/python3 -u examples/train.py --steps 600 --step-sleep 0.03"
-    launcher = (
-        "/repo/.venv/bin/python /repo/.venv/bin/rove run --standalone --job demo "
-        "--nproc-per-node 2 --max-restarts 3 examples/train.py --steps 600"
-    )
-    assert re.search(pattern, worker)
-    assert not re.search(pattern, launcher), "pkill would kill the launcher"
-
-
 def test_the_readme_says_where_rove_and_nats_server_are() -> None:
     text = (ROOT / "README.md").read_text()
     assert "source .venv/bin/activate" in text, "rove is in .venv/bin, not on PATH"

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rove.control import aio, records, runs, subjects
+from rove.control import aio, runs, subjects
 from rove.control import goodput as gp
 from rove.control import options as common
 from rove.control.bus import Bus
@@ -63,29 +63,10 @@ def run(args: argparse.Namespace) -> int:
 
 async def _read(args: argparse.Namespace) -> gp.Ledger:
     options = common.bus_options(args, name="rove-goodput", job=args.job)
-    ledger = gp.Ledger()
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
             raise common.no_such_job(bus, args.job)
-
-        bounds = runs.span(await runs.starts(bus, args.job), args.run)
-
-        def add(rec: records.Recorded) -> None:
-            if runs.within(rec.seq, bounds):
-                ledger.add(rec.event)
-
-        feed = await bus.subscribe(
-            subjects.EVENTS_STREAM, subjects.job_events(args.job), add, _skip
-        )
-        try:
-            await feed.caught_up.wait()
-        finally:
-            await feed.stop()
-    return ledger
-
-
-def _skip(rej: records.Rejection) -> None:
-    pass  # unreadable events are dead letters already (see `rove events`)
+        return await runs.ledger(bus, args.job, args.run)
 
 
 def _iso(ts: float) -> str:

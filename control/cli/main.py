@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rove",
         description="rove: elastic, self-healing distributed training on NATS JetStream.",
-        epilog="exit codes: 0 ok, 1 failed, 2 bad arguments, 3 NATS unreachable, 4 unknown job",
+        epilog="exit codes: 0 ok, 1 failed, 2 bad arguments, 3 NATS unreachable, 4 unknown "
+        "job, 130 interrupted (rove run: 128 + the signal, 130 SIGINT, 143 SIGTERM)",
     )
     p.add_argument(
         "--log-level", default=None, help="debug, info, warning, error (env ROVE_LOG_LEVEL)"

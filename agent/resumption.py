@@ -1,0 +1,63 @@
+"""How long a node's training stood still after an interruption, said once its
+workers train again: "round 2: training again 0.6s after the interruption, at step
+151 (restored step 150 from memory)".
+
+An interruption is this node's own worker failing or hanging, or a new round taking
+its running workers away (another node's failure, a new size). The sentence comes the
+first time every local rank of the next round has reported a step, so it covers the
+whole stop: the decision, the new round, the restore and the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rove.agent.progress import Progress
+from rove.control import events as ev
+
+
+class Resumption:
+    def __init__(self, say: Callable[..., Any], clock: Callable[[], float]) -> None:
+        """`say(text, **context)`: where the sentence goes (a logger's info)."""
+        self.say = say
+        self.clock = clock
+        self._since: float | None = None
+        self._waiting: tuple[float, ev.RoundCompleted] | None = None
+
+    def interrupted(self) -> None:
+        """The workers were stopped or failed (the first such moment counts)."""
+        if self._since is None:
+            self._since = self.clock()
+
+    def round_started(self, r: ev.RoundCompleted) -> None:
+        """Round `r`'s workers were started here."""
+        if r.cause not in (ev.RoundCause.FORMED, ev.RoundCause.SCALE_UP):
+            self._waiting = (self._since or self.clock(), r)
+        self._since = None
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiting is not None
+
+    def progress(self, reported: Mapping[int, Progress]) -> None:
+        """The local ranks' newest reports: say it once all of them trained a step."""
+        if self._waiting is None or not reported:
+            return
+        if any(p.first_step == 0 for p in reported.values()):
+            return
+        since, r = self._waiting
+        self._waiting = None
+        step = min(p.step for p in reported.values())
+        self.say(
+            f"round {r.round}: training again {self.clock() - since:.1f}s after the "
+            f"interruption, at step {step} ({restored(r)})",
+            round=r.round,
+        )
+
+
+def restored(r: ev.RoundCompleted) -> str:
+    """Where round `r`'s ranks restore from, as a clause."""
+    if r.restore_step is not None and r.restore_source is not ev.RestoreSource.NONE:
+        return f"restored step {r.restore_step} from {r.restore_source.value}"
+    return "no checkpoint to restore: trained from the start"
