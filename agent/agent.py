@@ -434,8 +434,6 @@ class Agent:
         if self._warm and not await warm.ready(self._interrupted):
             return  # a signal came first: the actor acts on it next
         pids = self.workers.start(r.round, envs)
-        if self._warm:
-            warm.forked()  # the full warm server imports for the rounds after this one
         self.reports.start(r.round)
         self.exit_watch.new_round(r.round)
         self._notes = []

@@ -8,8 +8,11 @@ Two servers, so that neither the first line nor a restart waits:
   while the launcher imports torch for its own parser and the round forms (both take
   about 2 s here; torchrun's workers import torch only after its launcher did);
 - the *full* server also imports what a restart would otherwise import again (DDP's
-  `torch._dynamo`, about 1.6 s, the checkpoint API, `--preload` modules). It is started
-  once the first round's workers are forked and serves every round after it is ready;
+  `torch._dynamo`, about 1.6 s, the checkpoint API, `--preload` modules). It starts as
+  the agent does, and imports in a thread at nice 19 (`BACKGROUND_NICE`), so it only
+  takes CPU that training and the launcher leave (a short job beside a busy core paid
+  1.5 s for it at normal priority); the thread that forks keeps the server's nice 0,
+  and so do its workers. Every round formed once it is ready is forked from it, and
   the quick one is then stopped.
 
 Where `rove run` did not start a quick server (a managed node, a test), the agent
@@ -59,6 +62,10 @@ FULL = (
 #: Imported last by every server: it is ready (and its __main__ is the launcher's).
 READY_MODULE = "rove.agent.warm_ready"
 READY_ENV = "ROVE_WARM_READY_FILE"
+#: What a server in the background imports itself, at which nice (rove.agent.warm_ready).
+IMPORTS_ENV = "ROVE_WARM_IMPORTS"
+NICE_ENV = "ROVE_WARM_NICE"
+BACKGROUND_NICE = 19
 MAIN_NAME_ENV = "ROVE_WARM_MAIN_NAME"
 MAIN_PATH_ENV = "ROVE_WARM_MAIN_PATH"
 
@@ -82,15 +89,21 @@ _NOT_WARM = frozenset(
 class _Server:
     """One forkserver of ours: multiprocessing's object and where it says it is ready."""
 
-    def __init__(self, preload: Sequence[str], kind: str) -> None:
+    def __init__(self, preload: Sequence[str], kind: str, *, nice: int = 0) -> None:
+        """`nice`: above 0, the server imports `preload` in a thread at that nice."""
         self.kind = kind
-        self.preload = (*preload, READY_MODULE)
+        self.preload = tuple(preload)
         self._dir = Path(tempfile.mkdtemp(prefix=f"rove-warm-{kind}-"))
         self.ready_file = self._dir / "ready"
         # (Any: its private attributes, read and reset here, are not in typeshed)
         self.server: Any = mpfs.ForkServer()
-        self.server.set_forkserver_preload(list(self.preload))
-        with _environ({READY_ENV: str(self.ready_file), **_main_marker()}):
+        env = {READY_ENV: str(self.ready_file), **_main_marker()}
+        if nice > 0:
+            env |= {IMPORTS_ENV: ",".join(self.preload), NICE_ENV: str(nice)}
+            self.server.set_forkserver_preload([READY_MODULE])
+        else:
+            self.server.set_forkserver_preload([*self.preload, READY_MODULE])
+        with _environ(env):
             self.server.ensure_running()
 
     @property
@@ -154,19 +167,14 @@ def early_start(argv: Sequence[str]) -> bool:
 
 def start(extra: Sequence[str] = ()) -> None:
     """The agent starts: a server to fork its first round from (a quick one that
-    `rove run` started, or else the full one now); `extra`: `--preload` modules, for
-    the full server."""
+    `rove run` started, or else the full one now), and the full one in the background;
+    `extra`: `--preload` modules, for the full server."""
     _servers.extra = tuple(extra)
+    full = (*FULL, *_servers.extra)
     if _servers.serving is None:
-        _servers.install(_Server((*FULL, *_servers.extra), "full"))
-
-
-def forked() -> None:
-    """A round's workers were forked: if they came from the quick server, the full
-    one starts importing now, for the rounds after this one."""
-    serving = _servers.serving
-    if serving is not None and serving.kind == "quick" and _servers.coming is None:
-        _servers.coming = _Server((*FULL, *_servers.extra), "full")
+        _servers.install(_Server(full, "full"))
+    elif _servers.serving.kind == "quick" and _servers.coming is None:
+        _servers.coming = _Server(full, "full", nice=BACKGROUND_NICE)
 
 
 def promote() -> None:

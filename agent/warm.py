@@ -95,11 +95,6 @@ def _nothing() -> None:
     pass
 
 
-def forked() -> None:
-    """A round's workers were forked (see `rove.agent.forkservers.forked`)."""
-    forkservers.forked()
-
-
 def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
     """`run_script`'s arguments for the interpreter arguments `-u [-m] TARGET ARGS...`."""
     args = list(cmd_args)

@@ -1,23 +1,66 @@
 """Imported last by a warm server (`rove.agent.forkservers`), after everything it
 preloads; anywhere else it does nothing.
 
-1. The server's `__main__` is made to stand for the launcher's main module, so that a
+1. A server started in the background (the full one) imports its modules here, in a
+   thread at a low priority (`ROVE_WARM_NICE`: nice values are per thread on Linux),
+   while its main thread, which forks the workers later, keeps its own. A module that
+   cannot be imported is said on stderr and skipped, as multiprocessing skips it.
+2. The server's `__main__` is made to stand for the launcher's main module, so that a
    worker forked from it does not run that module again (multiprocessing runs a
    parent's main module in each child it cannot match with its own `__main__`; for the
    `rove` command that is 0.5 s of imports per worker, at every restart). The worker
    then runs its script as `__main__` (`rove.agent.script`).
-2. The server says it is ready, in the file its agent named.
+3. The server says it is ready, in the file its agent named.
 
-The variables that carry both are taken out of the server's environment, so no worker
-inherits them.
+The variables that carry all this are taken out of the server's environment, so no
+worker inherits them.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import os
 import sys
+import threading
 
+
+def _import_in_background(names: list[str], nice: int) -> None:
+    """Import `names` at `nice`: in a thread of that nice, in a session of this server's
+    own whose scheduling group has that nice meanwhile (where the kernel groups tasks by
+    session, "autogroup", a thread's nice only counts within its session)."""
+
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - said, and skipped as multiprocessing does
+                print(f"rove: the warm server could not import {name}: {exc!r}", file=sys.stderr)
+
+    try:
+        os.setsid()
+    except OSError:
+        pass  # a session leader already
+    _autogroup(nice)
+    worker = threading.Thread(target=run, name="warm-imports")
+    worker.start()
+    worker.join()
+    _autogroup(0)  # (back to where its workers start: each makes a session of its own)
+
+
+def _autogroup(nice: int) -> None:
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass  # no autogroups here: the thread's own nice is what counts
+
+
+_imports = os.environ.pop("ROVE_WARM_IMPORTS", None)
+_nice = os.environ.pop("ROVE_WARM_NICE", "0")
+if _imports:
+    _import_in_background([n for n in _imports.split(",") if n], int(_nice))
 _main = sys.modules["__main__"]
 _name = os.environ.pop("ROVE_WARM_MAIN_NAME", None)
 _path = os.environ.pop("ROVE_WARM_MAIN_PATH", None)
