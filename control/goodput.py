@@ -178,6 +178,12 @@ class Ledger:
             self.epoch = e.epoch
         fold(self, e)
 
+    @property
+    def steps_reported(self) -> bool:
+        """Whether the workers reported any step (`rove.agent.progress.report`): without
+        one, no time can be told productive."""
+        return any(r.points for r in self.rounds.values())
+
     def _round_completed(self, e: ev.RoundCompleted) -> None:
         self.rounds[e.round] = _Round(e.round, e.ts, e.restore_step)
 
