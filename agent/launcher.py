@@ -30,7 +30,8 @@ import structlog
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
 from rove.agent import child, endings, faults, forkservers, managed, warm
-from rove.agent.agent import Agent, AgentConfig
+from rove.agent.agent import Agent
+from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
 from rove.control import (

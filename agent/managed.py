@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 from torch.distributed.run import parse_min_max_nnodes
 
-from rove.agent.agent import AgentConfig
+from rove.agent.config import AgentConfig
 from rove.control import aio, auth, embedded, metrics
 from rove.control import events as ev
 from rove.control import options as common

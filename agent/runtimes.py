@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rove.agent.runtime import WorkerRuntime
 
 if TYPE_CHECKING:
-    from rove.agent.agent import AgentConfig
+    from rove.agent.config import AgentConfig
 
 
 def tf_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:

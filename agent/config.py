@@ -1,0 +1,61 @@
+"""What a node's agent is told to do (`rove run`'s arguments, checked and resolved by
+the launcher): the job, the node, its workers and their restarts, the duties' timings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rove.agent.faults import Fault
+from rove.control import events as ev
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    job: str
+    node: str
+    addr: str
+    nproc: int
+    params: ev.RdzvParams
+    #: A command, or a function (warm start: forked from the warm server).
+    entrypoint: str | Callable[..., None]
+    args: list[str]
+    logs_specs: Any
+    state_dir: Path
+    max_restarts: int
+    #: TensorFlow: how often one worker is restarted in place per round (`--max-worker-restarts`)
+    max_task_restarts: int = 10
+    role: str = "default"
+    heartbeat_s: float = 1.0
+    #: How often checkpoints are reported/persisted and hangs looked for.
+    duty_s: float = 0.25
+    hang_timeout_s: float = 0.0
+    #: A worker quiet this long after it or a peer returned from its script is stuck
+    #: on its way out (`rove.agent.exit_watch`).
+    exit_timeout_s: float = 60.0
+    stop_timeout_s: float = 10.0
+    start_method: str = "spawn"
+    #: Extra modules the warm server imports (warm start only).
+    preload: tuple[str, ...] = ()
+    checkpoint_dir: Path | None = None
+    save_at_breakpoint: bool = False
+    keep_checkpoints: int = 3
+    persist_every: int = 1
+    #: More environment for the workers (e.g. ROVE_KAFKA_BOOTSTRAP from `--kafka-*`).
+    worker_env: tuple[tuple[str, str], ...] = ()
+    #: Where a TensorFlow round's task logs go (default: under the state dir).
+    log_dir: Path | None = None
+    #: The workers' own credentials (`rove.control.auth`, the trainer role), when the
+    #: agent's are not theirs to use (a standalone job: the agent's are the master's too)
+    worker_auth: Path | None = None
+    #: Faults to inject on purpose (`--inject-fault`, `rove.agent.faults`).
+    faults: tuple[Fault, ...] = ()
+
+    @property
+    def ports_offered(self) -> int:
+        """Free ports a node offers when it joins: one per task in a TensorFlow job
+        (each task serves on one), else two (the next round's rendezvous store)."""
+        return self.nproc + 1 if self.params.tf_ps else 2
