@@ -102,6 +102,42 @@ def test_a_restart_restores_the_newest_step_every_rank_holds_in_memory() -> None
     assert (last.restore_step, last.restore_source) == (11, "memory")
 
 
+def test_a_restart_of_several_nodes_waits_for_each_ones_last_word_on_what_it_holds() -> None:
+    """Seen in benchmarks/recovery.py (2 nodes x 2, a flash save every step): rank 1 on n1
+    was killed at step 45; n2 held 44 and 45, but its newest report said 43, so the round
+    restored 43, which no slot held any more; every rank failed to restore and the job
+    started over. n2's workers end too (their peer is gone), and the end it reports comes
+    after its newest report: the restart waits for it."""
+    s = running()
+    s.apply(factories.in_memory("n1", 45, (0, 1)))
+    s.apply(factories.in_memory("n2", 43, (2, 3)))  # its report of 45 is still on its way
+    s.apply(factories.exited("n1", 1, rank=1, ts=s.now))
+    assert not [d for d in s.tick(0.1) if isinstance(d, ev.RoundCompleted)]
+    assert s.waiting is not None and "waiting for n2 to report" in s.waiting.reason
+    s.apply(factories.in_memory("n2", 45, (2, 3)))
+    s.apply(factories.exited("n2", 1, rank=2, kind=ev.FailureKind.COMMUNICATION, ts=s.now))
+    s.tick()
+    last = rounds(s)[-1]
+    assert (last.round, last.restore_step, last.restore_source) == (2, 45, "memory")
+    assert "rank 1 on node n1" in last.reason, "the first failure is the cause"
+
+
+def test_a_member_that_says_nothing_holds_a_restart_back_for_a_bounded_time() -> None:
+    from rove.control.master.rendezvous import SETTLE_S
+
+    s = running()
+    s.apply(factories.in_memory("n1", 45, (0, 1)))
+    s.apply(factories.in_memory("n2", 44, (2, 3)))
+    s.apply(factories.exited("n1", 1, rank=1, ts=s.now))
+    s.beat("n1")
+    s.beat("n2")
+    assert not [d for d in s.tick(SETTLE_S - 0.5) if isinstance(d, ev.RoundCompleted)]
+    s.beat("n1")
+    s.beat("n2")
+    s.tick(0.6)
+    assert (rounds(s)[-1].round, rounds(s)[-1].restore_step) == (2, 44)
+
+
 def test_without_memory_for_every_rank_the_committed_step_is_restored() -> None:
     s = running()
     s.apply(factories.persisted("n1", 10, (0, 1)))

@@ -61,7 +61,9 @@ def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) ->
             n.node: n.incarnation for n in state.nodes.values() if n.status is NodeStatus.ACTIVE
         }
         leaving = optimizer.leaving(state.scale)
-        outcome = rdzv.decide(state.rdzv, rdzv.Alive(live), liveness, now, leaving)
+        outcome = rdzv.decide(
+            state.rdzv, rdzv.Alive(live), liveness, now, leaving, settle=bool(state.ckpt.memory)
+        )
         if isinstance(outcome, netcheck.Wait):
             waiting = outcome
         else:

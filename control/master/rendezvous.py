@@ -80,6 +80,8 @@ class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
     failure: Failure | None = None
     last_failure: Failure | None = None
     succeeded: frozenset[str] = frozenset()
+    #: members that reported a failure of their workers in this round
+    failed_nodes: frozenset[str] = frozenset()
     #: what the round's nodes said as their workers finished (a worker ended stuck)
     notes: tuple[str, ...] = ()
     broken_since: float | None = None
@@ -158,6 +160,8 @@ def _reports_on_current_round(r: RdzvState, e: ev.WorkerExited | ev.WorkersSucce
 def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
     if not _reports_on_current_round(r, e):
         return r
+    if e.node not in r.failed_nodes:
+        r = replace(r, failed_nodes=r.failed_nodes | {e.node})
     if r.failure is not None:
         return r  # the first failure of a round decides
     failure = Failure(
@@ -209,6 +213,7 @@ def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
         last_failure=r.failure if restarted else None,
         failure=None,
         succeeded=frozenset(),
+        failed_nodes=frozenset(),
         notes=(),
         broken_since=None,
         master_port=e.master_port,
@@ -288,11 +293,17 @@ def decide(
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
     leaving: frozenset[str] = frozenset(),
+    settle: bool = False,
 ) -> Outcome:
     """The one rendezvous action due now, or why there is none (`Wait`).
 
     `leaving`: nodes a scale plan is stopping or relaunching. A failure on one
     of them waits for the plan (no restart is spent), and no new round takes them.
+    `settle`: the new round restores from what the members hold in memory: a restart
+    waits (at most `SETTLE_S`) until every member has reported its workers' end, so
+    that what each said it holds is its last word (a healthy node's newest report
+    could lag its memory by several steps, and the step chosen be one it had already
+    overwritten: every rank then failed to restore, and the job started over).
 
     The caller turns an intent into a decision event with its envelope
     (`decide.py`); a `Wait` is logged when its reason changes and shown by
@@ -312,7 +323,7 @@ def decide(
                 reason=f"{_failure_text(r.failure)}; a scale plan relaunches node "
                 f"{r.failure.node}: the round re-forms once it has left"
             )
-        return _on_failure(r, p, alive, liveness)
+        return _on_failure(r, p, alive, liveness, now, settle)
     if r.active:
         return _scale_up(r, p, alive, liveness, now)
     return _form(r, p, alive, liveness, now)
@@ -340,7 +351,12 @@ def _failure_text(f: Failure) -> str:
 
 
 def _on_failure(
-    r: RdzvState, p: ev.RdzvParams, alive: Alive, liveness: Mapping[str, ev.Heartbeat]
+    r: RdzvState,
+    p: ev.RdzvParams,
+    alive: Alive,
+    liveness: Mapping[str, ev.Heartbeat],
+    now: float,
+    settle: bool,
 ) -> Outcome:
     f = r.failure
     assert f is not None
@@ -372,6 +388,13 @@ def _on_failure(
             f"(--max-restarts) are used; last failure: {_failure_text(f)}",
         )
     members = [m for m in r.members if alive(m.node, m.incarnation)]
+    unheard = sorted({m.node for m in members} - r.failed_nodes - r.succeeded)
+    if settle and len(members) > 1 and unheard and now - f.ts < SETTLE_S:
+        return Wait(
+            reason=f"{_failure_text(f)}: waiting for {', '.join(unheard)} to report its "
+            "workers' end (what it holds in memory) before restarting",
+            until=f.ts + SETTLE_S,
+        )
     pool = [_as_waiter(m, r, liveness) for m in members]
     return _round(
         r,
@@ -380,6 +403,10 @@ def _on_failure(
         cause=ev.RoundCause.RESTART,
         reason=f"restart {r.restarts + 1}/{p.max_restarts} after {_failure_text(f)}",
     )
+
+
+#: How long a restart that restores from memory waits for every member's last word.
+SETTLE_S = 5.0
 
 
 def _unheard_since(r: RdzvState, ts: float, liveness: Mapping[str, ev.Heartbeat]) -> list[str]:
