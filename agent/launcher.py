@@ -109,6 +109,7 @@ _AT_LEAST = (
     ("keep_checkpoints", 1),
     ("shutdown_timeout", 0),
     ("monitor_interval", 0),
+    ("max_worker_restarts", 0),
 )
 
 
@@ -239,6 +240,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         logs_specs=logs_specs,
         state_dir=embedded.job_dir(job) / "agents" / node,
         max_restarts=launch.max_restarts,
+        max_task_restarts=args.max_worker_restarts,
         role=launch.role,
         heartbeat_s=args.heartbeat_interval,
         hang_timeout_s=args.hang_timeout or 0.0,

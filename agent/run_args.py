@@ -269,6 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="W",
         help="with --standalone: W workers, so 1 + P + W processes (sets --nproc-per-node)",
     )
+    t.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=10,
+        metavar="N",
+        help="a worker that dies is restarted in place (the coordinator retries its work "
+        "elsewhere meanwhile) up to N times per worker and round before the round fails "
+        "(default 10; independent of --max-restarts, which counts rounds)",
+    )
     a = p.add_argument_group("auto-scaling (a managed job: see docs/scaling.md)")
     a.add_argument(
         "--auto-scale",

@@ -21,7 +21,7 @@ def tf_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
         [cfg.entrypoint, *cfg.args],
         cfg.log_dir or cfg.state_dir / "logs" / incarnation,
         cfg.state_dir / "progress" / incarnation,
-        max_restarts=cfg.max_restarts,
+        max_restarts=cfg.max_task_restarts,
         stop_timeout_s=cfg.stop_timeout_s,
     )
 

@@ -232,7 +232,7 @@ class TfRuntime(WorkerRuntime):
             diagnosis = Diagnosis(
                 found.kind,
                 f"{_title(task)} failed {task.restarts + 1} times in round {self._round} "
-                f"(--max-restarts {self.max_restarts}): {found.reason}",
+                f"(--max-worker-restarts {self.max_restarts}): {found.reason}",
             )
         failure = RootFailure(task.local_rank, task.proc.pid, code, diagnosis, tail)
         # The round is over and every checkpoint is durable already: nothing to wait for.

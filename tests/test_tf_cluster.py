@@ -115,3 +115,27 @@ def test_status_shows_the_roles_and_the_tasks_restarted_in_place() -> None:
     ) in text
     assert "restarted in place: 1 worker" in text
     assert "round 1, worker 1 on n2: killed by SIGKILL" in text
+
+
+def test_a_workers_death_is_absorbed_under_the_default_restart_budget(tmp_path: object) -> None:
+    """TensorFlow's coordinator retries a dead worker's closures elsewhere, so restarting
+    the worker in place must not need --max-restarts (default 0, as torchrun's): the
+    docs' commands would otherwise fail at the first worker killed."""
+    from pathlib import Path
+
+    from rove.agent.launcher import agent_config
+    from rove.agent.run_args import build_parser
+    from rove.agent.runtimes import tf_runtime
+
+    script = str(Path(__file__).parent.parent / "examples" / "tf_ps.py")
+    args = build_parser().parse_args(
+        ["--standalone", "--tf-ps", "--num-ps", "1", "--num-workers", "2", script]
+    )
+    cfg, _ = agent_config(args)
+    assert cfg.max_restarts == 0, "rounds: torchrun's default"
+    assert cfg.max_task_restarts == 10
+    assert tf_runtime(cfg, "i1").max_restarts == 10  # type: ignore[attr-defined]
+    capped = build_parser().parse_args(
+        ["--standalone", "--tf-ps", "--max-worker-restarts", "2", "--num-workers", "2", script]
+    )
+    assert agent_config(capped)[0].max_task_restarts == 2
