@@ -158,6 +158,7 @@ def train(args: argparse.Namespace) -> None:
         )
     loss_fn = nn.BCEWithLogitsLoss()
     recent: collections.deque[float] = collections.deque(maxlen=200)  # hits before training
+    losses: collections.deque[float] = collections.deque(maxlen=50)  # of steps with records
     loader = data.loader(batch_size=args.batch_size, num_workers=args.loader_workers)
     for batch in loader:
         step += 1
@@ -167,6 +168,8 @@ def train(args: argparse.Namespace) -> None:
         loss = loss_fn(out, y) if len(x) else out.sum() * 0.0
         loss.backward()
         opt.step()
+        if len(x):
+            losses.append(loss.item())  # (an idle step, no record arrived, has no loss)
         recent.extend(((out.detach() > 0).float() == y).float().flatten().tolist())
         count = torch.tensor([len(x)])
         if world > 1:
@@ -181,8 +184,9 @@ def train(args: argparse.Namespace) -> None:
             flash.save(step, {**state, "data": data.state_dict()})
         if rank == 0 and step % 50 == 0 and recent:
             fresh = time.time() - data.newest_ts if data.newest_ts else float("nan")
+            mean = f"{sum(losses) / len(losses):.3f}" if losses else "-"
             print(
-                f"step {step}  loss {loss.item():.3f}  accuracy {sum(recent) / len(recent):.2f} "
+                f"step {step}  loss {mean}  accuracy {sum(recent) / len(recent):.2f} "
                 f"(last {len(recent)})  {trained} records  freshness {fresh:.1f}s",
                 flush=True,
             )
