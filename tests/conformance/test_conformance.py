@@ -151,3 +151,35 @@ def test_a_ddp_tutorial_with_snapshots_trains_the_same(tmp_path: Path) -> None:
     }
     assert "[0] resuming from snapshot at epoch 2" in resumed["torchrun"], resumed
     assert len(resumed["torchrun"]) == 4 and resumed["rove"] == resumed["torchrun"]
+
+
+def _lines(output: str, pattern: str) -> list[str]:
+    return sorted(line for line in output.splitlines() if re.match(pattern, line))
+
+
+def test_a_mingpt_like_trainer_with_a_tqdm_bar_trains_the_same(tmp_path: Path) -> None:
+    """Every rank's mean loss per epoch is the same to the last digit under each
+    launcher, and rank 0's tqdm bar reaches stderr as it would a terminal (each state
+    it drew, the last at 100%)."""
+    runs = {launcher: launch(launcher, tmp_path, "mingpt.py", "2") for launcher in LAUNCHERS}
+    losses = {name: _lines(out.stdout, r"\[\d\] epoch \d+ loss") for name, out in runs.items()}
+    assert len(losses["torchrun"]) == 4, runs["torchrun"].stdout
+    for launcher, got in losses.items():
+        assert got == losses["torchrun"], launcher
+        bar = runs[launcher].stderr
+        states = re.findall(r"epoch 1: +(\d+)%\|", bar)  # (\r reads as a line end here)
+        assert len(states) > 2 and states[-1] == "100", bar[-2000:]
+
+
+def test_the_hugging_face_trainer_trains_the_same(tmp_path: Path) -> None:
+    """The Trainer sets up its own process group from the launcher's environment: the
+    same world, the same loss at every step and the same final weights."""
+    runs = {
+        launcher: launch(launcher, tmp_path, "hf_trainer.py", "6", str(tmp_path / launcher))
+        for launcher in LAUNCHERS
+    }
+    said = {launcher: _lines(out.stdout, r"\[\d\] (step|world)") for launcher, out in runs.items()}
+    assert len(said["torchrun"]) == 14, runs["torchrun"].stdout[-2000:]
+    assert "[0] world 2 checksum" in "\n".join(said["torchrun"])
+    for launcher, got in said.items():
+        assert got == said["torchrun"], launcher
