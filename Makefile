@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # torch first, pinned: 2.13.0 is the CPU build that lies on this machine's disk;
 # any other spec downloads several GB of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: demo demo-control-plane test test-fast lint format bench typecheck-view clean
 

@@ -448,7 +448,10 @@ def _housekeeping(job: str) -> None:
     try:
         removed = jobs.prune(jobs.keep_from_env(), besides=job)
     except OSError as exc:
-        log.warning("could not prune old jobs' folders", error=repr(exc))
+        log.warning(
+            "could not prune old jobs' folders (the job runs; rove jobs --prune tries again)",
+            error=f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc),
+        )
         return
     if removed:
         log.info(
