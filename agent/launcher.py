@@ -400,10 +400,7 @@ async def _say_goodput(bus: Bus, job: str) -> None:
         log.info("could not read the job's events for its goodput", error=repr(exc))
         return
     if not folded.steps_reported:
-        say(
-            "goodput: not known, the workers reported no steps (call "
-            "rove.agent.progress.report(step) in the training loop to see it)"
-        )
+        say(goodput.NOT_KNOWN)
         return
     report = goodput.report(folded, time.time())
     worst = max(report.badput().items(), key=lambda kv: kv[1], default=None)

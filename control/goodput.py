@@ -45,6 +45,13 @@ import msgspec
 
 from rove.control import events as ev
 
+#: Said instead of a ratio where no worker reported a step (`Ledger.steps_reported`):
+#: no second can then be told productive.
+NOT_KNOWN = (
+    "goodput not known: the workers reported no steps (call "
+    "rove.agent.progress.report(step) in the training loop to see it)"
+)
+
 
 class Bucket(enum.StrEnum):
     PRODUCTIVE = "productive"

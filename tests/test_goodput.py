@@ -186,3 +186,17 @@ def test_buckets_always_add_up_to_the_window(rounds: list[Any], a: float, b: flo
     whole = gp.report(ledger, now=t + 1)
     assert whole.total_s == pytest.approx(t + 1)
     assert not math.isnan(whole.goodput)
+
+
+def test_a_job_whose_workers_reported_no_step_has_no_goodput_to_say() -> None:
+    from rove.control.cli import goodput_cmd
+
+    events = [e for e in one_failure() if not isinstance(e, ev.TrainingProgress)]
+    ledger = gp.of_events(events)
+    assert not ledger.steps_reported and gp.of_events(one_failure()).steps_reported
+    r = gp.report(ledger, now=500.0)
+    text = goodput_cmd.render(r, known=ledger.steps_reported)
+    assert gp.NOT_KNOWN in text and "goodput 0.0%" not in text
+    data = goodput_cmd.as_json(r, known=False)
+    assert data["goodput"] is None and data["steps_reported"] is False
+    assert goodput_cmd.as_json(r)["goodput"] == pytest.approx(r.goodput, abs=1e-4)

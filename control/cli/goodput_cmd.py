@@ -52,10 +52,11 @@ def run(args: argparse.Namespace) -> int:
     report = gp.report(ledger, now, since, until)
     if args.svg is not None:
         args.svg.write_text(render_svg(report))
+    known = ledger.steps_reported
     if args.json:
-        sys.stdout.write(json.dumps(as_json(report)) + "\n")
+        sys.stdout.write(json.dumps(as_json(report, known=known)) + "\n")
     else:
-        sys.stdout.write(render(report))
+        sys.stdout.write(render(report, known=known))
         if args.svg is not None:
             sys.stdout.write(f"timeline: {args.svg}\n")
     return common.EXIT_OK
@@ -73,13 +74,15 @@ def _iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="seconds")
 
 
-def as_json(r: gp.Report) -> dict[str, Any]:
+def as_json(r: gp.Report, *, known: bool = True) -> dict[str, Any]:
+    """`known`: whether any worker reported a step; without one, `goodput` is null."""
     return {
         "job": r.job,
         "since": r.start,
         "until": r.end,
         "seconds": round(r.total_s, 3),
-        "goodput": round(r.goodput, 4),
+        "goodput": round(r.goodput, 4) if known else None,
+        "steps_reported": known,
         "buckets": {b.value: round(s, 3) for b, s in r.seconds.items()},
         "rounds": r.rounds,
         "failures": [
@@ -89,7 +92,7 @@ def as_json(r: gp.Report) -> dict[str, Any]:
     }
 
 
-def render(r: gp.Report) -> str:
+def render(r: gp.Report, *, known: bool = True) -> str:
     state = f"ended {r.ended}" if r.ended else "running"
     lines = [
         f"job {r.job} ({state}): {_iso(r.start)} to {_iso(r.end)}, {r.total_s:.1f} s, "
@@ -101,7 +104,7 @@ def render(r: gp.Report) -> str:
     for bucket, secs in sorted(r.seconds.items(), key=lambda kv: -kv[1]):
         if secs or bucket is gp.Bucket.PRODUCTIVE:
             lines.append(f"{bucket.value:<22}{secs:>12.1f}{secs / total:>9.1%}")
-    lines += ["", f"goodput {r.goodput:.1%}"]
+    lines += ["", f"goodput {r.goodput:.1%}" if known else gp.NOT_KNOWN]
     if r.failures:
         lines += ["", "failures:"]
         for f in r.failures:
