@@ -21,10 +21,16 @@ import structlog
 from rove.agent.facts import NodeFacts
 from rove.agent.saver import Saver
 from rove.checkpoint.engine import CheckpointError
+from rove.checkpoint.storage import SlotOverwritten
 from rove.control import events as ev
 from rove.control import metrics
 
 log = structlog.get_logger("rove.agent")
+
+#: Steps overwritten in a row while they were persisted before it is said on the console:
+#: one now and then is the workers saving faster than storage takes it (a newer step is
+#: persisted next); many in a row mean nothing reaches storage.
+OVERWRITTEN_SAY = 5
 
 
 class CheckpointDuty:
@@ -47,6 +53,7 @@ class CheckpointDuty:
         self._group_rank: int | None = None
         self._round = 0
         self._kept = -1  # the step the current round's lineage started from
+        self._overwritten = 0  # persists in a row whose step a newer save overwrote
 
     async def new_round(
         self,
@@ -157,11 +164,23 @@ class CheckpointDuty:
         try:
             done = await asyncio.to_thread(self.saver.persist, step)
         except CheckpointError as exc:
-            self.log.warning(f"could not persist checkpoint step {step}: {exc}")
+            superseded = isinstance(exc, SlotOverwritten)
+            self._overwritten = self._overwritten + 1 if superseded else 0
+            if not superseded:
+                self.log.warning(f"could not persist checkpoint step {step}: {exc}")
+            elif self._overwritten == OVERWRITTEN_SAY:
+                self.log.warning(
+                    f"the last {OVERWRITTEN_SAY} checkpoint steps were overwritten by newer "
+                    "saves while they were persisted: storage is slower than the workers "
+                    "save; save less often (or to faster storage) for steps to reach it"
+                )
+            else:
+                self.log.info(f"checkpoint step {step} not persisted: {exc}; a newer one will be")
             self.facts.emit(
                 ev.CkptFailed(**self.facts.envelope(), step=step, error=str(exc)[: ev.REASON_CHARS])
             )
             return
+        self._overwritten = 0
         metrics.CKPT_PERSIST.labels(self.facts.job).observe(time.monotonic() - began)
         self.facts.emit(
             ev.CkptPersisted(

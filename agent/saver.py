@@ -15,8 +15,8 @@ from pathlib import Path
 
 import structlog
 
-from rove.checkpoint.engine import CheckpointError, FlashEngine, default_dir, namespace
-from rove.checkpoint.storage import FileStorage
+from rove.checkpoint.engine import FlashEngine, default_dir, namespace
+from rove.checkpoint.storage import FileStorage, SlotOverwritten
 
 log = structlog.get_logger("rove.saver")
 
@@ -108,7 +108,10 @@ class Saver:
         for rank, engine in sorted(self.engines.items()):
             slot = next((s.slot for s in engine.slots() if s.step == step), None)
             if slot is None:
-                raise CheckpointError(f"step {step} of rank {rank} is no longer in memory")
+                raise SlotOverwritten(
+                    f"step {step} of rank {rank} is no longer in memory (a newer save took "
+                    "its slot)"
+                )
             self.storage.persist(engine, slot, rank)
         self.persisted_step = max(self.persisted_step, step)
         return Persisted(step, tuple(sorted(self.engines)), str(self.storage.root))

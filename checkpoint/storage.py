@@ -36,6 +36,11 @@ class StorageError(CheckpointError):
     """Persisting failed (disk full, unwritable path); the message says what to do."""
 
 
+class SlotOverwritten(CheckpointError):
+    """The workers saved a newer step into the slot while it was being persisted (they
+    save faster than storage takes it): that step is not persisted, a newer one will be."""
+
+
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     rank: int
@@ -130,7 +135,7 @@ class FileStorage(Storage):
             ) from exc
         after = seg.header()
         if after is None or after.generation != h.generation:
-            raise CheckpointError(f"slot {slot} was overwritten while it was persisted")
+            raise SlotOverwritten(f"slot {slot} was overwritten while it was persisted")
         return manifest
 
     def persisted_ranks(self, step: int) -> set[int]:

@@ -63,3 +63,52 @@ def test_a_round_restored_to_a_step_drops_every_newer_step_of_every_rank(
     assert storage.steps() == [93]
     assert (saver.reported_step, saver.persisted_step) == (93, 93), "94 will be new again"
     assert saver.cut(None) == ([93], [93]), "a fresh start keeps nothing"
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def put(self, event: object) -> None:
+        self.events.append(event)
+
+
+class _Saver:
+    """Persists nothing: each call raises the next error given."""
+
+    def __init__(self, errors: list[Exception]) -> None:
+        self.errors = errors
+        self.storage = object()
+
+    def persist(self, step: int) -> None:
+        raise self.errors.pop(0)
+
+
+async def test_a_step_a_newer_save_overwrote_is_quiet_until_it_keeps_happening() -> None:
+    """The workers saving faster than storage takes it loses a step now and then (a
+    newer one is persisted next): the job's log says so; the console (a warning) only
+    once OVERWRITTEN_SAY in a row went, or for any other reason a persist failed."""
+    from structlog.testing import capture_logs
+
+    from rove.agent import ckpt_duty
+    from rove.agent.facts import NodeFacts
+    from rove.checkpoint.engine import CheckpointError
+    from rove.checkpoint.storage import SlotOverwritten
+    from rove.control import events as ev
+
+    outbox = _Outbox()
+    duty = ckpt_duty.CheckpointDuty(NodeFacts(outbox, job="j", node="n"), None)  # type: ignore[arg-type]
+    n = ckpt_duty.OVERWRITTEN_SAY
+    duty.saver = _Saver(  # type: ignore[assignment]
+        [SlotOverwritten("slot 1 was overwritten while it was persisted")] * n
+        + [CheckpointError("bad header")]
+    )
+    with capture_logs() as logs:
+        for step in range(n + 1):
+            await duty._persist(step)
+    warned = [entry["event"] for entry in logs if entry["log_level"] == "warning"]
+    assert len(warned) == 2, logs
+    assert warned[0].startswith(f"the last {n} checkpoint steps were overwritten"), warned
+    assert "storage is slower than the workers save" in warned[0]
+    assert warned[1] == f"could not persist checkpoint step {n}: bad header"
+    assert [type(e) for e in outbox.events] == [ev.CkptFailed] * (n + 1)
