@@ -13,7 +13,10 @@ Two servers, so that neither the first line nor a restart waits:
   takes CPU that training and the launcher leave (a short job beside a busy core paid
   1.5 s for it at normal priority); the thread that forks keeps the server's nice 0,
   and so do its workers. Every round formed once it is ready is forked from it, and
-  the quick one is then stopped.
+  the quick one is then stopped. Where training keeps every core busy (CPU training)
+  a nice-19 thread may never get to run: a full server not ready `NICE_FOR_S` after it
+  started is replaced by one that imports at normal priority (`escalate`), so no job
+  recovers from the quick server for its whole life.
 
 Where `rove run` did not start a quick server (a managed node, a test), the agent
 starts the full one as its first round forms, as before.
@@ -66,6 +69,9 @@ READY_ENV = "ROVE_WARM_READY_FILE"
 IMPORTS_ENV = "ROVE_WARM_IMPORTS"
 NICE_ENV = "ROVE_WARM_NICE"
 BACKGROUND_NICE = 19
+#: How long the full server may import at BACKGROUND_NICE before one at normal priority
+#: replaces it (longer than a short job's life after its agent started, here 5-9 s).
+NICE_FOR_S = 15.0
 MAIN_NAME_ENV = "ROVE_WARM_MAIN_NAME"
 MAIN_PATH_ENV = "ROVE_WARM_MAIN_PATH"
 
@@ -92,6 +98,7 @@ class _Server:
     def __init__(self, preload: Sequence[str], kind: str, *, nice: int = 0) -> None:
         """`nice`: above 0, the server imports `preload` in a thread at that nice."""
         self.kind = kind
+        self.nice = nice
         self.preload = tuple(preload)
         self._dir = Path(tempfile.mkdtemp(prefix=f"rove-warm-{kind}-"))
         self.ready_file = self._dir / "ready"
@@ -175,6 +182,28 @@ def start(extra: Sequence[str] = ()) -> None:
         _servers.install(_Server(full, "full"))
     elif _servers.serving.kind == "quick" and _servers.coming is None:
         _servers.coming = _Server(full, "full", nice=BACKGROUND_NICE)
+        import asyncio  # (not at the top: `rove run` imports this module first thing)
+
+        with contextlib.suppress(RuntimeError):  # (no event loop: nobody to escalate)
+            asyncio.get_running_loop().call_later(NICE_FOR_S, escalate)
+
+
+def escalate() -> bool:
+    """The full server is still importing at a low priority (the cores are busy): start
+    one at normal priority in its place, so that restarts are fast from now on (its
+    imports cost a few seconds of CPU once). True when it did."""
+    coming = _servers.coming
+    if coming is None or coming.nice == 0 or coming.ready():
+        return False
+    _servers.coming = _Server(coming.preload, "full")
+    coming.kill()
+    import structlog
+
+    structlog.get_logger(__name__).info(
+        f"the warm server for restarts was not ready after {NICE_FOR_S:.0f}s at a low "
+        "priority (the cores are busy); one imports at normal priority in its place"
+    )
+    return True
 
 
 def promote() -> None:

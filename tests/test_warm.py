@@ -249,3 +249,42 @@ def test_torchruns_one_node_command_lines_run_on_the_embedded_default(
     assert out.returncode == 0, log[-3000:]
     assert "running as --standalone" in log
     assert sorted(_reports(tmp_path)) == ["0", "1"]
+
+
+async def test_a_full_server_starved_at_a_low_priority_is_replaced_at_normal_priority(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where training keeps every core busy a nice-19 import may never finish: after
+    NICE_FOR_S the full server is replaced by one that imports at normal priority.
+    (Servers of stdlib modules here, and one preload that takes a minute to import.)"""
+    import multiprocessing.forkserver as mpfs
+
+    from rove.agent import forkservers
+    from tests.support import eventually, pid_alive
+
+    for name in ("_forkserver", "ensure_running", "get_inherited_fds", "connect_to_new_process"):
+        monkeypatch.setattr(mpfs, name, getattr(mpfs, name))  # (put back afterwards)
+    monkeypatch.setattr(mpfs, "set_forkserver_preload", mpfs.set_forkserver_preload)
+    # (a forkserver of Python 3.11 does not take its parent's sys.path: PYTHONPATH)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "scripts"))
+    monkeypatch.setattr(forkservers, "QUICK", ("json",))
+    monkeypatch.setattr(forkservers, "FULL", ("json",))
+    monkeypatch.setattr(forkservers, "NICE_FOR_S", 0.5)
+    assert forkservers.early_start(["train.py"])
+    try:
+        forkservers.start(["slow_import"])
+        niced = forkservers._servers.coming
+        assert niced is not None and niced.nice == forkservers.BACKGROUND_NICE
+        pid = niced.pid
+        assert pid is not None
+        await eventually(lambda: forkservers._servers.coming is not niced, timeout=30)
+        now = forkservers._servers.coming
+        assert now is not None and now.nice == 0 and now.preload == niced.preload
+        assert not pid_alive(pid), "the starved server is gone"
+        assert forkservers.escalate() is False, "once"
+    finally:
+        forkservers.stop()
+        serving = forkservers._servers.serving
+        if serving is not None:
+            serving.kill()
+        forkservers._servers.serving = None
