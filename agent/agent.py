@@ -48,7 +48,7 @@ from rove.agent.reports import ProgressReports
 from rove.agent.resumption import Resumption
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
-from rove.agent.worker_env import member_of, worker_envs
+from rove.agent.worker_env import member_of, rove_env, worker_envs
 from rove.control import aio, records, retry, subjects, tf_cluster
 from rove.control import events as ev
 from rove.control.bus import Bus
@@ -378,7 +378,12 @@ class Agent:
             job=self.cfg.job,
             max_restarts=self.cfg.max_restarts,
             role=self.cfg.role,
-            extra=self._restore_env(r),
+            extra=rove_env(
+                r,
+                self.cfg,
+                self.job_run,
+                options_env(self.bus.options, self.bus.url, self.cfg.state_dir / "secrets"),
+            ),
         )
         ranks = tuple(range(member.first_rank, member.first_rank + member.nproc))
         await self.checkpoints.new_round(
@@ -448,22 +453,6 @@ class Agent:
     def _task_restarted(self, t: TaskRestart) -> None:
         """A task was started again in place (the runtime's own recovery): say so."""
         self.endings.task_restarted(self.status.round, self._first_rank() + t.local_rank, t)
-
-    def _restore_env(self, r: ev.RoundCompleted) -> dict[str, str]:
-        env = {
-            "ROVE_RESTORE_STEP": "" if r.restore_step is None else str(r.restore_step),
-            "ROVE_RESTORE_SOURCE": r.restore_source.value,
-            # for the data clients in the workers (rove.shard_service): URL and credentials
-            **options_env(self.bus.options, self.bus.url, self.cfg.state_dir / "secrets"),
-            "ROVE_NODE": self.cfg.node,
-            "ROVE_JOB_RUN": self.job_run,
-        }
-        if self.cfg.checkpoint_dir is not None:
-            env["ROVE_CKPT_DIR"] = str(self.cfg.checkpoint_dir)
-        if self.cfg.worker_auth is not None:
-            env["ROVE_NATS_AUTH"] = str(self.cfg.worker_auth)
-        env.update(self.cfg.worker_env)
-        return env
 
     def _first_rank(self) -> int:
         r = self._round_event

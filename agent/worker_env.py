@@ -4,9 +4,13 @@ a TensorFlow round also its task's TF_CONFIG."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from rove.control import tf_cluster
 from rove.control.events import RoundCompleted, RoundMember
+
+if TYPE_CHECKING:
+    from rove.agent.config import AgentConfig
 
 
 def member_of(
@@ -72,3 +76,24 @@ def tf_env(round_: RoundCompleted, rank: int) -> dict[str, str]:
         "ROVE_TF_INDEX": str(task.index),
         "GRPC_FAIL_FAST": "use_caller",
     }
+
+
+def rove_env(
+    r: RoundCompleted, cfg: AgentConfig, job_run: str, bus_env: dict[str, str]
+) -> dict[str, str]:
+    """What rove adds to every worker's environment in round `r`: where to restore
+    from, the checkpoint folder, the node and the run, and (`bus_env`) how the data
+    clients in the workers reach NATS; then the user's `cfg.worker_env`."""
+    env = {
+        "ROVE_RESTORE_STEP": "" if r.restore_step is None else str(r.restore_step),
+        "ROVE_RESTORE_SOURCE": r.restore_source.value,
+        **bus_env,
+        "ROVE_NODE": cfg.node,
+        "ROVE_JOB_RUN": job_run,
+    }
+    if cfg.checkpoint_dir is not None:
+        env["ROVE_CKPT_DIR"] = str(cfg.checkpoint_dir)
+    if cfg.worker_auth is not None:
+        env["ROVE_NATS_AUTH"] = str(cfg.worker_auth)
+    env.update(cfg.worker_env)
+    return env

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
-import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -42,7 +41,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import auth, bus_options, catchup, metrics, records, retry, stored, subjects
+from rove.control import bus_options, catchup, connection, metrics, records, retry, stored, subjects
 from rove.control import events as ev
 from rove.control.bus_options import BusOptions as BusOptions  # (Bus.connect takes them)
 from rove.control.embedded import EmbeddedServer
@@ -50,7 +49,6 @@ from rove.control.errors import (
     BusUnavailableError,
     ConfigError,
     FencedError,
-    NotAuthorizedError,
     PermissionDeniedError,
     RoveError,
 )
@@ -63,10 +61,6 @@ EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject
 WRONG_LAST_SEQUENCE = 10071
 #: Heartbeats older than this are dropped (a node's newest is all that matters).
 HEARTBEAT_MAX_AGE_S = 86400.0
-
-
-#: The server's answer to a publish the connection's permissions do not allow.
-_DENIED = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
 
 
 class Busy(Exception):
@@ -144,12 +138,12 @@ class Bus:
         if options.reconnect_forever:
             # a daemon started while NATS is down, or JetStream has no quorum, waits
             nc = await retry.wait_out(
-                lambda: cls._connect_client(servers, options),
+                lambda: connection.open_client(servers, options),
                 what=f"connecting to NATS at {', '.join(servers)} (is the URL right?)",
             )
         else:
             try:
-                nc = await cls._connect_client(servers, options)
+                nc = await connection.open_client(servers, options)
             except BaseException:
                 if server is not None:
                     await asyncio.to_thread(server.stop)
@@ -167,102 +161,10 @@ class Bus:
                 raise
         return bus
 
-    @staticmethod
-    async def _connect_client(servers: list[str], o: BusOptions) -> NatsClient:
-        state: dict[str, Any] = {"connected": False, "closing": False, "denied": set()}
-
-        async def on_error(exc: Exception) -> None:
-            if "authorization violation" in str(exc).lower():
-                state["refused"] = True
-            denied = _DENIED.search(str(exc))
-            if denied:  # a permanent answer: `publish_raw` raises it instead of retrying
-                state["denied"].add(denied.group(1).lower())
-                log.warning("the server denied a publish to this role", subject=denied.group(1))
-                return
-            if state["connected"] and not state["closing"]:
-                log.warning("NATS client error", error=repr(exc))
-            else:
-                log.debug("NATS client error", error=repr(exc))
-
-        async def on_disconnected() -> None:
-            if state["connected"] and not state["closing"]:
-                log.warning("disconnected from NATS; reconnecting", servers=servers)
-
-        async def on_reconnected() -> None:
-            log.info(
-                "reconnected to NATS", server=str(nc.connected_url and nc.connected_url.netloc)
-            )
-
-        kwargs: dict[str, Any] = {
-            "servers": servers,
-            "name": o.name,
-            "connect_timeout": o.connect_timeout_s,
-            "allow_reconnect": True,
-            # Daemons ride out any outage; one-shot commands fail fast and say why.
-            "max_reconnect_attempts": -1 if o.reconnect_forever else 3,
-            "reconnect_time_wait": 0.5,
-            "error_cb": on_error,
-            "disconnected_cb": on_disconnected,
-            "reconnected_cb": on_reconnected,
-            "tls": bus_options.tls_context(o),
-            "tls_handshake_first": o.tls_handshake_first,
-        }
-        if o.user:
-            kwargs["user"], kwargs["password"] = o.user, o.password
-        if o.token:
-            kwargs["token"] = o.token
-        if o.creds_file:
-            kwargs["user_credentials"] = o.creds_file
-        if o.nkey_seed_file:
-            kwargs["nkeys_seed"] = o.nkey_seed_file
-        if o.inbox_prefix:
-            kwargs["inbox_prefix"] = o.inbox_prefix
-        if o.auth_file:
-            try:
-                creds = auth.read(o.auth_file)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from exc
-            if creds.seed:  # (none: the client is its TLS certificate)
-                kwargs["nkeys_seed_str"] = creds.seed
-            kwargs["inbox_prefix"] = creds.inbox_prefix
-        nc = RoveNatsClient()
-        nc._rove_state = state  # type: ignore[attr-defined]  # read by _quiet_close
-        try:
-            # The first connection gets one pass over the servers: an
-            # unreachable URL is a user error to report, not to wait out.
-            await asyncio.wait_for(
-                nc.connect(**{**kwargs, "max_reconnect_attempts": 1}),
-                timeout=o.connect_timeout_s * max(2, len(servers)) + 1,
-            )
-        except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
-            state["closing"] = True
-            await _quiet_close(nc)
-            if state.get("refused"):
-                raise NotAuthorizedError(
-                    f"the NATS server at {', '.join(servers)} refused these credentials "
-                    "(authorization violation): give the role's credentials with --nats-auth "
-                    "(or --nats-user/--nats-password, --nats-creds, --nats-nkey); a standalone "
-                    "job's are under its job directory (docs/operations.md)"
-                ) from exc
-            raise BusUnavailableError(
-                f"cannot connect to NATS at {', '.join(servers)}: {exc or type(exc).__name__}; "
-                "check that the server runs and that --nats / ROVE_NATS_URL points at it"
-            ) from exc
-        except nats.errors.Error as exc:
-            state["closing"] = True
-            await _quiet_close(nc)
-            raise BusUnavailableError(
-                f"NATS at {', '.join(servers)} refused the connection: {exc}; "
-                "check credentials (--nats-user/--nats-creds) and TLS settings"
-            ) from exc
-        nc.options["max_reconnect_attempts"] = kwargs["max_reconnect_attempts"]
-        state["connected"] = True
-        return nc
-
     async def close(self) -> None:
         for task in list(self._watchdogs):
             task.cancel()
-        await _quiet_close(self.nc)
+        await connection.quiet_close(self.nc)
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
         _discard_scratch(self.options)
@@ -426,7 +328,7 @@ class Bus:
                 )
             except TimeoutError:
                 # (nats-py lowercases the server's message, subject included)
-                if subject.lower() in getattr(self.nc, "_rove_state", {}).get("denied", ()):
+                if connection.denied(self.nc, subject):
                     raise PermissionDeniedError(
                         f"the server refused a publish to {subject}: these credentials' "
                         "role may not write it (roles and their subjects: docs/operations.md)"
@@ -668,17 +570,3 @@ def _discard_scratch(options: BusOptions) -> None:
     """Delete the scratch copy of an ended job's store that `options` read from."""
     if options.stored_job is not None and options.embedded_dir is not None:
         stored.discard(options.embedded_dir)
-
-
-async def _quiet_close(nc: NatsClient) -> None:
-    state = getattr(nc, "_rove_state", None)
-    if state is not None:
-        state["closing"] = True
-    if nc.is_closed:
-        return
-    try:
-        await nc.close()
-    except (nats.errors.Error, OSError, asyncio.CancelledError):
-        pass
-    except RuntimeError:
-        pass  # uvloop: the transport was already closed under nats-py (the server is gone)

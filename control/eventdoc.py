@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import re
 import sys
 import typing
 
@@ -79,8 +80,8 @@ def _subject(cls: type[ev.Event]) -> str:
 def _type_name(tp: object) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp.__name__
-    text = str(tp).replace("typing.", "").replace("rove.control.events.", "")
-    text = text.replace("rove.control.scale_events.", "")
+    text = str(tp).replace("typing.", "")
+    text = re.sub(r"rove\.control\.\w+\.", "", text)  # (the catalogue's own modules)
     text = text.replace("<class '", "").replace("'>", "")
     return text
 

@@ -1,6 +1,6 @@
-"""The house's rules that import-linter's contracts do not state: no two modules of rove
-import each other, directly or through others (imports under `TYPE_CHECKING` aside;
-imports inside functions count, as they run too)."""
+"""The house's rules that import-linter's contracts do not state: no module of rove is
+over 600 lines, and no two import each other, directly or through others (imports
+under `TYPE_CHECKING` aside; imports inside functions count, as they run too)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,17 @@ def test_no_module_of_rove_imports_itself_through_others() -> None:
     count, *cycles = out.stdout.splitlines()
     assert int(count) > 100, "the graph holds rove's modules"
     assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+#: The most lines one module of rove may have (one concept per module).
+MAX_LINES = 600
+
+
+def test_no_module_is_over_600_lines() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for part in ("control", "agent", "shard_service", "checkpoint")
+        for path in (ROOT / part).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"over {MAX_LINES} lines: split by concept"

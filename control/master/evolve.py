@@ -17,7 +17,7 @@ from msgspec.structs import replace
 from rove.control import events as ev
 from rove.control.master import checkpoints as ckpt
 from rove.control.master import data, scaling
-from rove.control.master import rendezvous as rdzv
+from rove.control.master import rdzv_state as rdzv
 from rove.control.master.state import (
     RECENT_REJECTIONS,
     Counters,

@@ -36,7 +36,7 @@ from msgspec.structs import replace
 
 from rove.control import events as ev
 from rove.control.master.netcheck import Wait
-from rove.control.master.rendezvous import RdzvState
+from rove.control.master.rdzv_state import RdzvState
 from rove.control.master.scaling import ScaleState, Slot, SlotPhase
 
 GIB = ev.GIB

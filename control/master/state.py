@@ -20,7 +20,7 @@ import msgspec
 from rove.control.events import EventRejected, JobPhase, JobSpec
 from rove.control.master.checkpoints import CkptState
 from rove.control.master.data import DataState
-from rove.control.master.rendezvous import RdzvState
+from rove.control.master.rdzv_state import RdzvState
 from rove.control.master.scaling import ScaleState
 
 #: How many dead letters the state keeps for `rove status` (the count is unbounded).

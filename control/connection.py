@@ -1,0 +1,138 @@
+"""How rove opens a connection to NATS: `BusOptions` made into nats-py's arguments
+(servers, credentials, TLS, reconnects), the client's callbacks (what a disconnect, a
+reconnect or a refused publish says), and a failed first connection made into rove's
+own errors with what to do. `rove.control.bus` builds on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import nats
+import nats.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+
+from rove.control import auth, bus_options
+from rove.control.bus_options import BusOptions
+from rove.control.errors import BusUnavailableError, ConfigError, NotAuthorizedError
+from rove.control.natsclient import RoveNatsClient
+
+log = structlog.get_logger("rove.bus")
+
+#: The server's answer to a publish the connection's permissions do not allow.
+_DENIED = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
+
+
+async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
+    state: dict[str, Any] = {"connected": False, "closing": False, "denied": set()}
+
+    async def on_error(exc: Exception) -> None:
+        if "authorization violation" in str(exc).lower():
+            state["refused"] = True
+        denied = _DENIED.search(str(exc))
+        if denied:  # a permanent answer: `publish_raw` raises it instead of retrying
+            state["denied"].add(denied.group(1).lower())
+            log.warning("the server denied a publish to this role", subject=denied.group(1))
+            return
+        if state["connected"] and not state["closing"]:
+            log.warning("NATS client error", error=repr(exc))
+        else:
+            log.debug("NATS client error", error=repr(exc))
+
+    async def on_disconnected() -> None:
+        if state["connected"] and not state["closing"]:
+            log.warning("disconnected from NATS; reconnecting", servers=servers)
+
+    async def on_reconnected() -> None:
+        log.info("reconnected to NATS", server=str(nc.connected_url and nc.connected_url.netloc))
+
+    kwargs: dict[str, Any] = {
+        "servers": servers,
+        "name": o.name,
+        "connect_timeout": o.connect_timeout_s,
+        "allow_reconnect": True,
+        # Daemons ride out any outage; one-shot commands fail fast and say why.
+        "max_reconnect_attempts": -1 if o.reconnect_forever else 3,
+        "reconnect_time_wait": 0.5,
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnected,
+        "reconnected_cb": on_reconnected,
+        "tls": bus_options.tls_context(o),
+        "tls_handshake_first": o.tls_handshake_first,
+    }
+    if o.user:
+        kwargs["user"], kwargs["password"] = o.user, o.password
+    if o.token:
+        kwargs["token"] = o.token
+    if o.creds_file:
+        kwargs["user_credentials"] = o.creds_file
+    if o.nkey_seed_file:
+        kwargs["nkeys_seed"] = o.nkey_seed_file
+    if o.inbox_prefix:
+        kwargs["inbox_prefix"] = o.inbox_prefix
+    if o.auth_file:
+        try:
+            creds = auth.read(o.auth_file)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        if creds.seed:  # (none: the client is its TLS certificate)
+            kwargs["nkeys_seed_str"] = creds.seed
+        kwargs["inbox_prefix"] = creds.inbox_prefix
+    nc = RoveNatsClient()
+    nc._rove_state = state  # type: ignore[attr-defined]  # read by quiet_close, denied
+    try:
+        # The first connection gets one pass over the servers: an
+        # unreachable URL is a user error to report, not to wait out.
+        await asyncio.wait_for(
+            nc.connect(**{**kwargs, "max_reconnect_attempts": 1}),
+            timeout=o.connect_timeout_s * max(2, len(servers)) + 1,
+        )
+    except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
+        state["closing"] = True
+        await quiet_close(nc)
+        if state.get("refused"):
+            raise NotAuthorizedError(
+                f"the NATS server at {', '.join(servers)} refused these credentials "
+                "(authorization violation): give the role's credentials with --nats-auth "
+                "(or --nats-user/--nats-password, --nats-creds, --nats-nkey); a standalone "
+                "job's are under its job directory (docs/operations.md)"
+            ) from exc
+        raise BusUnavailableError(
+            f"cannot connect to NATS at {', '.join(servers)}: {exc or type(exc).__name__}; "
+            "check that the server runs and that --nats / ROVE_NATS_URL points at it"
+        ) from exc
+    except nats.errors.Error as exc:
+        state["closing"] = True
+        await quiet_close(nc)
+        raise BusUnavailableError(
+            f"NATS at {', '.join(servers)} refused the connection: {exc}; "
+            "check credentials (--nats-user/--nats-creds) and TLS settings"
+        ) from exc
+    nc.options["max_reconnect_attempts"] = kwargs["max_reconnect_attempts"]
+    state["connected"] = True
+    return nc
+
+
+def denied(nc: NatsClient, subject: str) -> bool:
+    """Whether the server has denied this connection's publishes to `subject` (a
+    permanent answer: the publish is not retried)."""
+    state = getattr(nc, "_rove_state", {})
+    return subject.lower() in state.get("denied", ())
+
+
+async def quiet_close(nc: NatsClient) -> None:
+    """Close `nc`, saying nothing of the errors a closing connection raises."""
+    state = getattr(nc, "_rove_state", None)
+    if state is not None:
+        state["closing"] = True
+    if nc.is_closed:
+        return
+    try:
+        await nc.close()
+    except (nats.errors.Error, OSError, asyncio.CancelledError):
+        pass
+    except RuntimeError:
+        pass  # uvloop: the transport was already closed under nats-py (the server is gone)

@@ -1,0 +1,205 @@
+"""The rendezvous part of the job state and how facts fold into it (pure: no clock,
+no I/O): who waits to join, the running round and its members, the failure that broke
+it, restarts, excluded nodes, the network check's progress, TensorFlow tasks
+restarted in place. What the master decides from it is `rove.control.master.rendezvous`.
+"""
+
+from __future__ import annotations
+
+import immutables
+import msgspec
+from msgspec.structs import replace
+
+from rove.control import events as ev
+from rove.control.master import netcheck
+from rove.control.master.netcheck import CheckState
+
+
+class Waiter(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    incarnation: str
+    addr: str
+    nproc: int
+    ports: tuple[int, ...]
+    since: float
+
+
+class Failure(msgspec.Struct, frozen=True, kw_only=True):
+    round: int
+    ts: float = 0.0
+    node: str
+    incarnation: str
+    rank: int
+    kind: ev.FailureKind
+    reason: str
+
+    @property
+    def signature(self) -> str:
+        return f"{self.kind}:{self.reason}"
+
+
+class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
+    """The rendezvous part of the job state.
+
+    `active`: the current round's workers are supposed to be running. A round
+    whose membership changed (a member lost, left, excluded or restarted) is
+    *broken*: `active` is false and `broken_since` says since when.
+    """
+
+    params: ev.RdzvParams | None = None
+    round: int = 0
+    members: tuple[ev.RoundMember, ...] = ()
+    active: bool = False
+    waiting: immutables.Map[str, Waiter] = msgspec.field(default_factory=immutables.Map)
+    restarts: int = 0
+    failure: Failure | None = None
+    last_failure: Failure | None = None
+    succeeded: frozenset[str] = frozenset()
+    #: members that reported a failure of their workers in this round
+    failed_nodes: frozenset[str] = frozenset()
+    #: what the round's nodes said as their workers finished (a worker ended stuck)
+    notes: tuple[str, ...] = ()
+    broken_since: float | None = None
+    excluded: immutables.Map[str, str] = msgspec.field(default_factory=immutables.Map)
+    master_port: int = 0
+    ports: immutables.Map[str, tuple[int, ...]] = msgspec.field(default_factory=immutables.Map)
+    check: CheckState = msgspec.field(default_factory=CheckState)
+    #: a TensorFlow round's tasks (roles and addresses, by rank)
+    tasks: tuple[ev.TfTask, ...] = ()
+    #: TensorFlow tasks restarted in place: how many per role (all rounds), the newest
+    task_restarts: immutables.Map[str, int] = msgspec.field(default_factory=immutables.Map)
+    recent_restarts: tuple[ev.TaskRestarted, ...] = ()
+
+    def member(self, node: str) -> ev.RoundMember | None:
+        for m in self.members:
+            if m.node == node:
+                return m
+        return None
+
+
+def _break(r: RdzvState, node: str, ts: float) -> RdzvState:
+    """`node` left the running round: the round is broken (if it was running)."""
+    waiting = r.waiting.delete(node) if node in r.waiting else r.waiting
+    if r.member(node) is None or not r.active:
+        return replace(r, waiting=waiting)
+    return replace(r, waiting=waiting, active=False, broken_since=ts, failure=None)
+
+
+def on_node_gone(r: RdzvState, event: ev.NodeLeft | ev.NodeLost | ev.NodeGone) -> RdzvState:
+    """A node was lost or left."""
+    return _break(r, event.node, event.ts)
+
+
+def on_node_joined(r: RdzvState, event: ev.NodeJoined) -> RdzvState:
+    m = r.member(event.node)
+    if m is not None and m.incarnation != event.incarnation:
+        return _break(r, event.node, event.ts)  # its agent restarted: its workers are gone
+    return r
+
+
+def on_excluded(r: RdzvState, event: ev.NodeExcluded) -> RdzvState:
+    r = _break(r, event.node, event.ts)
+    return replace(r, excluded=r.excluded.set(event.node, event.reason))
+
+
+def on_rdzv_joined(r: RdzvState, e: ev.RdzvJoined) -> RdzvState:
+    if e.node in r.excluded:
+        return r
+    if r.params is None:
+        r = replace(r, params=e.params)
+    m = r.member(e.node)
+    if r.active and m is not None and m.incarnation == e.incarnation:
+        return r  # already in the running round
+    known = r.waiting.get(e.node)
+    since = known.since if known is not None and known.incarnation == e.incarnation else e.ts
+    waiter = Waiter(
+        node=e.node,
+        incarnation=e.incarnation,
+        addr=e.addr,
+        nproc=e.nproc_per_node,
+        ports=e.ports,
+        since=since,
+    )
+    return replace(r, waiting=r.waiting.set(e.node, waiter), ports=r.ports.set(e.node, e.ports))
+
+
+def _reports_on_current_round(r: RdzvState, e: ev.WorkerExited | ev.WorkersSucceeded) -> bool:
+    """False for a late report from an earlier round, or from a node not in this one."""
+    m = r.member(e.node)
+    return r.active and e.round == r.round and m is not None and m.incarnation == e.incarnation
+
+
+def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
+    if not _reports_on_current_round(r, e):
+        return r
+    if e.node not in r.failed_nodes:
+        r = replace(r, failed_nodes=r.failed_nodes | {e.node})
+    if r.failure is not None:
+        return r  # the first failure of a round decides
+    failure = Failure(
+        round=e.round,
+        ts=e.ts,
+        node=e.node,
+        incarnation=e.incarnation,
+        rank=e.rank,
+        kind=e.kind,
+        reason=e.reason,
+    )
+    return replace(r, failure=failure)
+
+
+def on_workers_succeeded(r: RdzvState, e: ev.WorkersSucceeded) -> RdzvState:
+    if not _reports_on_current_round(r, e):
+        return r
+    notes = (*r.notes, f"on node {e.node}, {e.note}") if e.note else r.notes
+    return replace(r, succeeded=r.succeeded | {e.node}, notes=notes)
+
+
+#: Task restarts kept for `rove status` (their count per role is exact).
+RECENT_TASK_RESTARTS = 10
+
+
+def on_task_restarted(r: RdzvState, e: ev.TaskRestarted) -> RdzvState:
+    return replace(
+        r,
+        task_restarts=r.task_restarts.set(e.role, r.task_restarts.get(e.role, 0) + 1),
+        recent_restarts=(*r.recent_restarts, e)[-RECENT_TASK_RESTARTS:],
+    )
+
+
+def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
+    if e.round <= r.round:
+        return r
+    in_round = {m.node for m in e.members}
+    waiting = r.waiting
+    for node in in_round & set(waiting.keys()):
+        waiting = waiting.delete(node)
+    restarted = e.restart_count > r.restarts
+    return replace(
+        r,
+        round=e.round,
+        members=e.members,
+        active=True,
+        waiting=waiting,
+        restarts=e.restart_count,
+        last_failure=r.failure if restarted else None,
+        failure=None,
+        succeeded=frozenset(),
+        failed_nodes=frozenset(),
+        notes=(),
+        broken_since=None,
+        master_port=e.master_port,
+        tasks=e.tasks,
+    )
+
+
+def on_check_assigned(r: RdzvState, e: ev.NetworkCheckAssigned) -> RdzvState:
+    return replace(r, check=netcheck.on_assigned(r.check, e))
+
+
+def on_check_reported(r: RdzvState, e: ev.NetworkCheckReported) -> RdzvState:
+    return replace(r, check=netcheck.on_reported(r.check, e))
+
+
+def on_check_completed(r: RdzvState, e: ev.NetworkCheckCompleted) -> RdzvState:
+    return replace(r, check=netcheck.on_completed(r.check, e))
