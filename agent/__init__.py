@@ -1,6 +1,9 @@
 """The node agent and the `rove run` launcher (a drop-in for `torchrun`).
 
-Planned here: rendezvous client, worker processes, monitoring and restart,
-failure diagnosis, network check and resource metrics. The agent talks to the
-master only through events on the bus (`rove.control.bus`).
+The agent joins rounds, runs its workers (torch, forked from a warm server or fresh;
+TensorFlow tasks), watches and diagnoses them, persists their flash checkpoints,
+heartbeats, and runs the network check. It talks to the master only through events
+on the bus (`rove.control.bus`). It imports the control plane's catalogue, bus and
+options and `rove.checkpoint`, never the CLI; TensorFlow's runtime and server import
+no torch.
 """
