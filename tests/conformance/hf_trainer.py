@@ -18,8 +18,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 class Losses(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
         if logs and "loss" in logs:
-            rank = os.environ["RANK"]
-            print(f"[{rank}] step {state.global_step} loss {logs['loss']}", flush=True)
+            rank = os.environ["RANK"]  # (one write per line: the ranks share a pipe)
+            sys.stdout.write(f"[{rank}] step {state.global_step} loss {logs['loss']}\n")
+            sys.stdout.flush()
 
 
 def main(steps: int, out: str) -> None:
@@ -44,7 +45,8 @@ def main(steps: int, out: str) -> None:
     trainer = Trainer(model, args=training, train_dataset=data, callbacks=[Losses()])
     trainer.train()
     total = sum(float(p.double().sum()) for p in model.parameters())
-    print(f"[{os.environ['RANK']}] world {training.world_size} checksum {total:.10f}", flush=True)
+    sys.stdout.write(f"[{os.environ['RANK']}] world {training.world_size} checksum {total:.10f}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

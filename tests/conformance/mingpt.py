@@ -99,7 +99,8 @@ def main(epochs: int) -> None:
     for epoch in range(epochs):
         loss = trainer.epoch(epoch)
         assert math.isfinite(loss)
-        print(f"[{trainer.rank}] epoch {epoch} loss {loss:.6f}", flush=True)
+        sys.stdout.write(f"[{trainer.rank}] epoch {epoch} loss {loss:.6f}\n")  # one write
+        sys.stdout.flush()
     destroy_process_group()
 
 
