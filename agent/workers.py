@@ -289,9 +289,14 @@ def _add_other_failures(pcontext: PContext, result: RunProcsResult) -> None:
         if local_rank in result.failures or code in (None, 0):
             continue
         failure = _failure(local_rank, proc.pid, code, pcontext.error_files.get(local_rank, ""))
-        if not failure.error_file_data:
+        if not _stamped(failure):
             failure.timestamp = earliest
         result.failures[local_rank] = failure
+
+
+def _stamped(failure: ProcessFailure) -> bool:
+    """Whether the failure's timestamp is its error file's (else: when torch noticed it)."""
+    return failure.error_file_data != {"message": "<NONE>"}
 
 
 def _failure(local_rank: int, pid: int, code: int, error_file: str) -> ProcessFailure:
@@ -353,7 +358,11 @@ def root_failure(
     torch records failures with one-second timestamps, the real one before the
     SIGTERMs of its own teardown. Among the earliest, a cause wins over a
     symptom: a worker killed by a signal beats the peer whose collective then
-    broke, which may have been seen first.
+    broke, which may have been seen first. Only an error file's timestamp says
+    when a worker failed; one without (killed by a signal, or no `@record`) is
+    stamped when torch noticed it, which can be the second after its peer wrote
+    the error file of the broken collective: such a failure is always a
+    candidate, and on a tie a stamped one wins.
     """
     failures: list[ProcessFailure] = list(result.failures.values())
     if not failures:
@@ -361,14 +370,15 @@ def root_failure(
     earliest = min(f.timestamp for f in failures)
     candidates = []
     for f in failures:
-        if f.timestamp > earliest:
+        if f.timestamp > earliest and _stamped(f):
             continue
         tail = read_tail(kept(result, f.local_rank, "stderr")) or read_tail(
             kept(result, f.local_rank, "stdout")
         )
         data = f.error_file_data if f.error_file_data else None
         diagnosis = classify(f.exitcode, data, tail)
-        candidates.append((_symptom_rank(f, diagnosis), f, diagnosis, tail, data))
+        order = (_symptom_rank(f, diagnosis), f.timestamp > earliest)
+        candidates.append((order, f, diagnosis, tail, data))
     _, first, diagnosis, tail, data = min(candidates, key=lambda c: c[0])
     path = kept(result, first.local_rank, "stderr") or kept(result, first.local_rank, "stdout")
     return RootFailure(

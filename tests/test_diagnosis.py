@@ -149,6 +149,36 @@ def test_the_root_failure_is_the_cause_not_the_peer_whose_collective_broke(tmp_p
     assert root.diagnosis.kind is FailureKind.KILLED and "SIGKILL" in root.diagnosis.reason
 
 
+def test_a_kill_torch_noticed_after_the_peers_error_file_still_is_the_cause(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Seen on a 2-core machine: the killed worker's peer wrote its error file (the broken
+    collective) in second N; torch noticed the kill, which has no error file, in N+1."""
+    from torch.distributed.elastic.multiprocessing import RunProcsResult
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from rove.agent.workers import root_failure
+
+    error_file = tmp_path / "0.error.json"
+    message = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    error_file.write_text(
+        json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "100"}}})
+    )
+    peer = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(error_file))
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>")
+    killed.timestamp = peer.timestamp + 1
+    result = RunProcsResult(failures={0: peer, 1: killed})
+    root = root_failure(result)
+    assert root is not None and root.local_rank == 1, root
+    assert root.diagnosis.kind is FailureKind.KILLED
+    # a later kill is still no cause against an earlier worker's own exception
+    own = json.dumps({"message": {"message": "ValueError: bad", "extraInfo": {"timestamp": "100"}}})
+    error_file.write_text(own)
+    raised = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(error_file))
+    root = root_failure(RunProcsResult(failures={0: raised, 1: killed}))
+    assert (
+        root is not None and root.local_rank == 0 and root.diagnosis.kind is FailureKind.USER_ERROR
+    )
+
+
 def _failure_without_error_file(tmp_path, tail: str):  # type: ignore[no-untyped-def]
     """A failure as torch reports it for a script without `@record` (no error file)."""
     from torch.distributed.elastic.multiprocessing import RunProcsResult

@@ -89,7 +89,8 @@ class JobMetrics:
                 self._failed(e.ts, e.round)
             case ev.WorkerExited():
                 WORKER_FAILURES.labels(self.job, e.kind.value).inc()
-                self._failure_kind = e.kind.value
+                if self._failed_at is None:  # the disruption's cause, not its symptoms
+                    self._failure_kind = e.kind.value
                 self._failed(e.ts, e.round)
             case ev.NodeLost() | ev.NodeGone() | ev.NodeExcluded():
                 reason = {ev.NodeLost: "heartbeat_timeout", ev.NodeGone: "gone"}.get(
