@@ -37,7 +37,7 @@ demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR)
 	ROVE_HOME=$(DEMO_DIR)/home $(BIN)/rove run --standalone --job demo --nproc-per-node 2 \
 		--max-restarts 3 --inject-fault $(DEMO_FAULT) examples/train.py --steps $(DEMO_STEPS) \
-		--flash --ckpt-every 5 --step-sleep 0.03
+		--ckpt-every 5 --step-sleep 0.03
 	@echo "the ended job stays readable: ROVE_HOME=$(DEMO_DIR)/home $(BIN)/rove goodput --job demo"
 
 # The control plane alone: two masters, simulated agents, a master killed with SIGKILL.

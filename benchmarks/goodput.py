@@ -63,7 +63,8 @@ def train_args(work: Path, a: argparse.Namespace, flash: bool) -> list[str]:
         "--log-every",
         "100000",
     ]
-    return [*args, "--flash"] if flash else args
+    # the checkpoint path alone is compared: data generated per step, as under torchrun
+    return [*args, "--data", "generated", "--checkpoint", "flash" if flash else "torch"]
 
 
 def inflict(

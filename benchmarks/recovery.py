@@ -203,8 +203,8 @@ def run_rove(
     job = f"bench-{work.name.replace('_', '-')}"
     env = {**os.environ, "ROVE_HOME": str(work / "home")}
     train = train_args(work, a.steps, 1 if flash else a.ckpt_every, a.step_sleep)
-    if flash:
-        train.append("--flash")
+    # the checkpoint path alone is compared: data generated per step, as under torchrun
+    train += ["--data", "generated", "--checkpoint", "flash" if flash else "torch"]
     train = ["--warm-start" if warm else "--no-warm-start", *train]
     master = None
     procs = []

@@ -22,8 +22,7 @@ def _flash_train(tmp_path: Path) -> list[str]:
     """examples/train.py saving a flash checkpoint every step: its last step is its last
     save, and the job ends right after it."""
     return [
-        str(TRAIN),
-        "--flash",
+        str(TRAIN),  # flash checkpoints and leased shards: its defaults under rove
         "--ckpt-every",
         "1",
         "--steps",

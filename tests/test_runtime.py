@@ -551,8 +551,7 @@ async def test_after_a_worker_kill_every_rank_restores_from_memory_losing_at_mos
         "--save-at-breakpoint",
         "--persist-every",
         "1000",  # nothing reaches the disk but the breakpoint save and the last step
-        str(TRAIN),
-        "--flash",
+        str(TRAIN),  # flash checkpoints and leased shards: its defaults under rove
         "--ckpt-every",
         "1",
         "--steps",
@@ -574,6 +573,9 @@ async def test_after_a_worker_kill_every_rank_restores_from_memory_losing_at_mos
     after = [r for r in rows if r["restart"] == 1]
     assert {r["source"] for r in after} == {"memory"}, "restored from memory, not from disk"
     assert min(r["step"] for r in after) >= killed_at, "at most one step of work lost"
+    lineage = [r for r in rows if r["restart"] == 1 or r["step"] < min(r["step"] for r in after)]
+    trained = [tuple(s) for r in lineage for s in r["samples"]]
+    assert len(trained) == len(set(trained)) == 60 * 2 * 32, "each leased sample trained once"
     assert max(r["step"] for r in after) == 60
     log = node.log()
     restored = min(r["step"] for r in after) - 1  # the newest step every rank held
@@ -612,8 +614,7 @@ async def test_a_full_disk_is_a_clear_event_training_goes_on_and_nothing_is_comm
         "--persist-every",
         "5",
         str(Path(__file__).parent / "scripts" / "without_file_limit.py"),
-        str(TRAIN),
-        "--flash",
+        str(TRAIN),  # flash checkpoints and leased shards: its defaults under rove
         "--ckpt-every",
         "1",
         "--steps",
@@ -662,6 +663,7 @@ def test_the_example_keeps_each_jobs_checkpoints_apart_so_a_new_job_trains_afres
             "--nproc-per-node",
             "1",
             str(TRAIN),
+            *("--checkpoint", "torch"),  # its checkpoints/<job> folders are what is checked
             "--steps",
             "3",
             "--ckpt-every",
