@@ -30,6 +30,7 @@ from rove.control import events as ev
 from rove.control import pool as registry
 from rove.control import retry
 from rove.control.bus import Bus
+from rove.control.errors import plain
 from rove.control.pool import PoolEntry, PoolState
 from rove.control.scaler.local import LocalBackend
 
@@ -81,7 +82,7 @@ class PoolDaemon:
                         raise
                     if time.monotonic() - said > 60:  # a bus outage: ride it out
                         said = time.monotonic()
-                        self.log.warning("the bus did not answer; trying again", error=repr(exc))
+                        self.log.warning("the bus did not answer; trying again", error=plain(exc))
                 try:
                     await asyncio.wait_for(self._stopping.wait(), 0.25)
                 except TimeoutError:

@@ -52,7 +52,7 @@ from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.bus_options import closed
-from rove.control.errors import ConfigError, RoveError
+from rove.control.errors import ConfigError, RoveError, plain
 from rove.control.master.runner import SupervisedMaster
 
 if TYPE_CHECKING:
@@ -397,7 +397,7 @@ async def _say_goodput(bus: Bus, job: str) -> None:
     try:
         folded = await asyncio.wait_for(runs.ledger(bus, job), GOODPUT_READ_S)
     except (TimeoutError, RoveError) as exc:
-        log.info("could not read the job's events for its goodput", error=repr(exc))
+        log.info("could not read the job's events for its goodput", error=plain(exc))
         return
     if not folded.steps_reported:
         say(goodput.NOT_KNOWN)

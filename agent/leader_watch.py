@@ -20,7 +20,7 @@ import structlog
 
 from rove.control import metrics, subjects
 from rove.control.bus import Bus
-from rove.control.errors import RoveError
+from rove.control.errors import RoveError, plain
 from rove.control.master.election import current_holder
 
 log = structlog.get_logger("rove.agent")
@@ -59,7 +59,7 @@ class LeaderWatch:
                 holder = await current_holder(kv, subjects.lease_key(self.job))
             except (RoveError, nats.errors.Error, OSError, TimeoutError) as exc:
                 # the bus is away (said by the bus itself): look again next time
-                self.log.debug("could not read the leader lease", error=repr(exc))
+                self.log.debug("could not read the leader lease", error=plain(exc))
             else:
                 self.saw(None if holder is None else holder.master)
             await asyncio.sleep(self.every_s)

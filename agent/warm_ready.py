@@ -24,6 +24,8 @@ import os
 import sys
 import threading
 
+from rove.control.errors import plain
+
 
 def _import_in_background(names: list[str], nice: int) -> None:
     """Import `names` at `nice`: in a thread of that nice, in a session of this server's
@@ -36,7 +38,9 @@ def _import_in_background(names: list[str], nice: int) -> None:
             try:
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - said, and skipped as multiprocessing does
-                print(f"rove: the warm server could not import {name}: {exc!r}", file=sys.stderr)
+                print(
+                    f"rove: the warm server could not import {name}: {plain(exc)}", file=sys.stderr
+                )
 
     try:
         os.setsid()

@@ -33,6 +33,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from rove.control.errors import plain
 from rove.control.natsclient import RoveNatsClient, delivery_sequences
 
 log = structlog.get_logger("rove.catchup")
@@ -184,7 +185,7 @@ async def catch_up(
                     )
                     break
     except (nats.errors.Error, nats.js.errors.Error) as exc:
-        log.info("bulk catch-up unavailable; using the ordered consumer", error=repr(exc))
+        log.info("bulk catch-up unavailable; using the ordered consumer", error=plain(exc))
     finally:
         done.set()
         nc.raw_deliveries.pop(sub._id, None)

@@ -17,7 +17,7 @@ from nats.aio.client import Client as NatsClient
 
 from rove.control import auth, bus_options
 from rove.control.bus_options import BusOptions
-from rove.control.errors import BusUnavailableError, ConfigError, NotAuthorizedError
+from rove.control.errors import BusUnavailableError, ConfigError, NotAuthorizedError, plain
 from rove.control.natsclient import RoveNatsClient
 
 log = structlog.get_logger("rove.bus")
@@ -38,9 +38,9 @@ async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
             log.warning("the server denied a publish to this role", subject=denied.group(1))
             return
         if state["connected"] and not state["closing"]:
-            log.warning("NATS client error", error=repr(exc))
+            log.warning("NATS client error", error=plain(exc))
         else:
-            log.debug("NATS client error", error=repr(exc))
+            log.debug("NATS client error", error=plain(exc))
 
     async def on_disconnected() -> None:
         if state["connected"] and not state["closing"]:

@@ -65,3 +65,33 @@ class UnknownJobError(PermanentError):
 
 class InvalidEventError(PermanentError):
     """A payload could not be decoded or does not fit the subject it arrived on."""
+
+
+#: what an exception whose message is empty means, in words
+_WITHOUT_MESSAGE = {
+    "TimeoutError": "timed out",
+    "CancelledError": "cancelled",
+    "EOFError": "the connection closed",
+    "BrokenPipeError": "the connection closed",
+    "ConnectionResetError": "the connection was reset",
+    "ConnectionRefusedError": "the connection was refused",
+    "ConnectionClosedError": "the connection closed",
+    "NoServersError": "no server answered",
+    "NoRespondersError": "nothing answered (is JetStream enabled on the server?)",
+}
+
+
+def plain(exc: BaseException) -> str:
+    """An exception as a person reads it, never Python's repr: its message (an OS
+    error's own words and the path), or what its kind means when it has none."""
+    if isinstance(exc, OSError) and exc.strerror:
+        path = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{path}"
+    text = " ".join(str(exc).split())
+    if text and text != type(exc).__name__:
+        return text[:300]
+    name = type(exc).__name__
+    if name in _WITHOUT_MESSAGE:
+        return _WITHOUT_MESSAGE[name]
+    words = "".join(f" {c.lower()}" if c.isupper() else c for c in name).strip()
+    return words.removesuffix(" error") or name

@@ -22,7 +22,7 @@ import nats.js.errors
 import structlog
 
 from rove.control import records
-from rove.control.errors import RoveError
+from rove.control.errors import RoveError, plain
 
 log = structlog.get_logger("rove.bus")
 
@@ -103,7 +103,7 @@ class Feed:
         try:
             self.sub = await resubscribe(self.last_seq + 1)
         except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-            log.warning("could not resubscribe; will try again", feed=what, error=repr(exc))
+            log.warning("could not resubscribe; will try again", feed=what, error=plain(exc))
             return history
         self.resubscribed += 1
         await unsubscribe(old)

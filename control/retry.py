@@ -30,7 +30,7 @@ import nats.js.errors
 import stamina
 import structlog
 
-from rove.control.errors import PublishDeadlineError, TemporaryError
+from rove.control.errors import PublishDeadlineError, TemporaryError, plain
 
 log = structlog.get_logger("rove.retry")
 
@@ -159,8 +159,7 @@ async def wait_out(
             if not said or now - said >= every_s:
                 said = now
                 log.warning(
-                    f"waiting for the bus: {what} ({type(exc).__name__}: {exc}); "
-                    "going on when it answers",
+                    f"waiting for the bus: {what} ({plain(exc)}); going on when it answers",
                     waited_s=round(now - began),
                 )
         await asyncio.sleep(wait)

@@ -63,7 +63,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from rove.checkpoint.api import on_save
 from rove.control import events as ev
-from rove.control.errors import ConfigError
+from rove.control.errors import ConfigError, plain
 from rove.shard_service.client import DataClient, dataset_spec, placement
 from rove.shard_service.iterable import LeasedIterable
 from rove.shard_service.kafka import RangeReader, Record
@@ -156,7 +156,7 @@ class _DeadLetters:
         if len(self.offsets) < self.KEPT:
             self.offsets.append(offset)
         if not self.error:
-            self.error = repr(exc)[:300]
+            self.error = plain(exc)
 
 
 def _value(record: Record) -> Any:

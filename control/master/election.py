@@ -20,6 +20,7 @@ import structlog
 from nats.js.kv import KeyValue
 
 from rove.control import retry, subjects
+from rove.control.errors import plain
 
 log = structlog.get_logger("rove.election")
 
@@ -119,7 +120,7 @@ class Lease:
             except _TRANSIENT as exc:
                 # Could not reach the bucket; the lease may still be ours. Its writes
                 # stay fenced by the server meanwhile; the next renewal tells.
-                log.warning("could not renew the leader lease", error=type(exc).__name__)
+                log.warning("could not renew the leader lease", error=plain(exc))
                 return True
         log.warning(
             "the leader lease's bucket stayed busy; renewing at the next turn",
@@ -142,7 +143,7 @@ class Lease:
                 "could not release the leader lease; it expires with its TTL",
                 master=self.master,
                 epoch=self.epoch,
-                error=f"{type(exc).__name__}: {exc}",
+                error=plain(exc),
             )
         self.revision = None
 
