@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master import netcheck as policy
 
 

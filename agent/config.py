@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rove.agent.faults import Fault
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 
 @dataclass(frozen=True, kw_only=True)

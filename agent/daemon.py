@@ -26,10 +26,10 @@ import structlog
 from nats.js.kv import KeyValue
 
 from rove.agent.metrics import Sampler
-from rove.control import events as ev
 from rove.control import pool as registry
 from rove.control import retry
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.errors import plain
 from rove.control.pool import PoolEntry, PoolState
 from rove.control.scaler.local import LocalBackend

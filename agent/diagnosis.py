@@ -23,7 +23,7 @@ import re
 import signal as signal_module
 from typing import Any, NamedTuple
 
-from rove.control.events import LOG_TAIL_BYTES, REASON_CHARS, FailureKind
+from rove.control.catalogue.events import LOG_TAIL_BYTES, REASON_CHARS, FailureKind
 
 _HARDWARE = re.compile(
     r"\bXid\b|uncorrectable ECC|ECC error|GPU is lost|NVML_ERROR_GPU_IS_LOST|fallen off the bus"

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.outbox import Outbox
 
 

@@ -44,14 +44,14 @@ from rove.control import (
     logs,
     metrics,
     runs,
-    subjects,
     suggest,
     tf_cluster,
 )
-from rove.control import events as ev
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.bus_options import closed
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError, RoveError, plain
 from rove.control.master.runner import SupervisedMaster
 

@@ -18,8 +18,9 @@ from collections.abc import Callable
 import nats.errors
 import structlog
 
-from rove.control import metrics, subjects
+from rove.control import metrics
 from rove.control.bus import Bus
+from rove.control.catalogue import subjects
 from rove.control.errors import RoveError, plain
 from rove.control.master.election import current_holder
 

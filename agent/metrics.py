@@ -16,7 +16,7 @@ import psutil
 import structlog
 
 from rove.control import cgroups, metrics
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 log = structlog.get_logger("rove.metrics")
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from rove.agent.facts import NodeFacts
 from rove.agent.progress import Progress
-from rove.control import events as ev
 from rove.control import goodput, metrics
+from rove.control.catalogue import events as ev
 
 #: Seconds between two reports of a running round.
 EVERY_S = 5.0

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rove.agent.progress import Progress
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 
 class Resumption:

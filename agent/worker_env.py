@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from rove.control import tf_cluster
-from rove.control.events import RoundCompleted, RoundMember
+from rove.control.catalogue.events import RoundCompleted, RoundMember
 
 if TYPE_CHECKING:
     from rove.agent.config import AgentConfig

@@ -38,7 +38,7 @@ from rove.agent.echo import Echo, EchoedLogs
 from rove.agent.runtime import RootFailure, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
 from rove.agent.stuck import Activity
-from rove.control.events import FailureKind
+from rove.control.catalogue.events import FailureKind
 
 log = structlog.get_logger("rove.agent")
 

@@ -26,10 +26,11 @@ from pathlib import Path
 import nats
 from nats.js.api import Header
 
-from rove.control import events as ev
-from rove.control import logs, subjects
+from rove.control import logs
 from rove.control.aio import run as run_async
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.embedded import EmbeddedServer
 
 

@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rove.control import events as ev
 from rove.control import logs
 from rove.control.aio import run as run_async
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import events as ev
 from rove.control.embedded import EmbeddedServer
 
 

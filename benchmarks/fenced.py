@@ -33,10 +33,11 @@ from pathlib import Path
 
 import nats.js.errors
 
-from rove.control import events as ev
-from rove.control import logs, subjects
+from rove.control import logs
 from rove.control.aio import run as run_async
 from rove.control.bus import Bus, BusOptions, Fence
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.embedded import EmbeddedServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

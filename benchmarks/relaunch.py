@@ -40,10 +40,11 @@ from typing import Any
 
 from common import trace_rows, wait_for
 
-from rove.control import events as ev
-from rove.control import logs, subjects
+from rove.control import logs
 from rove.control.aio import run as run_async
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,8 +3,9 @@ event-sourced master (`master`), the scaler (`scaler`), the job services (Kafka
 bridge) and the `rove` command line (`cli`).
 
 Agents, masters, the scaler and the CLI never call each other: they publish typed
-events (``rove.control.events``) to JetStream subjects (``rove.control.subjects``)
-through ``rove.control.bus`` and consume the subjects they care about.
+events (``rove.control.catalogue.events``) to JetStream subjects
+(``rove.control.catalogue.subjects``) through ``rove.control.bus`` and consume the
+subjects they care about.
 
 What may import what (docs/architecture.md, "Layers and contracts"; `make lint`
 checks it): the pure domain here (the catalogue, `subjects`, `shards`, `streaming`,

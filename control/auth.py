@@ -46,7 +46,7 @@ from typing import Any
 import msgspec
 import nkeys
 
-from rove.control import subjects
+from rove.control.catalogue import subjects
 
 ROLES = (
     "admin",

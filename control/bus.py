@@ -41,9 +41,10 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import bus_options, catchup, connection, metrics, records, retry, stored, subjects
-from rove.control import events as ev
+from rove.control import bus_options, catchup, connection, metrics, records, retry, stored
 from rove.control.bus_options import BusOptions as BusOptions  # (Bus.connect takes them)
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,

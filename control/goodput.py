@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 #: Said instead of a ratio where no worker reported a step (`Ledger.steps_reported`):
 #: no second can then be told productive.

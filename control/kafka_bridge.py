@@ -32,9 +32,10 @@ from collections.abc import Callable
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from rove.control import events as ev
-from rove.control import logs, subjects
+from rove.control import logs
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError, TemporaryError
 from rove.control.master import streams
 from rove.control.service import JobService

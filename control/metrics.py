@@ -25,7 +25,7 @@ from typing import NamedTuple
 import prometheus_client
 import structlog
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 _SECONDS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 

@@ -16,8 +16,8 @@ import functools
 import structlog
 
 from rove.control import aio, retry
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
 
 log = structlog.get_logger("rove.outbox")

@@ -24,9 +24,9 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from rove.control import events as ev
-from rove.control import subjects
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 
 POOL_BUCKET: Final = "rove_pool"
 #: How many nodes a daemon remembers having run.

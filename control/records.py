@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from rove.control import events as ev
-from rove.control import subjects
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.errors import InvalidEventError
 
 

@@ -21,9 +21,10 @@ from collections.abc import Callable
 
 import structlog
 
-from rove.control import events as ev
-from rove.control import records, retry, subjects
+from rove.control import records, retry
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.errors import RoveError
 from rove.control.master.replica import Replica
 from rove.control.master.state import JobState

@@ -17,7 +17,7 @@ import functools
 import random
 from collections.abc import Iterable, Iterator, Sequence
 
-from rove.control.events import DataPosition, DatasetSpec, ShardRef
+from rove.control.catalogue.events import DataPosition, DatasetSpec, ShardRef
 
 #: The most shards a dataset may have over all its epochs (keeps the state bounded).
 MAX_SHARDS = 10_000_000

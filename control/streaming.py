@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 
 def cut(

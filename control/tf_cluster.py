@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from rove.control.events import RoundMember, TfTask
+from rove.control.catalogue.events import RoundMember, TfTask
 
 CHIEF = "chief"
 PS = "ps"

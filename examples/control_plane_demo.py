@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rove.control import events as ev
-from rove.control import subjects
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.embedded import EmbeddedServer
 from rove.control.master.election import current_holder
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError
 from rove.shard_service.client import DataClient, first_request
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 STATE_VERSION = 1
 

@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from rove.checkpoint.api import on_save
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError, plain
 from rove.shard_service.client import DataClient, dataset_spec, placement
 from rove.shard_service.iterable import LeasedIterable

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import logs, subjects
+from rove.control import logs
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import subjects
 from rove.control.embedded import EmbeddedServer
 from tests import support
 from tests.kafkamock import KafkaCluster

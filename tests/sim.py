@@ -6,7 +6,7 @@ the runner does, so whole scenarios run in microseconds without any I/O.
 
 from __future__ import annotations
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master.decide import decide
 from rove.control.master.evolve import evolve
 from rove.control.master.netcheck import Wait

@@ -263,7 +263,7 @@ class Agents:
     """Simulated agents publishing real events: steady nodes heartbeat, churn nodes go silent."""
 
     def __init__(self, bus: Any, job: str = "j1", interval: float = 0.2) -> None:
-        from rove.control import events as ev
+        from rove.control.catalogue import events as ev
 
         self.ev = ev
         self.bus = bus
@@ -335,7 +335,7 @@ class Agents:
 
 async def stored_events(bus: Any, job: str = "j1") -> list[Any]:
     """Every valid stored event of `job` as `Recorded`, in stream order."""
-    from rove.control import subjects
+    from rove.control.catalogue import subjects
 
     got: list[Any] = []
     feed = await bus.subscribe(

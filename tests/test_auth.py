@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from msgspec.structs import replace
 
-from rove.control import auth, subjects
-from rove.control import events as ev
+from rove.control import auth
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import BusUnavailableError, NotAuthorizedError, PermissionDeniedError
 from tests import factories

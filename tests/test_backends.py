@@ -21,8 +21,8 @@ from typing import Any
 import kmock
 import pytest
 
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
 from rove.control.scaler.backend import Backend
 from rove.control.scaler.kubernetes import KubernetesBackend

@@ -9,9 +9,10 @@ import msgspec
 import pytest
 from nats.js.api import DiscardPolicy
 
-from rove.control import events as ev
-from rove.control import records, subjects
+from rove.control import records
 from rove.control.bus import Bus, BusOptions, Fence
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from rove.control import catchup, subjects
+from rove.control import catchup
 from rove.control.bus import Bus
+from rove.control.catalogue import subjects
 from rove.control.natsclient import RoveNatsClient
 from tests import factories
 from tests.support import eventually

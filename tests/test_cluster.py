@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from rove.control import subjects
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import subjects
 from tests import factories
 from tests.support import Cluster, patience, stored_events
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import events as ev
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import events as ev
 from tests.lineage import lineage, progress, rows
 from tests.netns import Netns
 from tests.support import (

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.shard_service import DataError, ShardSampler
 from tests.support import MasterProc, rove_cli, stored_events
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
-from rove.control import events as ev
 from rove.control import shards
+from rove.control.catalogue import events as ev
 from rove.control.master import data as data_fold
 from rove.control.master.decide import decide
 from rove.control.master.state import JobState

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master import decide as master_decide
 from rove.control.master.evolve import evolve
 from rove.control.master.state import JobState, initial

@@ -32,7 +32,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.cli.main import build_parser
 from tests.kubelet import backend_for
 from tests.support import ROOT
@@ -324,8 +324,8 @@ async def test_the_nats_users_of_deploy_work_and_the_readonly_and_agent_ones_are
     import nats
     import nats.errors
 
-    from rove.control import subjects
     from rove.control.bus import Bus, BusOptions
+    from rove.control.catalogue import subjects
     from tests import factories
     from tests.support import free_port, rove_cli
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rove.agent.diagnosis import classify, last_exception, read_tail, signal_name, where
-from rove.control.events import REASON_CHARS, FailureKind
+from rove.control.catalogue.events import REASON_CHARS, FailureKind
 
 TRACEBACK = """[default0]:Traceback (most recent call last):
 [default0]:  File "train.py", line 3, in <module>

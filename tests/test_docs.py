@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rove.control import eventdoc
+from rove.control.catalogue import eventdoc
 
 ROOT = Path(__file__).parent.parent
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).parent.parent
 def test_events_md_is_generated_from_the_catalogue() -> None:
     checked_in = (ROOT / "docs" / "events.md").read_text()
     assert checked_in == eventdoc.render(), (
-        "docs/events.md is stale: run `python -m rove.control.eventdoc > docs/events.md`"
+        "docs/events.md is stale: run `python -m rove.control.catalogue.eventdoc > docs/events.md`"
     )
 
 

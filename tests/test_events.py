@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from tests import factories
 
 DATA = Path(__file__).parent / "data"

@@ -45,7 +45,7 @@ def test_training_again_is_said_once_every_local_rank_trained_after_an_interrupt
 
     from rove.agent.progress import Progress
     from rove.agent.resumption import Resumption
-    from rove.control import events as ev
+    from rove.control.catalogue import events as ev
     from tests import factories
 
     now = [100.0]

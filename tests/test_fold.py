@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master.evolve import evolve
 from rove.control.master.state import (
     JobState,

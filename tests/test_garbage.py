@@ -9,9 +9,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rove.control import events as ev
-from rove.control import subjects
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.master import snapshots
 from tests import factories
 from tests.support import MasterProc, eventually, fold_records, stored_events

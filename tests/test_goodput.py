@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rove.control import events as ev
 from rove.control import goodput as gp
+from rove.control.catalogue import events as ev
 from rove.control.goodput import Bucket as B
 from tests import factories as f
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import events as ev
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import events as ev
 from tests.support import TRAIN, Cluster, MasterProc, RunProc, job_events, rove_cli, trace_rows
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.master import streams
 from tests import factories
 from tests.kafkamock import KafkaCluster

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.shard_service.kafka import RangeReader, expired
 from rove.shard_service.keeper import DataError
 from tests.kafkamock import KafkaCluster

@@ -14,8 +14,8 @@ from pathlib import Path
 import kmock
 import pytest
 
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError, PermanentError, TemporaryError
 from rove.control.scaler import pods
 from rove.control.scaler.kubernetes import load_template

@@ -73,7 +73,7 @@ def test_a_short_failover_says_nothing() -> None:
 
 
 def test_status_says_how_long_no_master_has_decided_anything() -> None:
-    from rove.control import events as ev
+    from rove.control.catalogue import events as ev
     from rove.control.cli.status_cmd import render, status_view
     from tests.sim import Sim
 

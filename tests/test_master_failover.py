@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import events as ev
-from rove.control import subjects
 from rove.control.bus import Bus, BusOptions
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.master import snapshots
 from rove.control.master.election import current_holder
 from rove.control.master.state import NodeStatus

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master import netcheck
 from tests import factories
 from tests.sim import Sim

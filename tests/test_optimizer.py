@@ -12,7 +12,7 @@ import itertools
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master import optimizer
 from rove.control.master.scaling import SlotPhase
 from tests import factories

@@ -7,9 +7,9 @@ import asyncio
 import nats.errors
 import pytest
 
-from rove.control import events as ev
 from rove.control import records
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.errors import RoveError
 from rove.control.feed import Feed
 from rove.control.outbox import Outbox

@@ -45,7 +45,7 @@ def test_the_wheel_holds_rove_namespace_packages_and_the_console_script(tmp_path
     (wheel,) = tmp_path.glob("rove-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in (
-        "rove/control/events.py",
+        "rove/control/catalogue/events.py",
         "rove/control/master/runner.py",
         "rove/control/cli/main.py",
         "rove/agent/__init__.py",

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rove.control import events as ev
 from rove.control import shards
+from rove.control.catalogue import events as ev
 
 keys = st.sets(st.integers(min_value=0, max_value=200), max_size=60)
 

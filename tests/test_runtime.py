@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from tests.support import (
     TRAIN,
     MasterProc,

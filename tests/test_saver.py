@@ -94,7 +94,7 @@ async def test_a_step_a_newer_save_overwrote_is_quiet_until_it_keeps_happening()
     from rove.agent.facts import NodeFacts
     from rove.checkpoint.engine import CheckpointError
     from rove.checkpoint.storage import SlotOverwritten
-    from rove.control import events as ev
+    from rove.control.catalogue import events as ev
 
     outbox = _Outbox()
     duty = ckpt_duty.CheckpointDuty(NodeFacts(outbox, job="j", node="n"), None)  # type: ignore[arg-type]

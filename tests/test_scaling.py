@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from rove.control import auth
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.embedded import EmbeddedServer
 from tests.lineage import lineage, progress
 from tests.support import (

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from rove.control import events as ev
 from rove.control import records
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.service import JobService
 from tests import factories
 from tests.support import patience, stored_events

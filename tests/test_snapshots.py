@@ -8,9 +8,9 @@ import immutables
 import msgspec
 import pytest
 
-from rove.control import events as ev
-from rove.control import subjects
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.errors import LostEventsError
 from rove.control.master import snapshots
 from rove.control.master.replica import Replica

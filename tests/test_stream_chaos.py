@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.master import streams
 from tests.kafkamock import ClickStream
 from tests.lineage import lineage, rows

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from rove.control import events as ev
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.shard_service.kafka import Record
 from tests import factories
 from tests.kafkamock import KafkaCluster

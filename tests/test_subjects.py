@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rove.control import subjects
+from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError, InvalidEventError
 from tests import factories
 

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from rove.agent import warm
 from rove.agent.runtime import WorkerRuntime
 from rove.agent.workers import TorchRuntime
-from rove.control.events import FailureKind
+from rove.control.catalogue.events import FailureKind
 from tests.support import eventually, patience, pid_alive
 
 pytestmark = pytest.mark.slow

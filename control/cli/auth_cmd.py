@@ -17,7 +17,8 @@ from pathlib import Path
 
 from msgspec.structs import replace
 
-from rove.control import auth, subjects
+from rove.control import auth
+from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.records import Recorded
 
 _COMMON = {"job", "id", "producer", "ts", "epoch"}

@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rove.control import aio, runs, subjects
+from rove.control import aio, runs
 from rove.control import goodput as gp
 from rove.control import options as common
 from rove.control.bus import Bus
+from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
 from rove.control.goodput_svg import render as render_svg
 

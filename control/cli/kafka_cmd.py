@@ -16,9 +16,10 @@ import argparse
 
 import structlog
 
-from rove.control import aio, subjects
+from rove.control import aio
 from rove.control import options as common
 from rove.control.bus import Bus
+from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
 
 log = structlog.get_logger("rove.kafka")

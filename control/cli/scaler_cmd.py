@@ -15,9 +15,10 @@ from pathlib import Path
 
 import structlog
 
-from rove.control import aio, subjects
+from rove.control import aio
 from rove.control import options as common
 from rove.control.bus import Bus
+from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
 from rove.control.scaler.backend import Backend
 from rove.control.scaler.local import LocalBackend

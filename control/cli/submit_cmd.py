@@ -14,10 +14,11 @@ import argparse
 import time
 from pathlib import Path
 
-from rove.control import aio, subjects
-from rove.control import events as ev
+from rove.control import aio
 from rove.control import options as common
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ import immutables
 import msgspec
 from msgspec.structs import replace
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 
 class CkptState(msgspec.Struct, frozen=True, kw_only=True):

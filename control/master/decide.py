@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from msgspec.structs import replace
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master import checkpoints as ckpt
 from rove.control.master import data, netcheck, optimizer
 from rove.control.master import rendezvous as rdzv

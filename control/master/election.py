@@ -19,7 +19,8 @@ import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
-from rove.control import retry, subjects
+from rove.control import retry
+from rove.control.catalogue import subjects
 from rove.control.errors import plain
 
 log = structlog.get_logger("rove.election")

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from msgspec.structs import replace
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master import checkpoints as ckpt
 from rove.control.master import data, scaling
 from rove.control.master import rdzv_state as rdzv

@@ -17,8 +17,8 @@ import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rove.control import events as ev
 from rove.control import goodput as gp
+from rove.control.catalogue import events as ev
 from rove.control.master.state import JobState
 from rove.control.metrics import (
     CKPT_COMMITTED,

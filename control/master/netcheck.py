@@ -24,7 +24,7 @@ import immutables
 import msgspec
 from msgspec.structs import replace
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 CHECK_ROUNDS = 2
 STRAGGLER_FACTOR = 2.0

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 import msgspec
 from msgspec.structs import replace
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master.netcheck import Wait
 from rove.control.master.rdzv_state import RdzvState
 from rove.control.master.scaling import ScaleState, Slot, SlotPhase

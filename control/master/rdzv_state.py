@@ -10,7 +10,7 @@ import immutables
 import msgspec
 from msgspec.structs import replace
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.master import netcheck
 from rove.control.master.netcheck import CheckState
 

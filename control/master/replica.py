@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import structlog
 
-from rove.control import events as ev
-from rove.control import records, subjects
+from rove.control import records
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.errors import LostEventsError
 from rove.control.feed import Feed
 from rove.control.master import continuity, snapshots

@@ -20,9 +20,10 @@ import nats.js.errors
 import stamina
 import structlog
 
-from rove.control import events as ev
-from rove.control import records, subjects
+from rove.control import records
 from rove.control.bus import Bus, Fence
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.errors import FencedError, PublishDeadlineError, RoveError
 from rove.control.master import snapshots
 from rove.control.master.decide import decide

@@ -24,7 +24,7 @@ import immutables
 import msgspec
 from msgspec.structs import replace
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 #: Plans kept for `rove status` (the count is unbounded).
 RECENT_PLANS = 20

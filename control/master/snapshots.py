@@ -16,8 +16,8 @@ import nats.js.errors
 import structlog
 from nats.js.api import Header
 
-from rove.control import subjects
 from rove.control.bus import Bus
+from rove.control.catalogue import subjects
 from rove.control.master.state import JobState, decode_state, encode_state
 
 log = structlog.get_logger("rove.snapshots")

@@ -17,7 +17,7 @@ from typing import Any
 import immutables
 import msgspec
 
-from rove.control.events import EventRejected, JobPhase, JobSpec
+from rove.control.catalogue.events import EventRejected, JobPhase, JobSpec
 from rove.control.master.checkpoints import CkptState
 from rove.control.master.data import DataState
 from rove.control.master.rdzv_state import RdzvState

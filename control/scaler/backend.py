@@ -13,7 +13,7 @@ import abc
 
 import msgspec
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):

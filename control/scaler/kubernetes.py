@@ -43,7 +43,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError, PermanentError, TemporaryError
 from rove.control.scaler import pods
 from rove.control.scaler.backend import Backend, Ended, NodeInfo, Pending

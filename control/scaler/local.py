@@ -35,7 +35,7 @@ import psutil
 import structlog
 
 from rove.control import cgroups, embedded
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
 from rove.control.scaler.backend import Backend, Ended, NodeInfo
 

@@ -27,7 +27,7 @@ import hashlib
 import re
 from typing import Any
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 
 #: Labels on every object the backend creates.
 APP = "app.kubernetes.io/name"

@@ -20,9 +20,9 @@ import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
-from rove.control import events as ev
 from rove.control import pool as registry
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
 from rove.control.pool import PoolEntry, PoolState
 from rove.control.scaler.backend import Backend, Ended, NodeInfo

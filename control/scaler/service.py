@@ -23,9 +23,9 @@ from typing import TypeVar
 
 import structlog
 
-from rove.control import events as ev
 from rove.control import records, retry
 from rove.control.bus import Bus
+from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
 from rove.control.master.state import NodeStatus
 from rove.control.scaler.backend import Backend

@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Final
 
-from rove.control import events as ev
+from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError, InvalidEventError
 
 EVENTS_STREAM: Final = "ROVE_EVENTS"

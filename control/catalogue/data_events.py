@@ -2,9 +2,9 @@
 data sharding, docs/data.md). A trainer's client registers a dataset, asks for shards
 and acknowledges them (facts); the master leases, requeues, restores and rejects
 (decisions). A stream dataset's shards are offset ranges of a Kafka topic
-(`rove.control.stream_events`).
+(`rove.control.catalogue.stream_events`).
 
-`rove.control.events` re-exports everything here; import from there.
+`rove.control.catalogue.events` re-exports everything here; import from there.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import enum
 
 import msgspec
 
-from rove.control.event_base import Decision, Event
-from rove.control.stream_events import StreamShard
+from rove.control.catalogue.event_base import Decision, Event
+from rove.control.catalogue.stream_events import StreamShard
 
 
 class RequeueReason(enum.StrEnum):

@@ -6,7 +6,7 @@ each plan through a backend, reporting `plan_applied` or `plan_failed`. Node
 names are deterministic per slot and attempt (`node_name`), so a plan applied
 twice (a replay, a restarted scaler) creates nothing twice.
 
-`rove.control.events` re-exports everything here; import from there.
+`rove.control.catalogue.events` re-exports everything here; import from there.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import enum
 
 import msgspec
 
-from rove.control.event_base import Decision, Event, make_id
+from rove.control.catalogue.event_base import Decision, Event, make_id
 
 GIB = 1 << 30
 

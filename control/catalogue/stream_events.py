@@ -9,14 +9,14 @@ shard, so a restarted or second bridge continues there and creates nothing
 twice; a shard starting beyond it is a *gap* (records the bridge never saw:
 expired by retention), recorded and shown, never silently skipped.
 
-`rove.control.events` re-exports everything here; import from there.
+`rove.control.catalogue.events` re-exports everything here; import from there.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from rove.control.event_base import Event
+from rove.control.catalogue.event_base import Event
 
 
 class StreamShard(msgspec.Struct, frozen=True, array_like=True):

@@ -1,6 +1,6 @@
 """Render the event catalogue as Markdown (`docs/events.md` is this module's output).
 
-    python -m rove.control.eventdoc > docs/events.md
+    python -m rove.control.catalogue.eventdoc > docs/events.md
 
 The test suite regenerates it and fails when the checked-in file differs, so
 the document cannot drift from the code.
@@ -16,8 +16,8 @@ import typing
 
 import msgspec
 
-from rove.control import events as ev
-from rove.control import subjects
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 
 _ENVELOPE = ("job", "id", "producer", "ts")
 
@@ -81,7 +81,7 @@ def _type_name(tp: object) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp.__name__
     text = str(tp).replace("typing.", "")
-    text = re.sub(r"rove\.control\.\w+\.", "", text)  # (the catalogue's own modules)
+    text = re.sub(r"rove\.control\.(catalogue\.)?\w+\.", "", text)  # (the catalogue's modules)
     text = text.replace("<class '", "").replace("'>", "")
     return text
 
@@ -110,8 +110,9 @@ def render() -> str:
     out = [
         "# Event catalogue",
         "",
-        "Generated from `rove.control.events` by `python -m rove.control.eventdoc`;",
-        "a test fails when this file and the code disagree.",
+        "Generated from `rove.control.catalogue.events` by",
+        "`python -m rove.control.catalogue.eventdoc`; a test fails when this file and the",
+        "code disagree.",
         "",
         "Every event carries the envelope `job`, `id` (deterministic, sent as",
         "`Nats-Msg-Id`), `producer` and `ts` (the producer's Unix time). Master",

@@ -1,8 +1,8 @@
 """The envelope every event carries: the base classes of the catalogue.
 
-`rove.control.events` re-exports all of this; import from there. This module
+`rove.control.catalogue.events` re-exports all of this; import from there. This module
 exists so that parts of the catalogue kept in their own modules
-(`rove.control.scale_events`) can build on the bases without an import cycle.
+(`rove.control.catalogue.scale_events`) can build on the bases without an import cycle.
 """
 
 from __future__ import annotations
