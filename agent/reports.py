@@ -4,7 +4,7 @@ The heartbeat says where the workers are now and keeps only the newest; these
 facts go on the events stream, so the job's whole history can be replayed:
 `rove goodput` reads from them when each round's training began, how far it
 got, and how long it spent blocked in checkpoint saves, restoring and waiting
-for data (see `rove.control.goodput`). One fact every `every_s` while steps
+for data (see `rove.control.domain.goodput`). One fact every `every_s` while steps
 advance, and a last one when the round's workers end or are stopped, before
 the fact that says why.
 """
@@ -17,8 +17,9 @@ from typing import Any
 
 from rove.agent.facts import NodeFacts
 from rove.agent.progress import Progress
-from rove.control import goodput, metrics
+from rove.control import metrics
 from rove.control.catalogue import events as ev
+from rove.control.domain import goodput
 
 #: Seconds between two reports of a running round.
 EVERY_S = 5.0
@@ -26,7 +27,7 @@ EVERY_S = 5.0
 
 def summary(progress: Mapping[int, Progress]) -> dict[str, Any] | None:
     """The fields of a `training_progress` fact for these local ranks' reports (pure,
-    `rove.control.goodput.combined`)."""
+    `rove.control.domain.goodput.combined`)."""
     return goodput.combined(list(progress.values())) if progress else None
 
 

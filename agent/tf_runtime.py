@@ -51,7 +51,7 @@ from rove.agent import progress
 from rove.agent.diagnosis import Diagnosis, classify
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
-from rove.control import tf_cluster
+from rove.control.domain import tf_cluster
 
 log = structlog.get_logger("rove.agent")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from rove.control import tf_cluster
 from rove.control.catalogue.events import RoundCompleted, RoundMember
+from rove.control.domain import tf_cluster
 
 if TYPE_CHECKING:
     from rove.agent.config import AgentConfig

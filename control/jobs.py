@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rove.control import embedded, stored
-from rove.control import goodput as gp
+from rove.control.domain import goodput as gp
 from rove.control.errors import ConfigError
 from rove.control.master.state import JobState
 

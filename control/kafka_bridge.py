@@ -3,7 +3,7 @@
 A `JobService`: it follows the job, so it knows where the shards already
 published end (`state.streams`, folded by every master alike), and every
 `poll_s` it reads the topic's partitions and their watermarks from the
-brokers, cuts the new records into shards (`rove.control.streaming.cut`) and
+brokers, cuts the new records into shards (`rove.control.domain.streaming.cut`) and
 publishes them as one `stream_shards` fact. A bridge killed and started again
 continues where the folded shards end; two bridges are harmless (the fold
 ignores shards published before). Partitions added to the topic while it
@@ -36,10 +36,10 @@ from rove.control import logs
 from rove.control.bus import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.domain.streaming import cut
 from rove.control.errors import ConfigError, TemporaryError
 from rove.control.master import streams
 from rove.control.service import JobService
-from rove.control.streaming import cut
 
 log = structlog.get_logger("rove.kafka")
 

@@ -32,8 +32,8 @@ import structlog
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from rove.control import shards
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 from rove.shard_service.client import (
     DataClient,
     Placement,

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from rove.control import shards
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 from rove.shard_service.client import DataClient, dataset_spec, placement
 from rove.shard_service.keeper import LeaseKeeper
 from rove.shard_service.position import read_position as read_position

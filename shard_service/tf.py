@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from rove.control import shards
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 from rove.shard_service.client import DataClient, dataset_spec, placement
 from rove.shard_service.keeper import LeaseKeeper
 from rove.shard_service.position import read_position, saved_position

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from rove.control import shards
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 
 
 @dataclass

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
-from rove.control import shards
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 from rove.control.master import data as data_fold
 from rove.control.master.decide import decide
 from rove.control.master.state import JobState
@@ -279,7 +279,7 @@ def test_the_fast_shuffle_gives_exactly_pythons_shuffle() -> None:
     """Positions saved in checkpoints point into this order: it must never change."""
     import random
 
-    from rove.control.shards import shuffle
+    from rove.control.domain.shards import shuffle
 
     for seed in range(100):
         for n in (0, 1, 2, 3, 255, 256, 257, 512):

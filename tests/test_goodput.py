@@ -1,4 +1,4 @@
-"""Goodput from the event log (`rove.control.goodput`): scripted jobs with known times."""
+"""Goodput from the event log (`rove.control.domain.goodput`): scripted jobs with known times."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rove.control import goodput as gp
 from rove.control.catalogue import events as ev
-from rove.control.goodput import Bucket as B
+from rove.control.domain import goodput as gp
+from rove.control.domain.goodput import Bucket as B
 from tests import factories as f
 
 

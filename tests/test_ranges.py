@@ -1,4 +1,4 @@
-"""Key ranges (rove.control.shards): how positions hold done shards without expanding them.
+"""Key ranges (rove.control.domain.shards): how positions hold done shards without expanding them.
 Each operation agrees with the same operation on plain sets of keys."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rove.control import shards
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 
 keys = st.sets(st.integers(min_value=0, max_value=200), max_size=60)
 

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rove.control.catalogue import events as ev
+from rove.control.domain.streaming import cut
 from rove.control.master import streams
-from rove.control.streaming import cut
 from tests import factories
 
 W = ev.Watermark

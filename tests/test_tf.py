@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import shards
 from rove.control.bus import Bus
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 from rove.control.master import data as data_fold
 from tests.lineage import lineage, rows
 from tests.support import (

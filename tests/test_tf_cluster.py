@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from rove.control import tf_cluster
 from rove.control.catalogue import events as ev
+from rove.control.domain import tf_cluster
 from tests import factories
 from tests.sim import Sim
 

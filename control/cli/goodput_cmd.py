@@ -1,6 +1,6 @@
 """`rove goodput`: how much of a job's time trained its model, from the event log.
 
-Replays the job's events (`rove.control.goodput`) and prints the goodput ratio and
+Replays the job's events (`rove.control.domain.goodput`) and prints the goodput ratio and
 the badput by bucket, for the job's whole life or a window of it, as a table or one
 JSON object; `--svg` also draws the timeline with its failures.
 """
@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from rove.control import aio, runs
-from rove.control import goodput as gp
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.catalogue import subjects
+from rove.control.domain import goodput as gp
+from rove.control.domain.goodput_svg import render as render_svg
 from rove.control.errors import ConfigError
-from rove.control.goodput_svg import render as render_svg
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

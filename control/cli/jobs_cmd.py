@@ -18,11 +18,11 @@ import sys
 import time
 
 from rove.control import aio, embedded, records, stored
-from rove.control import goodput as gp
 from rove.control import jobs as jobs_mod
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.catalogue import subjects
+from rove.control.domain import goodput as gp
 from rove.control.errors import RoveError, UnknownJobError
 from rove.control.master.evolve import evolve
 from rove.control.master.state import initial

@@ -11,11 +11,12 @@ from typing import Any
 
 import msgspec
 
-from rove.control import aio, embedded, records, runs, shards
+from rove.control import aio, embedded, records, runs
 from rove.control import options as common
 from rove.control.bus import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.domain import shards
 from rove.control.master import data, streams
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder

@@ -34,8 +34,8 @@ import immutables
 import msgspec
 from msgspec.structs import replace
 
-from rove.control import shards
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 from rove.control.master import streams
 
 #: The most shards one request may ask for.

@@ -3,7 +3,7 @@
 `JobMetrics.observe` is called with each event and the state it led to, so it is
 kept cheap: most events only reach the goodput ledger. The gauges that describe
 the state (job phase, leases outstanding, goodput and badput) are computed from
-the newest state and the master's `rove.control.goodput.Ledger` when Prometheus
+the newest state and the master's `rove.control.domain.goodput.Ledger` when Prometheus
 scrapes.
 """
 
@@ -17,8 +17,8 @@ import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rove.control import goodput as gp
 from rove.control.catalogue import events as ev
+from rove.control.domain import goodput as gp
 from rove.control.master.state import JobState
 from rove.control.metrics import (
     CKPT_COMMITTED,

@@ -32,8 +32,8 @@ from collections.abc import Mapping
 
 import msgspec
 
-from rove.control import tf_cluster
 from rove.control.catalogue import events as ev
+from rove.control.domain import tf_cluster
 from rove.control.master import netcheck
 from rove.control.master.rdzv_state import Failure, RdzvState, Waiter
 

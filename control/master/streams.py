@@ -29,8 +29,8 @@ import immutables
 import msgspec
 from msgspec.structs import replace
 
-from rove.control import shards
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards
 
 #: Gaps kept for `rove status` (their count is unbounded).
 RECENT_GAPS = 20

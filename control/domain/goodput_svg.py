@@ -7,7 +7,7 @@ import datetime as dt
 from collections.abc import Callable
 from xml.sax.saxutils import escape
 
-from rove.control.goodput import Bucket, Failure, Interval, Report
+from rove.control.domain.goodput import Bucket, Failure, Interval, Report
 
 COLOURS = {
     Bucket.PRODUCTIVE: "#2e7d32",
