@@ -48,7 +48,7 @@ class AgentConfig:
     worker_env: tuple[tuple[str, str], ...] = ()
     #: Where a TensorFlow round's task logs go (default: under the state dir).
     log_dir: Path | None = None
-    #: The workers' own credentials (`rove.control.auth`, the trainer role), when the
+    #: The workers' own credentials (`rove.control.bus.auth`, the trainer role), when the
     #: agent's are not theirs to use (a standalone job: the agent's are the master's too)
     worker_auth: Path | None = None
     #: Faults to inject on purpose (`--inject-fault`, `rove.agent.faults`).

@@ -27,8 +27,8 @@ from nats.js.kv import KeyValue
 
 from rove.agent.metrics import Sampler
 from rove.control import pool as registry
-from rove.control import retry
-from rove.control.bus import Bus
+from rove.control.bus import retry
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import plain
 from rove.control.pool import PoolEntry, PoolState

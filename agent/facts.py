@@ -12,8 +12,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
-from rove.control.outbox import Outbox
 
 
 class NodeFacts:

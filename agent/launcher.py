@@ -34,10 +34,11 @@ from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
-from rove.control import aio, auth, embedded, joblogs, jobs, logs, metrics, runs, suggest
+from rove.control import aio, joblogs, jobs, logs, metrics, runs, suggest
 from rove.control import options as common
-from rove.control.bus import Bus
-from rove.control.bus_options import closed
+from rove.control.bus import auth, embedded
+from rove.control.bus.client import Bus
+from rove.control.bus.options import closed
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput, tf_cluster

@@ -19,7 +19,7 @@ import nats.errors
 import structlog
 
 from rove.control import metrics
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.errors import RoveError, plain
 from rove.control.master.election import current_holder

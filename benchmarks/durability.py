@@ -21,9 +21,9 @@ from pathlib import Path
 
 from rove.control import logs
 from rove.control.aio import run as run_async
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
-from rove.control.embedded import EmbeddedServer
 
 
 def facts(job: str, n: int) -> list[ev.Event]:

@@ -40,7 +40,7 @@ from typing import Any
 
 from common import pid_alive, trace_rows
 
-from rove.control.embedded import EmbeddedServer
+from rove.control.bus.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train.py"

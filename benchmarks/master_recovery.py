@@ -28,9 +28,9 @@ import nats
 
 from rove.control import logs
 from rove.control.aio import run as run_async
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
-from rove.control.embedded import EmbeddedServer
 from rove.control.master import snapshots
 from rove.control.master.evolve import evolve
 from rove.control.master.replica import Replica

@@ -42,10 +42,10 @@ from common import trace_rows, wait_for
 
 from rove.control import logs
 from rove.control.aio import run as run_async
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_sharded.py"

@@ -38,10 +38,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from rove.control import logs
 from rove.control.aio import run as run_async
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.embedded import EmbeddedServer
 
 JOB = "bench"
 

@@ -59,7 +59,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from torch.utils.data._utils.collate import default_collate
 
 from rove.control import logs
-from rove.control.embedded import EmbeddedServer
+from rove.control.bus.embedded import EmbeddedServer
 
 JOB = "bench-stream"
 PARTITIONS = 4

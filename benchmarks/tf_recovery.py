@@ -223,7 +223,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
-    from rove.control.embedded import EmbeddedServer
+    from rove.control.bus.embedded import EmbeddedServer
 
     worker, ps, manual = [], [], []
     with tempfile.TemporaryDirectory() as tmp_:

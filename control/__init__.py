@@ -4,7 +4,7 @@ bridge) and the `rove` command line (`cli`).
 
 Agents, masters, the scaler and the CLI never call each other: they publish typed
 events (``rove.control.catalogue.events``) to JetStream subjects
-(``rove.control.catalogue.subjects``) through ``rove.control.bus`` and consume the
+(``rove.control.catalogue.subjects``) through ``rove.control.bus.client`` and consume the
 subjects they care about.
 
 What may import what (docs/architecture.md, "Layers and contracts"; `make lint`

@@ -20,7 +20,7 @@ class TemporaryError(RoveError):
     """The call may succeed later (a server is electing a leader, a connection is down).
 
     `retry_after` says how long to wait before the next try, in seconds; 0 leaves
-    it to the retry policy's backoff (`rove.control.retry`).
+    it to the retry policy's backoff (`rove.control.bus.retry`).
     """
 
     def __init__(self, message: str, *, retry_after: float = 0.0) -> None:

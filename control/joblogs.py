@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from rove.control import embedded
+from rove.control.bus import embedded
 
 STREAMS = ("stdout", "stderr")
 _ROUND = re.compile(r"round(\d+)$")

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rove.control import embedded, stored
+from rove.control.bus import embedded, stored
 from rove.control.domain import goodput as gp
 from rove.control.errors import ConfigError
 from rove.control.master.state import JobState

@@ -33,7 +33,7 @@ import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from rove.control import logs
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain.streaming import cut

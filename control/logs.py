@@ -84,7 +84,7 @@ def _configure(level: str | None, fmt: str | None, out: TextIO, console: bool | 
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
-    # rove logs its retries itself, with the entity (rove.control.retry, the outboxes)
+    # rove logs its retries itself, with the entity (rove.control.bus.retry, the outboxes)
     stamina.instrumentation.set_on_retry_hooks([])
 
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rove.control import embedded, stored
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus import embedded, stored
+from rove.control.bus.client import Bus, BusOptions
 from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
 
 # Exit codes of the CLI.
@@ -196,7 +196,7 @@ def bus_options(
                 auth_file = str(found)
             ended = stored.StoredJob.find(job) if not url and role in READERS else None
             if ended is not None:
-                # a job that has ended: its stored stream, read on a copy (rove.control.stored)
+                # a job that has ended: its stored stream, read on a copy (rove.control.bus.stored)
                 # (as the job's launcher: a heartbeat stream, kept in memory, is made anew)
                 embedded_dir, stored_job = ended.open(), job
                 embedded_config = ended.auth_config

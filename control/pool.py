@@ -24,7 +24,7 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 

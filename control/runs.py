@@ -9,8 +9,8 @@ after the end of run N-1 (run 1: from the beginning) up to the end of run N.
 
 from __future__ import annotations
 
-from rove.control import records
-from rove.control.bus import Bus
+from rove.control.bus import records
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp

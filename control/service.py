@@ -21,14 +21,14 @@ from collections.abc import Callable
 
 import structlog
 
-from rove.control import records, retry
-from rove.control.bus import Bus
+from rove.control.bus import records, retry
+from rove.control.bus.client import Bus
+from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import RoveError
 from rove.control.master.replica import Replica
 from rove.control.master.state import JobState
-from rove.control.outbox import Outbox
 
 log = structlog.get_logger("rove.service")
 

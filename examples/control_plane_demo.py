@@ -21,10 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.embedded import EmbeddedServer
 from rove.control.master.election import current_holder
 
 JOB = "demo"

@@ -24,14 +24,14 @@ from typing import Any
 
 import structlog
 
-from rove.control import records
-from rove.control.bus import Bus
-from rove.control.bus_options import options_from_env
+from rove.control.bus import records
+from rove.control.bus.client import Bus
+from rove.control.bus.options import options_from_env
+from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import shards
 from rove.control.errors import RoveError
-from rove.control.outbox import Outbox
 
 log = structlog.get_logger("rove.data")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rove.control import logs
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import subjects
-from rove.control.embedded import EmbeddedServer
 from tests import support
 from tests.kafkamock import KafkaCluster
 from tests.support import Cluster

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rove.control.embedded import EmbeddedServer
+from rove.control.bus.embedded import EmbeddedServer
 
 
 def rove_cli(

@@ -1,4 +1,4 @@
-"""rove's roles as NATS permissions (rove.control.auth), against a real nats-server running
+"""rove's roles as NATS permissions (rove.control.bus.auth), against a real nats-server running
 the generated configuration: every denial is asserted (the publish raises, nothing is
 stored), not assumed. And a `--standalone` job's embedded server accepts only the job's
 own credentials, which reach its workers as a file, never as a secret in their
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from msgspec.structs import replace
 
-from rove.control import auth
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus import auth
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.embedded import EmbeddedServer
 from rove.control.errors import BusUnavailableError, NotAuthorizedError, PermissionDeniedError
 from tests import factories
 from tests.support import ROOT, RunProc, rove_cli, stored_events
@@ -158,8 +158,8 @@ async def test_a_standalone_job_admits_only_its_own_credentials_and_hides_them_f
     script = tmp_path / "probe.py"
     script.write_text(
         "import asyncio, json, os, sys\n"
-        "from rove.control.bus import Bus, BusOptions\n"
-        "from rove.control.bus_options import options_from_env\n"
+        "from rove.control.bus.client import Bus, BusOptions\n"
+        "from rove.control.bus.options import options_from_env\n"
         "from rove.control.errors import NotAuthorizedError, PermissionDeniedError\n"
         "from tests import factories\n"
         f"out = {str(tmp_path / 'probe.json')!r}\n"

@@ -21,7 +21,7 @@ from typing import Any
 import kmock
 import pytest
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
 from rove.control.scaler.backend import Backend

@@ -9,11 +9,12 @@ import msgspec
 import pytest
 from nats.js.api import DiscardPolicy
 
-from rove.control import records
-from rove.control.bus import Bus, BusOptions, Fence
+from rove.control.bus import records
+from rove.control.bus.client import Bus, BusOptions, Fence
+from rove.control.bus.embedded import EmbeddedServer
+from rove.control.bus.feed import stalled
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,
     ConfigError,
@@ -21,7 +22,6 @@ from rove.control.errors import (
     NotAuthorizedError,
     PublishDeadlineError,
 )
-from rove.control.feed import stalled
 from tests import factories
 from tests.support import eventually, free_port, patience
 
@@ -264,7 +264,7 @@ async def test_caught_up_is_set_for_an_empty_job_and_after_the_backlog(bus: Bus)
 def test_fast_header_parser_agrees_with_nats_py(raw: bytes) -> None:
     from nats.aio.client import Client
 
-    from rove.control.natsclient import parse_header_lines
+    from rove.control.bus.natsclient import parse_header_lines
 
     assert parse_header_lines(raw) == Client._parse_header_lines(raw)
 
@@ -274,7 +274,7 @@ async def test_a_worker_reaches_an_authenticated_server_with_the_agents_credenti
 ) -> None:
     """`rove run` hands its workers the URL and credentials (`options_env`); a data
     client in the worker connects with them (`options_from_env`)."""
-    from rove.control.bus_options import options_env, options_from_env
+    from rove.control.bus.options import options_env, options_from_env
     from rove.shard_service.client import DataClient
 
     server = EmbeddedServer(tmp_path / "auth", extra_args=["--user", "rove", "--pass", "s3cret"])

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from rove.control import catchup
-from rove.control.bus import Bus
+from rove.control.bus import catchup
+from rove.control.bus.client import Bus
+from rove.control.bus.natsclient import RoveNatsClient
 from rove.control.catalogue import subjects
-from rove.control.natsclient import RoveNatsClient
 from tests import factories
 from tests.support import eventually
 

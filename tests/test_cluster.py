@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import subjects
 from tests import factories
 from tests.support import Cluster, patience, stored_events

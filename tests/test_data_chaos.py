@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import events as ev
 from tests.lineage import lineage, progress, rows
 from tests.netns import Netns

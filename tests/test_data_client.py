@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.shard_service import DataError, ShardSampler
 from tests.support import MasterProc, rove_cli, stored_events

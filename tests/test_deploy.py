@@ -324,7 +324,7 @@ async def test_the_nats_users_of_deploy_work_and_the_readonly_and_agent_ones_are
     import nats
     import nats.errors
 
-    from rove.control.bus import Bus, BusOptions
+    from rove.control.bus.client import Bus, BusOptions
     from rove.control.catalogue import subjects
     from tests import factories
     from tests.support import free_port, rove_cli

@@ -7,7 +7,7 @@ import asyncio
 
 import nats.js.errors
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.master.election import Lease, busy
 
 

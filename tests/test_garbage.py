@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.master import snapshots

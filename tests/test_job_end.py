@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rove.control.bus import Bus, BusOptions
+from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import events as ev
 from tests.support import TRAIN, Cluster, MasterProc, RunProc, job_events, rove_cli, trace_rows
 
@@ -73,7 +73,7 @@ def test_a_job_that_ends_right_after_a_flash_save_commits_that_step_first(
 
 def _stored(home: Path, job: str) -> list[ev.Event]:
     """The events of an ended standalone job, read from its server's store on disk."""
-    from rove.control.embedded import EmbeddedServer
+    from rove.control.bus.embedded import EmbeddedServer
 
     async def read() -> list[ev.Event]:
         server = EmbeddedServer(home / "jobs" / job / "nats")

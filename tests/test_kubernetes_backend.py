@@ -14,7 +14,7 @@ from pathlib import Path
 import kmock
 import pytest
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError, PermanentError, TemporaryError
 from rove.control.scaler import pods

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rove.control.natsclient import ack_position
+from rove.control.bus.natsclient import ack_position
 
 
 def test_ack_position_reads_v1_and_v2_reply_subjects() -> None:

@@ -7,12 +7,12 @@ import asyncio
 import nats.errors
 import pytest
 
-from rove.control import records
-from rove.control.bus import Bus
+from rove.control.bus import records
+from rove.control.bus.client import Bus
+from rove.control.bus.feed import Feed
+from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.errors import RoveError
-from rove.control.feed import Feed
-from rove.control.outbox import Outbox
 from rove.control.service import JobService
 from tests import factories
 from tests.support import eventually, patience, stored_events

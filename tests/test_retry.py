@@ -6,7 +6,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from rove.control import retry
+from rove.control.bus import retry
 from rove.control.errors import (
     BusUnavailableError,
     ConfigError,

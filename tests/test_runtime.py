@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from tests.support import (
     TRAIN,
@@ -437,8 +437,8 @@ def test_workers_get_the_same_environment_as_under_torchrun(tmp_path: Path) -> N
 async def test_workers_keep_training_while_nats_is_down_and_buffered_facts_arrive_later(
     tmp_path: Path,
 ) -> None:
-    from rove.control.bus import BusOptions
-    from rove.control.embedded import EmbeddedServer
+    from rove.control.bus.client import BusOptions
+    from rove.control.bus.embedded import EmbeddedServer
     from tests.support import free_port
 
     port = free_port()

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from rove.control import auth
-from rove.control.bus import Bus
+from rove.control.bus import auth
+from rove.control.bus.client import Bus
+from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
-from rove.control.embedded import EmbeddedServer
 from tests.lineage import lineage, progress
 from tests.support import (
     ROOT,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rove.control import records
-from rove.control.bus import Bus
+from rove.control.bus import records
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.service import JobService
 from tests import factories

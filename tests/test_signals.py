@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rove.control.embedded import EmbeddedServer
+from rove.control.bus.embedded import EmbeddedServer
 from tests.support import MasterProc, RunProc, patience, rove_cli
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -8,7 +8,7 @@ import immutables
 import msgspec
 import pytest
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import LostEventsError

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.master import streams
 from tests.kafkamock import ClickStream

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.shard_service.kafka import Record
 from tests import factories

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.domain import shards
 from rove.control.master import data as data_fold

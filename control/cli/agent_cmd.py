@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rove.control import aio
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 
 

@@ -7,7 +7,7 @@
 It writes `nats-auth.conf` (include it in the server's configuration, or start
 `nats-server -c` with it) and one credentials file per role (mode 0600: hand
 each to the process of that role with `--nats-auth FILE`). What each role may
-do is in `rove.control.auth` and docs/operations.md.
+do is in `rove.control.bus.auth` and docs/operations.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from msgspec.structs import replace
 
-from rove.control import auth
+from rove.control.bus import auth
 from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
 

@@ -8,9 +8,10 @@ import datetime as dt
 import sys
 import time
 
-from rove.control import aio, records, runs
+from rove.control import aio, runs
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus import records
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.cli.format import event_json, event_line

@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
+from rove.control.bus.records import Recorded
 from rove.control.catalogue import events as ev
-from rove.control.records import Recorded
 
 _COMMON = {"job", "id", "producer", "ts", "epoch"}
 

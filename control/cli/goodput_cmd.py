@@ -17,7 +17,7 @@ from typing import Any
 
 from rove.control import aio, runs
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp
 from rove.control.domain.goodput_svg import render as render_svg

@@ -17,10 +17,11 @@ import json
 import sys
 import time
 
-from rove.control import aio, embedded, records, stored
+from rove.control import aio
 from rove.control import jobs as jobs_mod
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus import embedded, records, stored
+from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp
 from rove.control.errors import RoveError, UnknownJobError

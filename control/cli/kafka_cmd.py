@@ -18,7 +18,7 @@ import structlog
 
 from rove.control import aio
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
 

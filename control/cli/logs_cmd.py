@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from rove.control import joblogs, stored
+from rove.control import joblogs
 from rove.control import options as common
+from rove.control.bus import stored
 from rove.control.catalogue import subjects
 from rove.control.errors import UnknownJobError
 

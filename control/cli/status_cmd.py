@@ -11,9 +11,10 @@ from typing import Any
 
 import msgspec
 
-from rove.control import aio, embedded, records, runs
+from rove.control import aio, runs
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus import embedded, records
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import shards

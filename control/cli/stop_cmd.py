@@ -11,7 +11,7 @@ import uuid
 
 from rove.control import aio
 from rove.control import options as common
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 

@@ -4,7 +4,7 @@ Candidates `create` the job's key; the winner's revision is its epoch. The
 holder renews with compare-and-set at a third of the bucket TTL; a failed
 renewal means the lease is gone (expired while the holder was paused, or
 taken) and the holder must stop writing at once. Fencing of the writes
-themselves is done by the server (see `rove.control.bus.Fence`), so a holder
+themselves is done by the server (see `rove.control.bus.client.Fence`), so a holder
 that has not yet noticed is still stopped.
 """
 
@@ -19,7 +19,7 @@ import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
-from rove.control import retry
+from rove.control.bus import retry
 from rove.control.catalogue import subjects
 from rove.control.errors import plain
 

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import structlog
 
-from rove.control import records
-from rove.control.bus import Bus
+from rove.control.bus import records
+from rove.control.bus.client import Bus
+from rove.control.bus.feed import Feed
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import LostEventsError
-from rove.control.feed import Feed
 from rove.control.master import continuity, snapshots
 from rove.control.master.evolve import evolve
 from rove.control.master.state import JobState, initial

@@ -20,8 +20,8 @@ import nats.js.errors
 import stamina
 import structlog
 
-from rove.control import records
-from rove.control.bus import Bus, Fence
+from rove.control.bus import records
+from rove.control.bus.client import Bus, Fence
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import FencedError, PublishDeadlineError, RoveError

@@ -16,7 +16,7 @@ import nats.js.errors
 import structlog
 from nats.js.api import Header
 
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.master.state import JobState, decode_state, encode_state
 

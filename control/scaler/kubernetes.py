@@ -20,7 +20,7 @@ Errors: a refused request that retrying cannot fix (`400`, `403`, `404` on the
 namespace, `422`) is a `PermanentError` that says which permission or field is
 wrong; a server error, `429` (its `Retry-After` honoured) or a connection
 failure is a `TemporaryError`, which the scaler retries with exponential
-backoff inside the plan's deadline (`rove.control.retry`).
+backoff inside the plan's deadline (`rove.control.bus.retry`).
 
 The client is the official one, but these tests run it against an HTTP-level
 emulator (`kmock`), not a live cluster: see docs/kubernetes.md for what that

@@ -34,7 +34,8 @@ import msgspec
 import psutil
 import structlog
 
-from rove.control import cgroups, embedded
+from rove.control import cgroups
+from rove.control.bus import embedded
 from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
 from rove.control.scaler.backend import Backend, Ended, NodeInfo

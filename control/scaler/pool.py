@@ -21,7 +21,7 @@ import structlog
 from nats.js.kv import KeyValue
 
 from rove.control import pool as registry
-from rove.control.bus import Bus
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
 from rove.control.pool import PoolEntry, PoolState

@@ -2,7 +2,7 @@
 
 It never decides anything. The master's optimiser publishes a `scale_plan`;
 the scaler starts the plan's nodes, then stops the ones it removes, each call
-retried with backoff (`rove.control.retry`) inside one total deadline per
+retried with backoff (`rove.control.bus.retry`) inside one total deadline per
 plan, and reports `plan_applied` or `plan_failed` (ids made of the plan
 number: a report sent twice is stored once). It also tells the master at once
 when a node's process ends (`node_gone`), instead of leaving it to heartbeat
@@ -23,8 +23,8 @@ from typing import TypeVar
 
 import structlog
 
-from rove.control import records, retry
-from rove.control.bus import Bus
+from rove.control.bus import records, retry
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
 from rove.control.master.state import NodeStatus

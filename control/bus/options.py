@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rove.control import auth, embedded
+from rove.control.bus import auth, embedded
 from rove.control.errors import ConfigError
 
 
@@ -35,7 +35,7 @@ class BusOptions:
     token: str | None = None
     creds_file: str | None = None
     nkey_seed_file: str | None = None
-    #: rove's own credentials file (`rove.control.auth`: nkey seed and inbox prefix)
+    #: rove's own credentials file (`rove.control.bus.auth`: nkey seed and inbox prefix)
     auth_file: str | None = None
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
@@ -53,7 +53,7 @@ class BusOptions:
     embedded_config: Path | None = None
     create_streams: bool = True
     #: `embedded_dir` is a scratch copy of this ended job's stored stream
-    #: (`rove.control.stored`): read only, and deleted when the bus closes
+    #: (`rove.control.bus.stored`): read only, and deleted when the bus closes
     stored_job: str | None = None
     #: How long the event stream keeps events, when it is created (env ROVE_EVENTS_MAX_AGE):
     #: older ones are retired, the jobs they belong to long over (docs/operations.md).

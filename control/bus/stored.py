@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from rove.control import embedded
+from rove.control.bus import embedded
 from rove.control.errors import ConfigError
 
 log = structlog.get_logger("rove.stored")

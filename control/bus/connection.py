@@ -1,7 +1,7 @@
 """How rove opens a connection to NATS: `BusOptions` made into nats-py's arguments
 (servers, credentials, TLS, reconnects), the client's callbacks (what a disconnect, a
 reconnect or a refused publish says), and a failed first connection made into rove's
-own errors with what to do. `rove.control.bus` builds on it.
+own errors with what to do. `rove.control.bus.client` builds on it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import nats.errors
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from rove.control import auth, bus_options
-from rove.control.bus_options import BusOptions
+from rove.control.bus import auth
+from rove.control.bus import options as bus_options
+from rove.control.bus.natsclient import RoveNatsClient
+from rove.control.bus.options import BusOptions
 from rove.control.errors import BusUnavailableError, ConfigError, NotAuthorizedError, plain
-from rove.control.natsclient import RoveNatsClient
 
 log = structlog.get_logger("rove.bus")
 

@@ -21,7 +21,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 
-from rove.control import records
+from rove.control.bus import records
 from rove.control.errors import RoveError, plain
 
 log = structlog.get_logger("rove.bus")

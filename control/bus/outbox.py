@@ -2,7 +2,7 @@
 
 An agent and a data client each send their facts through one `Outbox`. A fact
 that cannot be published within its deadline is retried by rove's retry policy
-(`rove.control.retry`: backoff with jitter, up to `wait_max_s` between tries),
+(`rove.control.bus.retry`: backoff with jitter, up to `wait_max_s` between tries),
 for as long as it takes. The same event with the same id is re-sent, so a
 publish that did land is stored once. Heartbeats do not go through here: only
 the newest matters, so a heartbeat that cannot be sent is simply skipped.
@@ -15,8 +15,9 @@ import functools
 
 import structlog
 
-from rove.control import aio, retry
-from rove.control.bus import Bus
+from rove.control import aio
+from rove.control.bus import retry
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
 

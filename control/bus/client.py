@@ -41,11 +41,15 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import bus_options, catchup, connection, metrics, records, retry, stored
-from rove.control.bus_options import BusOptions as BusOptions  # (Bus.connect takes them)
+from rove.control import metrics
+from rove.control.bus import catchup, connection, records, retry, stored
+from rove.control.bus import options as bus_options
+from rove.control.bus.embedded import EmbeddedServer
+from rove.control.bus.feed import STALL_CHECK_S, Feed, RejectionLog, nothing_since
+from rove.control.bus.natsclient import RoveNatsClient, ack_position
+from rove.control.bus.options import BusOptions as BusOptions  # (Bus.connect takes them)
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.embedded import EmbeddedServer
 from rove.control.errors import (
     BusUnavailableError,
     ConfigError,
@@ -53,8 +57,6 @@ from rove.control.errors import (
     PermissionDeniedError,
     RoveError,
 )
-from rove.control.feed import STALL_CHECK_S, Feed, RejectionLog, nothing_since
-from rove.control.natsclient import RoveNatsClient, ack_position
 
 log = structlog.get_logger("rove.bus")
 

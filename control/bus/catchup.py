@@ -33,8 +33,8 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from rove.control.bus.natsclient import RoveNatsClient, delivery_sequences
 from rove.control.errors import plain
-from rove.control.natsclient import RoveNatsClient, delivery_sequences
 
 log = structlog.get_logger("rove.catchup")
 

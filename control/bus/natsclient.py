@@ -10,7 +10,7 @@ changes nats-py's internals is caught:
   delivery's reply subject without building nats-py's `Msg.metadata` objects;
 * `RoveNatsClient.raw_deliveries` lets one subscription receive messages
   straight from the protocol parser, without a `Msg`, a header dict, a queue
-  or a task switch per message. Only `rove.control.catchup` uses it, for bulk
+  or a task switch per message. Only `rove.control.bus.catchup` uses it, for bulk
   replay; everything else goes through nats-py's normal path.
 """
 
