@@ -49,7 +49,6 @@ from rove.agent.resumption import Resumption
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
 from rove.agent.worker_env import member_of, rove_env, worker_envs
-from rove.control import aio
 from rove.control.bus import records, retry
 from rove.control.bus.client import Bus
 from rove.control.bus.feed import Feed
@@ -59,6 +58,7 @@ from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import tf_cluster
 from rove.control.errors import RoveError
+from rove.control.process import aio
 
 log = structlog.get_logger("rove.agent")
 

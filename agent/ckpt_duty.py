@@ -22,8 +22,8 @@ from rove.agent.facts import NodeFacts
 from rove.agent.saver import Saver
 from rove.checkpoint.engine import CheckpointError
 from rove.checkpoint.storage import SlotOverwritten
-from rove.control import metrics
 from rove.control.catalogue import events as ev
+from rove.control.process import metrics
 
 log = structlog.get_logger("rove.agent")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from rove.agent.diagnosis import signal_name
 from rove.agent.facts import NodeFacts
 from rove.agent.runtime import RootFailure, TaskRestart
-from rove.control import metrics
 from rove.control.catalogue import events as ev
+from rove.control.process import metrics
 
 
 def summary(node: str, rank: int, root: RootFailure) -> list[str]:

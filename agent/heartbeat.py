@@ -20,10 +20,10 @@ import structlog
 from rove.agent.facts import NodeFacts
 from rove.agent.metrics import Sampler
 from rove.agent.runtime import WorkerRuntime
-from rove.control import metrics
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import PublishDeadlineError
+from rove.control.process import metrics
 
 log = structlog.get_logger("rove.agent")
 

@@ -34,7 +34,7 @@ from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
-from rove.control import aio, joblogs, jobs, logs, metrics, runs, suggest
+from rove.control import joblogs, jobs, runs, suggest
 from rove.control import options as common
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
@@ -44,6 +44,7 @@ from rove.control.catalogue import subjects
 from rove.control.domain import goodput, tf_cluster
 from rove.control.errors import ConfigError, RoveError, plain
 from rove.control.master.runner import SupervisedMaster
+from rove.control.process import aio, logs, metrics
 
 if TYPE_CHECKING:
     from rove.control.kafka_bridge import KafkaBridge

@@ -18,11 +18,11 @@ from collections.abc import Callable
 import nats.errors
 import structlog
 
-from rove.control import metrics
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.errors import RoveError, plain
 from rove.control.master.election import current_holder
+from rove.control.process import metrics
 
 log = structlog.get_logger("rove.agent")
 

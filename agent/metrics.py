@@ -15,8 +15,8 @@ from typing import Any
 import psutil
 import structlog
 
-from rove.control import cgroups, metrics
 from rove.control.catalogue import events as ev
+from rove.control.process import cgroups, metrics
 
 log = structlog.get_logger("rove.metrics")
 

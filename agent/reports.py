@@ -17,9 +17,9 @@ from typing import Any
 
 from rove.agent.facts import NodeFacts
 from rove.agent.progress import Progress
-from rove.control import metrics
 from rove.control.catalogue import events as ev
 from rove.control.domain import goodput
+from rove.control.process import metrics
 
 #: Seconds between two reports of a running round.
 EVERY_S = 5.0

@@ -26,12 +26,12 @@ from pathlib import Path
 import nats
 from nats.js.api import Header
 
-from rove.control import logs
-from rove.control.aio import run as run_async
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.process import logs
+from rove.control.process.aio import run as run_async
 
 
 def events(job: str, n: int) -> list[ev.Event]:

@@ -19,11 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from rove.control import logs
-from rove.control.aio import run as run_async
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
+from rove.control.process import logs
+from rove.control.process.aio import run as run_async
 
 
 def facts(job: str, n: int) -> list[ev.Event]:

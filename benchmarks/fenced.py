@@ -33,12 +33,12 @@ from pathlib import Path
 
 import nats.js.errors
 
-from rove.control import logs
-from rove.control.aio import run as run_async
 from rove.control.bus.client import Bus, BusOptions, Fence
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.process import logs
+from rove.control.process.aio import run as run_async
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support import Cluster  # the same 3-node cluster the tests start

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import nats
 
-from rove.control import logs
-from rove.control.aio import run as run_async
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
@@ -36,6 +34,8 @@ from rove.control.master.evolve import evolve
 from rove.control.master.replica import Replica
 from rove.control.master.runner import MasterRunner
 from rove.control.master.state import encode_state, initial
+from rove.control.process import logs
+from rove.control.process.aio import run as run_async
 
 JOB = "bench"
 

@@ -40,12 +40,12 @@ from typing import Any
 
 from common import trace_rows, wait_for
 
-from rove.control import logs
-from rove.control.aio import run as run_async
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.process import logs
+from rove.control.process.aio import run as run_async
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_sharded.py"

@@ -36,12 +36,12 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from rove.control import logs
-from rove.control.aio import run as run_async
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.process import logs
+from rove.control.process.aio import run as run_async
 
 JOB = "bench"
 

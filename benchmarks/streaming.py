@@ -58,8 +58,8 @@ from common import wait_for
 from confluent_kafka import Consumer, Producer, TopicPartition
 from torch.utils.data._utils.collate import default_collate
 
-from rove.control import logs
 from rove.control.bus.embedded import EmbeddedServer
+from rove.control.process import logs
 
 JOB = "bench-stream"
 PARTITIONS = 4

@@ -32,13 +32,13 @@ from collections.abc import Callable
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from rove.control import logs
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain.streaming import cut
 from rove.control.errors import ConfigError, TemporaryError
 from rove.control.master import streams
+from rove.control.process import logs
 from rove.control.service import JobService
 
 log = structlog.get_logger("rove.kafka")

@@ -32,8 +32,8 @@ from typing import cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from rove.control import logs
 from rove.control.catalogue import events as ev
+from rove.control.process import logs
 from rove.shard_service.keeper import DataError
 
 #: librdkafka's own log lines (connection retries every second) stay out of rove's

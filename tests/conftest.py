@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import logs
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import subjects
+from rove.control.process import logs
 from tests import support
 from tests.kafkamock import KafkaCluster
 from tests.support import Cluster

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rove.control.aio import Supervisor, cancel_and_wait
+from rove.control.process.aio import Supervisor, cancel_and_wait
 
 
 async def test_a_task_that_swallows_its_cancellation_is_cancelled_again() -> None:

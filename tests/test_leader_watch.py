@@ -9,8 +9,8 @@ import pytest
 import structlog
 
 from rove.agent.leader_watch import LeaderWatch
-from rove.control import logs as rove_logs
-from rove.control import metrics
+from rove.control.process import logs as rove_logs
+from rove.control.process import metrics
 
 
 @pytest.fixture(autouse=True)

@@ -9,13 +9,13 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
-from rove.control import metrics
 from rove.control import options as common
 from rove.control.catalogue import events as ev
 from rove.control.domain import goodput as gp
 from rove.control.master.evolve import evolve
 from rove.control.master.metrics import JobMetrics
 from rove.control.master.state import initial
+from rove.control.process import metrics
 from tests import factories as f
 from tests.support import scrape
 from tests.test_goodput import at, one_failure

@@ -41,7 +41,6 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control import metrics
 from rove.control.bus import catchup, connection, records, retry, stored
 from rove.control.bus import options as bus_options
 from rove.control.bus.embedded import EmbeddedServer
@@ -57,6 +56,7 @@ from rove.control.errors import (
     PermissionDeniedError,
     RoveError,
 )
+from rove.control.process import metrics
 
 log = structlog.get_logger("rove.bus")
 

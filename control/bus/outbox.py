@@ -15,11 +15,11 @@ import functools
 
 import structlog
 
-from rove.control import aio
 from rove.control.bus import retry
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
+from rove.control.process import aio
 
 log = structlog.get_logger("rove.outbox")
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rove.control import aio
 from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
+from rove.control.process import aio
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

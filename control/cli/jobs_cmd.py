@@ -17,7 +17,6 @@ import json
 import sys
 import time
 
-from rove.control import aio
 from rove.control import jobs as jobs_mod
 from rove.control import options as common
 from rove.control.bus import embedded, records, stored
@@ -27,6 +26,7 @@ from rove.control.domain import goodput as gp
 from rove.control.errors import RoveError, UnknownJobError
 from rove.control.master.evolve import evolve
 from rove.control.master.state import initial
+from rove.control.process import aio
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -16,11 +16,11 @@ import argparse
 
 import structlog
 
-from rove.control import aio
 from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
+from rove.control.process import aio
 
 log = structlog.get_logger("rove.kafka")
 

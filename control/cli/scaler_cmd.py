@@ -15,11 +15,11 @@ from pathlib import Path
 
 import structlog
 
-from rove.control import aio
 from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
+from rove.control.process import aio
 from rove.control.scaler.backend import Backend
 from rove.control.scaler.local import LocalBackend
 from rove.control.scaler.pool import PoolBackend

@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from rove.control import aio, runs
 from rove.control import options as common
+from rove.control import runs
 from rove.control.bus import embedded, records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
@@ -24,6 +24,7 @@ from rove.control.master.election import Holder, current_holder
 from rove.control.master.evolve import evolve
 from rove.control.master.replica import Replica
 from rove.control.master.state import JobState, initial
+from rove.control.process import aio
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -9,11 +9,11 @@ import sys
 import time
 import uuid
 
-from rove.control import aio
 from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.process import aio
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -14,12 +14,12 @@ import argparse
 import time
 from pathlib import Path
 
-from rove.control import aio
 from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
+from rove.control.process import aio
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,4 +1,4 @@
-"""The job metrics (`rove.control.metrics`), from the events a master folds.
+"""The job metrics (`rove.control.process.metrics`), from the events a master folds.
 
 `JobMetrics.observe` is called with each event and the state it led to, so it is
 kept cheap: most events only reach the goodput ledger. The gauges that describe
@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from rove.control.catalogue import events as ev
 from rove.control.domain import goodput as gp
 from rove.control.master.state import JobState
-from rove.control.metrics import (
+from rove.control.process.metrics import (
     CKPT_COMMITTED,
     CKPT_FAILED,
     DETECT,

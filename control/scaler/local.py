@@ -34,10 +34,10 @@ import msgspec
 import psutil
 import structlog
 
-from rove.control import cgroups
 from rove.control.bus import embedded
 from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
+from rove.control.process import cgroups
 from rove.control.scaler.backend import Backend, Ended, NodeInfo
 
 log = structlog.get_logger("rove.scaler.local")
