@@ -1,7 +1,7 @@
 """`rove agent --pool P`: a long-lived agent per machine that a scaler assigns to jobs.
 
 The form the Kubernetes DaemonSet runs. The daemon announces itself idle in the
-pool registry (`rove.control.pool`) with its capacity, and refreshes that every
+pool registry (`rove.control.services.pool`) with its capacity, and refreshes that every
 `refresh_s`. When a scaler assigns it node N of job J (a compare-and-set on its
 entry), it starts N exactly as `rove run` would, a `rove run` process with the
 job's workload and N's memory limit (`rove.control.scaler.local` does the
@@ -26,13 +26,13 @@ import structlog
 from nats.js.kv import KeyValue
 
 from rove.agent.metrics import Sampler
-from rove.control import pool as registry
 from rove.control.bus import retry
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import plain
-from rove.control.pool import PoolEntry, PoolState
 from rove.control.scaler.local import LocalBackend
+from rove.control.services import pool as registry
+from rove.control.services.pool import PoolEntry, PoolState
 
 log = structlog.get_logger("rove.daemon")
 

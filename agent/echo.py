@@ -33,7 +33,7 @@ import structlog
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 
-from rove.control import joblogs
+from rove.control.history import joblogs
 
 log = structlog.get_logger("rove.agent")
 

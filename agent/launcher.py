@@ -34,8 +34,6 @@ from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.run_args import build_parser, warn_ignored
-from rove.control import joblogs, jobs, runs, suggest
-from rove.control import options as common
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
@@ -43,11 +41,14 @@ from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput, tf_cluster
 from rove.control.errors import ConfigError, RoveError, plain
+from rove.control.flags import options as common
+from rove.control.flags import suggest
+from rove.control.history import joblogs, jobs, runs
 from rove.control.master.runner import SupervisedMaster
 from rove.control.process import aio, logs, metrics
 
 if TYPE_CHECKING:
-    from rove.control.kafka_bridge import KafkaBridge
+    from rove.control.services.kafka_bridge import KafkaBridge
 
 log = structlog.get_logger("rove.run")
 
@@ -431,7 +432,7 @@ def _log_max_bytes() -> int:
 
 def _housekeeping(job: str) -> None:
     """A job stored on this machine starts: an earlier run's cached summary goes, and the
-    oldest other jobs' folders past the retention rule (`rove.control.jobs`)."""
+    oldest other jobs' folders past the retention rule (`rove.control.history.jobs`)."""
     jobs.forget_summary(job)
     try:
         removed = jobs.prune(jobs.keep_from_env(), besides=job)
@@ -451,7 +452,7 @@ def _housekeeping(job: str) -> None:
 
 def _bridge(bus: Bus, cfg: AgentConfig, args: argparse.Namespace) -> KafkaBridge:
     """The standalone job's Kafka bridge (`rove kafka-bridge`, in this process)."""
-    from rove.control.kafka_bridge import BrokerReader, KafkaBridge
+    from rove.control.services.kafka_bridge import BrokerReader, KafkaBridge
 
     return KafkaBridge(
         bus,

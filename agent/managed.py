@@ -17,12 +17,12 @@ import msgspec
 from torch.distributed.run import parse_min_max_nnodes
 
 from rove.agent.config import AgentConfig
-from rove.control import options as common
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
 from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError
+from rove.control.flags import options as common
 from rove.control.master.runner import SupervisedMaster
 from rove.control.process import aio, metrics
 

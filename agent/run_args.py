@@ -9,7 +9,7 @@ import os
 import structlog
 from torch.distributed.run import get_args_parser
 
-from rove.control import options as common
+from rove.control.flags import options as common
 
 log = structlog.get_logger("rove.run")
 

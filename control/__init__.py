@@ -1,16 +1,20 @@
-"""rove's control plane: the event catalogue, subjects, the JetStream bus client, the
-event-sourced master (`master`), the scaler (`scaler`), the job services (Kafka
-bridge) and the `rove` command line (`cli`).
+"""rove's control plane, one package per room (docs/architecture.md, "Layers and
+contracts"):
+
+- `catalogue`: every event type and the subjects they travel on;
+- `domain`: pure rules beside the master's (shards, goodput, tf_cluster, streaming);
+- `process`: what every process runs on (event loop, supervisor, logs, metrics);
+- `bus`: the JetStream client and its plumbing, the embedded server;
+- `flags`: command-line flags shared by `rove run` and the CLI;
+- `master`: the event-sourced master, and `JobService`, the base of every service;
+- `services`: the Kafka bridge, the registry of pooled agents;
+- `history`: a job's past as people read it (jobs kept, their logs, their runs);
+- `scaler`: plans carried out on processes, pooled daemons or Kubernetes;
+- `cli`: the `rove` command line.
 
 Agents, masters, the scaler and the CLI never call each other: they publish typed
-events (``rove.control.catalogue.events``) to JetStream subjects
-(``rove.control.catalogue.subjects``) through ``rove.control.bus.client`` and consume the
-subjects they care about.
-
-What may import what (docs/architecture.md, "Layers and contracts"; `make lint`
-checks it): the pure domain here (the catalogue, `subjects`, `shards`, `streaming`,
-`tf_cluster`, `goodput`) imports no NATS, asyncio, clock or framework, nor the bus;
-the bus client (`bus`, `bus_options`, `connection`, `feed`, ...) imports the domain;
-runtimes and the CLI import both. Nothing here imports torch, and only the CLI
-imports the agent (`rove run`, `rove agent`, `rove submit`).
+events (`catalogue.events`) to JetStream subjects (`catalogue.subjects`) through
+`bus` and consume the subjects they care about. Each layer imports only those below
+it in that list (`make lint` checks it); `errors` is the root every layer may
+import. Nothing here imports torch, and only the CLI imports the agent.
 """

@@ -64,7 +64,7 @@ async def backend(
         for agent in ("a1", "a2"):
             DaemonProc(bus.url, "p", agent, tmp_path)
         made = PoolBackend(bus, "p")
-        from rove.control import pool as registry
+        from rove.control.services import pool as registry
 
         kv = await registry.bucket(bus)
         await eventually(lambda: _idle(kv), timeout=60, every=0.2)
@@ -92,7 +92,7 @@ async def kubernetes_backend(
 
 
 async def _idle(kv: Any) -> bool:
-    from rove.control import pool as registry
+    from rove.control.services import pool as registry
 
     return len([e for e, _ in await registry.entries(kv, "p") if e.state.value == "idle"]) == 2
 
@@ -168,7 +168,7 @@ async def _events(bus: Bus) -> list[Any]:
 async def test_the_pool_says_when_no_agent_is_free_or_big_enough(bus: Bus, tmp_path: Path) -> None:
     DaemonProc(bus.url, "small", "s1", tmp_path, "--memory", "1G")
     pool = PoolBackend(bus, "small")
-    from rove.control import pool as registry
+    from rove.control.services import pool as registry
 
     kv = await registry.bucket(bus)
     await eventually(lambda: registry.entries(kv, "small"), timeout=60, every=0.2)
@@ -187,7 +187,7 @@ async def test_a_pool_agent_asked_to_stop_stops_its_node_and_leaves_the_pool(
     Measured here: about 0.7 s on a quiet machine.)"""
     import signal
 
-    from rove.control import pool as registry
+    from rove.control.services import pool as registry
 
     daemon = DaemonProc(bus.url, "p", "a1", tmp_path)
     kv = await registry.bucket(bus)
@@ -208,6 +208,6 @@ async def test_a_pool_agent_asked_to_stop_stops_its_node_and_leaves_the_pool(
 
 
 async def _count(kv: Any, state: str) -> int:
-    from rove.control import pool as registry
+    from rove.control.services import pool as registry
 
     return len([e for e, _ in await registry.entries(kv, "p") if e.state.value == state])

@@ -361,7 +361,7 @@ def test_the_embedded_server_fsyncs_every_message_before_acknowledging_it(tmp_pa
 async def test_every_stream_is_bounded_and_old_events_are_retired(tmp_path: Path) -> None:
     import argparse
 
-    from rove.control import options
+    from rove.control.flags import options
 
     server = EmbeddedServer(tmp_path / "nats")
     server.start()

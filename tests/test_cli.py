@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.bus.embedded import EmbeddedServer
+from rove.control.flags import options as common
 from tests import factories
 from tests.support import free_port, patience, rove_cli
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rove.control.jobs import Folder, to_prune
+from rove.control.history.jobs import Folder, to_prune
 
 
 def _f(job: str, used: float, running: bool = False, pinned: bool = False) -> Folder:

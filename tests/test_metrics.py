@@ -9,9 +9,9 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
-from rove.control import options as common
 from rove.control.catalogue import events as ev
 from rove.control.domain import goodput as gp
+from rove.control.flags import options as common
 from rove.control.master.evolve import evolve
 from rove.control.master.metrics import JobMetrics
 from rove.control.master.state import initial

@@ -13,7 +13,7 @@ from rove.control.bus.feed import Feed
 from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.errors import RoveError
-from rove.control.service import JobService
+from rove.control.master.service import JobService
 from tests import factories
 from tests.support import eventually, patience, stored_events
 

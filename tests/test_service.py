@@ -7,7 +7,7 @@ import asyncio
 from rove.control.bus import records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
-from rove.control.service import JobService
+from rove.control.master.service import JobService
 from tests import factories
 from tests.support import patience, stored_events
 

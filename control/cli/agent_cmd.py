@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
+from rove.control.flags import options as common
 from rove.control.process import aio
 
 

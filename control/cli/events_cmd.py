@@ -8,14 +8,14 @@ import datetime as dt
 import sys
 import time
 
-from rove.control import options as common
-from rove.control import runs
 from rove.control.bus import records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.cli.format import event_json, event_line
 from rove.control.errors import ConfigError
+from rove.control.flags import options as common
+from rove.control.history import runs
 from rove.control.process import aio
 
 

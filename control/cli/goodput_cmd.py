@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rove.control import options as common
-from rove.control import runs
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp
 from rove.control.domain.goodput_svg import render as render_svg
 from rove.control.errors import ConfigError
+from rove.control.flags import options as common
+from rove.control.history import runs
 from rove.control.process import aio
 
 

@@ -17,13 +17,13 @@ import json
 import sys
 import time
 
-from rove.control import jobs as jobs_mod
-from rove.control import options as common
 from rove.control.bus import embedded, records, stored
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp
 from rove.control.errors import RoveError, UnknownJobError
+from rove.control.flags import options as common
+from rove.control.history import jobs as jobs_mod
 from rove.control.master.evolve import evolve
 from rove.control.master.state import initial
 from rove.control.process import aio

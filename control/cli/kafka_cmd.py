@@ -16,10 +16,10 @@ import argparse
 
 import structlog
 
-from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
+from rove.control.flags import options as common
 from rove.control.process import aio
 
 log = structlog.get_logger("rove.kafka")
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace, bridge_id: str, dataset: str) -> int:
     try:
-        from rove.control.kafka_bridge import BrokerReader, KafkaBridge
+        from rove.control.services.kafka_bridge import BrokerReader, KafkaBridge
     except ImportError as exc:
         raise ConfigError(
             f"rove kafka-bridge needs confluent-kafka ({exc}): pip install 'rove[kafka]'"

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from rove.control import joblogs
-from rove.control import options as common
 from rove.control.bus import stored
 from rove.control.catalogue import subjects
 from rove.control.errors import UnknownJobError
+from rove.control.flags import options as common
+from rove.control.history import joblogs
 
 #: how often --follow looks for more
 FOLLOW_EVERY_S = 0.2

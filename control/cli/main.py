@@ -15,8 +15,6 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from rove.control import options as common
-from rove.control import suggest
 from rove.control.cli import (
     agent_cmd,
     auth_cmd,
@@ -31,6 +29,8 @@ from rove.control.cli import (
     stop_cmd,
     submit_cmd,
 )
+from rove.control.flags import options as common
+from rove.control.flags import suggest
 from rove.control.process import logs
 
 _DAEMONS = frozenset({"master", "scaler", "agent", "kafka-bridge"})

@@ -11,10 +11,10 @@ import argparse
 
 import structlog
 
-from rove.control import options as common
 from rove.control.bus import embedded
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events, subjects
+from rove.control.flags import options as common
 from rove.control.master.runner import MasterRunner
 from rove.control.process import aio, metrics
 

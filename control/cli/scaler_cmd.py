@@ -15,10 +15,10 @@ from pathlib import Path
 
 import structlog
 
-from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
+from rove.control.flags import options as common
 from rove.control.process import aio
 from rove.control.scaler.backend import Backend
 from rove.control.scaler.local import LocalBackend

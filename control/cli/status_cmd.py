@@ -11,13 +11,13 @@ from typing import Any
 
 import msgspec
 
-from rove.control import options as common
-from rove.control import runs
 from rove.control.bus import embedded, records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import shards
+from rove.control.flags import options as common
+from rove.control.history import runs
 from rove.control.master import data, streams
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder

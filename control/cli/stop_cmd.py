@@ -9,10 +9,10 @@ import sys
 import time
 import uuid
 
-from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.flags import options as common
 from rove.control.process import aio
 
 

@@ -14,11 +14,11 @@ import argparse
 import time
 from pathlib import Path
 
-from rove.control import options as common
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
+from rove.control.flags import options as common
 from rove.control.process import aio
 
 

@@ -30,7 +30,7 @@ from rove.control.master.decide import decide
 from rove.control.master.election import Lease
 from rove.control.master.metrics import JobMetrics
 from rove.control.master.netcheck import Wait
-from rove.control.service import JobService
+from rove.control.master.service import JobService
 
 log = structlog.get_logger("rove.master")
 

@@ -2,7 +2,7 @@
 
 `launch` finds an idle daemon of the pool, seen recently, whose capacity fits
 the node's resources, and assigns it the node with a compare-and-set on its
-registry entry (`rove.control.pool`): two scalers cannot take the same daemon,
+registry entry (`rove.control.services.pool`): two scalers cannot take the same daemon,
 and a node name that any daemon runs or has run is never assigned again.
 `remove` asks the daemon running the node to release it and waits until it is
 idle. The daemons report their nodes' ends themselves (`node_gone`), so `ended`
@@ -20,12 +20,12 @@ import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
 
-from rove.control import pool as registry
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
-from rove.control.pool import PoolEntry, PoolState
 from rove.control.scaler.backend import Backend, Ended, NodeInfo
+from rove.control.services import pool as registry
+from rove.control.services.pool import PoolEntry, PoolState
 
 log = structlog.get_logger("rove.scaler.pool")
 

@@ -27,9 +27,9 @@ from rove.control.bus import records, retry
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
+from rove.control.master.service import JobService
 from rove.control.master.state import NodeStatus
 from rove.control.scaler.backend import Backend
-from rove.control.service import JobService
 
 log = structlog.get_logger("rove.scaler")
 

@@ -38,8 +38,8 @@ from rove.control.catalogue import subjects
 from rove.control.domain.streaming import cut
 from rove.control.errors import ConfigError, TemporaryError
 from rove.control.master import streams
+from rove.control.master.service import JobService
 from rove.control.process import logs
-from rove.control.service import JobService
 
 log = structlog.get_logger("rove.kafka")
 
