@@ -1,4 +1,5 @@
-"""Small helpers the benchmarks share: free ports, trainers' JSON-lines traces, waiting.
+"""Small helpers the benchmarks share: free ports, trainers' JSON-lines traces, waiting,
+a job's master on an embedded NATS server.
 
 Imported as `common` (a benchmark runs as `python benchmarks/NAME.py`, so this
 folder is on its path).
@@ -6,11 +7,14 @@ folder is on its path).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +58,34 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
             return got
         time.sleep(0.05)
     raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f}s")
+
+
+@contextlib.contextmanager
+def job_master(folder: Path, job: str, level: str = "warning") -> Iterator[tuple[str, list[int]]]:
+    """An embedded `nats-server -js` in `folder` and a `rove master` of `job` on it:
+    yields the server's URL and both pids. Stops both on the way out; on an error,
+    the master's last log lines go to stderr first."""
+    from rove.control.bus.embedded import EmbeddedServer
+
+    server = EmbeddedServer(folder / "nats")
+    server.start()
+    assert server.url is not None and server.proc is not None
+    log = folder / "master.log"
+    master = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "rove.control.cli.main", "master"),
+            *("--job", job, "--nats", server.url),
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "ROVE_LOG_LEVEL": level},
+    )
+    try:
+        yield server.url, [master.pid, server.proc.pid]
+    except BaseException:
+        sys.stderr.write(log.read_text()[-3000:])
+        raise
+    finally:
+        master.terminate()
+        master.wait(20)
+        server.stop()

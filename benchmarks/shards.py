@@ -26,18 +26,16 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import torch
+from common import job_master
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from rove.control.bus.client import Bus, BusOptions
-from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.process import logs
@@ -217,39 +215,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     logs.configure(level="WARNING")
-    with tempfile.TemporaryDirectory() as tmp:
-        server = EmbeddedServer(Path(tmp) / "nats")
-        server.start()
-        assert server.url is not None
-        master = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rove.control.cli.main",
-                "master",
-                "--job",
-                JOB,
-                "--nats",
-                server.url,
-            ],
-            stdout=open(Path(tmp) / "master.log", "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "ROVE_LOG_LEVEL": os.environ.get("BENCH_MASTER_LOG", "warning")},
-        )
-        try:
-            time.sleep(1.0)  # the master starts; the first request waits for its election
-            assert server.proc is not None
-            # the sampler first, while the master holds only its dataset (as a training
-            # job's master does), then the lease runs (which leave ~50,000 done shards)
-            overhead = sampler_overhead(server.url, args.repeats, (master.pid, server.proc.pid))
-            runs = run_async(leases(server.url, args.seconds))
-        except BaseException:
-            sys.stderr.write((Path(tmp) / "master.log").read_text()[-3000:])
-            raise
-        finally:
-            master.terminate()
-            master.wait(20)
-            server.stop()
+    level = os.environ.get("BENCH_MASTER_LOG", "warning")
+    with tempfile.TemporaryDirectory() as tmp, job_master(Path(tmp), JOB, level) as (url, pids):
+        time.sleep(1.0)  # the master starts; the first request waits for its election
+        # the sampler first, while the master holds only its dataset (as a training
+        # job's master does), then the lease runs (which leave ~50,000 done shards)
+        overhead = sampler_overhead(url, args.repeats, tuple(pids))
+        runs = run_async(leases(url, args.seconds))
     print(
         json.dumps(
             {

@@ -54,11 +54,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from common import wait_for
+from common import job_master, wait_for
 from confluent_kafka import Consumer, Producer, TopicPartition
 from torch.utils.data._utils.collate import default_collate
 
-from rove.control.bus.embedded import EmbeddedServer
 from rove.control.process import logs
 
 JOB = "bench-stream"
@@ -325,51 +324,28 @@ def main() -> None:
     meta = producer.list_topics(timeout=10)
     bootstrap = ",".join(f"{b.host}:{b.port}" for b in meta.brokers.values())
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, job_master(Path(tmp), JOB) as (url, _):
         args.tmp = tmp
-        server = EmbeddedServer(Path(tmp) / "nats")
-        server.start()
-        assert server.url is not None
-        master = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "rove.control.cli.main", "master"),
-                *("--job", JOB, "--nats", server.url),
-            ],
-            stdout=open(Path(tmp) / "master.log", "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "ROVE_LOG_LEVEL": "warning"},
+        for w in workloads(args):
+            runs = [throughput(w, r, url, bootstrap, producer, args) for r in range(args.repeats)]
+            results[w.name] = summary(w, runs, args.batch_size)
+        # freshness: click records produced at a steady rate while rove reads them
+        # (after one record per partition, which the bridge publishes when it is up)
+        n = int(args.rate * args.seconds)
+        produce(producer, "fresh", PARTITIONS, click_value)
+        feeder = threading.Thread(target=steady, args=(producer, "fresh", n, args.rate))
+        _, _, ages = rove_read(
+            url,
+            bootstrap,
+            "fresh",
+            n + PARTITIONS,
+            args,
+            decode=decode_click,
+            loader_workers=0,
+            fresh=True,
+            ready=feeder.start,
         )
-        try:
-            for w in workloads(args):
-                runs = [
-                    throughput(w, r, server.url, bootstrap, producer, args)
-                    for r in range(args.repeats)
-                ]
-                results[w.name] = summary(w, runs, args.batch_size)
-            # freshness: click records produced at a steady rate while rove reads them
-            # (after one record per partition, which the bridge publishes when it is up)
-            n = int(args.rate * args.seconds)
-            produce(producer, "fresh", PARTITIONS, click_value)
-            feeder = threading.Thread(target=steady, args=(producer, "fresh", n, args.rate))
-            _, _, ages = rove_read(
-                server.url,
-                bootstrap,
-                "fresh",
-                n + PARTITIONS,
-                args,
-                decode=decode_click,
-                loader_workers=0,
-                fresh=True,
-                ready=feeder.start,
-            )
-            feeder.join()
-        except BaseException:
-            sys.stderr.write((Path(tmp) / "master.log").read_text()[-3000:])
-            raise
-        finally:
-            master.terminate()
-            master.wait(20)
-            server.stop()
+        feeder.join()
     click, raw = results["click"], results["raw"]
     q = statistics.quantiles(ages, n=100)
     print(
