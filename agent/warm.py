@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -112,6 +113,7 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     # A session of its own, as torchrun's workers have: a terminal's Ctrl-C reaches the
     # launcher alone, which forwards it (workers shared the launcher's group before).
     os.setsid()
+    _launcher_dispositions()
     if os.getpid() != SERVER_PID and os.getppid() != SERVER_PID:
         # The server (so the agent) died between the fork and the line above: the signal
         # was armed too late and would never come. An orphan must not train on.
@@ -137,6 +139,18 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         # it, in the agent, is left out: the agent says what failed, diagnosed)
         script.print_uncaught(exc)
         raise
+
+
+def _launcher_dispositions() -> None:
+    """The signal dispositions of a worker its launcher started fresh: the launcher
+    handles SIGINT, SIGTERM, SIGHUP and SIGQUIT (torch's does), so an exec'd worker
+    starts with their defaults (Python's KeyboardInterrupt for SIGINT) even where the
+    launcher inherited them ignored (`nohup`, a shell script's background job). A fork
+    inherits the server's, which the launcher's were before it handled any. Other
+    inherited dispositions (an ignored SIGUSR1) pass on, as they do through exec."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _fresh_randomness() -> None:

@@ -45,6 +45,8 @@ LAUNCHER_ENV = [
 
 def disposition(sig):
     handler = signal.getsignal(sig)
+    if isinstance(handler, signal.Handlers):
+        return handler.name
     return getattr(handler, "__name__", str(handler))
 
 
@@ -76,6 +78,7 @@ report = {
             signal.SIGPIPE,
             signal.SIGCHLD,
             signal.SIGHUP,
+            signal.SIGQUIT,
             signal.SIGUSR1,
         )
     },

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,15 @@ TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def launch(
-    launcher: str, tmp: Path, *script: str, state: Path | None = None
+    launcher: str,
+    tmp: Path,
+    *script: str,
+    state: Path | None = None,
+    preexec: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run `script` under `launcher`; `state`: a file the script writes, put back as it
-    was before a run of the baseline is tried again."""
+    was before a run of the baseline is tried again; `preexec`: run in the launcher's
+    process before it starts."""
     before = state.read_bytes() if state is not None and state.exists() else None
     for attempt in range(3):
         if attempt and state is not None:
@@ -52,6 +59,7 @@ def launch(
             timeout=patience(180),
             cwd=HERE,
             env={**os.environ, "ROVE_HOME": str(tmp / "home")},
+            preexec_fn=preexec,
         )
         if not (launcher == "torchrun" and TORCH_TEARDOWN_ABORT in out.stderr):
             break  # (the baseline is run again when torch crashed it on the way out)
@@ -59,9 +67,17 @@ def launch(
     return out
 
 
+def as_a_background_job() -> None:
+    """What `nohup CMD &` from a script gives the launcher: SIGINT, SIGHUP and SIGQUIT
+    (and here SIGUSR1) ignored. Launchers handle the first three, so their workers start
+    with the defaults; an ignored SIGUSR1 passes on to them."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def probe(launcher: str, tmp: Path) -> dict[int, dict[str, Any]]:
     where = tmp / launcher
-    launch(launcher, tmp, "probe.py", str(where))
+    launch(launcher, tmp, "probe.py", str(where), preexec=as_a_background_job)
     return {rank: json.loads((where / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
 
@@ -102,6 +118,8 @@ def test_the_worker_sees_what_torchruns_worker_sees(
         same = {k: v for k, v in theirs["env"].items() if k not in ENV_DIFFERENT}
         assert {k: ours["env"][k] for k in same} == same
         assert theirs["open_files"] == [], "a fresh interpreter holds only 0, 1 and 2"
+        assert ours["signals"]["SIGINT"] == "default_int_handler", "launched as a background job"
+        assert ours["signals"]["SIGUSR1"] == "SIG_IGN", "an inherited ignore passes on"
         leaked = [f for f in ours["open_files"] if not f.startswith("pipe:")]
         if launcher == "rove-cold":
             assert ours["open_files"] == []
