@@ -1,5 +1,10 @@
-"""Short jobs end: a run of `benchmarks/soak.py` (20 warm-started DDP jobs beside a
-CPU-bound process) in which a single hang fails, with the stacks of the hung job."""
+"""Short jobs end: a run of `benchmarks/soak.py` (10 warm-started DDP jobs beside a
+CPU-bound process) in which a single hang fails, with the stacks of the hung job.
+
+A statistical backstop: before the fix, 6 of 14 such jobs hung beside a busy core
+(`../shared/reference/wave4.md`), so 10 jobs find a return of it all but surely; the
+cause itself is tested deterministically in `tests/test_groups.py`, and the 200-job
+figures come from the benchmark (docs/runtime.md)."""
 
 from __future__ import annotations
 
@@ -17,9 +22,9 @@ SOAK = Path(__file__).parent.parent / "benchmarks" / "soak.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_twenty_short_warm_started_jobs_all_end() -> None:
+def test_ten_short_warm_started_jobs_all_end() -> None:
     out = subprocess.run(
-        [sys.executable, str(SOAK), "--jobs", "20", "--launchers", "rove", "--fail-on-hang"],
+        [sys.executable, str(SOAK), "--jobs", "10", "--launchers", "rove", "--fail-on-hang"],
         capture_output=True,
         text=True,
         timeout=patience(900),
@@ -28,4 +33,4 @@ def test_twenty_short_warm_started_jobs_all_end() -> None:
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr[-20000:]}"
     result = json.loads(out.stdout.splitlines()[-1])
     rove = result["launchers"]["rove"]
-    assert (rove["runs"], rove["hangs"], rove["failed"]) == (20, 0, 0), out.stderr[-20000:]
+    assert (rove["runs"], rove["hangs"], rove["failed"]) == (10, 0, 0), out.stderr[-20000:]
