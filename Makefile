@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: demo demo-control-plane test test-fast lint format bench typecheck-view clean
+.PHONY: demo demo-control-plane test test-chaos test-fast lint format bench typecheck-view clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,8 +44,16 @@ demo: $(VENV)/.installed
 demo-control-plane: $(VENV)/.installed
 	$(BIN)/python examples/control_plane_demo.py
 
+# The quick tests run two at a time (pytest-xdist), the slow multi-process ones one
+# at a time, on a busy machine too.
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+# The chaos tests with more seeds than the suite's one (ROVE_CHAOS_RUNS, default 10).
+test-chaos: $(VENV)/.installed-tests
+	ROVE_CHAOS_RUNS=$${ROVE_CHAOS_RUNS:-10} $(BIN)/python -m pytest tests/test_data_chaos.py \
+		tests/test_stream_chaos.py -k "kills" $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed-tests
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -156,7 +156,7 @@ class _DeadLetters:
         if len(self.offsets) < self.KEPT:
             self.offsets.append(offset)
         if not self.error:
-            self.error = plain(exc)
+            self.error = f"{type(exc).__name__}: {plain(exc)}"  # what the decode raised
 
 
 def _value(record: Record) -> Any:

@@ -113,6 +113,14 @@ class Cluster:
             n.stop()
 
 
+def chaos_seeds(first: int) -> list[int]:
+    """The seeds a chaos test runs with: `first` alone in the suite (CI's time budget),
+    or `ROVE_CHAOS_RUNS` seeds from it for a longer soak (`ROVE_CHAOS_RUNS=10 make
+    test-chaos`)."""
+    runs = int(os.environ.get("ROVE_CHAOS_RUNS", "1") or 1)
+    return list(range(first, first + max(1, runs)))
+
+
 def patience(seconds: float) -> float:
     """`seconds` stretched by how busy the machine is now (and `ROVE_TEST_TIMEOUT_SCALE`).
 
