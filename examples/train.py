@@ -3,7 +3,7 @@
 This is the script to copy. Under `rove run` it uses rove's two headline
 features the way the docs recommend:
 
-- **flash checkpoints** (`rove.checkpoint.FlashCheckpointer`): every
+- **flash checkpoints** (`rove.checkpoint.api.FlashCheckpointer`): every
   `--ckpt-every` steps each rank saves its state to shared memory in
   milliseconds; rove persists it in the background, saves it when a worker
   fails, and after a restart the workers restore from memory (or a peer, or
