@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Unpack
 
 import structlog
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
@@ -34,14 +34,9 @@ from torch.utils.data._utils.collate import default_collate
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import shards
-from rove.shard_service.client import (
-    DataClient,
-    Placement,
-    client_name,
-    dataset_spec,
-    placement,
-)
+from rove.shard_service.client import DataClient, Placement, client_name
 from rove.shard_service.keeper import MAX_AHEAD, LeaseKeeper
+from rove.shard_service.options import Pace, Sharding, sharded
 from rove.shard_service.sampler import _distributed, deliveries, position_state, read_position
 
 log = structlog.get_logger("rove.data")
@@ -59,17 +54,12 @@ class LeasedIterable(IterableDataset[Any]):
         name: str,
         spec: ev.DatasetSpec,
         where: Placement,
-        *,
-        prefetch: int,
-        cover_s: float,
-        answer_timeout_s: float,
+        pace: Pace,
     ) -> None:
         self.name = name
         self.spec = spec
         self.where = where
-        self.prefetch = prefetch
-        self.cover_s = cover_s
-        self.answer_timeout_s = answer_timeout_s
+        self.pace = pace
         self.base_client = client_name(where.node, where.rank)
         self.restore: ev.DataPosition | None = None
         self.iterated = False
@@ -83,13 +73,7 @@ class LeasedIterable(IterableDataset[Any]):
     def _keeper(self, c: DataClient) -> LeaseKeeper:
         """A worker's lease keeper, its dataset registered, restoring the loaded position."""
         c.register(self.spec)
-        keeper = LeaseKeeper(
-            c,
-            self.spec,
-            prefetch=self.prefetch,
-            cover_s=self.cover_s,
-            answer_timeout_s=self.answer_timeout_s,
-        )
+        keeper = LeaseKeeper(c, self.spec, self.pace)
         keeper.restore = self.restore
         return keeper
 
@@ -154,40 +138,14 @@ class ShardedIterable(LeasedIterable):
         self,
         name: str,
         dataset: Dataset[Any],
-        *,
-        shard_size: int = 256,
-        epochs: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-        prefetch: int = 2,
-        cover_s: float = 10.0,
-        lease_s: float = 600.0,
-        answer_timeout_s: float = 60.0,
-        nats: str | None = None,
-        job: str | None = None,
-        node: str | None = None,
-        rank: int | None = None,
-        round: int | None = None,
+        **options: Unpack[Sharding],
     ) -> None:
+        """The indexed `dataset`, leased in shards under the name `name`; `options`:
+        how it is cut, leased and where this process runs (`rove.shard_service.options`)."""
         self.dataset = dataset
-        self.spec = dataset_spec(
-            name,
-            size=len(dataset),  # type: ignore[arg-type]
-            shard_size=shard_size,
-            epochs=epochs,
-            seed=seed,
-            shuffle=shuffle,
-            lease_s=lease_s,
-        )
-        where = placement("sharded dataset", nats=nats, job=job, node=node, rank=rank, round=round)
-        super().__init__(
-            name,
-            self.spec,
-            where,
-            prefetch=prefetch,
-            cover_s=cover_s,
-            answer_timeout_s=answer_timeout_s,
-        )
+        size = len(dataset)  # type: ignore[arg-type]
+        o = sharded("sharded dataset", name, size, options)
+        super().__init__(name, o.spec, o.where, o.pace)
 
     # ------------------------------------------------------------------ worker side
 

@@ -32,6 +32,7 @@ import structlog
 from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError
 from rove.shard_service.client import DataClient, first_request
+from rove.shard_service.options import DEFAULT_PACE, Pace
 
 log = structlog.get_logger("rove.data")
 
@@ -54,19 +55,15 @@ class LeaseKeeper:
         self,
         client: DataClient,
         spec: ev.DatasetSpec,
+        pace: Pace = DEFAULT_PACE,
         *,
-        prefetch: int = 2,
-        cover_s: float = 10.0,
-        answer_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1 shard, not {prefetch}")
         self.client = client
         self.spec = spec
-        self.prefetch = prefetch
-        self.cover_s = cover_s
-        self.answer_timeout_s = answer_timeout_s
+        self.prefetch = pace.prefetch
+        self.cover_s = pace.cover_s
+        self.answer_timeout_s = pace.answer_timeout_s
         self.clock = clock
         self.restore: ev.DataPosition | None = None
         self.requested = False

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Unpack
 
 import msgspec
 import structlog
@@ -42,8 +42,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import shards
-from rove.shard_service.client import DataClient, dataset_spec, placement
+from rove.shard_service.client import DataClient
 from rove.shard_service.keeper import LeaseKeeper
+from rove.shard_service.options import Sharding, sharded
 from rove.shard_service.position import read_position as read_position
 from rove.shard_service.position import saved_position
 from rove.shard_service.tracker import Tracker
@@ -58,43 +59,19 @@ class ShardSampler(Sampler[list[int]]):
         size: int,
         *,
         batch_size: int,
-        shard_size: int = 256,
-        epochs: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
         drop_last: bool = False,
-        prefetch: int = 2,
-        cover_s: float = 10.0,
-        lease_s: float = 600.0,
-        nats: str | None = None,
-        job: str | None = None,
-        node: str | None = None,
-        rank: int | None = None,
-        round: int | None = None,
-        answer_timeout_s: float = 60.0,
+        **options: Unpack[Sharding],
     ) -> None:
+        """Batches of `batch_size` indices of the dataset `dataset` of `size` samples;
+        `options`: how it is cut, leased and where this process runs
+        (`rove.shard_service.options`)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1 shard, not {prefetch}")
-        self.spec = dataset_spec(
-            dataset,
-            size=size,
-            shard_size=shard_size,
-            epochs=epochs,
-            seed=seed,
-            shuffle=shuffle,
-            lease_s=lease_s,
-        )
-        self.where = placement(
-            "shard sampler", nats=nats, job=job, node=node, rank=rank, round=round
-        )
+        o = sharded("shard sampler", dataset, size, options)
+        self.spec, self.where, self.pace = o.spec, o.where, o.pace
         self.name = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.prefetch = prefetch
-        self.cover_s = cover_s
-        self.answer_timeout_s = answer_timeout_s
         self.tracker = Tracker(self.spec)
         self._keeper: LeaseKeeper | None = None
         self._restore: ev.DataPosition | None = None
@@ -110,13 +87,7 @@ class ShardSampler(Sampler[list[int]]):
         if self._keeper is None:
             client = DataClient.at(self.where, self.name)
             client.register(self.spec)
-            self._keeper = LeaseKeeper(
-                client,
-                self.spec,
-                prefetch=self.prefetch,
-                cover_s=self.cover_s,
-                answer_timeout_s=self.answer_timeout_s,
-            )
+            self._keeper = LeaseKeeper(client, self.spec, self.pace)
             self._keeper.restore = self._restore
         return self._keeper
 

@@ -51,7 +51,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Unpack, cast
 
 import msgspec
 import structlog
@@ -64,10 +64,11 @@ from torch.utils.data._utils.collate import default_collate
 from rove.checkpoint.api import on_save
 from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError, plain
-from rove.shard_service.client import DataClient, dataset_spec, placement
+from rove.shard_service.client import DataClient
 from rove.shard_service.iterable import LeasedIterable
 from rove.shard_service.kafka import RangeReader, Record
 from rove.shard_service.keeper import MAX_AHEAD
+from rove.shard_service.options import Leasing, streamed
 from rove.shard_service.sampler import _distributed, deliveries
 
 log = structlog.get_logger("rove.data")
@@ -172,24 +173,14 @@ class StreamIterable(LeasedIterable):
         topic: str | None = None,
         decode: Callable[[Record], Any] = _value,
         idle_s: float = 0.2,
-        prefetch: int = 2,
-        cover_s: float = 10.0,
-        lease_s: float = 600.0,
-        answer_timeout_s: float = 60.0,
-        nats: str | None = None,
-        job: str | None = None,
-        node: str | None = None,
-        rank: int | None = None,
-        round: int | None = None,
+        **options: Unpack[Leasing],
     ) -> None:
-        super().__init__(
-            name,
-            dataset_spec(name, size=0, shard_size=0, stream=True, lease_s=lease_s),
-            placement("stream", nats=nats, job=job, node=node, rank=rank, round=round),
-            prefetch=prefetch,
-            cover_s=cover_s,
-            answer_timeout_s=answer_timeout_s,
-        )
+        """The stream `name`, records of Kafka `topic` at `bootstrap` (default: what
+        `rove run` put in the environment) leased in offset ranges, each record given to
+        `decode`; `options`: how it is leased and where this process runs
+        (`rove.shard_service.options`)."""
+        o = streamed("stream", name, options)
+        super().__init__(name, o.spec, o.where, o.pace)
         self.bootstrap = _setting(bootstrap, "ROVE_KAFKA_BOOTSTRAP", "bootstrap")
         self.topic = _setting(topic, "ROVE_KAFKA_TOPIC", "topic")
         self.decode = decode

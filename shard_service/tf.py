@@ -30,12 +30,13 @@ not yet committed are renewed meanwhile.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import shards
-from rove.shard_service.client import DataClient, dataset_spec, placement
+from rove.shard_service.client import DataClient
 from rove.shard_service.keeper import LeaseKeeper
+from rove.shard_service.options import Sharding, sharded
 from rove.shard_service.position import read_position, saved_position
 
 
@@ -53,34 +54,13 @@ class ShardFeed:
         name: str,
         *,
         size: int,
-        shard_size: int = 256,
-        epochs: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-        prefetch: int = 2,
-        cover_s: float = 10.0,
-        lease_s: float = 600.0,
-        answer_timeout_s: float = 60.0,
-        nats: str | None = None,
-        job: str | None = None,
-        node: str | None = None,
-        rank: int | None = None,
-        round: int | None = None,
+        **options: Unpack[Sharding],
     ) -> None:
+        """The dataset `name` of `size` indexed samples, leased in shards; `options`:
+        how it is cut, leased and where this process runs (`rove.shard_service.options`)."""
         self.name = name
-        self.spec = dataset_spec(
-            name,
-            size=size,
-            shard_size=shard_size,
-            epochs=epochs,
-            seed=seed,
-            shuffle=shuffle,
-            lease_s=lease_s,
-        )
-        self.where = placement("shard feed", nats=nats, job=job, node=node, rank=rank, round=round)
-        self.prefetch = prefetch
-        self.cover_s = cover_s
-        self.answer_timeout_s = answer_timeout_s
+        o = sharded("shard feed", name, size, options)
+        self.spec, self.where, self.pace = o.spec, o.where, o.pace
         self._client: DataClient | None = None
         self._keeper: LeaseKeeper | None = None
         self._restore: ev.DataPosition | None = None
@@ -96,13 +76,7 @@ class ShardFeed:
         if self._keeper is None:
             self._client = DataClient.at(self.where, self.name)
             self._client.register(self.spec)
-            self._keeper = LeaseKeeper(
-                self._client,
-                self.spec,
-                prefetch=self.prefetch,
-                cover_s=self.cover_s,
-                answer_timeout_s=self.answer_timeout_s,
-            )
+            self._keeper = LeaseKeeper(self._client, self.spec, self.pace)
             self._keeper.restore = self._restore
         return self._keeper
 

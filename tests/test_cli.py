@@ -150,6 +150,7 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
             "invalid NATS URL",
         ),
         (["status", "--job", "bad.name", "--nats", "nats://x:1"], common.EXIT_USAGE, "invalid job"),
+        (["events", "--job", "a b"], common.EXIT_USAGE, "argument --job: invalid job name 'a b'"),
         (["status", "--job", "j1"], common.EXIT_UNKNOWN_JOB, "no job 'j1' on this machine"),
         (["stop", "--job", "j1"], common.EXIT_USAGE, "no NATS server to connect to"),
         (["status", "--jbo", "j1"], common.EXIT_USAGE, "(did you mean: --jbo → --job?)"),

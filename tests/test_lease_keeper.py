@@ -10,6 +10,7 @@ import pytest
 
 from rove.control.catalogue import events as ev
 from rove.shard_service.keeper import MAX_AHEAD, DataError, LeaseKeeper
+from rove.shard_service.options import Pace
 
 
 @dataclass
@@ -56,7 +57,7 @@ SPEC = ev.DatasetSpec(size=10_000, shard_size=100, lease_s=30.0)
 
 def keeper(**kw: Any) -> tuple[LeaseKeeper, ScriptedClient, Clock]:
     client, clock = ScriptedClient(), Clock()
-    return LeaseKeeper(client, SPEC, clock=clock, **kw), client, clock  # type: ignore[arg-type]
+    return LeaseKeeper(client, SPEC, Pace(**kw), clock=clock), client, clock  # type: ignore[arg-type]
 
 
 def test_the_first_request_asks_for_prefetch_shards_and_carries_the_restore_point() -> None:
@@ -145,7 +146,7 @@ def test_a_stream_keeps_each_shards_range_sizes_ahead_by_them_and_waits_when_not
 ):
     client, clock = ScriptedClient(), Clock()
     spec = ev.DatasetSpec(size=0, shard_size=0, stream=True, lease_s=30.0)
-    k = LeaseKeeper(client, spec, clock=clock, prefetch=2)  # type: ignore[arg-type]
+    k = LeaseKeeper(client, spec, Pace(prefetch=2), clock=clock)  # type: ignore[arg-type]
     k.top_up(0, ())
     assert client.requests[-1][0] == 2
     client.answers.put(

@@ -568,6 +568,15 @@ class Bus:
         feed.watchdog.add_done_callback(self._watchdogs.discard)
         return feed
 
+    async def read(self, stream: str, subject_filter: str, on_recorded: OnRecorded) -> None:
+        """Deliver every message stored now under `subject_filter`, in order, and
+        return (dead letters are skipped: `rove events` shows them)."""
+        feed = await self.subscribe(stream, subject_filter, on_recorded, lambda _rej: None)
+        try:
+            await feed.caught_up.wait()
+        finally:
+            await feed.stop()
+
 
 def _discard_scratch(options: BusOptions) -> None:
     """Delete the scratch copy of an ended job's store that `options` read from."""

@@ -21,7 +21,7 @@ from rove.control.process import aio
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("events", help="print a job's events", description=__doc__)
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument(
         "--since",
@@ -51,7 +51,6 @@ def matches(event: ev.Event, types: set[str] | None, node: str | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     if args.types:
         unknown = sorted(set(args.types) - set(ev.EVENT_TYPES))
         if unknown:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from rove.control.bus.client import Bus
-from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp
 from rove.control.domain.goodput_svg import render as render_svg
 from rove.control.errors import ConfigError
@@ -29,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "goodput", help="a job's goodput and badput, from its events", description=__doc__
     )
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     when = "a duration back from now (30s, 10m, 2h) or an ISO-8601 time"
     p.add_argument("--since", type=common.moment, metavar="WHEN", help=f"window start: {when}")
     p.add_argument("--until", type=common.moment, metavar="WHEN", help=f"window end: {when}")
@@ -41,7 +40,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     now = time.time()
     since, until = (
         None if w is None else common.moment_at(w, now) for w in (args.since, args.until)

@@ -83,13 +83,7 @@ async def summary(job: str) -> jobs_mod.Summary:
                 state = evolve(state, rec.event, rec.seq)
                 ledger.add(rec.event)
 
-            feed = await bus.subscribe(
-                subjects.EVENTS_STREAM, subjects.job_events(job), fold, lambda _rej: None
-            )
-            try:
-                await feed.caught_up.wait()
-            finally:
-                await feed.stop()
+            await bus.read(subjects.EVENTS_STREAM, subjects.job_events(job), fold)
     except RoveError as exc:
         return jobs_mod.Summary(job, "unreadable", None, 0.0, 0, 0, str(exc)[:200], None)
     result = jobs_mod.summarize(state, gp.report(ledger, time.time()))

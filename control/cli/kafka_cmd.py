@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     p.add_argument("--id", dest="bridge_id", help="this bridge's id (default: host-pid)")
     p.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers, host:port,...")
     p.add_argument("--topic", required=True, help="the topic to stream")
@@ -76,7 +76,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     bridge_id = subjects.check_name("bridge id", args.bridge_id or common.process_id())
     dataset = subjects.check_name("dataset", args.dataset or args.topic)
     if args.shard_records < 1:

@@ -26,7 +26,7 @@ FOLLOW_EVERY_S = 0.2
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("logs", help="print a job's workers' output", description=__doc__)
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     p.add_argument("--rank", type=common.whole, help="only this global rank")
     p.add_argument("--round", type=common.whole, help="this round (default: the newest)")
     p.add_argument("--node", help="only this node's workers")
@@ -36,7 +36,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     if args.node:
         subjects.check_name("node", args.node)
     root = joblogs.folder(args.job)

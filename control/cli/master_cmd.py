@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "master", help="run a master for a job (leader or standby)", description=__doc__
     )
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     p.add_argument("--id", dest="master_id", help="this master's id (default: host-pid)")
     p.add_argument(
         "--node-timeout",
@@ -67,7 +67,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     master_id = args.master_id or common.process_id()
     subjects.check_name("master id", master_id)
     return aio.run(_run(args, master_id))

@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="apply a managed job's scale plans (local processes or a pool of agents)",
         description=__doc__,
     )
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     p.add_argument("--id", dest="scaler_id", help="this scaler's id (default: host-pid)")
     p.add_argument(
         "--backend",
@@ -100,7 +100,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     scaler_id = args.scaler_id or common.process_id()
     subjects.check_name("scaler id", scaler_id)
     if args.create_interval < 0:

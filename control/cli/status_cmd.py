@@ -29,7 +29,7 @@ from rove.control.process import aio
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="show a job's state", description=__doc__)
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     common.add_run_arg(p)
     common.add_nats_args(p)
@@ -37,7 +37,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     return aio.run(_run(args))
 
 
@@ -77,13 +76,7 @@ async def _fold_until(bus: Bus, job: str, until: int) -> JobState:
         if rec.seq < until:
             state = evolve(state, rec.event, rec.seq)
 
-    feed = await bus.subscribe(
-        subjects.EVENTS_STREAM, subjects.job_events(job), fold, lambda _rej: None
-    )
-    try:
-        await feed.caught_up.wait()
-    finally:
-        await feed.stop()
+    await bus.read(subjects.EVENTS_STREAM, subjects.job_events(job), fold)
     return state
 
 

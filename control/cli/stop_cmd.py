@@ -11,21 +11,19 @@ import uuid
 
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
-from rove.control.catalogue import subjects
 from rove.control.flags import options as common
 from rove.control.process import aio
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("stop", help="ask a job to stop", description=__doc__)
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     p.add_argument("--reason", default="", help="recorded with the request")
     common.add_nats_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     return aio.run(_run(args))
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
-from rove.control.catalogue import subjects
 from rove.control.errors import ConfigError
 from rove.control.flags import options as common
 from rove.control.process import aio
@@ -28,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="hand a job to rove's master and scaler to run and scale",
         description=__doc__,
     )
-    p.add_argument("--job", required=True, help="job name")
+    common.add_job_arg(p)
     common.add_node_resource_args(p)
     p.add_argument(
         "--cwd", type=Path, default=None, help="the nodes' working directory (default: this one)"
@@ -73,7 +72,6 @@ def build(args: argparse.Namespace) -> ev.Workload:
 
 
 def run(args: argparse.Namespace) -> int:
-    subjects.check_name("job", args.job)
     spec = build(args)
     return aio.run(_submit(args, spec))
 

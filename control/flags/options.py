@@ -14,6 +14,7 @@ from typing import Any
 
 from rove.control.bus import embedded, stored
 from rove.control.bus.client import Bus, BusOptions
+from rove.control.catalogue import subjects
 from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
 
 # Exit codes of the CLI.
@@ -42,6 +43,18 @@ def run_reporting(command: str, fn: Callable[[], int]) -> int:
         return next(code for kind, code in _EXIT_CODES if isinstance(exc, kind))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def add_job_arg(p: argparse.ArgumentParser) -> None:
+    """`--job NAME`, required, checked as it is parsed (a bad name is a usage error)."""
+    p.add_argument("--job", required=True, type=job_name, help="job name")
+
+
+def job_name(text: str) -> str:
+    try:
+        return subjects.check_name("job", text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_run_arg(p: argparse.ArgumentParser) -> None:

@@ -29,11 +29,7 @@ async def starts(bus: Bus, job: str) -> dict[int, int]:
         elif isinstance(rec.event, ev.RunStarted) and rec.event.run not in found:
             found[rec.event.run] = max((e for e in ends if e < rec.seq), default=rec.seq - 1) + 1
 
-    feed = await bus.subscribe(subjects.EVENTS_STREAM, subjects.master(job, "*"), add, _skip)
-    try:
-        await feed.caught_up.wait()
-    finally:
-        await feed.stop()
+    await bus.read(subjects.EVENTS_STREAM, subjects.master(job, "*"), add)
     return found
 
 
@@ -65,13 +61,5 @@ async def ledger(bus: Bus, job: str, run: int | None = None) -> gp.Ledger:
         if within(rec.seq, bounds):
             folded.add(rec.event)
 
-    feed = await bus.subscribe(subjects.EVENTS_STREAM, subjects.job_events(job), add, _skip)
-    try:
-        await feed.caught_up.wait()
-    finally:
-        await feed.stop()
+    await bus.read(subjects.EVENTS_STREAM, subjects.job_events(job), add)
     return folded
-
-
-def _skip(rej: records.Rejection) -> None:
-    pass  # dead letters are shown by `rove events`
