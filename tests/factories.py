@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rove.control.catalogue import events as ev
+from rove.control.catalogue import parts
 
 JOB = "j1"
 
@@ -446,6 +447,7 @@ def all_events() -> list[ev.Event]:
         committed(5, 7),
         *data_events(),
         *scale_events(),
+        *parts.split(round_completed(3, 2, *(f"node-{i:04d}" for i in range(2000))))[-2:],
     ]
 
 

@@ -31,7 +31,7 @@ from tests.support import (
     trace_rows,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 JOB = "j1"
 

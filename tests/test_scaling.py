@@ -34,7 +34,7 @@ from tests.support import (
     rove_cli,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 SCRIPT = ROOT / "examples" / "train_sharded.py"
 SAMPLES = 600

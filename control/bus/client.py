@@ -48,7 +48,7 @@ from rove.control.bus.feed import STALL_CHECK_S, Feed, RejectionLog, nothing_sin
 from rove.control.bus.natsclient import RoveNatsClient, ack_position
 from rove.control.bus.options import BusOptions as BusOptions  # (Bus.connect takes them)
 from rove.control.catalogue import events as ev
-from rove.control.catalogue import subjects
+from rove.control.catalogue import parts, subjects
 from rove.control.errors import (
     BusUnavailableError,
     ConfigError,
@@ -304,16 +304,19 @@ class Bus:
             PublishDeadlineError: retryable failures lasted past `deadline_s`.
             nats.js.errors.APIError: a busy answer, with `busy_retried=False`.
         """
-        headers: dict[str, str] = {Header.MSG_ID.value: event.id}
-        if fence is not None:
-            headers.update(fence.headers())
-        return await self.publish_raw(
-            subjects.subject_for(event),
-            ev.encode(event),
-            headers,
-            deadline_s=deadline_s,
-            busy_retried=busy_retried,
-        )
+        seq = 0
+        for each in parts.split(event):  # a decision that grows with the cluster: in parts
+            headers: dict[str, str] = {Header.MSG_ID.value: each.id}
+            if fence is not None:
+                headers.update(fence.headers())
+            seq = await self.publish_raw(
+                subjects.subject_for(each),
+                ev.encode(each),
+                headers,
+                deadline_s=deadline_s,
+                busy_retried=busy_retried,
+            )
+        return seq
 
     async def publish_raw(
         self,
@@ -484,6 +487,8 @@ class Bus:
                 log.exception("handler failed on a stored message; skipped", stream=stream, seq=seq)
             mark(seq, pending)
 
+        joiner = parts.Joiner()
+
         def deliver(
             seq: int, subject: str, data: bytes, pending: int = -1
         ) -> Awaitable[None] | None:
@@ -495,6 +500,16 @@ class Bus:
             if seq <= feed.last_seq:
                 return None  # handed over from the bulk catch-up; already delivered
             item = records.read(stream, seq, subject, data)
+            if type(item) is records.Recorded and type(item.event) in parts.JOINED:
+                try:
+                    whole = joiner.take(item.event)
+                except parts.Incomplete as exc:
+                    log.warning(f"skipped a decision seen in part: {exc}", seq=seq)
+                    whole = None
+                if whole is None:
+                    mark(seq, pending)
+                    return None
+                item = item._replace(event=whole)  # type: ignore[arg-type]
             try:
                 if type(item) is records.Recorded:
                     result = on_recorded(item)

@@ -67,12 +67,16 @@ def _subject(cls: type[ev.Event]) -> str:
         values["workload"] = ev.Workload(argv=(), cwd="", min_nodes=1, max_nodes=1)
     if cls is ev.ScalePlan:
         values["rule"] = ev.ScaleRule.GROW
+    if cls is ev.EventPart:
+        values.update(kind="KIND", items=msgspec.Raw(b"\x90"))
     event = msgspec.convert(
         {k: v for k, v in values.items() if v is not None}, cls, from_attributes=True
     )
     subject = subjects.subject_for(event)
-    for placeholder in ("JOB", "NODE", "DATASET", "CLIENT"):
+    for placeholder in ("JOB", "NODE", "DATASET", "CLIENT", "KIND"):
         subject = subject.replace(placeholder, f"<{placeholder.lower()}>")
+    if cls is ev.EventPart:
+        subject = subject.replace(".part.0", ".part.<index>")
     stream = subjects.HEARTBEAT_STREAM if subject.startswith("rove.hb") else subjects.EVENTS_STREAM
     return f"`{subject}` (stream {stream})"
 

@@ -397,6 +397,9 @@ class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True)
     cause: RoundCause = RoundCause.FORMED
     #: a TensorFlow round's tasks, by rank: roles and addresses (empty for torch)
     tasks: tuple[TfTask, ...] = ()
+    #: on the wire only: the members travelled in this many `event_part`s before it
+    #: (`rove.control.catalogue.parts`); readers see the whole round
+    parts: int = 0
 
 
 class NetworkCheckAssigned(Decision, tag="network_check_assigned", frozen=True, kw_only=True):
@@ -405,6 +408,20 @@ class NetworkCheckAssigned(Decision, tag="network_check_assigned", frozen=True, 
     check_round: int
     groups: tuple[CheckGroup, ...]
     timeout_s: float
+    #: on the wire only: the groups travelled in this many `event_part`s before it
+    parts: int = 0
+
+
+class EventPart(Decision, tag="event_part", frozen=True, kw_only=True):
+    """Part `index` of the items of the decision `whole` (its id, a `kind` event that
+    follows its parts), split because the whole would not fit one message; readers
+    put them back together (`rove.control.catalogue.parts`)."""
+
+    whole: str
+    kind: str
+    index: int
+    #: the msgpack array of this part's items
+    items: msgspec.Raw
 
 
 class NetworkCheckCompleted(Decision, tag="network_check_completed", frozen=True, kw_only=True):
@@ -493,6 +510,7 @@ AnyEvent = (
     | CkptInMemory
     | NetworkCheckCompleted
     | NetworkCheckAssigned
+    | EventPart
     | NetworkCheckReported
     | StopRequested
     | MasterElected

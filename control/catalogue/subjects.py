@@ -6,6 +6,7 @@ which also validate the names that become subject tokens.
     rove.ev.<job>.node.<node>        agent facts
     rove.ev.<job>.master             master decisions (no kind)
     rove.ev.<job>.master.<kind>      master decisions, one subject per kind
+    rove.ev.<job>.master.<kind>.part.<i>  part i of a decision too large for one message
     rove.ev.<job>.data.<dataset>     shard requests / acknowledgements
     rove.ev.<job>.data.<dataset>.<client>   the master's answers to one data client
     rove.ev.<job>.plan               scale plans
@@ -112,6 +113,12 @@ def lease_key(job: str) -> str:
     return check_name("job", job)
 
 
+def part(job: str, kind: str, index: int) -> str:
+    """Part `index` of a split `kind` decision: one subject per index, so a reader of
+    the newest message per subject still gets every part of the newest whole."""
+    return f"{master(job, kind)}.part.{index}"
+
+
 def _decision_subject(event: ev.Event) -> str:
     return master(event.job, ev.kind(event))
 
@@ -119,6 +126,7 @@ def _decision_subject(event: ev.Event) -> str:
 #: Subject of each event type (a dict lookup: this runs for every event replayed).
 _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.MasterElected: lambda e: master_elected(e.job),
+    ev.EventPart: lambda e: part(e.job, e.kind, e.index),
     ev.Heartbeat: lambda e: heartbeat(e.job, e.node),
     ev.NodeJoined: lambda e: node_facts(e.job, e.node),
     ev.NodeLeft: lambda e: node_facts(e.job, e.node),

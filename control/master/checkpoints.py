@@ -22,8 +22,9 @@ from rove.control.catalogue import events as ev
 
 class CkptState(msgspec.Struct, frozen=True, kw_only=True):
     committed: int | None = None
-    #: step -> (world size, ranks persisted so far)
-    persisted: immutables.Map[int, tuple[int, frozenset[int]]] = msgspec.field(
+    #: step -> (world size, ranks persisted so far: a set of ranks below the world
+    #: size, as a map so that one report adds in O(log n), not a copy of the set)
+    persisted: immutables.Map[int, tuple[int, immutables.Map[int, bool]]] = msgspec.field(
         default_factory=immutables.Map
     )
     #: node -> (newest step in memory, its ranks)
@@ -76,8 +77,13 @@ def on_persisted(c: CkptState, e: ev.CkptPersisted) -> CkptState:
         return c
     if _stale(c, e.step, e.round):
         return c  # persisted by a lineage a newer round abandoned: never to be committed
-    world, ranks = c.persisted.get(e.step, (e.world_size, frozenset()))
-    return replace(c, persisted=c.persisted.set(e.step, (world, ranks | set(e.ranks))))
+    world, ranks = c.persisted.get(e.step, (e.world_size, immutables.Map()))
+    with ranks.mutate() as more:
+        for rank in e.ranks:
+            if 0 <= rank < world:
+                more[rank] = True
+        ranks = more.finish()
+    return replace(c, persisted=c.persisted.set(e.step, (world, ranks)))
 
 
 def on_failed(c: CkptState, e: ev.CkptFailed) -> CkptState:
@@ -104,7 +110,7 @@ def to_commit(c: CkptState) -> tuple[int, int] | None:
     complete = [
         (step, world)
         for step, (world, ranks) in c.persisted.items()
-        if ranks >= set(range(world)) and (c.committed is None or step > c.committed)
+        if len(ranks) == world and (c.committed is None or step > c.committed)
     ]
     return max(complete) if complete else None
 

@@ -54,9 +54,10 @@ class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int = 0
     failure: Failure | None = None
     last_failure: Failure | None = None
-    succeeded: frozenset[str] = frozenset()
+    #: members whose workers all finished in this round (a set: a map for O(log n) adds)
+    succeeded: immutables.Map[str, bool] = msgspec.field(default_factory=immutables.Map)
     #: members that reported a failure of their workers in this round
-    failed_nodes: frozenset[str] = frozenset()
+    failed_nodes: immutables.Map[str, bool] = msgspec.field(default_factory=immutables.Map)
     #: what the round's nodes said as their workers finished (a worker ended stuck)
     notes: tuple[str, ...] = ()
     broken_since: float | None = None
@@ -71,10 +72,25 @@ class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
     recent_restarts: tuple[ev.TaskRestarted, ...] = ()
 
     def member(self, node: str) -> ev.RoundMember | None:
-        for m in self.members:
-            if m.node == node:
-                return m
-        return None
+        """`node`'s place in the round (O(1): one fold per fact of a 25,000-node round)."""
+        return _index(self.members).get(node)
+
+
+#: The members tuple and its index by node, of the rounds looked up last.
+_indexes: dict[int, tuple[tuple[ev.RoundMember, ...], dict[str, ev.RoundMember]]] = {}
+
+
+def _index(members: tuple[ev.RoundMember, ...]) -> dict[str, ev.RoundMember]:
+    """Node -> member of a round, built once per round (memoised by identity: the
+    tuple is kept with its index, so its id cannot be reused while it is cached)."""
+    cached = _indexes.get(id(members))
+    if cached is not None and cached[0] is members:
+        return cached[1]
+    if len(_indexes) >= 8:
+        _indexes.clear()
+    index = {m.node: m for m in members}
+    _indexes[id(members)] = (members, index)
+    return index
 
 
 def _break(r: RdzvState, node: str, ts: float) -> RdzvState:
@@ -133,7 +149,7 @@ def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
     if not _reports_on_current_round(r, e):
         return r
     if e.node not in r.failed_nodes:
-        r = replace(r, failed_nodes=r.failed_nodes | {e.node})
+        r = replace(r, failed_nodes=r.failed_nodes.set(e.node, True))
     if r.failure is not None:
         return r  # the first failure of a round decides
     failure = Failure(
@@ -152,7 +168,7 @@ def on_workers_succeeded(r: RdzvState, e: ev.WorkersSucceeded) -> RdzvState:
     if not _reports_on_current_round(r, e):
         return r
     notes = (*r.notes, f"on node {e.node}, {e.note}") if e.note else r.notes
-    return replace(r, succeeded=r.succeeded | {e.node}, notes=notes)
+    return replace(r, succeeded=r.succeeded.set(e.node, True), notes=notes)
 
 
 #: Task restarts kept for `rove status` (their count per role is exact).
@@ -170,9 +186,8 @@ def on_task_restarted(r: RdzvState, e: ev.TaskRestarted) -> RdzvState:
 def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
     if e.round <= r.round:
         return r
-    in_round = {m.node for m in e.members}
     waiting = r.waiting
-    for node in in_round & set(waiting.keys()):
+    for node in [m.node for m in e.members if m.node in waiting]:
         waiting = waiting.delete(node)
     restarted = e.restart_count > r.restarts
     return replace(
@@ -184,8 +199,8 @@ def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
         restarts=e.restart_count,
         last_failure=r.failure if restarted else None,
         failure=None,
-        succeeded=frozenset(),
-        failed_nodes=frozenset(),
+        succeeded=immutables.Map(),
+        failed_nodes=immutables.Map(),
         notes=(),
         broken_since=None,
         master_port=e.master_port,

@@ -143,7 +143,7 @@ def _finished(r: RdzvState) -> str | None:
         if head.node in r.succeeded:
             return f"the TensorFlow coordinator (chief, on node {head.node}) finished"
         return None
-    if r.succeeded >= {m.node for m in r.members}:
+    if len(r.succeeded) >= len(r.members):  # only the round's members are counted
         return f"all {len(r.members)} nodes finished their workers" + "".join(
             f"; {note}" for note in r.notes
         )
@@ -192,7 +192,9 @@ def _on_failure(
             f"(--max-restarts) are used; last failure: {_failure_text(f)}",
         )
     members = [m for m in r.members if alive(m.node, m.incarnation)]
-    unheard = sorted({m.node for m in members} - r.failed_nodes - r.succeeded)
+    unheard = sorted(
+        m.node for m in members if m.node not in r.failed_nodes and m.node not in r.succeeded
+    )
     if settle and len(members) > 1 and unheard and now - f.ts < SETTLE_S:
         return Wait(
             reason=f"{_failure_text(f)}: waiting for {', '.join(unheard)} to report its "
