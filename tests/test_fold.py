@@ -168,3 +168,28 @@ def test_the_first_node_moves_the_job_to_running() -> None:
 def test_election_records_the_leader_epoch_and_fence_sequence() -> None:
     state = fold(initial("j1"), [factories.joined("n1"), factories.elected("m7", 12)])
     assert (state.leader, state.epoch, state.elected_seq) == ("m7", 12, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(any_event, max_size=60))
+def test_the_indexed_state_answers_as_a_naive_scan_would(events: list[ev.Event]) -> None:
+    """The rendezvous looks members up by index and counts finished nodes; checkpoints
+    count persisted ranks: each answer equals the naive one over the same state."""
+    from rove.control.master.checkpoints import to_commit
+
+    state = initial(factories.JOB)
+    for seq, e in enumerate(events, 1):
+        state = evolve(state, e, seq)
+        r, c = state.rdzv, state.ckpt
+        for node in ("n1", "n2", "n3", "n4"):
+            assert r.member(node) == next((m for m in r.members if m.node == node), None)
+        members = {m.node for m in r.members}
+        assert set(r.succeeded) <= members and set(r.failed_nodes) <= members
+        finished = r.active and bool(members) and set(r.succeeded) >= members
+        assert finished == (r.active and bool(members) and len(r.succeeded) >= len(members))
+        complete = [
+            (step, world)
+            for step, (world, ranks) in c.persisted.items()
+            if set(ranks) >= set(range(world)) and (c.committed is None or step > c.committed)
+        ]
+        assert to_commit(c) == (max(complete) if complete else None)

@@ -68,6 +68,8 @@ _ANSWERS = (ev.ShardLeased, ev.DataRejected)
 class MasterRunner(JobService):
     """Runs one master candidate for `job` until `stop()` (a `JobService` that leads)."""
 
+    follows_heartbeats = False  # read on taking over, not while standing by
+
     def __init__(
         self,
         bus: Bus,
@@ -172,6 +174,7 @@ class MasterRunner(JobService):
                 await self._hold(epoch)
                 self.fence = None
                 self.role = "standby"
+                await self.replica.unfollow_heartbeats()
         finally:
             if self.role == "leader":
                 # the last snapshot covers everything stored now: the next master to
@@ -232,6 +235,7 @@ class MasterRunner(JobService):
         seq = await self.bus.publish(elected, fence=previous)
         self.fence = Fence(subjects.master_elected(self.job), seq)
         await self.replica.wait_applied(seq, timeout_s=self.lease.ttl_s)
+        await self.replica.follow_heartbeats()  # the newest of every node, then live
         self.role = "leader"
         self.log.info(
             "elected leader",

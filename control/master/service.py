@@ -36,6 +36,10 @@ log = structlog.get_logger("rove.service")
 class JobService(abc.ABC):
     """Follows `job` on `bus` until `stop()`; subclasses implement `serve()`."""
 
+    #: Whether the replica follows heartbeats from the start (a master reads them only
+    #: while it leads).
+    follows_heartbeats = True
+
     def __init__(
         self,
         bus: Bus,
@@ -50,7 +54,13 @@ class JobService(abc.ABC):
         self.name = name
         self.clock = clock
         self.tick_s = tick_s
-        self.replica = Replica(bus, job, on_applied=self.on_event, on_rejected=self.on_rejected)
+        self.replica = Replica(
+            bus,
+            job,
+            heartbeats=self.follows_heartbeats,
+            on_applied=self.on_event,
+            on_rejected=self.on_rejected,
+        )
         self._outbox: Outbox | None = None
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
