@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import immutables
 import msgspec
+import nats.js.errors
 import pytest
 
 from rove.control.bus.client import Bus
@@ -15,7 +17,7 @@ from rove.control.errors import LostEventsError
 from rove.control.master import snapshots
 from rove.control.master.replica import Replica
 from rove.control.master.runner import MasterRunner
-from rove.control.master.state import NodeRecord, NodeStatus, initial
+from rove.control.master.state import JobState, NodeRecord, NodeStatus, initial
 from tests import factories
 from tests.support import eventually, fold_records, stored_events
 
@@ -131,3 +133,40 @@ def test_continuity_is_judged_from_the_snapshot_and_the_streams_bounds() -> None
     assert problem(0, 1, 0) is None, "an empty stream and no snapshot"
     assert "ends at sequence 30" in (problem(40, 1, 30) or "")
     assert "events 41..44" in (problem(40, 45, 60) or "")
+
+
+async def test_each_large_snapshot_deletes_the_one_before_and_no_message_is_large(
+    bus: Bus,
+) -> None:
+    def big(seq: int) -> JobState:
+        nodes = {
+            f"node-{i}": NodeRecord(
+                node=f"node-{i}",
+                host="h" * 200,
+                pid=i,
+                incarnation="x" * 40,
+                status=NodeStatus.ACTIVE,
+                joined_ts=float(i),
+            )
+            for i in range(3000)
+        }
+        return msgspec.structs.replace(initial("j1"), nodes=immutables.Map(nodes), applied_seq=seq)
+
+    names = []
+    for seq in (10, 20, 30):
+        snap = await snapshots.save(bus, big(seq), master="t", now=1.0)
+        assert snap.object_name is not None
+        names.append(snap.object_name)
+    obs = await bus.js.object_store(subjects.SNAPSHOT_OBJECTS)
+    kept = [o.name for o in await obs.list() if not o.deleted]
+    assert kept == [names[-1]], "the older snapshots' objects are deleted"
+    assert await snapshots.load(bus, "j1") == big(30)
+    info = await bus.js.stream_info(f"OBJ_{subjects.SNAPSHOT_OBJECTS}")
+    # every stored chunk, and the pointer, is well under 256 KiB
+    largest = 0
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            largest = max(largest, len((await bus.js.get_msg(info.config.name, seq)).data or b""))
+    assert 0 < largest <= snapshots.INLINE_LIMIT
+    pointer = await bus.js.get_last_msg(subjects.SNAPSHOT_STREAM, subjects.snapshot("j1"))
+    assert len(pointer.data or b"") < 1024

@@ -382,10 +382,10 @@ class MasterRunner(JobService):
         behind = self.state.applied_seq - self._last_snapshot_seq
         if behind <= 0:
             return False
-        return (
-            behind >= self.snapshot_every_events
-            or now - self._last_snapshot_at >= self.snapshot_every_s
-        )
+        # a snapshot costs what the state holds (about its nodes): taken at most once
+        # per as many events, it costs each event O(1) however large the job
+        every = max(self.snapshot_every_events, len(self.state.nodes))
+        return behind >= every or now - self._last_snapshot_at >= self.snapshot_every_s
 
     async def _write_snapshot(self) -> None:
         state = self.state

@@ -1,14 +1,19 @@
 """Master snapshots: the folded state with the last applied stream sequence.
 
 The newest snapshot of a job is the last message on `rove.snap.<job>` (a
-rollup keeps only that one). Snapshots larger than the inline limit go to the
-object store and the message holds a pointer. A snapshot that fails to
-decode is logged and ignored: the master replays the whole stream instead.
+rollup keeps only that one). Snapshots larger than the inline limit (128 KiB) go
+to the object store, which stores them in chunks of 128 KiB, and the message holds
+a pointer: no message grows with the job. Each new snapshot deletes the object of
+the one before it (a reader that fetched the old pointer just then reads the
+pointer again). A snapshot that fails to decode is logged and ignored: the master
+replays the whole stream instead.
 Any master may write one: a snapshot is a fold of a stream prefix, which is
 the same whoever folded it.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import msgspec
 import nats.errors
@@ -22,8 +27,8 @@ from rove.control.master.state import JobState, decode_state, encode_state
 
 log = structlog.get_logger("rove.snapshots")
 
-#: Above this many bytes the state goes to the object store (NATS max_payload is 1 MiB).
-INLINE_LIMIT = 512 * 1024
+#: Above this many bytes the state goes to the object store, in chunks of as many.
+INLINE_LIMIT = 128 * 1024
 FORMAT = 1
 
 
@@ -53,12 +58,13 @@ async def save(bus: Bus, state: JobState, *, master: str, now: float) -> Snapsho
         ts=now,
         size=len(data),
     )
+    previous = await _pointer(bus, state.job)
     if len(data) <= INLINE_LIMIT:
         snap = msgspec.structs.replace(snap, state=data)
     else:
         obs = await bus.js.create_object_store(subjects.SNAPSHOT_OBJECTS)
         name = f"{state.job}/{state.applied_seq}"
-        await obs.put(name, data)
+        await obs.put(name, data)  # in chunks of 128 KiB (nats-py's default)
         snap = msgspec.structs.replace(snap, object_name=name)
     await bus.publish_raw(
         subjects.snapshot(state.job),
@@ -66,12 +72,42 @@ async def save(bus: Bus, state: JobState, *, master: str, now: float) -> Snapsho
         {Header.ROLLUP.value: "sub"},
         deadline_s=10.0,
     )
+    old = previous.object_name if previous is not None else None
+    if old is not None and old != snap.object_name:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            obs = await bus.js.object_store(subjects.SNAPSHOT_OBJECTS)
+            await obs.delete(old)
     log.debug("snapshot written", job=state.job, applied_seq=state.applied_seq, bytes=len(data))
     return snap
 
 
+async def _pointer(bus: Bus, job: str) -> Snapshot | None:
+    """The newest snapshot message of `job` (its state or its pointer), or None."""
+    try:
+        msg = await bus.js.get_last_msg(
+            subjects.SNAPSHOT_STREAM, subjects.snapshot(job), direct=True
+        )
+        return _dec.decode(msg.data or b"")
+    except (nats.js.errors.NotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 async def load(bus: Bus, job: str) -> JobState | None:
     """The newest valid snapshot of `job`, or None (no snapshot, or a bad one)."""
+    for attempt in (1, 2):
+        try:
+            return await _load(bus, job)
+        except _Replaced:
+            if attempt == 2:
+                break  # replaced twice while being read: replay instead
+    return None
+
+
+class _Replaced(Exception):
+    """The object a pointer named was deleted: a newer snapshot replaced it."""
+
+
+async def _load(bus: Bus, job: str) -> JobState | None:
     try:
         msg = await bus.js.get_last_msg(
             subjects.SNAPSHOT_STREAM, subjects.snapshot(job), direct=True
@@ -84,7 +120,12 @@ async def load(bus: Bus, job: str) -> JobState | None:
             data = snap.state
         elif snap.object_name is not None:
             obs = await bus.js.object_store(subjects.SNAPSHOT_OBJECTS)
-            data = (await obs.get(snap.object_name)).data or b""
+            try:
+                data = (await obs.get(snap.object_name)).data or b""
+            except nats.js.errors.ObjectNotFoundError:
+                if await _pointer(bus, job) != snap:
+                    raise _Replaced() from None
+                raise
         else:
             raise msgspec.ValidationError("snapshot holds neither state nor a pointer")
         state = decode_state(data)
