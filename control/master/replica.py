@@ -111,9 +111,11 @@ class Replica:
         self.liveness = {}
 
     async def stop(self) -> None:
-        await self.unfollow_heartbeats()
-        if self._events is not None:
-            await self._events.stop()
+        """Stop following (what was folded and heard stays readable)."""
+        feeds, self._heartbeats = (self._events, self._heartbeats), None
+        for feed in feeds:
+            if feed is not None:
+                await feed.stop()
 
     def _apply(self, rec: records.Recorded) -> None:
         if rec.seq <= self.seen_seq:
