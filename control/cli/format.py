@@ -1,4 +1,5 @@
-"""Readable renderings of events for `rove events` (pure functions)."""
+"""Readable renderings of events for `rove events`, and of long lists for `rove status`
+(pure functions): no line grows with the cluster."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ _COMMON = {"job", "id", "producer", "ts", "epoch"}
 
 _TIMES = {"last_seen", "at", "first_at"}
 
+#: How many items of a long list a readable line shows (`--json` shows them all).
+SHOWN = 8
+
+
+def some(names: list[str], most: int = SHOWN) -> str:
+    """`a, b, c`, or the first `most` and how many more."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[:most])} and {len(names) - most:,} more"
+
 
 def _value(v: Any, key: str = "") -> str:
     if key in _TIMES and isinstance(v, float):
@@ -23,6 +34,9 @@ def _value(v: Any, key: str = "") -> str:
         return f"<{len(v)} bytes>"
     if isinstance(v, float):
         return f"{v:.3f}".rstrip("0").rstrip(".")
+    if isinstance(v, tuple | list) and len(v) > SHOWN:
+        head = msgspec.json.encode(list(v[:3])).decode()[:-1]
+        return f"{head},...]({len(v):,} in all)"
     if isinstance(v, msgspec.Struct | tuple | list | dict):
         return msgspec.json.encode(v).decode()
     text = str(v)
@@ -69,3 +83,32 @@ def event_line(rec: Recorded) -> str:
 def event_json(rec: Recorded) -> bytes:
     body = msgspec.to_builtins(rec.event)
     return msgspec.json.encode({"seq": rec.seq, "subject": rec.subject, **body})
+
+
+#: How many nodes `rove status` lists unless asked for all (`--all`).
+NODE_ROWS = 50
+
+
+def first_nodes(nodes: list[dict[str, Any]], most: int | None) -> list[dict[str, Any]]:
+    """The nodes of `rove status` a person should see first, at most `most` (None: all,
+    in name order): those not active, then those heard from longest ago."""
+    if most is None or len(nodes) <= most:
+        return nodes
+
+    def concern(n: dict[str, Any]) -> tuple[bool, float, str]:
+        age = n["last_heartbeat_age_s"]
+        return (n["status"] == "active", -(age if age is not None else float("inf")), n["node"])
+
+    return sorted(nodes, key=concern)[:most]
+
+
+def rest_line(nodes: list[dict[str, Any]], shown: int) -> str:
+    """What the nodes not listed are, by status."""
+    counts: dict[str, int] = {}
+    for n in nodes:
+        counts[n["status"]] = counts.get(n["status"], 0) + 1
+    by_status = ", ".join(f"{c:,} {s}" for s, c in sorted(counts.items()))
+    return (
+        f"... {len(nodes) - shown:,} more nodes not listed ({len(nodes):,} in all: {by_status}); "
+        "--all lists every one, --json gives them as data"
+    )

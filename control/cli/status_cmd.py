@@ -15,6 +15,7 @@ from rove.control.bus import embedded, records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.cli.format import NODE_ROWS, first_nodes, rest_line, some
 from rove.control.domain import shards
 from rove.control.flags import options as common
 from rove.control.history import runs
@@ -31,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("status", help="show a job's state", description=__doc__)
     common.add_job_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help=f"list every node (default: the {NODE_ROWS} a person should see first)",
+    )
     common.add_run_arg(p)
     common.add_nats_args(p)
     p.set_defaults(func=run)
@@ -63,7 +69,7 @@ async def _run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(view) + "\n")
     else:
-        sys.stdout.write(render(view))
+        sys.stdout.write(render(view, most=None if args.all else NODE_ROWS))
     return common.EXIT_OK
 
 
@@ -243,7 +249,7 @@ def _round_line(view: dict[str, Any]) -> str:
     else:
         text = "no round yet"
     if view["waiting"]:
-        text += f"; waiting: {', '.join(view['waiting'])}"
+        text += f"; waiting: {some(view['waiting'])}"
     return text
 
 
@@ -463,7 +469,7 @@ def _no_holder(view: dict[str, Any]) -> str:
     )
 
 
-def render(view: dict[str, Any]) -> str:
+def render(view: dict[str, Any], most: int | None = None) -> str:
     lines = [
         f"job {view['job']}"
         + (f" (run {view['run']})" if view.get("run", 1) > 1 else "")
@@ -555,7 +561,7 @@ def render(view: dict[str, Any]) -> str:
             _cell(n["cpu_percent"]),
             _mib(n["mem_used_bytes"]),
         ]
-        for n in view["nodes"]
+        for n in first_nodes(view["nodes"], most)
     ]
     if rows:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -563,6 +569,8 @@ def render(view: dict[str, Any]) -> str:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     else:
         lines.append("no nodes have joined")
+    if len(rows) < len(view["nodes"]):
+        lines.append(rest_line(view["nodes"], len(rows)))
     if view["recent_rejections"]:
         lines.append("")
         lines.append("recently rejected messages:")
