@@ -15,10 +15,14 @@ waits for what the leader decides, and prints one JSON line per N with:
 - `round_s`: from the last node's join to the full round;
 - `lost_one_s` and `lost_tenth_s`: from a node (then 10% of the nodes) falling
   silent to the round without it, with `node_timeout_s` beside them;
-- `commit_s`: from the first checkpoint report to `ckpt_committed` of N nodes;
+- `commit_s`: from the first checkpoint report to `ckpt_committed` of N nodes
+  (`commit_sent_s`: until the simulator had sent the N reports, acknowledged);
 - `failover_s`: from the leader's SIGKILL to the standby's `master_elected`, with
   `lease_ttl_s` beside it;
-- `finish_s`: from the first `workers_succeeded` to `job_ended`;
+- `restart_ready_s`: a master started afresh (a `Replica`) until it has loaded the
+  newest snapshot and replayed the tail after it (`restart_tail_events`);
+- `finish_s`: from the first `workers_succeeded` to `job_ended` (`finish_sent_s`:
+  until the simulator had sent them);
 - `fold_wave_s`: folding a wave of N `workers_succeeded` and of N `ckpt_persisted`
   in one process (the pure fold, no bus);
 - `largest_msg_bytes`: the largest message on the job's subjects.
@@ -52,6 +56,7 @@ from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.master.evolve import evolve
+from rove.control.master.replica import Replica
 from rove.control.master.state import initial
 
 JOB = "scale"
@@ -289,7 +294,9 @@ def fold_wave_s(n: int) -> dict[str, float]:
 def master_proc(
     url: str, master_id: str, folder: Path, args: argparse.Namespace
 ) -> subprocess.Popen[bytes]:
-    log = folder / f"{master_id}.log"
+    logs = Path(args.logs) if args.logs else folder
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{master_id}-{args.current}.log"
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "rove.control.cli.main", "master"),
@@ -298,7 +305,7 @@ def master_proc(
         ],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
-        env={**os.environ, "ROVE_LOG_LEVEL": "warning"},
+        env={**os.environ, "ROVE_LOG_LEVEL": "info" if args.logs else "warning"},
     )
 
 
@@ -361,6 +368,7 @@ async def measure(n: int, args: argparse.Namespace, folder: Path) -> dict[str, A
         }
         t0 = time.monotonic()
         await asyncio.to_thread(ask, "ckpt", (full.round, 10, members))
+        result["commit_sent_s"] = round(time.monotonic() - t0, 3)  # the simulator's share
         await watch.until(
             lambda: any(s == 10 for _, s in watch.commits), args.timeout, "the commit"
         )
@@ -384,17 +392,30 @@ async def measure(n: int, args: argparse.Namespace, folder: Path) -> dict[str, A
         tenth = list(range(0, n - 1, 10))
         result["lost_tenth_s"] = await lose(tenth, f"{len(tenth)} nodes")
 
+        # the leader now (a busy leader may have lost the lease before: said in `elections`)
+        result["elections_before_failover"] = len(watch.elected)
+        now_leading = watch.elected[-1][1]
+        victim, heir = (leader, standby) if now_leading == "m1" else (standby, leader)
         t0 = time.monotonic()
-        os.kill(leader.pid, signal.SIGKILL)
+        os.kill(victim.pid, signal.SIGKILL)
         await watch.until(
-            lambda: any(m == "m2" for _, m in watch.elected), args.timeout, "the standby's election"
+            lambda: any(t > t0 for t, _ in watch.elected), args.timeout, "the standby's election"
         )
-        result["failover_s"] = round(next(t for t, m in watch.elected if m == "m2") - t0, 3)
-        result["new_leader_rss_mib"] = round(Cpu(standby.pid).rss_mib(), 1)
+        result["failover_s"] = round(next(t for t, _ in watch.elected if t > t0) - t0, 3)
+        result["new_leader_rss_mib"] = round(Cpu(heir.pid).rss_mib(), 1)
+
+        # a master restarted now: ready once it has loaded the snapshot and the tail
+        t0 = time.monotonic()
+        replica = Replica(bus, JOB)
+        await replica.start()
+        result["restart_ready_s"] = round(time.monotonic() - t0, 3)
+        result["restart_tail_events"] = replica.state.applied_seq - replica.snapshot_seq
+        await replica.stop()
 
         rnd = watch.rounds[-1][1].round
         t0 = time.monotonic()
         await asyncio.to_thread(ask, "succeed", rnd)
+        result["finish_sent_s"] = round(time.monotonic() - t0, 3)
         await watch.until(lambda: watch.ended, args.timeout, "the job's end")
         assert watch.ended is not None
         result["finish_s"] = round(watch.ended - t0, 3)
@@ -429,8 +450,10 @@ def main() -> None:
         "--window", type=float, default=10.0, help="seconds of steady heartbeats measured"
     )
     p.add_argument("--timeout", type=float, default=120.0, help="the longest wait for one step")
+    p.add_argument("--logs", help="keep the masters' logs (at info level) in this folder")
     args = p.parse_args()
     for n in (int(x) for x in args.nodes.split(",")):
+        args.current = n
         with tempfile.TemporaryDirectory(prefix="rove-scale-") as tmp:
             try:
                 row = asyncio.run(measure(n, args, Path(tmp)))

@@ -41,13 +41,19 @@ class Decided(NamedTuple):
     scale_waiting: netcheck.Wait | None = None
 
 
-def decide(state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float) -> Decided:
+def decide(
+    state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float, *, check_lost: bool = True
+) -> Decided:
+    """What the leader decides now. `check_lost=False` skips looking for lost nodes (a
+    scan of every node: the runner does it a few times per node timeout, not every tick)."""
+
     if state.phase.terminal:
         return Decided(_next_run(state, now), None)
     if state.spec is None:
         return Decided([], None)
     decisions: list[ev.Decision] = []
-    decisions.extend(_lost_nodes(state, liveness, now))
+    if check_lost:
+        decisions.extend(_lost_nodes(state, liveness, now))
     decisions.extend(_stop(state, now))
     waiting = scale_waiting = None
     if not decisions and state.scale.workload is not None:
