@@ -41,3 +41,32 @@ async def test_a_standby_reads_no_heartbeats_until_it_leads(bus: Bus) -> None:
         leader.stop()
         standby.stop()
         await asyncio.gather(first, second)
+
+
+async def test_a_tick_longer_than_the_lease_does_not_depose_the_leader(bus: Bus) -> None:
+    """A round of 25,000 members or a wave of lost nodes can make one tick long: the
+    lease is renewed beside it, so the leader stays leader and nobody else is elected."""
+    leader, standby = runner(bus, "m1"), runner(bus, "m2")
+    _, ttl = await bus.lease_bucket()
+    ticked = leader._tick
+    slow_once = asyncio.Event()
+
+    async def slow_tick(epoch: int) -> None:
+        if not slow_once.is_set():
+            slow_once.set()
+            await asyncio.sleep(ttl * 2)  # e.g. a long publish of many parts
+        await ticked(epoch)
+
+    leader._tick = slow_tick  # type: ignore[method-assign]
+    first = asyncio.create_task(leader.run())
+    await eventually(lambda: leader.role == "leader")
+    second = asyncio.create_task(standby.run())
+    try:
+        await eventually(lambda: slow_once.is_set())
+        await asyncio.sleep(ttl * 2.5)
+        assert leader.role == "leader" and standby.role == "standby"
+        assert standby.state.epoch == leader.state.epoch == 1, "nobody else was elected"
+    finally:
+        leader.stop()
+        standby.stop()
+        await asyncio.gather(first, second)

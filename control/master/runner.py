@@ -31,6 +31,7 @@ from rove.control.master.election import Lease
 from rove.control.master.metrics import JobMetrics
 from rove.control.master.netcheck import Wait
 from rove.control.master.service import JobService
+from rove.control.process import aio
 
 log = structlog.get_logger("rove.master")
 
@@ -248,17 +249,28 @@ class MasterRunner(JobService):
         )
         await self._configure(epoch)
         await self._write_snapshot()
-        next_renew = time.monotonic() + self.lease.renew_every_s
-        while not self.stopping:
-            # Decide before renewing: a leader that was paused past its lease
-            # tries its writes and the server refuses them (the fence), which
-            # is the guarantee; the lease check below is only the fast path.
-            await self._tick(epoch)
-            if time.monotonic() >= next_renew:
-                if not await self.lease.renew():
-                    raise FencedError("the leader lease expired or was taken")
-                next_renew = time.monotonic() + self.lease.renew_every_s
-            await self.doze()
+        # The lease is renewed by a task of its own: a long tick (a round of 25,000
+        # members, a wave of lost nodes) must not let it lapse. A leader paused past its
+        # lease still tries its writes and the server refuses them (the fence), which
+        # is the guarantee; the renewal is only the fast path.
+        renewer = asyncio.create_task(self._keep_lease(), name="lease renewal")
+        try:
+            while not self.stopping:
+                if renewer.done():
+                    renewer.result()  # raises why the lease was lost (or how renewal failed)
+                await self._tick(epoch)
+                await self.doze()
+        finally:
+            await aio.cancel_and_wait([renewer])
+
+    async def _keep_lease(self) -> None:
+        """Renew the lease every `renew_every_s`; raise once it is lost."""
+        assert self.lease is not None
+        while True:
+            await asyncio.sleep(self.lease.renew_every_s)
+            if not await self.lease.renew():
+                self.wake()  # the loop raises it at once, not after its doze
+                raise FencedError("the leader lease expired or was taken")
 
     async def _configure(self, epoch: int) -> None:
         """Configure the job's run (its settings, and a name for its shared memory),
