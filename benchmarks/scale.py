@@ -75,7 +75,9 @@ def _fact(node: str, ts: float, *parts: object) -> dict[str, Any]:
     return dict(ev.node_envelope(JOB, node, "inc1", ts, *parts))
 
 
-async def _sim(url: str, first: int, count: int, total: int, conn: Connection) -> None:
+async def _sim(
+    url: str, first: int, count: int, total: int, every_s: float, conn: Connection
+) -> None:
     """Agents `first`..`first+count-1`: joins, heartbeats, and what `conn` asks."""
     bus = await Bus.connect(BusOptions(url=url, create_streams=False, name=f"sim-{first}"))
     nodes = list(range(first, first + count))
@@ -106,7 +108,7 @@ async def _sim(url: str, first: int, count: int, total: int, conn: Connection) -
                 await bus.nc.publish(subjects.heartbeat(JOB, node), ev.encode(hb))
                 sent += 1
             await bus.nc.flush()
-            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, every_s - (time.monotonic() - started)))
 
     beat = asyncio.create_task(heartbeats())
     while True:
@@ -167,8 +169,10 @@ def _ranks(live: list[int], members: dict[int, tuple[int, int]]) -> list[tuple[i
     return [(i, *members[i]) for i in live if i in members]
 
 
-def _sim_main(url: str, first: int, count: int, total: int, conn: Connection) -> None:
-    asyncio.run(_sim(url, first, count, total, conn))
+def _sim_main(
+    url: str, first: int, count: int, total: int, every_s: float, conn: Connection
+) -> None:
+    asyncio.run(_sim(url, first, count, total, every_s, conn))
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -327,7 +331,9 @@ async def measure(n: int, args: argparse.Namespace, folder: Path) -> dict[str, A
     for p in range(procs):
         first, count = p * share, min(share, n - p * share)
         ours, theirs = mp.Pipe()
-        proc = mp.Process(target=_sim_main, args=(url, first, count, n, theirs), daemon=True)
+        proc = mp.Process(
+            target=_sim_main, args=(url, first, count, n, args.heartbeat_s, theirs), daemon=True
+        )
         proc.start()
         conns.append(ours)
         sims.append(proc)
@@ -339,6 +345,7 @@ async def measure(n: int, args: argparse.Namespace, folder: Path) -> dict[str, A
 
     result: dict[str, Any] = {"nodes": n, "procs": procs, "node_timeout_s": args.node_timeout}
     result["lease_ttl_s"] = args.lease_ttl
+    result["heartbeat_s"] = args.heartbeat_s
     try:
         joined_at = await asyncio.to_thread(lambda: (ask("join"), time.monotonic())[1])
         full = await watch.until(
@@ -361,7 +368,7 @@ async def measure(n: int, args: argparse.Namespace, folder: Path) -> dict[str, A
             result[f"{k}_rss_mib"] = round(c.rss_mib(), 1)
         result["sim_cores"] = round((sum(c.seconds() for c in sim_cpu) - sim_before) / span, 3)
         result["hb_rate"] = round((sum(ask("sent")) - sent_before) / span)
-        result["hb_target"] = n
+        result["hb_target"] = round(n / args.heartbeat_s)
 
         members = {
             int(m.node.rsplit("-", 2)[1]): (m.first_rank, full.world_size) for m in full.members
@@ -445,6 +452,9 @@ def main() -> None:
     )
     p.add_argument("--procs", type=int, default=2, help="simulator processes (default 2)")
     p.add_argument("--node-timeout", type=float, default=10.0, help="the masters' --node-timeout")
+    p.add_argument(
+        "--heartbeat-s", type=float, default=1.0, help="the agents' heartbeat interval (default 1)"
+    )
     p.add_argument("--lease-ttl", type=float, default=6.0, help="the masters' --lease-ttl")
     p.add_argument(
         "--window", type=float, default=10.0, help="seconds of steady heartbeats measured"

@@ -217,6 +217,18 @@ class MasterRunner(JobService):
                 return
 
     async def _lead(self, epoch: int) -> None:
+        # The lease is renewed by a task of its own from the moment it is won: catching
+        # up, the first snapshot of a large job, a long tick (a round of 25,000 members,
+        # a wave of lost nodes) must not let it lapse. A leader paused past its lease
+        # still tries its writes and the server refuses them (the fence), which is the
+        # guarantee; the renewal is only the fast path.
+        renewer = asyncio.create_task(self._keep_lease(), name="lease renewal")
+        try:
+            await self._elected_then_lead(epoch, renewer)
+        finally:
+            await aio.cancel_and_wait([renewer])
+
+    async def _elected_then_lead(self, epoch: int, renewer: asyncio.Task[None]) -> None:
         assert self.lease is not None
         self.role = "electing"
         self.log.info("won the leader lease; catching up", epoch=epoch)
@@ -249,19 +261,11 @@ class MasterRunner(JobService):
         )
         await self._configure(epoch)
         await self._write_snapshot()
-        # The lease is renewed by a task of its own: a long tick (a round of 25,000
-        # members, a wave of lost nodes) must not let it lapse. A leader paused past its
-        # lease still tries its writes and the server refuses them (the fence), which
-        # is the guarantee; the renewal is only the fast path.
-        renewer = asyncio.create_task(self._keep_lease(), name="lease renewal")
-        try:
-            while not self.stopping:
-                if renewer.done():
-                    renewer.result()  # raises why the lease was lost (or how renewal failed)
-                await self._tick(epoch)
-                await self.doze()
-        finally:
-            await aio.cancel_and_wait([renewer])
+        while not self.stopping:
+            if renewer.done():
+                renewer.result()  # raises why the lease was lost (or how renewal failed)
+            await self._tick(epoch)
+            await self.doze()
 
     async def _keep_lease(self) -> None:
         """Renew the lease every `renew_every_s`; raise once it is lost."""
