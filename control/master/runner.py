@@ -232,6 +232,10 @@ class MasterRunner(JobService):
         assert self.lease is not None
         self.role = "electing"
         self.log.info("won the leader lease; catching up", epoch=epoch)
+        if self.bus.options.create_streams:
+            # a server restarted loses its memory streams (the heartbeats): the new
+            # leader puts them back before it reads them
+            await self.bus.ensure_streams()
         await self.replica.catch_up(timeout_s=self.lease.ttl_s)
         previous = await self._election_fence(epoch)
         await self.replica.wait_applied(previous.seq, timeout_s=self.lease.ttl_s)
