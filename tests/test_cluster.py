@@ -11,7 +11,7 @@ from rove.control.catalogue import subjects
 from tests import factories
 from tests.support import Cluster, patience, stored_events
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # restarts a NATS node on its ports
 
 
 async def test_kill_9_of_a_cluster_node_while_publishing_stores_every_event_once_in_order(

@@ -81,6 +81,7 @@ async def test_on_a_3_node_cluster_every_sample_once_through_worker_agent_and_ma
     await chaos(cluster_bus, tmp_path, 13, random_plan(13))
 
 
+@pytest.mark.alone  # restarts NATS nodes on their ports: nothing beside it
 async def test_on_a_3_node_cluster_a_quorum_loss_pauses_the_job_and_loses_nothing(
     nats_cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -93,6 +94,7 @@ async def test_on_a_3_node_cluster_a_quorum_loss_pauses_the_job_and_loses_nothin
         await bus.close()
 
 
+@pytest.mark.alone  # restarts NATS nodes on their ports: nothing beside it
 async def test_a_node_cut_off_for_20_s_comes_back_and_every_sample_is_trained_once(
     tmp_path: Path,
 ) -> None:

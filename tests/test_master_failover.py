@@ -204,6 +204,7 @@ async def test_an_in_process_master_that_crashes_is_restarted_and_leads(
         await asyncio.wait_for(task, patience(30))
 
 
+@pytest.mark.alone  # restarts NATS nodes on their ports: nothing beside it
 async def test_a_master_started_while_the_cluster_has_no_quorum_waits_and_then_leads(
     nats_cluster: Cluster, tmp_path: Path
 ) -> None:

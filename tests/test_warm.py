@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,8 +96,9 @@ def test_the_first_round_forks_from_the_quick_server_and_a_restart_from_the_full
     tmp_path: Path,
 ) -> None:
     home = tmp_path / "home"
-    scratch = tmp_path / "tmp"  # where the servers say they are ready
-    scratch.mkdir()
+    # where the servers say they are ready: short, as the forkserver's AF_UNIX socket
+    # lives there too (108 bytes at most; a pytest-xdist tmp_path is longer)
+    scratch = Path(tempfile.mkdtemp(prefix="rv-"))
     out = rove_cli(
         *("run", "--standalone", "--job", "rounds", "--nproc-per-node", "2"),
         *("--max-restarts", "1", str(ROUNDS), str(tmp_path)),
@@ -114,6 +117,7 @@ def test_the_first_round_forks_from_the_quick_server_and_a_restart_from_the_full
     assert len({r["ppid"] for r in first}) == len({r["ppid"] for r in second}) == 1
     assert first[0]["ppid"] != second[0]["ppid"], "two servers"
     assert not list(scratch.glob("rove-warm-*")), "the servers' folders are gone"
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_a_warm_server_is_started_early_only_where_warm_start_is_wanted() -> None:
