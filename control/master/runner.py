@@ -176,6 +176,8 @@ class MasterRunner(JobService):
                     await self.sleep(min(self.lease.renew_every_s, 1.0) / 2)
                     continue
                 await self._hold(epoch)
+                if self.stopping:
+                    break  # still the leader: the last snapshot below is written
                 self.fence = None
                 self.role = "standby"
                 await self.replica.unfollow_heartbeats()
