@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import structlog
 
-from rove.control.bus import records
+from rove.control.bus import records, retry
 from rove.control.bus.client import Bus
 from rove.control.bus.feed import Feed
 from rove.control.catalogue import events as ev
@@ -94,12 +94,18 @@ class Replica:
         """Read the newest heartbeat of every node, then follow them (returns when
         caught up; at once if already following)."""
         if self._heartbeats is None:
-            self._heartbeats = await self.bus.subscribe(
-                subjects.HEARTBEAT_STREAM,
-                subjects.job_heartbeats(self.job),
-                self._heartbeat,
-                self._reject,
-                last_per_subject=True,
+            # (a master taking over just after a quorum loss may hear 503 for a while)
+            self._heartbeats = await retry.call(
+                lambda _t: self.bus.subscribe(
+                    subjects.HEARTBEAT_STREAM,
+                    subjects.job_heartbeats(self.job),
+                    self._heartbeat,
+                    self._reject,
+                    last_per_subject=True,
+                ),
+                what=f"the heartbeats of job {self.job}",
+                deadline_s=30.0,
+                attempt_s=30.0,
             )
         await self._heartbeats.caught_up.wait()
 

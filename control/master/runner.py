@@ -24,7 +24,7 @@ from rove.control.bus import records
 from rove.control.bus.client import Bus, Fence
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.errors import FencedError, PublishDeadlineError, RoveError
+from rove.control.errors import BusUnavailableError, FencedError, PublishDeadlineError, RoveError
 from rove.control.master import snapshots
 from rove.control.master.decide import decide
 from rove.control.master.election import Lease
@@ -210,7 +210,7 @@ class MasterRunner(JobService):
                     continue
                 self.log.warning("deposed: stepping down to standby", epoch=epoch, reason=str(exc))
                 return
-            except (PublishDeadlineError, TimeoutError) as exc:
+            except (BusUnavailableError, TimeoutError) as exc:
                 self.log.warning(
                     "lost the bus while leading; stepping down",
                     error=str(exc) or type(exc).__name__,
