@@ -35,8 +35,9 @@ async def test_a_new_replica_loads_the_snapshot_and_replays_only_the_tail(bus: B
     assert replica.state == fold_records(recs)
 
 
-async def test_a_large_snapshot_goes_to_the_object_store_and_loads_back(bus: Bus) -> None:
-    nodes = {
+def large_state(nodes: int, applied_seq: int) -> JobState:
+    """A state of `nodes` active nodes with long fields: well over the inline limit."""
+    records = {
         f"node-{i}": NodeRecord(
             node=f"node-{i}",
             host="h" * 200,
@@ -45,9 +46,15 @@ async def test_a_large_snapshot_goes_to_the_object_store_and_loads_back(bus: Bus
             status=NodeStatus.ACTIVE,
             joined_ts=float(i),
         )
-        for i in range(4000)
+        for i in range(nodes)
     }
-    state = msgspec.structs.replace(initial("j1"), nodes=immutables.Map(nodes), applied_seq=7)
+    return msgspec.structs.replace(
+        initial("j1"), nodes=immutables.Map(records), applied_seq=applied_seq
+    )
+
+
+async def test_a_large_snapshot_goes_to_the_object_store_and_loads_back(bus: Bus) -> None:
+    state = large_state(4000, 7)
     snap = await snapshots.save(bus, state, master="t", now=1.0)
     assert snap.object_name is not None and snap.state is None
     assert snap.size > snapshots.INLINE_LIMIT
@@ -138,29 +145,15 @@ def test_continuity_is_judged_from_the_snapshot_and_the_streams_bounds() -> None
 async def test_each_large_snapshot_deletes_the_one_before_and_no_message_is_large(
     bus: Bus,
 ) -> None:
-    def big(seq: int) -> JobState:
-        nodes = {
-            f"node-{i}": NodeRecord(
-                node=f"node-{i}",
-                host="h" * 200,
-                pid=i,
-                incarnation="x" * 40,
-                status=NodeStatus.ACTIVE,
-                joined_ts=float(i),
-            )
-            for i in range(3000)
-        }
-        return msgspec.structs.replace(initial("j1"), nodes=immutables.Map(nodes), applied_seq=seq)
-
     names = []
     for seq in (10, 20, 30):
-        snap = await snapshots.save(bus, big(seq), master="t", now=1.0)
+        snap = await snapshots.save(bus, large_state(3000, seq), master="t", now=1.0)
         assert snap.object_name is not None
         names.append(snap.object_name)
     obs = await bus.js.object_store(subjects.SNAPSHOT_OBJECTS)
     kept = [o.name for o in await obs.list() if not o.deleted]
     assert kept == [names[-1]], "the older snapshots' objects are deleted"
-    assert await snapshots.load(bus, "j1") == big(30)
+    assert await snapshots.load(bus, "j1") == large_state(3000, 30)
     info = await bus.js.stream_info(f"OBJ_{subjects.SNAPSHOT_OBJECTS}")
     # every stored chunk, and the pointer, is well under 256 KiB
     largest = 0

@@ -16,7 +16,8 @@ def runner(bus: Bus, master_id: str) -> MasterRunner:
     return MasterRunner(bus, "j1", master_id, ev.JobSpec(node_timeout_s=60), tick_s=0.05)
 
 
-async def test_a_standby_reads_no_heartbeats_until_it_leads(bus: Bus) -> None:
+async def test_a_standby_reads_no_heartbeats_until_it_leads(any_bus: Bus) -> None:
+    bus = any_bus
     leader, standby = runner(bus, "m1"), runner(bus, "m2")
     first = asyncio.create_task(leader.run())
     await eventually(lambda: leader.role == "leader")
