@@ -27,6 +27,19 @@ from rove.control.process import metrics
 
 log = structlog.get_logger("rove.agent")
 
+#: Heartbeats a second a job is kept to when the interval is left to rove: a leader
+#: folded 25,000 a second in 0.46 cores beside its server on a 2-core machine, and
+#: 50,000 a second saturated it (docs/operations.md, "What a job of N nodes needs").
+HEARTBEATS_PER_S = 25_000
+
+
+def interval_for(max_nodes: int, node_timeout_s: float) -> float:
+    """The heartbeat interval when `--heartbeat-interval` is not given: 1 s up to
+    25,000 nodes (`--nnodes MAX`), above that as long as keeps the job at 25,000
+    heartbeats a second, and never over a fifth of the node timeout (nor under 1 s)."""
+    adapted = max(1.0, max_nodes / HEARTBEATS_PER_S)
+    return min(adapted, max(1.0, node_timeout_s / 5))
+
 
 def free_ports(addr: str, n: int = 2) -> tuple[int, ...]:
     """`n` ports free on `addr` right now (for the next round's rendezvous store)."""

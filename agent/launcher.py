@@ -33,6 +33,7 @@ from rove.agent import child, endings, faults, forkservers, managed, warm
 from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
+from rove.agent.heartbeat import HEARTBEATS_PER_S, interval_for
 from rove.agent.run_args import build_parser, warn_ignored
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
@@ -234,7 +235,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         max_restarts=launch.max_restarts,
         max_task_restarts=args.max_worker_restarts,
         role=launch.role,
-        heartbeat_s=args.heartbeat_interval,
+        heartbeat_s=_heartbeat_interval(args, params.max_nodes),
         hang_timeout_s=args.hang_timeout or 0.0,
         faults=_faults(args.inject_fault),
         exit_timeout_s=args.hang_timeout or EXIT_TIMEOUT_S,
@@ -249,6 +250,19 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         worker_auth=_worker_auth(args.worker_nats_auth),
     )
     return cfg, standalone
+
+
+def _heartbeat_interval(args: argparse.Namespace, max_nodes: int) -> float:
+    """`--heartbeat-interval`, or one for the job's size (`interval_for`)."""
+    if args.heartbeat_interval:
+        return float(args.heartbeat_interval)
+    interval = interval_for(max_nodes, args.node_timeout)
+    if interval > 1.0:
+        log.info(
+            f"heartbeats every {interval:.3g} s: up to {max_nodes} nodes keep the job to "
+            f"{HEARTBEATS_PER_S} heartbeats a second (--heartbeat-interval sets it)"
+        )
+    return interval
 
 
 def _worker_auth(path: str | None) -> Path | None:

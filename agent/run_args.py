@@ -187,9 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--heartbeat-interval",
         type=common.positive,
-        default=1.0,
+        default=None,
         metavar="SECONDS",
-        help="seconds between heartbeats (default 1)",
+        help="seconds between heartbeats (default 1, longer above 25,000 nodes: "
+        "--nnodes MAX / 25,000, at most a fifth of --node-timeout)",
     )
     g.add_argument(
         "-v",

@@ -4,7 +4,8 @@ simulated agents.
 
 The agents are simulated, many per process in several processes, with rove's own
 event types, subjects and client: each process joins its nodes (`node_joined`,
-`rdzv_joined`), heartbeats every one of them at the agents' default interval (1 s;
+`rdzv_joined`), heartbeats every one of them at the agents' default interval (1 s
+up to 25,000 nodes, then longer: `rove.agent.heartbeat.interval_for`;
 as core NATS publishes into the heartbeat stream, which is what the server stores
 of an agent's acknowledged one), reports checkpoints (`ckpt_in_memory`,
 `ckpt_persisted`) and finishes the workers (`workers_succeeded`). The benchmark
@@ -20,7 +21,10 @@ waits for what the leader decides, and prints one JSON line per N with:
 - `failover_s`: from the leader's SIGKILL to the standby's `master_elected`, with
   `lease_ttl_s` beside it;
 - `restart_ready_s`: a master started afresh (a `Replica`) until it has loaded the
-  newest snapshot and replayed the tail after it (`restart_tail_events`);
+  newest snapshot and replayed the tail after it (`restart_tail_events`), which is
+  what a restarted `rove master` does before it stands by; `restart_leader_ready_s`
+  the same and the newest heartbeat of every node read, as a master taking over
+  does; `restart_snapshot_s` the snapshot alone (`snapshot_bytes`, encoded);
 - `finish_s`: from the first `workers_succeeded` to `job_ended` (`finish_sent_s`:
   until the simulator had sent them);
 - `fold_wave_s`: folding a wave of N `workers_succeeded` and of N `ckpt_persisted`
@@ -51,13 +55,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from rove.agent.heartbeat import interval_for
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.master import snapshots
 from rove.control.master.evolve import evolve
 from rove.control.master.replica import Replica
-from rove.control.master.state import initial
+from rove.control.master.state import encode_state, initial
 
 JOB = "scale"
 NAME = "gke-training-pool-a100-highmem-8-{:05d}-7f9c2b1d"  # a long, Kubernetes-like name
@@ -411,13 +417,20 @@ async def measure(n: int, args: argparse.Namespace, folder: Path) -> dict[str, A
         result["failover_s"] = round(next(t for t, _ in watch.elected if t > t0) - t0, 3)
         result["new_leader_rss_mib"] = round(Cpu(heir.pid).rss_mib(), 1)
 
-        # a master restarted now: ready once it has loaded the snapshot and the tail
+        # a master restarted now: ready to stand by once it has loaded the snapshot and
+        # the tail (as `rove master` does), ready to lead once it has read the newest
+        # heartbeat of every node too (what a standby does when it takes over)
         t0 = time.monotonic()
-        replica = Replica(bus, JOB)
-        await replica.start()
-        result["restart_ready_s"] = round(time.monotonic() - t0, 3)
-        result["restart_tail_events"] = replica.state.applied_seq - replica.snapshot_seq
-        await replica.stop()
+        snap = await snapshots.load(bus, JOB)
+        result["restart_snapshot_s"] = round(time.monotonic() - t0, 3)
+        result["snapshot_bytes"] = len(encode_state(snap)) if snap is not None else 0
+        for key, heartbeats in (("restart_ready_s", False), ("restart_leader_ready_s", True)):
+            t0 = time.monotonic()
+            replica = Replica(bus, JOB, heartbeats=heartbeats)
+            await replica.start()
+            result[key] = round(time.monotonic() - t0, 3)
+            result["restart_tail_events"] = replica.state.applied_seq - replica.snapshot_seq
+            await replica.stop()
 
         rnd = watch.rounds[-1][1].round
         t0 = time.monotonic()
@@ -453,7 +466,10 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=2, help="simulator processes (default 2)")
     p.add_argument("--node-timeout", type=float, default=10.0, help="the masters' --node-timeout")
     p.add_argument(
-        "--heartbeat-s", type=float, default=1.0, help="the agents' heartbeat interval (default 1)"
+        "--heartbeat-s",
+        type=float,
+        default=None,
+        help="the agents' heartbeat interval (default: rove run's for N nodes)",
     )
     p.add_argument("--lease-ttl", type=float, default=6.0, help="the masters' --lease-ttl")
     p.add_argument(
@@ -462,8 +478,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="the longest wait for one step")
     p.add_argument("--logs", help="keep the masters' logs (at info level) in this folder")
     args = p.parse_args()
+    interval = args.heartbeat_s
     for n in (int(x) for x in args.nodes.split(",")):
         args.current = n
+        args.heartbeat_s = interval or interval_for(n, args.node_timeout)
         with tempfile.TemporaryDirectory(prefix="rove-scale-") as tmp:
             try:
                 row = asyncio.run(measure(n, args, Path(tmp)))

@@ -180,6 +180,13 @@ WRITER = textwrap.dedent("""
 """)
 
 
+def _wait_stopped(pid: int) -> None:
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + 10
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T" and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_step_intact(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     engine = FlashEngine("j1", 0, directory=tmp_path)
@@ -190,8 +197,15 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_step_intact(tmp_path
             headers = [s.header() for s in engine.segments]
             completes = [h for h in headers if h is not None and h.state != WRITING]
             if any(h is not None and h.state == WRITING for h in headers) and completes:
-                proc.send_signal(signal.SIGKILL)
-                break
+                # stopped first, then looked at again: the kill lands where it was seen
+                # (on a busy machine the save could otherwise end between the two)
+                proc.send_signal(signal.SIGSTOP)
+                _wait_stopped(proc.pid)
+                headers = [s.header() for s in engine.segments]
+                if any(h is not None and h.state == WRITING for h in headers):
+                    proc.send_signal(signal.SIGKILL)
+                    break
+                proc.send_signal(signal.SIGCONT)
             time.sleep(0.001)
         else:
             pytest.fail("never caught a save in progress")

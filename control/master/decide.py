@@ -20,7 +20,7 @@ been folded (so `state.leader` and `state.epoch` name it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
 from msgspec.structs import replace
@@ -29,7 +29,8 @@ from rove.control.catalogue import events as ev
 from rove.control.master import checkpoints as ckpt
 from rove.control.master import data, netcheck, optimizer
 from rove.control.master import rendezvous as rdzv
-from rove.control.master.state import JobState, NodeStatus
+from rove.control.master.silence import last_heard
+from rove.control.master.state import JobState, NodeRecord, NodeStatus
 
 
 class Decided(NamedTuple):
@@ -42,18 +43,22 @@ class Decided(NamedTuple):
 
 
 def decide(
-    state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float, *, check_lost: bool = True
+    state: JobState,
+    liveness: Mapping[str, ev.Heartbeat],
+    now: float,
+    *,
+    suspects: Collection[str] | None = None,
 ) -> Decided:
-    """What the leader decides now. `check_lost=False` skips looking for lost nodes (a
-    scan of every node: the runner does it a few times per node timeout, not every tick)."""
+    """What the leader decides now. `suspects`: the only nodes that may be lost (the
+    runner's `Silence` finds them at the cost of those that are silent); None looks at
+    every node."""
 
     if state.phase.terminal:
         return Decided(_next_run(state, now), None)
     if state.spec is None:
         return Decided([], None)
     decisions: list[ev.Decision] = []
-    if check_lost:
-        decisions.extend(_lost_nodes(state, liveness, now))
+    decisions.extend(_lost_nodes(state, liveness, now, suspects))
     decisions.extend(_stop(state, now))
     waiting = scale_waiting = None
     if not decisions and state.scale.workload is not None:
@@ -272,7 +277,10 @@ def _ending(state: JobState, decision: ev.Decision, commits: list[ev.Decision]) 
 
 
 def _lost_nodes(
-    state: JobState, liveness: Mapping[str, ev.Heartbeat], now: float
+    state: JobState,
+    liveness: Mapping[str, ev.Heartbeat],
+    now: float,
+    suspects: Collection[str] | None,
 ) -> list[ev.Decision]:
     assert state.spec is not None
     timeout = state.spec.node_timeout_s
@@ -281,13 +289,14 @@ def _lost_nodes(
     if now - state.leader_since < timeout:
         return []
     lost: list[ev.Decision] = []
-    for node in state.nodes.values():
+    if suspects is None:
+        nodes: Iterable[NodeRecord] = state.nodes.values()
+    else:
+        nodes = (state.nodes[n] for n in suspects if n in state.nodes)
+    for node in nodes:
         if node.status is not NodeStatus.ACTIVE:
             continue
-        hb = liveness.get(node.node)
-        last_seen = node.joined_ts
-        if hb is not None and hb.incarnation == node.incarnation:
-            last_seen = max(last_seen, hb.ts)
+        last_seen = last_heard(node, liveness)
         if now - last_seen > timeout:
             lost.append(
                 ev.NodeLost(

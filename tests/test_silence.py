@@ -1,0 +1,98 @@
+"""The leader's deadline heap finds exactly the lost nodes a scan of every node finds."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rove.control.catalogue import events as ev
+from rove.control.master.decide import decide
+from rove.control.master.silence import Silence
+from tests import factories
+from tests.sim import Sim
+
+TIMEOUT = 10.0
+NODES = [f"n{i}" for i in range(6)]
+
+nodes = st.sampled_from(NODES)
+steps = st.one_of(
+    st.tuples(st.just("join"), nodes, st.sampled_from(["i1", "i2", "i3"])),
+    st.tuples(st.just("beat"), nodes, st.sampled_from(["i1", "i2", "i3"])),
+    st.tuples(st.just("leave"), nodes, st.just("")),
+    st.tuples(st.just("wait"), st.sampled_from([0.5, 3.0, 9.9, 10.0, 10.1, 25.0]), st.just("")),
+    st.tuples(st.just("tick"), st.just(""), st.just("")),
+)
+
+
+class Watched(Sim):
+    """A simulated leader that keeps a `Silence` as the runner does."""
+
+    def __init__(self) -> None:
+        self.silence = Silence()
+        super().__init__(ev.RdzvParams(min_nodes=1, max_nodes=6), node_timeout=TIMEOUT)
+        self.silence.start(self.state)
+
+    def apply(self, event: ev.Event) -> None:
+        super().apply(event)
+        if isinstance(event, ev.NodeJoined):
+            self.silence.joined(event)
+
+    def lost_both_ways(self) -> tuple[set[str], set[str]]:
+        suspects = self.silence.suspects(self.state, self.liveness, self.now, TIMEOUT)
+        by_heap = decide(self.state, self.liveness, self.now, suspects=suspects).decisions
+        by_scan = decide(self.state, self.liveness, self.now).decisions
+        return _lost(by_heap), _lost(by_scan)
+
+
+def _lost(decisions: list[ev.Decision]) -> set[str]:
+    return {d.node for d in decisions if isinstance(d, ev.NodeLost)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(steps, max_size=60))
+def test_the_heap_finds_the_nodes_a_scan_of_every_node_finds(history: list[tuple]) -> None:
+    sim = Watched()
+    for op, a, b in history:
+        if op == "join":
+            sim.join(a, inc=b)
+        elif op == "beat" and a in sim.state.nodes:
+            sim.beat(a, inc=b)  # sometimes a stale incarnation's: it must not count
+        elif op == "leave" and a in sim.state.nodes:
+            sim.apply(factories.left(a, inc=sim.state.nodes[a].incarnation, ts=sim.now))
+        elif op == "wait":
+            sim.now += a
+        heap, scan = sim.lost_both_ways()
+        assert heap == scan
+        if op == "tick":
+            sim.tick()  # folds the losses (and rounds) back, as the stream would
+
+
+def test_a_look_costs_what_is_silent() -> None:
+    sim = Watched()
+    for i in range(1000):
+        sim.apply(factories.joined(f"n{i}", ts=sim.now))
+    sim.now += 5
+    assert sim.silence.suspects(sim.state, sim.liveness, sim.now, TIMEOUT) == []
+    assert len(sim.silence._heap) == 1000  # nothing was popped: nothing is due
+    sim.now += 6
+    for i in range(990):
+        sim.beat(f"n{i}")
+    silent = sorted(sim.silence.suspects(sim.state, sim.liveness, sim.now, TIMEOUT))
+    assert silent == sorted(f"n{i}" for i in range(990, 1000))
+    # those heard from were pushed back with their heartbeat: they are not looked at
+    # again before a node timeout has passed
+    assert sorted(sim.silence.suspects(sim.state, sim.liveness, sim.now, TIMEOUT)) == silent
+    assert sum(1 for ts, _ in sim.silence._heap if ts == sim.now) == 990
+
+
+def test_a_node_that_left_is_forgotten_and_watched_again_when_it_joins_again() -> None:
+    sim = Watched()
+    sim.join("n1")
+    sim.apply(factories.left("n1", ts=sim.now))
+    sim.now += 11
+    assert sim.silence.suspects(sim.state, sim.liveness, sim.now, TIMEOUT) == []
+    assert len(sim.silence) == 0
+    sim.join("n1", inc="i2")
+    assert len(sim.silence) == 1
+    sim.now += 11
+    assert sim.silence.suspects(sim.state, sim.liveness, sim.now, TIMEOUT) == ["n1"]
