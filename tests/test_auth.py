@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from msgspec.structs import replace
 
@@ -36,6 +37,7 @@ class Secured:
             "n0": auth.new_credentials("agent", JOB, "n0"),
             "n1": auth.new_credentials("agent", JOB, "n1"),
             "trainer": auth.new_credentials("trainer", JOB),
+            "scaler": auth.new_credentials("scaler", JOB),
             "operator": auth.new_credentials("operator", JOB),
             "cli": auth.new_credentials("cli", JOB),
         }
@@ -120,6 +122,44 @@ async def test_a_trainer_asks_for_shards_but_cannot_forge_the_masters_answer(
         await denied(trainer, leased)  # rove.ev.j1.data.<dataset>.<client>
     finally:
         await trainer.close()
+
+
+async def test_the_scaler_publishes_a_large_fact_in_parts_but_no_master_part(
+    secured: Secured,
+) -> None:
+    """A plan of 20,000 nodes applied: the scaler's answer lists them all (about 1 MB),
+    so it goes in parts, on the scaler's subjects, which its role may write."""
+    scaler = await secured.bus("scaler", create_streams=False)
+    created = tuple(f"pool-a100-highmem-8-node-{i:06d}.internal" for i in range(20_000))
+    applied = ev.PlanApplied(
+        job=JOB,
+        id="applied-7",
+        producer="scaler:s1",
+        ts=1.0,
+        plan=7,
+        scaler="s1",
+        backend="local",
+        created=created,
+    )
+    try:
+        await scaler.publish(applied)
+        round_part = ev.EventPart(
+            job=JOB, id="x.part0", producer="scaler:s1", ts=1.0, epoch=1, whole="x",
+            kind="round_completed", index=0, items=msgspec.Raw(b"\x90"),
+        )  # fmt: skip
+        await denied(scaler, round_part)  # a master decision's part
+    finally:
+        await scaler.close()
+    admin = await secured.bus("admin")
+    try:
+        stored = await stored_events(admin)
+        assert [r.event for r in stored] == [applied], "read whole"
+        last = await admin.js.get_last_msg(
+            subjects.EVENTS_STREAM, subjects.part(JOB, "plan_applied", 0)
+        )
+        assert last.subject.startswith(subjects.scaler(JOB) + ".")
+    finally:
+        await admin.close()
 
 
 async def test_without_credentials_a_client_is_refused(secured: Secured) -> None:

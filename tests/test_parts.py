@@ -102,6 +102,59 @@ def test_network_check_groups_are_split_too() -> None:
     assert [joiner.take(p) for p in pieces][-1] == check
 
 
+def test_a_scale_plan_splits_each_growing_field_and_joins_back_exactly() -> None:
+    """Starting a managed job of 20,000 nodes is one plan that launches them all."""
+    launch = tuple(
+        ev.NodeLaunch(node=ev.node_name(i, 1), slot=i, attempt=1, resources=ev.Resources(cpu=8))
+        for i in range(20_000)
+    )
+    remove = tuple(LONG.format(i) for i in range(8_000))
+    plan = ev.ScalePlan(
+        job=JOB,
+        id="plan-3",
+        producer="master:m1",
+        ts=1.0,
+        epoch=2,
+        plan=3,
+        rule=ev.ScaleRule.INITIAL,
+        reason="start",
+        cause="submitted",
+        launch=launch,
+        remove=remove,
+        target=20_000,
+    )
+    *body, header = parts.split(plan)
+    assert all(len(ev.encode(p)) < 256 * 1024 for p in [*body, header])
+    assert {p.field for p in body if isinstance(p, ev.EventPart)} == {"", "remove"}
+    assert isinstance(header, ev.ScalePlan) and header.launch == () and header.remove == ()
+    assert all(subjects.subject_for(p).startswith(subjects.master(JOB)) for p in body)
+    joiner = parts.Joiner()
+    assert [joiner.take(p) for p in [*body, header]][-1] == plan
+
+
+def test_the_scalers_large_facts_are_split_on_its_own_subjects() -> None:
+    created = tuple(LONG.format(i) for i in range(5_000))
+    failed = ev.PlanFailed(
+        job=JOB,
+        id="failed-3",
+        producer="scaler:s1",
+        ts=1.0,
+        plan=3,
+        scaler="s1",
+        backend="kubernetes",
+        error="quota",
+        removed=created,
+    )
+    *body, header = parts.split(failed)
+    assert body and all(
+        subjects.subject_for(p).startswith(subjects.scaler(JOB) + ".plan_failed.part.")
+        for p in body
+    )
+    assert {p.field for p in body if isinstance(p, ev.EventPart)} == {"removed"}
+    joiner = parts.Joiner()
+    assert [joiner.take(p) for p in [*body, header]][-1] == failed
+
+
 async def test_a_30000_member_round_crosses_a_default_server_and_is_read_whole(bus: Bus) -> None:
     """Whole, it is about 4 MB: four times the server's default max_payload."""
     earlier, newest = big_round(1, 30_000), big_round(2, 12_000)

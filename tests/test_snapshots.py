@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 
 import immutables
 import msgspec
@@ -17,7 +18,7 @@ from rove.control.errors import LostEventsError
 from rove.control.master import snapshots
 from rove.control.master.replica import Replica
 from rove.control.master.runner import MasterRunner
-from rove.control.master.state import JobState, NodeRecord, NodeStatus, initial
+from rove.control.master.state import JobState, NodeRecord, NodeStatus, encode_state, initial
 from tests import factories
 from tests.support import eventually, fold_records, stored_events
 
@@ -36,11 +37,12 @@ async def test_a_new_replica_loads_the_snapshot_and_replays_only_the_tail(bus: B
 
 
 def large_state(nodes: int, applied_seq: int) -> JobState:
-    """A state of `nodes` active nodes with long fields: well over the inline limit."""
+    """A state of `nodes` active nodes with long fields that do not compress: well over
+    the inline limit."""
     records = {
         f"node-{i}": NodeRecord(
             node=f"node-{i}",
-            host="h" * 200,
+            host=random.Random(i).randbytes(100).hex(),
             pid=i,
             incarnation="x" * 40,
             status=NodeStatus.ACTIVE,
@@ -59,6 +61,29 @@ async def test_a_large_snapshot_goes_to_the_object_store_and_loads_back(bus: Bus
     assert snap.object_name is not None and snap.state is None
     assert snap.size > snapshots.INLINE_LIMIT
     assert await snapshots.load(bus, "j1") == state
+
+
+async def test_snapshots_are_compressed_and_one_written_before_that_still_loads(
+    bus: Bus,
+) -> None:
+    state = msgspec.structs.replace(large_state(10, 4), nodes=immutables.Map({
+        f"node-{i}": NodeRecord(
+            node=f"node-{i}", host="gke-pool-a100-8-node.internal", pid=i, incarnation="x" * 40,
+            status=NodeStatus.ACTIVE, joined_ts=1.0,
+        )
+        for i in range(5000)
+    }))  # fmt: skip
+    snap = await snapshots.save(bus, state, master="t", now=1.0)
+    assert snap.compression == "zlib" and snap.state is not None, "1 MB of state, inline"
+    assert snap.size > 5 * snapshots.INLINE_LIMIT > 5 * len(snap.state)
+    assert await snapshots.load(bus, "j1") == state
+    # one written as it was encoded (rove before compression) is read as it is
+    older = snapshots.Snapshot(
+        job="j1", applied_seq=4, epoch=0, master="t", ts=1.0, size=0,
+        state=encode_state(large_state(10, 4)),
+    )  # fmt: skip
+    await bus.publish_raw(subjects.snapshot("j1"), msgspec.msgpack.encode(older))
+    assert await snapshots.load(bus, "j1") == large_state(10, 4)
 
 
 async def test_a_snapshot_of_another_job_on_the_subject_is_ignored(bus: Bus) -> None:

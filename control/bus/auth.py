@@ -11,7 +11,7 @@ consumers, direct gets) and writes only its own subjects of one job `J`:
     agent N    rove.ev.J.node.N  rove.hb.J.N                `rove run --node-id N`
     trainer    rove.ev.J.data.<dataset>                     the workers' data clients
     bridge     rove.ev.J.data.<dataset>                     `rove kafka-bridge`
-    scaler     rove.ev.J.scaler, the pool registry          `rove scaler`
+    scaler     rove.ev.J.scaler(.*.part.*), the pool registry `rove scaler`
     operator   rove.ev.J.cmd                                `rove stop`, `rove submit`
     cli        nothing                                      `rove status`, `rove events`
 
@@ -167,6 +167,7 @@ def permissions(creds: Credentials) -> dict[str, Any]:
     if role == "scaler":
         writes += [
             subjects.scaler(job),
+            f"{subjects.scaler(job)}.*.part.*",  # its facts' parts, when they are large
             "$KV.rove_pool.>",
             "$JS.API.STREAM.CREATE.KV_rove_pool",
         ]

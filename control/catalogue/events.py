@@ -422,6 +422,8 @@ class EventPart(Decision, tag="event_part", frozen=True, kw_only=True):
     index: int
     #: the msgpack array of this part's items
     items: msgspec.Raw
+    #: the field of the whole they belong to ("": the kind's first split field)
+    field: str = ""
 
 
 class NetworkCheckCompleted(Decision, tag="network_check_completed", frozen=True, kw_only=True):

@@ -140,6 +140,9 @@ class ScalePlan(Decision, tag="scale_plan", frozen=True, kw_only=True):
     remove: tuple[str, ...] = ()
     target: int = 0
     speed: float = 0.0
+    #: on the wire only: `launch` and `remove` travelled in this many `event_part`s
+    #: before it (`rove.control.catalogue.parts`); readers see the whole plan
+    parts: int = 0
 
 
 class PlanApplied(Event, tag="plan_applied", frozen=True, kw_only=True):
@@ -152,6 +155,8 @@ class PlanApplied(Event, tag="plan_applied", frozen=True, kw_only=True):
     created: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     elapsed_s: float = 0.0
+    #: on the wire only: the node lists travelled in this many `event_part`s before it
+    parts: int = 0
 
 
 class PlanFailed(Event, tag="plan_failed", frozen=True, kw_only=True):
@@ -165,6 +170,8 @@ class PlanFailed(Event, tag="plan_failed", frozen=True, kw_only=True):
     retryable: bool = True
     created: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+    #: on the wire only: the node lists travelled in this many `event_part`s before it
+    parts: int = 0
 
 
 class NodeGone(Event, tag="node_gone", frozen=True, kw_only=True):

@@ -113,9 +113,16 @@ def lease_key(job: str) -> str:
     return check_name("job", job)
 
 
+#: Split kinds that are the scaler's facts: their parts go on the scaler's subjects.
+_SCALER_KINDS = frozenset({"plan_applied", "plan_failed"})
+
+
 def part(job: str, kind: str, index: int) -> str:
-    """Part `index` of a split `kind` decision: one subject per index, so a reader of
-    the newest message per subject still gets every part of the newest whole."""
+    """Part `index` of a split `kind` event: one subject per index, so a reader of
+    the newest message per subject still gets every part of the newest whole; under
+    its producer's subjects (the master's, or the scaler's for its facts)."""
+    if kind in _SCALER_KINDS:
+        return f"{scaler(job)}.{kind}.part.{index}"
     return f"{master(job, kind)}.part.{index}"
 
 

@@ -1,19 +1,22 @@
 """Master snapshots: the folded state with the last applied stream sequence.
 
 The newest snapshot of a job is the last message on `rove.snap.<job>` (a
-rollup keeps only that one). Snapshots larger than the inline limit (128 KiB) go
-to the object store, which stores them in chunks of 128 KiB, and the message holds
-a pointer: no message grows with the job. Each new snapshot deletes the object of
-the one before it (a reader that fetched the old pointer just then reads the
-pointer again). A snapshot that fails to decode is logged and ignored: the master
-replays the whole stream instead.
-Any master may write one: a snapshot is a fold of a stream prefix, which is
+rollup keeps only that one). The state is compressed (zlib, level 1: a 25,000-node
+state of 11.7 MB becomes 0.84 MB in 35 ms and comes back in 25 ms; fetching it whole
+from the object store took 0.9 s of a restarted master's 1.2 s). Snapshots still
+larger than the inline limit (128 KiB) go to the object store, which stores them in
+chunks of 128 KiB, and the message holds a pointer: no message grows with the job.
+Each new snapshot deletes the object of the one before it (a reader that fetched the
+old pointer just then reads the pointer again). A snapshot that fails to decode is
+logged and ignored: the master replays the whole stream instead. Any master may write one: a snapshot is a fold of a stream prefix, which is
 the same whoever folded it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import zlib
 
 import msgspec
 import nats.errors
@@ -42,21 +45,30 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     size: int
     state: bytes | None = None
     object_name: str | None = None
+    #: "zlib", or "" for a state stored as it was encoded (snapshots before it)
+    compression: str = ""
 
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Snapshot)
 
 
-async def save(bus: Bus, state: JobState, *, master: str, now: float) -> Snapshot:
+def _pack(state: JobState) -> tuple[int, bytes]:
     data = encode_state(state)
+    return len(data), zlib.compress(data, 1)
+
+
+async def save(bus: Bus, state: JobState, *, master: str, now: float) -> Snapshot:
+    # (a thread: zlib lets go of the GIL, so the lease renewal and the feeds go on)
+    size, data = await asyncio.to_thread(_pack, state)
     snap = Snapshot(
         job=state.job,
         applied_seq=state.applied_seq,
         epoch=state.epoch,
         master=master,
         ts=now,
-        size=len(data),
+        size=size,
+        compression="zlib",
     )
     previous = await _pointer(bus, state.job)
     if len(data) <= INLINE_LIMIT:
@@ -77,7 +89,13 @@ async def save(bus: Bus, state: JobState, *, master: str, now: float) -> Snapsho
         with contextlib.suppress(nats.js.errors.NotFoundError):
             obs = await bus.js.object_store(subjects.SNAPSHOT_OBJECTS)
             await obs.delete(old)
-    log.debug("snapshot written", job=state.job, applied_seq=state.applied_seq, bytes=len(data))
+    log.debug(
+        "snapshot written",
+        job=state.job,
+        applied_seq=state.applied_seq,
+        bytes=size,
+        compressed=len(data),
+    )
     return snap
 
 
@@ -128,8 +146,17 @@ async def _load(bus: Bus, job: str) -> JobState | None:
                 raise
         else:
             raise msgspec.ValidationError("snapshot holds neither state nor a pointer")
+        if snap.compression == "zlib":
+            data = zlib.decompress(data)
+        elif snap.compression:
+            raise msgspec.ValidationError(f"unknown compression {snap.compression!r}")
         state = decode_state(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, nats.js.errors.NotFoundError) as exc:
+    except (
+        msgspec.DecodeError,
+        msgspec.ValidationError,
+        nats.js.errors.NotFoundError,
+        zlib.error,
+    ) as exc:
         log.warning(
             "ignoring an unreadable snapshot; replaying the whole stream",
             job=job,
