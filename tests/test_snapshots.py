@@ -157,6 +157,16 @@ async def test_events_purged_after_the_snapshot_fail_the_rebuild_loudly(bus: Bus
         await Replica(bus, "j1").start()
 
 
+def test_a_large_job_is_snapshotted_every_fifth_as_many_events_as_it_has_nodes() -> None:
+    def due(behind: int, nodes: int, since_s: float = 1.0) -> bool:
+        return snapshots.due(behind, nodes, since_s, every_events=1000, every_s=30.0)
+
+    assert not due(999, 10) and due(1000, 10)
+    assert not due(4_999, 25_000) and due(5_000, 25_000)
+    assert due(1, 25_000, since_s=30.0), "and at least every --snapshot-interval"
+    assert not due(0, 25_000, since_s=300.0), "nothing new: nothing to write"
+
+
 def test_continuity_is_judged_from_the_snapshot_and_the_streams_bounds() -> None:
     from rove.control.master.continuity import problem
 

@@ -46,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         default=1000,
         metavar="EVENTS",
-        help="write a snapshot after this many events, or as many as the job has nodes "
-        "if more (default 1000)",
+        help="write a snapshot after this many events, or a fifth as many as the job has "
+        "nodes if more (default 1000)",
     )
     p.add_argument(
         "--snapshot-interval",

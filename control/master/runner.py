@@ -429,13 +429,13 @@ class MasterRunner(JobService):
         )
 
     def _snapshot_due(self, now: float) -> bool:
-        behind = self.state.applied_seq - self._last_snapshot_seq
-        if behind <= 0:
-            return False
-        # a snapshot costs what the state holds (about its nodes): taken at most once
-        # per as many events, it costs each event O(1) however large the job
-        every = max(self.snapshot_every_events, len(self.state.nodes))
-        return behind >= every or now - self._last_snapshot_at >= self.snapshot_every_s
+        return snapshots.due(
+            self.state.applied_seq - self._last_snapshot_seq,
+            len(self.state.nodes),
+            now - self._last_snapshot_at,
+            every_events=self.snapshot_every_events,
+            every_s=self.snapshot_every_s,
+        )
 
     async def _write_snapshot(self) -> None:
         state = self.state

@@ -8,8 +8,8 @@ larger than the inline limit (128 KiB) go to the object store, which stores them
 chunks of 128 KiB, and the message holds a pointer: no message grows with the job.
 Each new snapshot deletes the object of the one before it (a reader that fetched the
 old pointer just then reads the pointer again). A snapshot that fails to decode is
-logged and ignored: the master replays the whole stream instead. Any master may write one: a snapshot is a fold of a stream prefix, which is
-the same whoever folded it.
+logged and ignored: the master replays the whole stream instead. Any master may
+write one: a snapshot is a fold of a stream prefix, the same whoever folded it.
 """
 
 from __future__ import annotations
@@ -47,6 +47,21 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     object_name: str | None = None
     #: "zlib", or "" for a state stored as it was encoded (snapshots before it)
     compression: str = ""
+
+
+#: A job of N nodes is snapshotted at most every N / this many events (and at least
+#: every `--snapshot-every`): at 25,000 nodes, every 5,000 events.
+NODE_SHARE = 5
+
+
+def due(behind: int, nodes: int, since_s: float, *, every_events: int, every_s: float) -> bool:
+    """Whether a leader `behind` events and `since_s` seconds after its last snapshot
+    writes one now. A snapshot costs what the state holds (about its `nodes`: 0.15 s
+    at 25,000): taken at most once per a fifth as many events, it costs each event
+    O(1) however large the job, and a master restarted replays at most that many."""
+    if behind <= 0:
+        return False
+    return behind >= max(every_events, nodes // NODE_SHARE) or since_s >= every_s
 
 
 _enc = msgspec.msgpack.Encoder()
