@@ -49,6 +49,8 @@ async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
 
     async def on_reconnected() -> None:
         log.info("reconnected to NATS", server=str(nc.connected_url and nc.connected_url.netloc))
+        for listener in list(nc.reconnected):
+            listener()
 
     kwargs: dict[str, Any] = {
         "servers": servers,

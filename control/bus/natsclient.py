@@ -10,8 +10,12 @@ changes nats-py's internals is caught:
   delivery's reply subject without building nats-py's `Msg.metadata` objects;
 * `RoveNatsClient.raw_deliveries` lets one subscription receive messages
   straight from the protocol parser, without a `Msg`, a header dict, a queue
-  or a task switch per message. Only `rove.control.bus.catchup` uses it, for bulk
-  replay; everything else goes through nats-py's normal path.
+  or a task switch per message. `rove.control.bus.catchup` uses it for bulk
+  replay, and `Bus.listen` for the leader's live heartbeats; everything else goes
+  through nats-py's normal path.
+
+`RoveNatsClient.reconnected` are called when the client has reconnected (a core
+subscription misses what was published while it was away).
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ class RoveNatsClient(Client):
     def __init__(self) -> None:
         super().__init__()
         self.raw_deliveries: dict[int, RawHandler] = {}
+        #: called (synchronously) each time the client has reconnected
+        self.reconnected: list[Callable[[], None]] = []
 
     async def _process_msg(
         self,

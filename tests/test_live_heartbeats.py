@@ -1,0 +1,139 @@
+"""The leader reads live heartbeats through a core NATS subscription (the cheapest
+path), the newest stored ones of every node when it starts following, and again after
+its connection comes back: a heartbeat sent while it was cut off is not missed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from rove.control.bus import records
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import EmbeddedServer
+from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
+from rove.control.master.replica import Replica
+from tests import factories
+from tests.factories import JOB
+from tests.support import eventually
+
+
+class Relay:
+    """A TCP relay to the server that can drop its connections and refuse new ones."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.open = True
+        self.url = ""
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.url = f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self.url
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.open:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        self.open = False
+        for w in self._writers:
+            w.close()
+        self._writers = []
+
+    def heal(self) -> None:
+        self.open = True
+
+    def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+@pytest.fixture
+async def relay(nats_server: EmbeddedServer) -> AsyncIterator[Relay]:
+    assert nats_server.url is not None
+    r = Relay(int(nats_server.url.rsplit(":", 1)[1]))
+    await r.start()
+    yield r
+    r.close()
+
+
+async def test_a_heartbeat_sent_while_the_reader_was_cut_off_is_read_when_it_is_back(
+    bus: Bus, relay: Relay
+) -> None:
+    reader = await Bus.connect(
+        BusOptions(url=relay.url, create_streams=False, reconnect_forever=True)
+    )
+    replica = Replica(reader, JOB)
+    try:
+        await bus.publish(factories.heartbeat("n1", seq=1, ts=10.0))
+        await replica.start()
+        assert replica.liveness["n1"].seq == 1, "the newest stored, read on starting"
+        await bus.publish(factories.heartbeat("n1", seq=2, ts=11.0))
+        await eventually(lambda: replica.liveness["n1"].seq == 2)  # live
+
+        relay.cut()
+        await eventually(lambda: not reader.nc.is_connected)
+        await bus.publish(factories.heartbeat("n1", seq=3, ts=12.0))
+        await bus.publish(factories.heartbeat("n2", seq=1, ts=12.0))
+        await asyncio.sleep(0.5)
+        assert replica.liveness["n1"].seq == 2 and "n2" not in replica.liveness, "missed live"
+        relay.heal()
+        # nothing new is sent: what was sent while it was away is read from the stream
+        await eventually(lambda: "n2" in replica.liveness, timeout=30)
+        assert replica.liveness["n1"].seq == 3
+        await bus.publish(factories.heartbeat("n1", seq=4, ts=13.0))
+        await eventually(lambda: replica.liveness["n1"].seq == 4)  # and live again
+    finally:
+        await replica.stop()
+        await reader.close()
+
+
+async def test_a_live_heartbeat_that_is_not_one_or_is_on_another_nodes_subject_is_ignored(
+    bus: Bus,
+) -> None:
+    replica = Replica(bus, JOB)
+    await replica.start()
+    try:
+        await bus.nc.publish(subjects.heartbeat(JOB, "n3"), b"\xc1 not msgpack")
+        forged = ev.encode(factories.heartbeat("n4", seq=9))
+        await bus.nc.publish(subjects.heartbeat(JOB, "n5"), forged)
+        await bus.nc.publish(subjects.heartbeat(JOB, "n6"), ev.encode(factories.heartbeat("n6")))
+        await eventually(lambda: "n6" in replica.liveness)
+        assert set(replica.liveness) == {"n6"}
+    finally:
+        await replica.stop()
+
+
+def test_read_heartbeat_takes_what_read_takes() -> None:
+    hb = factories.heartbeat("n1", seq=3)
+    payload, subject = ev.encode(hb), subjects.heartbeat(JOB, "n1")
+    assert records.read_heartbeat(JOB, subject, payload) == hb
+    recorded = records.read(subjects.HEARTBEAT_STREAM, 1, subject, payload)
+    assert isinstance(recorded, records.Recorded) and recorded.event == hb
+    assert "arrived on" in str(records.read_heartbeat(JOB, subjects.heartbeat(JOB, "n2"), payload))
+    assert "arrived on" in str(records.read_heartbeat("other", subject, payload))
+    assert "not a rove heartbeat" in str(
+        records.read_heartbeat(JOB, subject, ev.encode(factories.joined("n1")))
+    )
+    assert "not msgpack" in str(records.read_heartbeat(JOB, subject, b"\xc1"))
