@@ -13,7 +13,7 @@ through one path, then the next path under the same load:
 
 - `core_lean`: the same subscription, each message decoded as a heartbeat only
   (`records.read_heartbeat`, the same checks);
-- `core_raw`: the same, handed straight from the protocol parser (`Bus.listen`: no
+- `core_raw`: the same, handed straight from the protocol parser (`rove.control.bus.live`: no
   `Msg`, queue or task switch per message), which is what the leader uses.
 
 It prints one JSON line: per path the reader's CPU microseconds per heartbeat

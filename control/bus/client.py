@@ -17,7 +17,6 @@ handed to `on_rejected` instead of ever stopping the consumer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import functools
 from collections.abc import Awaitable, Callable, Iterable
@@ -583,41 +582,6 @@ class Bus:
         self._watchdogs.add(feed.watchdog)
         feed.watchdog.add_done_callback(self._watchdogs.discard)
         return feed
-
-    async def listen(
-        self, subject_filter: str, on_message: Callable[[str, bytes], None]
-    ) -> Callable[[], Awaitable[None]]:
-        """Hand each message published from now on under `subject_filter` to
-        `on_message(subject, payload)`, straight from the protocol parser (a core NATS
-        subscription: no stream sequence, nothing stored is replayed, and what is
-        published while the client reconnects is missed). Returns the stop function.
-
-        The cheapest way to read a flood: a heartbeat costs the reader 8 µs this way
-        and 25 µs through a JetStream consumer (`benchmarks/heartbeat_path.py`).
-        """
-        nc = self.nc
-        assert isinstance(nc, RoveNatsClient)
-        sub = await nc.subscribe(subject_filter)
-
-        async def on_raw(subject: bytes, _reply: bytes, data: bytes, _h: bytes | None) -> None:
-            on_message(subject.decode(), data)
-
-        nc.raw_deliveries[sub._id] = on_raw
-
-        async def stop() -> None:
-            nc.raw_deliveries.pop(sub._id, None)
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
-
-        return stop
-
-    def on_reconnected(self, listener: Callable[[], None]) -> Callable[[], None]:
-        """Call `listener()` each time the client has reconnected; returns the function
-        that stops it."""
-        nc = self.nc
-        assert isinstance(nc, RoveNatsClient)
-        nc.reconnected.append(listener)
-        return lambda: nc.reconnected.remove(listener) if listener in nc.reconnected else None
 
     async def read(self, stream: str, subject_filter: str, on_recorded: OnRecorded) -> None:
         """Deliver every message stored now under `subject_filter`, in order, and

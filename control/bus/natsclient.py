@@ -11,7 +11,7 @@ changes nats-py's internals is caught:
 * `RoveNatsClient.raw_deliveries` lets one subscription receive messages
   straight from the protocol parser, without a `Msg`, a header dict, a queue
   or a task switch per message. `rove.control.bus.catchup` uses it for bulk
-  replay, and `Bus.listen` for the leader's live heartbeats; everything else goes
+  replay, and `rove.control.bus.live` for the leader's live heartbeats; everything else goes
   through nats-py's normal path.
 
 `RoveNatsClient.reconnected` are called when the client has reconnected (a core

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from rove.control.bus import records, retry
+from rove.control.bus import live, records, retry
 from rove.control.bus.client import Bus
 from rove.control.bus.feed import Feed
 from rove.control.catalogue import events as ev
@@ -98,15 +98,17 @@ class Replica:
         """Follow the live heartbeats, then read the newest stored one of every node
         (returns once read; at once if already following).
 
-        Live ones come through a core NATS subscription (`Bus.listen`): at 25,000 nodes
+        Live ones come through a core NATS subscription (`rove.control.bus.live`): at 25,000 nodes
         a leader reads 25,000 a second, 8 µs each that way against 25 µs through a
         JetStream consumer (`benchmarks/heartbeat_path.py`). The stream still stores
         the newest of every node: that is what is read here, by a master taking over,
         and again after each reconnection (what was sent while away)."""
         if self._live is not None:
             return
-        self._live = await self.bus.listen(subjects.job_heartbeats(self.job), self._live_heartbeat)
-        self._unhook = self.bus.on_reconnected(self._reread_heartbeats)
+        self._live = await live.listen(
+            self.bus, subjects.job_heartbeats(self.job), self._live_heartbeat
+        )
+        self._unhook = live.on_reconnected(self.bus, self._reread_heartbeats)
         await self._read_stored_heartbeats()
 
     async def _read_stored_heartbeats(self) -> None:
