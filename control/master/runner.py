@@ -61,6 +61,8 @@ _WAKE_ON = (
 )
 #: How long a leader that stops waits to fold what is stored before its last snapshot.
 STOP_CATCH_UP_S = 5.0
+#: Decisions published together that are logged one line each at most (more: one line)
+QUIET_OVER = 20
 #: Dead letters a leader writes per tick at most (each covers a burst from one sender).
 DEAD_LETTERS_PER_TICK = 8
 #: Answers to data clients (thousands a second: logged at debug level).
@@ -391,21 +393,31 @@ class MasterRunner(JobService):
                 self.log.info(f"no plan yet: {reason}", plans=self.state.scale.plans)
 
     async def _publish_together(self, decisions: Sequence[ev.Decision]) -> None:
-        """Publish independent decisions at once; those refused as busy, in turn."""
+        """Publish independent decisions at once; those refused as busy, in turn. More
+        than a few are logged in one line (2,500 lost nodes are not 2,500 lines)."""
         if len(decisions) == 1:
             await self._publish(decisions[0])
         elif decisions:
+            quiet = len(decisions) > QUIET_OVER
             sent = await asyncio.gather(
-                *(self._publish(d, busy_retried=False) for d in decisions),
+                *(self._publish(d, busy_retried=False, quiet=quiet) for d in decisions),
                 return_exceptions=True,
             )
             for decision, outcome in zip(decisions, sent, strict=True):
                 if isinstance(outcome, nats.js.errors.APIError):
-                    await self._publish(decision)
+                    await self._publish(decision, quiet=quiet)
                 elif isinstance(outcome, BaseException):
                     raise outcome
+            if quiet and not isinstance(decisions[0], _ANSWERS):
+                kinds = sorted({ev.kind(d) for d in decisions})
+                nodes = [n for d in decisions if isinstance(n := getattr(d, "node", None), str)]
+                self.log.info(
+                    f"decided {len(decisions)} {' and '.join(kinds)}", nodes=_few(nodes) or None
+                )
 
-    async def _publish(self, decision: ev.Decision, *, busy_retried: bool = True) -> None:
+    async def _publish(
+        self, decision: ev.Decision, *, busy_retried: bool = True, quiet: bool = False
+    ) -> None:
         assert self.fence is not None
         mono = time.monotonic()
         if self._inflight.get(decision.id, 0.0) > mono:
@@ -418,8 +430,8 @@ class MasterRunner(JobService):
             raise
         if isinstance(decision, ev.DataRejected):
             say = self.log.warning  # bad input from a trainer: visible, with its reason
-        elif isinstance(decision, _ANSWERS):
-            say = self.log.debug  # one per lease: thousands a second
+        elif isinstance(decision, _ANSWERS) or quiet:
+            say = self.log.debug  # one per lease: thousands a second; or one of a batch
         else:
             say = self.log.info
         say(
@@ -448,6 +460,12 @@ class MasterRunner(JobService):
             return
         self._last_snapshot_seq = state.applied_seq
         self._last_snapshot_at = self.clock()
+
+
+def _few(names: list[str], most: int = 10) -> str:
+    """`a, b, c`, or the first `most` and how many more."""
+    more = f" and {len(names) - most:,} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _key_fields(decision: ev.Decision) -> dict[str, object]:
