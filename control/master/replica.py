@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import nats.errors
 import structlog
 
 from rove.control.bus import live, records, retry
@@ -64,6 +65,8 @@ class Replica:
         #: stops the live heartbeats, and the re-reading of them on each reconnection
         self._live: Callable[[], Awaitable[None]] | None = None
         self._unhook: Callable[[], None] = lambda: None
+        #: heartbeat subjects whose stored message is being read again (a bad live one)
+        self._looking: set[str] = set()
         self._tasks = aio.Supervisor(f"the replica of job {job}", log, lambda _why: None)
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
@@ -180,9 +183,27 @@ class Replica:
         hb = records.read_heartbeat(self.job, subject, payload)
         if type(hb) is ev.Heartbeat:
             self._heard(hb)
+        elif subject not in self._looking:
+            # a live message has no stream sequence: the stored one is read again, and
+            # what is wrong with it recorded as any stored message is (one look at a
+            # time per subject, however many arrive)
+            self._looking.add(subject)
+            self._tasks.spawn(self._look_again(subject))
+
+    async def _look_again(self, subject: str) -> None:
+        try:
+            msg = await self.bus.js.get_last_msg(subjects.HEARTBEAT_STREAM, subject, direct=True)
+        except nats.errors.Error as exc:
+            log.debug("could not read a heartbeat again", subject=subject, error=str(exc))
+            return
+        finally:
+            self._looking.discard(subject)
+        item = records.read(subjects.HEARTBEAT_STREAM, msg.seq, subject, msg.data or b"")
+        if type(item) is records.Recorded:
+            self._heartbeat(item)
         else:
-            # (stored, it is recorded as a dead letter by a master reading the stream)
-            log.debug("ignored a live heartbeat", job=self.job, subject=subject, error=hb)
+            assert isinstance(item, records.Rejection)
+            self._reject(item)
 
     def _heartbeat(self, rec: records.Recorded) -> None:
         if isinstance(rec.event, ev.Heartbeat):
