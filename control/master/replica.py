@@ -24,7 +24,7 @@ from rove.control.bus.client import Bus
 from rove.control.bus.feed import Feed
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.errors import LostEventsError
+from rove.control.errors import LostEventsError, RoveError
 from rove.control.master import continuity, snapshots
 from rove.control.master.evolve import evolve
 from rove.control.master.state import JobState, initial
@@ -135,7 +135,21 @@ class Replica:
 
     def _reread_heartbeats(self) -> None:
         if self._live is not None:
-            self._tasks.spawn(self._read_stored_heartbeats())
+            self._tasks.spawn(self._read_again())
+
+    async def _read_again(self) -> None:
+        """After a reconnection: the stored ones, if the stream is there (a restarted
+        server loses its memory streams until a master puts them back; the live ones
+        go on meanwhile)."""
+        try:
+            await self._read_stored_heartbeats()
+        except (nats.errors.Error, RoveError) as exc:
+            log.warning(
+                "could not read the stored heartbeats again after reconnecting; "
+                "the live ones go on",
+                job=self.job,
+                error=str(exc) or type(exc).__name__,
+            )
 
     async def unfollow_heartbeats(self) -> None:
         """Stop following heartbeats and forget them (a master stepping down)."""
@@ -198,7 +212,7 @@ class Replica:
             return
         finally:
             self._looking.discard(subject)
-        item = records.read(subjects.HEARTBEAT_STREAM, msg.seq, subject, msg.data or b"")
+        item = records.read(subjects.HEARTBEAT_STREAM, msg.seq or 0, subject, msg.data or b"")
         if type(item) is records.Recorded:
             self._heartbeat(item)
         else:
