@@ -17,7 +17,7 @@ from rove.control.catalogue import subjects
 from rove.control.master.replica import Replica
 from tests import factories
 from tests.factories import JOB
-from tests.support import eventually
+from tests.support import Cluster, eventually
 
 
 class Relay:
@@ -107,6 +107,40 @@ async def test_a_heartbeat_sent_while_the_reader_was_cut_off_is_read_when_it_is_
     finally:
         await replica.stop()
         await reader.close()
+
+
+async def test_on_a_3_node_cluster_heartbeats_sent_to_one_server_reach_a_reader_on_another(
+    cluster_bus: Bus, shared_cluster: Cluster
+) -> None:
+    """As deployed: agents and the leader connected to different servers of the cluster."""
+    first, _, third = (f"nats://127.0.0.1:{p}" for p in shared_cluster.client_ports)
+    agent = await Bus.connect(BusOptions(url=first, create_streams=False))
+    reader = await Bus.connect(BusOptions(url=third, create_streams=False))
+    replica = Replica(reader, JOB)
+    try:
+        await agent.publish(factories.heartbeat("n1", seq=1))
+        await replica.start()
+        assert replica.liveness["n1"].seq == 1, "stored (R3), read from another server"
+        sent = 1
+
+        async def a_live_one_arrives() -> bool:
+            # (until the subscription's interest has reached the other server: each one
+            # after that arrives)
+            nonlocal sent
+            sent += 1
+            await agent.publish(factories.heartbeat("n1", seq=sent))
+            await asyncio.sleep(0.1)
+            return replica.liveness["n1"].seq == sent
+
+        await eventually(a_live_one_arrives)
+        for _ in range(3):
+            sent += 1
+            await agent.publish(factories.heartbeat("n1", seq=sent))
+            await eventually(lambda seq=sent: replica.liveness["n1"].seq == seq)
+    finally:
+        await replica.stop()
+        await reader.close()
+        await agent.close()
 
 
 async def test_a_live_heartbeat_that_is_not_one_or_is_on_another_nodes_subject_is_ignored(
