@@ -1,9 +1,12 @@
-"""A master forms one round of 30,000 members from 30,000 joins through a real
+"""A master forms one round of 12,000 members from 12,000 joins through a real
 nats-server with its default max_payload (1 MiB), and an agent that starts reading
 afterwards (the newest message of each subject) finds it whole.
 
-Whole, the round is about 4 MB of long Kubernetes-like node names: before it went in
-parts a master crashed publishing it (`MaxPayloadError`) at about 11,000 nodes."""
+Whole, the round is about 1.6 MB of long Kubernetes-like node names: before it went in
+parts a master crashed publishing it (`MaxPayloadError`) at about 11,000 nodes. (A
+30,000-member round, 4 MB, crosses a real server in `tests/test_parts.py`; here the
+master forms it from its joins, which costs a minute at 30,000 on a busy 2-core
+machine, and 12,000 is past the cliff.)"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from rove.control.master.runner import MasterRunner
 from tests.factories import JOB
 from tests.support import eventually
 
-NODES = 30_000
+NODES = 12_000
 #: a node name as long as rove takes (64), as Kubernetes node names run
 LONG = "gke-training-pool-a100-highmem-8-{:05d}-7f9c2b1d-x4kq-europe-w4a1"
 HOST = "gke-training-pool-a100-highmem-8-{:05d}-7f9c2b1d-x4kq.europe-west4-a.internal"
@@ -39,7 +42,9 @@ def _fact(i: int, what: str) -> dict[str, object]:
 
 
 @pytest.mark.slow
-async def test_a_master_forms_a_30000_member_round_an_agent_reads_whole(bus: Bus) -> None:
+async def test_a_master_forms_a_round_over_the_servers_max_payload_an_agent_reads_whole(
+    bus: Bus,
+) -> None:
     params = ev.RdzvParams(min_nodes=NODES, max_nodes=NODES, last_call_s=0.5)
     runner = MasterRunner(bus, JOB, "m1", ev.JobSpec(node_timeout_s=3600), tick_s=0.1)
     task = asyncio.create_task(runner.run())
@@ -94,5 +99,5 @@ async def test_a_master_forms_a_30000_member_round_an_agent_reads_whole(bus: Bus
         except nats.js.errors.NotFoundError:
             break
         sizes.append(len(msg.data or b""))
-    assert sum(sizes) > 3 * 1024 * 1024, "three times the server's max_payload, whole"
+    assert sum(sizes) > 1024 * 1024, "over the server's max_payload, whole"
     assert max(sizes) <= parts.PART_BYTES + 4096

@@ -31,7 +31,10 @@ from tests.support import (
     trace_rows,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+# Most of these judge speed (hangs, stragglers, a network check), restart NATS on its
+# port, or time a recovery: they run alone. The others check only what a job says and
+# leaves behind, and run two at a time with the other slow tests.
+pytestmark = [pytest.mark.slow]
 
 JOB = "j1"
 
@@ -91,6 +94,7 @@ def steps_done(tmp_path: Path, restart: int | None = None) -> int:
     return max((r["step"] for r in rows), default=0)
 
 
+@pytest.mark.alone
 async def test_kill_9_of_a_worker_restarts_all_workers_in_a_new_round_and_the_job_finishes(
     bus: Bus, tmp_path: Path
 ) -> None:
@@ -203,6 +207,7 @@ def _goodput_agrees_with_the_trace(
     return float(g["goodput"])
 
 
+@pytest.mark.alone
 async def test_kill_9_of_an_agent_the_other_continues_alone_then_the_node_comes_back(
     bus: Bus, tmp_path: Path
 ) -> None:
@@ -259,6 +264,7 @@ async def _round_after(bus: Bus, after: int, nodes: list[str]) -> ev.RoundComple
     return None
 
 
+@pytest.mark.alone
 async def test_kill_9_of_the_leading_master_does_not_interrupt_training(
     bus: Bus, tmp_path: Path
 ) -> None:
@@ -358,6 +364,7 @@ async def test_sigterm_to_rove_run_stops_every_worker_and_leaves_no_orphans(
         master.stop()
 
 
+@pytest.mark.alone
 async def test_a_hung_worker_is_detected_within_the_hang_timeout_and_restarted(
     bus: Bus, tmp_path: Path
 ) -> None:
@@ -434,6 +441,7 @@ def test_workers_get_the_same_environment_as_under_torchrun(tmp_path: Path) -> N
     assert r["0"]["TORCHELASTIC_RUN_ID"] == "envjob"
 
 
+@pytest.mark.alone
 async def test_workers_keep_training_while_nats_is_down_and_buffered_facts_arrive_later(
     tmp_path: Path,
 ) -> None:
@@ -486,6 +494,7 @@ async def test_workers_keep_training_while_nats_is_down_and_buffered_facts_arriv
         server.stop()
 
 
+@pytest.mark.alone
 async def test_the_network_check_finds_the_node_with_a_broken_network_and_excludes_it(
     bus: Bus, tmp_path: Path
 ) -> None:
@@ -531,6 +540,7 @@ async def test_the_network_check_finds_the_node_with_a_broken_network_and_exclud
         master.stop()
 
 
+@pytest.mark.alone
 async def test_after_a_worker_kill_every_rank_restores_from_memory_losing_at_most_one_step(
     tmp_path: Path,
 ) -> None:
@@ -600,6 +610,7 @@ def _full_disk() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
 
 
+@pytest.mark.alone
 async def test_a_full_disk_is_a_clear_event_training_goes_on_and_nothing_is_committed(
     bus: Bus, tmp_path: Path
 ) -> None:
