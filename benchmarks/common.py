@@ -1,5 +1,5 @@
 """Small helpers the benchmarks share: free ports, trainers' JSON-lines traces, waiting,
-a job's master on an embedded NATS server.
+a job's master on an embedded NATS server, a simulated agent's heartbeat.
 
 Imported as `common` (a benchmark runs as `python benchmarks/NAME.py`, so this
 folder is on its path).
@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from rove.control.catalogue import events as ev
 
 
 def free_port() -> int:
@@ -89,3 +91,15 @@ def job_master(folder: Path, job: str, level: str = "warning") -> Iterator[tuple
         master.terminate()
         master.wait(20)
         server.stop()
+
+
+def sim_heartbeat(job: str, node: str, incarnation: str, seq: int, ts: float) -> ev.Heartbeat:
+    """Heartbeat `seq` of a simulated agent: a busy node, no workers' figures."""
+    return ev.Heartbeat(
+        **ev.node_envelope(job, node, incarnation, ts, "hb", seq),
+        seq=seq,
+        cpu_percent=50.0,
+        mem_used_bytes=2**34,
+        mem_total_bytes=2**36,
+        ranks=(),
+    )

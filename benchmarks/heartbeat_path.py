@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common import sim_heartbeat
 from nats.aio.msg import Msg
 
 from rove.control.bus import records
@@ -57,19 +58,7 @@ async def _publish(url: str, nodes: int, rounds: int) -> None:
         now = time.time()
         for i in range(nodes):
             node = NAME.format(i)
-            hb = ev.Heartbeat(
-                job=JOB,
-                id=ev.make_id(JOB, node, "hb", seq),
-                producer=f"agent:{node}",
-                ts=now,
-                node=node,
-                incarnation="inc-" + "y" * 28,
-                seq=seq,
-                cpu_percent=50.0,
-                mem_used_bytes=2**34,
-                mem_total_bytes=2**36,
-                ranks=(),
-            )
+            hb = sim_heartbeat(JOB, node, "inc-" + "y" * 28, seq, now)
             await bus.nc.publish(subjects.heartbeat(JOB, node), ev.encode(hb))
             if i % 1000 == 0:
                 await asyncio.sleep(0)

@@ -55,6 +55,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from common import sim_heartbeat
+
 from rove.agent.heartbeat import interval_for
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
@@ -103,14 +105,7 @@ async def _sim(
                 if i in silent:
                     continue
                 node = node_name(i)
-                hb = ev.Heartbeat(
-                    **_fact(node, now, "hb", seq),
-                    seq=seq,
-                    cpu_percent=50.0,
-                    mem_used_bytes=2**34,
-                    mem_total_bytes=2**36,
-                    ranks=(),
-                )
+                hb = sim_heartbeat(JOB, node, "inc1", seq, now)
                 await bus.nc.publish(subjects.heartbeat(JOB, node), ev.encode(hb))
                 sent += 1
             await bus.nc.flush()

@@ -10,21 +10,13 @@ import msgspec
 
 from rove.control.bus.records import Recorded
 from rove.control.catalogue import events as ev
+from rove.control.process.logs import SHOWN as SHOWN
+from rove.control.process.logs import some as some
 
 _COMMON = {"job", "id", "producer", "ts", "epoch"}
 
 
 _TIMES = {"last_seen", "at", "first_at"}
-
-#: How many items of a long list a readable line shows (`--json` shows them all).
-SHOWN = 8
-
-
-def some(names: list[str], most: int = SHOWN) -> str:
-    """`a, b, c`, or the first `most` and how many more."""
-    if len(names) <= most:
-        return ", ".join(names)
-    return f"{', '.join(names[:most])} and {len(names) - most:,} more"
 
 
 def _value(v: Any, key: str = "") -> str:

@@ -32,7 +32,7 @@ from rove.control.master.metrics import JobMetrics
 from rove.control.master.netcheck import Wait
 from rove.control.master.service import JobService
 from rove.control.master.silence import Silence
-from rove.control.process import aio
+from rove.control.process import aio, logs
 
 log = structlog.get_logger("rove.master")
 
@@ -412,7 +412,8 @@ class MasterRunner(JobService):
                 kinds = sorted({ev.kind(d) for d in decisions})
                 nodes = [n for d in decisions if isinstance(n := getattr(d, "node", None), str)]
                 self.log.info(
-                    f"decided {len(decisions)} {' and '.join(kinds)}", nodes=_few(nodes) or None
+                    f"decided {len(decisions)} {' and '.join(kinds)}",
+                    nodes=logs.some(nodes, 10) or None,
                 )
 
     async def _publish(
@@ -460,12 +461,6 @@ class MasterRunner(JobService):
             return
         self._last_snapshot_seq = state.applied_seq
         self._last_snapshot_at = self.clock()
-
-
-def _few(names: list[str], most: int = 10) -> str:
-    """`a, b, c`, or the first `most` and how many more."""
-    more = f" and {len(names) - most:,} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
 
 
 def _key_fields(decision: ev.Decision) -> dict[str, object]:

@@ -24,6 +24,18 @@ from typing import Any, TextIO
 import stamina.instrumentation
 import structlog
 
+#: How many items of a long list a readable line shows (`--json` shows them all).
+SHOWN = 8
+
+
+def some(names: list[str], most: int = SHOWN) -> str:
+    """`a, b, c`, or the first `most` and how many more: a list in a line that does not
+    grow with the cluster (a log line, `rove status`)."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[:most])} and {len(names) - most:,} more"
+
+
 #: Levels whose lines a job's console always gets.
 _LOUD = frozenset({"warning", "error", "critical"})
 
