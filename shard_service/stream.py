@@ -377,8 +377,10 @@ class StreamIterable(LeasedIterable):
         """A checkpoint of `step` was saved: report the position it holds, if any."""
         if self._unsaved is None:
             return
+        # (kept: a later save of the same position reports it again, with the produce
+        # time of the newest record it covers; forgetting that time made the job's
+        # freshness unknown after a save that trained nothing new)
         position, newest = self._unsaved
-        self._unsaved = (position, -1.0)  # reported; a later save of it reports again
         client = self._ack_client()
         client.send(
             ev.StreamCheckpointed(
