@@ -48,7 +48,13 @@ class Netns:
         return self
 
     def enter(self) -> None:
-        """A `preexec_fn`: move the child into the namespace before it execs."""
+        """A `preexec_fn`: move the child into the namespace (in a session of its own)
+        before it execs."""
+        self.join()
+        os.setsid()
+
+    def join(self) -> None:
+        """Move the calling process (a child between fork and exec) into the namespace."""
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         fd = os.open(f"/var/run/netns/{self.name}", os.O_RDONLY)
         try:
@@ -56,7 +62,6 @@ class Netns:
                 raise OSError(ctypes.get_errno(), "setns failed")
         finally:
             os.close(fd)
-        os.setsid()
 
     def cut(self) -> None:
         self._ip("link", "set", self.ns_if, "down", inside=True)

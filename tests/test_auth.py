@@ -403,3 +403,30 @@ def test_the_workers_credentials_must_be_a_trainers(tmp_path: Path) -> None:
         _worker_auth(str(agent))
     with pytest.raises(ConfigError, match="not a readable rove credentials file"):
         _worker_auth(str(tmp_path / "missing.json"))
+
+
+async def test_the_master_role_hears_its_jobs_heartbeats_live_and_an_agent_may_not(
+    secured: Secured,
+) -> None:
+    """(A secured job's leader lost every node once the node timeout passed: the server
+    had refused its live subscription to the heartbeats, and said so only in an
+    asynchronous error. Found by the nemesis, tests/nemesis.)"""
+    from rove.control.bus import live
+    from tests.support import eventually
+
+    master = await secured.bus("master", create_streams=False)
+    agent = await secured.bus("n0", create_streams=False)
+    heard: list[str] = []
+    try:
+        stop = await live.listen(
+            master, subjects.job_heartbeats(JOB), lambda s, _d: heard.append(s)
+        )
+        await agent.publish(factories.heartbeat("n0"))
+        await eventually(lambda: heard)
+        assert heard == [subjects.heartbeat(JOB, "n0")]
+        await stop()
+        with pytest.raises(PermissionDeniedError, match="refused a subscription to rove.hb"):
+            await live.listen(agent, subjects.job_heartbeats(JOB), lambda _s, _d: None)
+    finally:
+        await master.close()
+        await agent.close()

@@ -160,6 +160,8 @@ def permissions(creds: Credentials) -> dict[str, Any]:
             "$JS.API.STREAM.UPDATE.>",
             f"$JS.API.STREAM.PURGE.OBJ_{subjects.SNAPSHOT_OBJECTS}",
         ]
+        # the leader hears heartbeats live, on a core subscription (rove.control.bus.live)
+        subscribe["allow"].append(subjects.job_heartbeats(job))
     if role == "agent" or (role == "launcher" and node):
         writes += [subjects.node_facts(job, node), subjects.heartbeat(job, node)]
     if role in ("trainer", "bridge"):

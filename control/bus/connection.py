@@ -23,8 +23,9 @@ from rove.control.errors import BusUnavailableError, ConfigError, NotAuthorizedE
 
 log = structlog.get_logger("rove.bus")
 
-#: The server's answer to a publish the connection's permissions do not allow.
-_DENIED = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
+#: The server's answer to a publish or subscription the connection's permissions do not
+#: allow.
+_DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"', re.I)
 
 
 async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
@@ -35,8 +36,9 @@ async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
             state["refused"] = True
         denied = _DENIED.search(str(exc))
         if denied:  # a permanent answer: `publish_raw` raises it instead of retrying
-            state["denied"].add(denied.group(1).lower())
-            log.warning("the server denied a publish to this role", subject=denied.group(1))
+            what, subject = denied.group(1).lower(), denied.group(2)
+            state["denied"].add(subject.lower() if what == "publish" else f"sub:{subject.lower()}")
+            log.warning(f"the server denied a {what} to this role", subject=subject)
             return
         if state["connected"] and not state["closing"]:
             log.warning("NATS client error", error=plain(exc))
@@ -119,11 +121,13 @@ async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
     return nc
 
 
-def denied(nc: NatsClient, subject: str) -> bool:
+def denied(nc: NatsClient, subject: str, *, subscription: bool = False) -> bool:
     """Whether the server has denied this connection's publishes to `subject` (a
-    permanent answer: the publish is not retried)."""
+    permanent answer: the publish is not retried), or with `subscription` its
+    subscription to it."""
     state = getattr(nc, "_rove_state", {})
-    return subject.lower() in state.get("denied", ())
+    key = f"sub:{subject.lower()}" if subscription else subject.lower()
+    return key in state.get("denied", ())
 
 
 async def quiet_close(nc: NatsClient) -> None:

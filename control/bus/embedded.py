@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -79,6 +80,7 @@ class EmbeddedServer:
         log_file: Path | None = None,
         config: Path | None = None,
         sync_always: bool = True,
+        preexec: Callable[[], None] | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -88,6 +90,9 @@ class EmbeddedServer:
         self.log_file = log_file or self.store_dir / "nats-server.log"
         self.config = config
         self.sync_always = sync_always
+        #: run in the child before it execs, after it is set to die with its parent
+        #: (the tests' fault harness moves a server into a network namespace with it)
+        self.preexec = preexec
         self.proc: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
 
@@ -125,13 +130,18 @@ class EmbeddedServer:
                 # Own session: a Ctrl-C meant for rove must not stop the server
                 # before rove has written its last events; rove stops it after.
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=self._in_child,
             )
         finally:
             out.close()
         self.url = self._wait_for_port(ports_dir, timeout_s)
         log.debug("embedded NATS server started", url=self.url, pid=self.proc.pid)
         return self.url
+
+    def _in_child(self) -> None:
+        die_with_parent()
+        if self.preexec is not None:
+            self.preexec()
 
     def _main_config(self) -> Path:
         """The server's configuration: JetStream's fsync policy, and `config` included

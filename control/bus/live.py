@@ -15,18 +15,34 @@ from collections.abc import Awaitable, Callable
 
 import nats.errors
 
+from rove.control.bus import connection
 from rove.control.bus.client import Bus
 from rove.control.bus.natsclient import RoveNatsClient
+from rove.control.errors import PermissionDeniedError
 
 
 async def listen(
     bus: Bus, subject_filter: str, on_message: Callable[[str, bytes], None]
 ) -> Callable[[], Awaitable[None]]:
     """Hand each message published from now on under `subject_filter` to
-    `on_message(subject, payload)`; returns the function that stops."""
+    `on_message(subject, payload)`; returns the function that stops.
+
+    Raises:
+        PermissionDeniedError: the server refused the subscription (this role may not
+            read the subject: a server refuses it only in an asynchronous error, which
+            a round trip after subscribing brings).
+    """
     nc = bus.nc
     assert isinstance(nc, RoveNatsClient)
     sub = await nc.subscribe(subject_filter)
+    await nc.flush()
+    if connection.denied(nc, subject_filter, subscription=True):
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+        raise PermissionDeniedError(
+            f"the server refused a subscription to {subject_filter}: these credentials' "
+            "role may not read it (roles and their subjects: docs/operations.md)"
+        )
 
     async def on_raw(subject: bytes, _reply: bytes, data: bytes, _h: bytes | None) -> None:
         on_message(subject.decode(), data)

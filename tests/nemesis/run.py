@@ -1,0 +1,121 @@
+"""A nemesis run: a scenario's faults, in an order and at steps drawn from a seed, on
+one job; the checks after it; one result row per fault."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tests.nemesis import checks
+from tests.nemesis.faults import FAULTS, Injected
+from tests.nemesis.world import Shape, World
+from tests.support import eventually
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    faults: tuple[str, ...]
+    shape: Shape
+
+
+#: The suite's scenarios. Faults that need the same parts of the world share a job
+#: (one start-up, one end, several faults); the job is long enough to outlast them.
+SCENARIOS = {
+    "bus": Scenario(
+        "bus",
+        ("nats-kill", "nats-quorum", "nats-partition"),
+        Shape(samples=2400, step_sleep=0.2, nats_netns=True),
+    ),
+    "rove": Scenario(
+        "rove",
+        ("node-partition", "master-pause", "disk-full", "checkpoint-corrupt"),
+        Shape(samples=2400, step_sleep=0.2, node_netns=True, disk_mib=16),
+    ),
+    "hostile": Scenario("hostile", ("poison", "flood"), Shape(samples=1800, secured=True)),
+}
+
+
+@dataclass
+class Row:
+    """One fault of one run, as the report tabulates it."""
+
+    fault: str
+    scenario: str
+    seed: int
+    survived: bool
+    #: seconds from the fault's end until every rank trained again at full size
+    recover_s: float | None
+    note: str
+    problems: list[str] = field(default_factory=list)
+    figures: dict[str, float] = field(default_factory=dict)
+    at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class Outcome:
+    rows: list[Row]
+    problems: list[str]
+    world: World
+
+
+def plan(scenario: Scenario, seed: int) -> list[tuple[str, int]]:
+    """(fault, at step): the scenario's faults in an order and at steps drawn from `seed`,
+    all in the first 60 % of the job."""
+    rnd = random.Random(seed)
+    order = list(scenario.faults)
+    rnd.shuffle(order)
+    total = scenario.shape.samples * scenario.shape.epochs // 32
+    at = sorted(rnd.sample(range(total // 10, total * 3 // 5), len(order)))
+    return list(zip(order, at, strict=True))
+
+
+async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
+    """Run the job with the scenario's faults; check it. Never raises for what the
+    system did wrong: that is in the outcome's problems (and rows)."""
+    rnd = random.Random(seed * 7919)
+    world = World(root, scenario.shape, seed)
+    injected: list[Injected] = []
+    problems: list[str] = []
+    try:
+        await world.start()
+        for fault, at in plan(scenario, seed):
+            await eventually(lambda a=at: world.progress() >= a, timeout=300)
+            if world.progress() > world.total_steps() * 0.9:
+                problems.append(f"the job was nearly done before {fault}: too short a job")
+            injected.append(await FAULTS[fault](world, rnd))
+        codes = await world.finish()
+        problems += await checks.after_run(world, injected, codes)
+    except AssertionError as exc:  # a deadline missed: the system did not get there
+        problems.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        await world.stop()
+    rows = []
+    for i in injected:
+        back = world.full_speed_at(i.ended)
+        recover = None if back is None else max(0.0, back - i.ended)
+        mine = [p for p in problems if p.startswith(f"{i.fault}: ")]
+        if recover is None:
+            mine.append(f"{i.fault}: the job never trained at full size after it")
+        rows.append(
+            Row(
+                i.fault,
+                scenario.name,
+                seed,
+                survived=not problems and recover is not None,
+                recover_s=recover,
+                note=i.note,
+                problems=mine or ([] if not problems else ["(the run's checks failed)"]),
+                figures=i.figures,
+            )
+        )
+    done = {i.fault for i in injected}
+    for fault in scenario.faults:
+        if fault not in done:
+            rows.append(Row(fault, scenario.name, seed, False, None, "not injected", problems))
+    return Outcome(rows, problems, world)
