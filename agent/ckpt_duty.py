@@ -54,6 +54,10 @@ class CheckpointDuty:
         self._round = 0
         self._kept = -1  # the step the current round's lineage started from
         self._overwritten = 0  # persists in a row whose step a newer save overwrote
+        #: the newest step a persist was started for, whatever came of it: the cadence
+        #: counts from it, so that a node whose persist failed (a full disk) persists the
+        #: same steps as its peers next, and those steps can be committed
+        self._attempted = -1
 
     async def new_round(
         self,
@@ -85,6 +89,7 @@ class CheckpointDuty:
             )
         self._round = round_
         self._kept = -1 if restore_step is None else restore_step
+        self._attempted = self._kept  # every node counts from the step the round restored
         self._world_size = world_size
         self._group_rank = group_rank
 
@@ -92,7 +97,8 @@ class CheckpointDuty:
         """Report a new step in memory; start persisting it when one is due."""
         step = self._report_in_memory()
         busy = self._persisting is not None and not self._persisting.done()
-        due = step is not None and step - max(0, self.saver.persisted_step) >= self.persist_every
+        since = max(0, self.saver.persisted_step, self._attempted)
+        due = step is not None and step - since >= self.persist_every
         if due and step is not None and self.saver.storage is not None and not busy:
             self._persisting = asyncio.create_task(self._persist(step))
 
@@ -160,6 +166,7 @@ class CheckpointDuty:
 
     async def _persist(self, step: int) -> None:
         round_ = self._round  # the lineage this step belongs to
+        self._attempted = max(self._attempted, step)
         began = time.monotonic()
         try:
             done = await asyncio.to_thread(self.saver.persist, step)

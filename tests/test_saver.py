@@ -112,3 +112,50 @@ async def test_a_step_a_newer_save_overwrote_is_quiet_until_it_keeps_happening()
     assert "storage is slower than the workers save" in warned[0]
     assert warned[1] == f"could not persist checkpoint step {n}: bad header"
     assert [type(e) for e in outbox.events] == [ev.CkptFailed] * (n + 1)
+
+
+async def test_a_node_whose_persist_failed_persists_the_same_steps_as_its_peer_next() -> None:
+    """Two nodes persist every 5th step. One's persist of step 10 fails (its disk was
+    full); the other's succeeds. Both must persist 15 next, or no step is ever on every
+    rank again and none can be committed (the nemesis found every later commit gone)."""
+    from rove.agent import ckpt_duty
+    from rove.agent.facts import NodeFacts
+    from rove.checkpoint.engine import CheckpointError
+
+    class Steps:
+        """Persists what it is asked, failing the steps in `failing`; holds `newest`."""
+
+        storage = object()
+        engines = {0: None}
+
+        def __init__(self, failing: set[int]) -> None:
+            self.failing, self.newest, self.reported_step = failing, 0, -1
+            self.persisted_step, self.persisted = -1, []
+
+        def new_in_memory(self) -> int | None:
+            if self.newest <= self.reported_step:
+                return None
+            self.reported_step = self.newest
+            return self.newest
+
+        def persist(self, step: int) -> object:
+            if step in self.failing:
+                raise CheckpointError(f"step {step}: the disk is full")
+            self.persisted.append(step)
+            self.persisted_step = step
+            return type("Done", (), {"ranks": (0,), "location": "x"})()
+
+    duties = []
+    for node, failing in (("na", {10}), ("nb", set())):
+        duty = ckpt_duty.CheckpointDuty(NodeFacts(_Outbox(), job="j", node=node), None)  # type: ignore[arg-type]
+        duty.saver = Steps(failing)  # type: ignore[assignment]
+        duty.persist_every = 5
+        duties.append(duty)
+    for step in range(1, 31):
+        for duty in duties:
+            duty.saver.newest = step  # type: ignore[attr-defined]
+            duty.tick()
+            if duty._persisting is not None:
+                await duty._persisting
+    assert duties[1].saver.persisted == [5, 10, 15, 20, 25, 30]  # type: ignore[attr-defined]
+    assert duties[0].saver.persisted == [5, 15, 20, 25, 30]  # type: ignore[attr-defined]
