@@ -61,6 +61,19 @@ def test_each_second_of_a_job_with_one_failure_is_in_its_bucket() -> None:
     assert r.rounds == 2 and r.ended == "finished"
 
 
+def test_an_event_that_says_it_happened_long_before_the_job_does_not_stretch_it() -> None:
+    """A forged event (or a clock far off) dated 1970 in the middle of the stream once
+    made a finished job's goodput 0.0% of 57 years; one a little early (a node's fact
+    stored late) still moves the start."""
+    forged = at(f.joined("intruder"), -1_795_000_000.0)
+    events = one_failure()
+    r = gp.report(gp.of_events([*events[:4], forged, *events[4:]]), now=500.0)
+    assert (r.start, r.end, r.total_s) == (0.0, 101.0, 101.0)
+    assert r.goodput == pytest.approx(68 / 101)
+    early = gp.report(gp.of_events([*events[:4], at(f.joined("n2"), -30.0), *events[4:]]), now=500.0)
+    assert early.start == -30.0
+
+
 def test_a_window_counts_only_its_own_seconds() -> None:
     r = gp.report(gp.of_events(one_failure()), now=500.0, since=40.0, until=60.0)
     s = r.seconds

@@ -66,6 +66,13 @@ class Bucket(enum.StrEnum):
     OTHER = "other"
 
 
+#: How much earlier than the job's first stored event a later one may say it happened
+#: and still move the job's start: a node's facts buffered while the bus was away, a
+#: clock a little behind. An older time (a clock far off, a forged event: the nemesis
+#: once made a job last 57 years) does not move it.
+SKEW_S = 120.0
+
+
 @dataclass(frozen=True)
 class Interval:
     start: float
@@ -172,8 +179,8 @@ class Ledger:
         ts = e.ts
         if self.first_ts is None:
             self.first_ts, self.job = ts, e.job
-        elif ts < self.first_ts:
-            self.first_ts = ts
+        elif self.first_ts - SKEW_S <= ts < self.first_ts:
+            self.first_ts = ts  # (a node's fact stored late, or its clock a little behind)
         if ts > self.last_ts:
             self.last_ts = ts
         fold = _FOLDS.get(type(e))
