@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: demo demo-control-plane test test-chaos test-fast lint format bench typecheck-view clean
+.PHONY: demo demo-control-plane test test-chaos test-nemesis test-fast lint format bench typecheck-view clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,13 @@ test: lint
 	$(BIN)/python -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m "slow and not alone" -n 2 --dist worksteal $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m alone $(PYTEST_ARGS)
+
+# The nemesis (tests/nemesis: NATS servers killed and cut off, a paused master, a full
+# disk, a corrupted checkpoint, poison and floods) with more seeds than the suite's one
+# (ROVE_NEMESIS_RUNS, default 5), then its table of what rove survived.
+test-nemesis: $(VENV)/.installed-tests
+	ROVE_NEMESIS_RUNS=$${ROVE_NEMESIS_RUNS:-5} $(BIN)/python -m pytest -m nemesis $(PYTEST_ARGS)
+	$(BIN)/python -m tests.nemesis --report
 
 # The chaos tests with more seeds than the suite's one (ROVE_CHAOS_RUNS, default 10).
 test-chaos: $(VENV)/.installed-tests

@@ -425,7 +425,7 @@ async def test_the_master_role_hears_its_jobs_heartbeats_live_and_an_agent_may_n
         await eventually(lambda: heard)
         assert heard == [subjects.heartbeat(JOB, "n0")]
         await stop()
-        with pytest.raises(PermissionDeniedError, match="refused a subscription to rove.hb"):
+        with pytest.raises(PermissionDeniedError, match=r"refused a subscription to rove\.hb"):
             await live.listen(agent, subjects.job_heartbeats(JOB), lambda _s, _d: None)
     finally:
         await master.close()

@@ -70,7 +70,9 @@ def test_an_event_that_says_it_happened_long_before_the_job_does_not_stretch_it(
     r = gp.report(gp.of_events([*events[:4], forged, *events[4:]]), now=500.0)
     assert (r.start, r.end, r.total_s) == (0.0, 101.0, 101.0)
     assert r.goodput == pytest.approx(68 / 101)
-    early = gp.report(gp.of_events([*events[:4], at(f.joined("n2"), -30.0), *events[4:]]), now=500.0)
+    early = gp.report(
+        gp.of_events([*events[:4], at(f.joined("n2"), -30.0), *events[4:]]), now=500.0
+    )
     assert early.start == -30.0
 
 

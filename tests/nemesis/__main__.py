@@ -36,14 +36,24 @@ async def _run_all(names: list[str], seeds: list[int], keep: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.nemesis", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
-                   help="a scenario to run (repeatable; default: all)")
+    p = argparse.ArgumentParser(
+        prog="python -m tests.nemesis",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--scenario",
+        action="append",
+        choices=sorted(SCENARIOS),
+        help="a scenario to run (repeatable; default: all)",
+    )
     p.add_argument("--runs", type=int, default=1, help="seeds per scenario (1)")
     p.add_argument("--seed", type=int, default=1, help="the first seed (1)")
-    p.add_argument("--report", action="store_true",
-                   help="print the table of the recorded results and run nothing")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print the table of the recorded results and run nothing",
+    )
     p.add_argument("--keep", action="store_true", help="keep the runs' folders")
     args = p.parse_args(argv)
     if args.report:

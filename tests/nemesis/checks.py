@@ -7,9 +7,9 @@ import collections
 from pathlib import Path
 from typing import Any
 
+from rove.checkpoint.durable import CheckpointError
 from rove.checkpoint.storage import FileStorage
 from rove.control.catalogue import events as ev
-from rove.checkpoint.durable import CheckpointError
 from tests import lineage
 from tests.nemesis.faults import Injected
 from tests.nemesis.world import NODES, WITNESS, World
@@ -71,11 +71,15 @@ def committed_kept(root: Path, records: list[Any], destroyed: set[int]) -> list[
 
 
 def witness_stored(world: World, records: list[Any]) -> list[str]:
-    """Every event the server acknowledged is in the stream, once."""
+    """Every event the server acknowledged is in the stream, once, in the order it was
+    published (the witness publishes one at a time)."""
     stored = collections.Counter(r.event.id for r in records)
     missing = [i for i in world.witness.acked if i not in stored]
     doubled = [i for i, n in stored.items() if n > 1]
     problems = []
+    numbers = [int(r.event.id.rsplit(":", 1)[1]) for r in records]
+    if numbers != sorted(numbers):
+        problems.append("the witness's events are not stored in the order they were published")
     if missing:
         problems.append(f"{len(missing)} acknowledged events are not in the stream: {missing[:5]}")
     if doubled:
@@ -112,6 +116,7 @@ def masters_well(world: World) -> list[str]:
 
 
 async def after_run(world: World, injected: list[Injected], codes: dict[str, int]) -> list[str]:
+    await world.stop_witness()
     records = await world.records()
     witness = await world.records(WITNESS)
     destroyed = set().union(*(i.destroyed for i in injected)) if injected else set()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import os
+import itertools
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -59,7 +59,7 @@ async def _stream_current(world: World) -> bool:
     assert world.bus is not None
     try:
         info = await world.bus.js.stream_info(subjects.EVENTS_STREAM)
-    except Exception:  # noqa: BLE001 - no answer yet: not current
+    except Exception:  # no answer yet: not current
         return False
     cluster = info.cluster
     replicas = (cluster.replicas or []) if cluster else []
@@ -71,10 +71,20 @@ async def _stream_current(world: World) -> bool:
     )
 
 
+async def _stream_leader(world: World) -> int | None:
+    """The index of the NATS server that leads the events stream."""
+    assert world.bus is not None and world.cluster is not None
+    info = await world.bus.js.stream_info(subjects.EVENTS_STREAM)
+    leader = info.cluster.leader if info.cluster else None
+    names = [n.server_name for n in world.cluster.nodes]
+    return names.index(leader) if leader in names else None
+
+
 async def nats_kill(world: World, rnd: random.Random) -> Injected:
-    """kill -9 one NATS server; start it again after a while."""
+    """kill -9 the NATS server that leads the events stream (the worst one to lose:
+    writes in flight must be stored once, in order); start it again after a while."""
     assert world.cluster is not None
-    i = rnd.randrange(3)
+    i = await eventually(lambda: _stream_leader(world), timeout=30)
     hold = rnd.uniform(*HOLD_S["nats-kill"])
     began = time.time()
     world.cluster.nodes[i].kill()
@@ -83,7 +93,7 @@ async def nats_kill(world: World, rnd: random.Random) -> Injected:
     ended = time.time()
     await eventually(lambda: _stream_current(world), timeout=90)
     return Injected(
-        "nats-kill", began, ended, f"n{i + 1} down {hold:.1f}s",
+        "nats-kill", began, ended, f"n{i + 1}, the stream's leader, down {hold:.1f}s",
         figures={"catch_up_s": time.time() - ended},
     )  # fmt: skip
 
@@ -129,6 +139,7 @@ async def node_partition(world: World, rnd: random.Random) -> Injected:
     assert world.node_ns is not None
     hold = max(rnd.uniform(*HOLD_S["partition"]), 2 * NODE_TIMEOUT_S)
     joins = await _joins(world, "nb")
+    round_before = max((r["round"] for r in world.rows()), default=0)
     began = time.time()
     world.node_ns.cut()
     await asyncio.sleep(hold)
@@ -137,14 +148,25 @@ async def node_partition(world: World, rnd: random.Random) -> Injected:
     problems = []
     try:
         await eventually(lambda: _more_joins(world, "nb", joins), timeout=120)
+        # the job went on with na alone (2 ranks), then grew to both nodes again
+        await eventually(lambda: world.full_speed_at(ended), timeout=120)
+        worlds = [
+            r["world"]
+            for r in world.rows()
+            if "world" in r and r["rank"] == 0 and r["round"] > round_before
+        ]
+        if 2 not in worlds:
+            problems.append(f"the job did not go on with na alone while nb was away: {worlds}")
     except AssertionError:
-        problems.append("nb did not join the job again after the link came back")
+        problems.append("nb did not join the job again, or the job did not grow back to it")
     return Injected("node-partition", began, ended, f"nb cut off {hold:.1f}s", problems)
 
 
 async def _joins(world: World, node: str) -> int:
     return sum(
-        1 for r in await world.records() if isinstance(r.event, ev.NodeJoined) and r.event.node == node
+        1
+        for r in await world.records()
+        if isinstance(r.event, ev.NodeJoined) and r.event.node == node
     )
 
 
@@ -185,29 +207,47 @@ async def master_pause(world: World, rnd: random.Random) -> Injected:
     if accepted:
         kinds = sorted({type(r.event).__name__ for r in accepted})
         problems.append(f"the deposed {paused}'s writes were accepted: {kinds}")
-    note = f"{paused} paused {ended - began:.1f}s; {new.event.master} led after {new.event.ts - began:.1f}s"
+    led = new.event.ts - began
+    note = f"{paused} paused {ended - began:.1f}s; {new.event.master} led after {led:.1f}s"
     return Injected(
         "master-pause", began, ended, note, problems,
         figures={"failover_s": new.event.ts - began},
     )  # fmt: skip
 
 
+def _usage(directory: Path) -> str:
+    """The largest files under `directory`, for a problem's message."""
+    files = sorted(
+        (p.stat().st_size, str(p.relative_to(directory)))
+        for p in directory.rglob("*")
+        if p.is_file()
+    )
+    total = sum(size for size, _ in files)
+    return f"{total} bytes in {len(files)} files, the largest: {files[-5:]}"
+
+
 def _fill(directory: Path) -> Path:
     """A file that takes every free byte of `directory`'s file system."""
     filler = directory / "filler"
-    with filler.open("wb") as f:
+    try:
+        f = filler.open("wb", buffering=0)  # a write that does not fit fails at once
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise AssertionError(
+                f"the checkpoint file system was full before the fault: {_usage(directory)}"
+            ) from exc
+        raise
+    with f:
         block = b"\0" * (1 << 20)
         try:
             while True:
                 f.write(block)
-                f.flush()
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
         with contextlib.suppress(OSError):
             while True:  # the last partial block
                 f.write(b"\0" * 4096)
-                f.flush()
     return filler
 
 
@@ -369,7 +409,7 @@ async def _send_all(bus: Bus, poison: list[tuple[str, bytes]]) -> tuple[int, int
             try:
                 await bus.publish_raw(subject, payload, deadline_s=3.0)
                 return True
-            except Exception:  # noqa: BLE001 - denied, too large, not a stream subject
+            except Exception:  # denied, too large, not a stream subject
                 return False
 
     results = await asyncio.gather(*(one(s, p) for s, p in poison))
@@ -393,13 +433,14 @@ async def poison(world: World, rnd: random.Random) -> Injected:
             continue
         try:
             bus = await world.connect(who, create_streams=False, connect_timeout_s=3.0)
-        except Exception as exc:  # noqa: BLE001 - refused at the door
-            if who not in ("stranger", None) or not world.creds:
+        except Exception as exc:  # refused at the door
+            if who is not None or not world.creds:
                 problems.append(f"{who or 'a client without credentials'} could not connect: {exc}")
-            figures[f"refused_{who or 'anonymous'}"] = float(len(items))
+            figures["refused_anonymous"] = float(len(items))
             continue
         try:
             stored, refused = await _send_all(bus, items)
+            figures[f"refused_{who or 'anonymous'}"] = float(refused)
         finally:
             await bus.close()
         figures[f"stored_{who or 'anonymous'}"] = float(stored)
@@ -414,14 +455,21 @@ async def poison(world: World, rnd: random.Random) -> Injected:
         problems.append("training did not go on after the poison")
     rounds_after = max((r["round"] for r in world.rows()), default=0)
     if rounds_after != rounds_before:
-        problems.append(f"the poison interrupted training (round {rounds_before} -> {rounds_after})")
+        problems.append(
+            f"the poison interrupted training (round {rounds_before} -> {rounds_after})"
+        )
     for r in await world.records():
         e = r.event
-        if r.seq and isinstance(e, ev.Decision) and e.producer.startswith("master:") and (
-            e.producer not in {f"master:{m}" for m in world.masters}
+        if (
+            r.seq
+            and isinstance(e, ev.Decision)
+            and e.producer.startswith("master:")
+            and (e.producer not in {f"master:{m}" for m in world.masters})
         ):
             problems.append(f"a forged decision was stored: {type(e).__name__} #{r.seq}")
-    return Injected("poison", began, ended, f"{len(items)} payloads x 4 senders", problems, figures=figures)
+    return Injected(
+        "poison", began, ended, f"{len(items)} payloads x 4 senders", problems, figures=figures
+    )
 
 
 def _rss_mib(pid: int) -> float:
@@ -455,7 +503,7 @@ async def flood(world: World, rnd: random.Random) -> Injected:
             try:
                 anon = await world.connect(None, create_streams=False, connect_timeout_s=3.0)
                 await anon.close()
-            except Exception:  # noqa: BLE001 - refused, as it must be
+            except Exception:  # refused, as it must be
                 refused = True
             if not refused:
                 problems.append("a client without credentials was admitted")
@@ -476,21 +524,31 @@ async def flood(world: World, rnd: random.Random) -> Injected:
             await b.close()
     ended = time.time()
 
+    letters: list[ev.EventRejected] = []
+
     async def dead_lettered() -> bool:
-        nonlocal peak
+        nonlocal peak, letters
         peak = max(peak, _rss_mib(pid))
-        letters = [r.event for r in await world.records() if isinstance(r.event, ev.EventRejected)]
-        return sum(e.count for e in letters if e.ts >= began) >= FLOOD
+        letters = [
+            r.event
+            for r in await world.records()
+            if isinstance(r.event, ev.EventRejected) and r.event.ts >= began
+        ]
+        return sum(e.count for e in letters) >= FLOOD
 
     try:
         await eventually(dead_lettered, timeout=120)
     except AssertionError:
         problems.append("not every flooded message was dead-lettered")
+    if len(letters) >= 1000:
+        problems.append(f"{len(letters)} dead letters: not in bursts (one each, nearly)")
     growth = peak - base
     if growth > FLOOD_RSS_BOUND_MIB:
         problems.append(f"the leader's memory grew {growth:.0f} MiB under the flood")
     times = sorted(r["t"] for r in world.rows() if "t" in r and began <= r["t"] <= ended)
-    pause = max((b - a for a, b in zip(times, times[1:], strict=False)), default=ended - began)
+    if len(times) <= 10:
+        problems.append(f"training all but stopped during the flood ({len(times)} step rows)")
+    pause = max((b - a for a, b in itertools.pairwise(times)), default=ended - began)
     return Injected(
         "flood", began, ended, f"{FLOOD} messages in {ended - began:.1f}s", problems,
         figures={"leader_rss_growth_mib": growth, "longest_pause_s": pause},

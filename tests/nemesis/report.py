@@ -59,7 +59,8 @@ ORDER = [
 def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table, one line per fault."""
     lines = [
-        "| fault | runs | survived, nothing lost | back to full speed (median, max) | not survived |",
+        "| fault | runs | survived, nothing lost | back to full speed (median, max) "
+        "| not survived |",
         "| --- | --- | --- | --- | --- |",
     ]
     by_fault: dict[str, list[dict[str, Any]]] = {}

@@ -27,14 +27,16 @@ SCENARIOS = {
     "bus": Scenario(
         "bus",
         ("nats-kill", "nats-quorum", "nats-partition"),
-        Shape(samples=2400, step_sleep=0.2, nats_netns=True),
+        Shape(samples=3200, step_sleep=0.25, nats_netns=True),
     ),
     "rove": Scenario(
         "rove",
         ("node-partition", "master-pause", "disk-full", "checkpoint-corrupt"),
-        Shape(samples=2400, step_sleep=0.2, node_netns=True, disk_mib=16),
+        Shape(samples=3200, step_sleep=0.25, node_netns=True, disk_mib=16),
     ),
-    "hostile": Scenario("hostile", ("poison", "flood"), Shape(samples=1800, secured=True)),
+    "hostile": Scenario(
+        "hostile", ("poison", "flood"), Shape(samples=4800, step_sleep=0.15, secured=True)
+    ),
 }
 
 

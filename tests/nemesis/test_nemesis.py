@@ -44,7 +44,6 @@ async def test_the_job_rides_out_a_server_killed_a_quorum_lost_and_a_server_cut_
     await check(await run(SCENARIOS["bus"], tmp_path, seed))
 
 
-@pytest.mark.alone  # a network namespace, a tmpfs
 @pytest.mark.parametrize("seed", seeds(1))
 async def test_the_job_rides_out_a_node_cut_off_a_paused_master_a_full_disk_and_a_corrupt_file(
     tmp_path: Path, seed: int

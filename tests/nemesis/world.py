@@ -187,13 +187,14 @@ class World:
             "master": auth.new_credentials("master", JOB),
             "trainer": auth.new_credentials("trainer", JOB),
             **{n: auth.new_credentials("agent", JOB, n) for n in NODES},
+            # admitted, with another job's rights: none in this one
             "stranger": auth.new_credentials("agent", "another-job", "x"),
         }
         directory = self.root / "auth"
         directory.mkdir(parents=True, exist_ok=True)
         self.creds = {k: auth.write(c, directory / f"{k}.json") for k, c in creds.items()}
         config = directory / "users.conf"
-        config.write_text(auth.server_config([c for k, c in creds.items() if k != "stranger"]))
+        config.write_text(auth.server_config(list(creds.values())))
         return config
 
     async def connect(self, who: str | None = "admin", **kw: Any) -> Bus:
@@ -262,11 +263,16 @@ class World:
         assert self.bus is not None
         return await finished(self.bus, JOB, self.nodes, self.procs)
 
-    async def stop(self) -> None:
+    async def stop_witness(self) -> None:
+        """Stop the witness (before its events are read back)."""
         if self._witness_task is not None:
             self._witness_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._witness_task
+            self._witness_task = None
+
+    async def stop(self) -> None:
+        await self.stop_witness()
         for p in reversed(self.procs):
             p.stop()
         for ns in (self.node_ns, self.nats_ns):
@@ -306,7 +312,7 @@ class World:
             try:
                 await self.bus.publish(event, deadline_s=2.0)
                 self.witness.acked.append(event.id)
-            except Exception:  # noqa: BLE001 - not acknowledged: nothing is promised
+            except Exception:  # not acknowledged: nothing is promised
                 self.witness.failed += 1
             await asyncio.sleep(0.05)
 
