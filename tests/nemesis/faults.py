@@ -49,6 +49,9 @@ class Injected:
     #: committed checkpoint steps this fault destroyed on purpose
     destroyed: set[int] = field(default_factory=set)
     figures: dict[str, float] = field(default_factory=dict)
+    #: when the fault replaced the workers: only rounds after this one are its recovery
+    #: (a killed agent's workers train on for a moment after it: docs/operations.md)
+    round_before: int = 0
 
 
 Fault = Callable[[World, random.Random], Awaitable[Injected]]
@@ -71,20 +74,20 @@ async def _stream_current(world: World) -> bool:
     )
 
 
-async def _stream_leader(world: World) -> int | None:
-    """The index of the NATS server that leads the events stream."""
+async def _stream_leader(world: World) -> tuple[int] | None:
+    """(the index of the NATS server that leads the events stream,), once there is one."""
     assert world.bus is not None and world.cluster is not None
     info = await world.bus.js.stream_info(subjects.EVENTS_STREAM)
     leader = info.cluster.leader if info.cluster else None
     names = [n.server_name for n in world.cluster.nodes]
-    return names.index(leader) if leader in names else None
+    return (names.index(leader),) if leader in names else None
 
 
 async def nats_kill(world: World, rnd: random.Random) -> Injected:
     """kill -9 the NATS server that leads the events stream (the worst one to lose:
     writes in flight must be stored once, in order); start it again after a while."""
     assert world.cluster is not None
-    i = await eventually(lambda: _stream_leader(world), timeout=30)
+    (i,) = await eventually(lambda: _stream_leader(world), timeout=30)
     hold = rnd.uniform(*HOLD_S["nats-kill"])
     began = time.time()
     world.cluster.nodes[i].kill()
@@ -297,6 +300,7 @@ async def checkpoint_corrupt(world: World, rnd: random.Random) -> Injected:
     the newest committed step is flipped or truncated on disk; the nodes start again:
     the job must restore an older step, the same on every rank, and go on."""
     await eventually(lambda: len(_committed_steps(world)) >= 2, timeout=120)
+    rounds = max((r["round"] for r in world.rows()), default=0)
     began = time.time()
     for node in list(world.nodes):
         world.nodes[node].kill()
@@ -322,7 +326,6 @@ async def checkpoint_corrupt(world: World, rnd: random.Random) -> Injected:
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
-    rounds = max((r["round"] for r in world.rows()), default=0)
     for node in list(world.nodes):
         world.start_node(node)
     ended = time.time()
@@ -341,7 +344,9 @@ async def checkpoint_corrupt(world: World, rnd: random.Random) -> Injected:
     except AssertionError:
         problems.append("the job did not restore after the nodes came back")
     note = f"rank file {victim.name} of step {step} {how}"
-    return Injected("checkpoint-corrupt", began, ended, note, problems, destroyed={step})
+    return Injected(
+        "checkpoint-corrupt", began, ended, note, problems, destroyed={step}, round_before=rounds
+    )
 
 
 # ----------------------------------------------------------------- hostile clients

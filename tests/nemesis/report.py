@@ -15,6 +15,8 @@ from tests.support import ROOT
 
 #: Where runs append their rows (one JSON object per line).
 DEFAULT_RESULTS = ROOT / ".nemesis" / "results.jsonl"
+#: The rows of the table docs/operations.md publishes ("What rove survives, measured").
+PUBLISHED = Path(__file__).parent / "published.jsonl"
 
 
 def results_path() -> Path:

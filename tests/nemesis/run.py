@@ -53,6 +53,9 @@ class Row:
     note: str
     problems: list[str] = field(default_factory=list)
     figures: dict[str, float] = field(default_factory=dict)
+    #: when the fault began and ended (was healed), wall-clock seconds
+    began: float = 0.0
+    ended: float = 0.0
     at: float = field(default_factory=time.time)
 
     def to_json(self) -> dict[str, object]:
@@ -99,7 +102,7 @@ async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
         await world.stop()
     rows = []
     for i in injected:
-        back = world.full_speed_at(i.ended)
+        back = world.full_speed_at(i.ended, i.round_before)
         recover = None if back is None else max(0.0, back - i.ended)
         mine = [p for p in problems if p.startswith(f"{i.fault}: ")]
         if recover is None:
@@ -114,6 +117,8 @@ async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
                 note=i.note,
                 problems=mine or ([] if not problems else ["(the run's checks failed)"]),
                 figures=i.figures,
+                began=i.began,
+                ended=i.ended,
             )
         )
     done = {i.fault for i in injected}

@@ -335,14 +335,19 @@ class World:
         """About how many steps the job trains at full size."""
         return self.shape.samples * self.shape.epochs // (RANKS * 8)
 
-    def full_speed_at(self, since: float) -> float | None:
+    def full_speed_at(self, since: float, after_round: int = 0) -> float | None:
         """When the job next trained at full size after `since`: the moment every rank of
-        a 4-rank round had stepped after it (None if it has not)."""
+        a 4-rank round (after `after_round`) had stepped after it (None if it has not)."""
         rows = self.rows()
         worlds = {r["round"]: r["world"] for r in rows if "world" in r}
         firsts: dict[int, dict[int, float]] = {}
         for r in rows:
-            if "t" in r and r["t"] > since and worlds.get(r["round"]) == RANKS:
+            if (
+                "t" in r
+                and r["t"] > since
+                and r["round"] > after_round
+                and worlds.get(r["round"]) == RANKS
+            ):
                 firsts.setdefault(r["round"], {}).setdefault(r["rank"], r["t"])
         done = [max(ranks.values()) for ranks in firsts.values() if len(ranks) == RANKS]
         return min(done) if done else None
