@@ -57,6 +57,7 @@ test: lint
 # (ROVE_NEMESIS_RUNS, default 5), then its table of what rove survived.
 test-nemesis: $(VENV)/.installed-tests
 	ROVE_NEMESIS_RUNS=$${ROVE_NEMESIS_RUNS:-5} $(BIN)/python -m pytest -m nemesis $(PYTEST_ARGS)
+	$(BIN)/python -m tests.nemesis --scenario outage
 	$(BIN)/python -m tests.nemesis --report
 
 # The chaos tests with more seeds than the suite's one (ROVE_CHAOS_RUNS, default 10).

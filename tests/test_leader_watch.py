@@ -87,3 +87,30 @@ def test_status_says_how_long_no_master_has_decided_anything() -> None:
     long = render(status_view(s.state, s.liveness, None, decided + 150))
     assert "lease held by nobody: no master has decided anything for 150s" in long
     assert "rove master --job j1" in long
+
+
+def test_a_bus_that_does_not_answer_is_said_after_the_wait_and_its_return_too() -> None:
+    """JetStream without a quorum answers nothing: the lease cannot be read, so no
+    leaderless line could come. (The nemesis's long quorum loss went unsaid: the watch
+    logged it at debug level only.)"""
+    clock = Clock()
+    watch = LeaderWatch(None, "j1", after_s=60, repeat_s=300, clock=clock)  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logs:
+        watch.answered()
+        for t in (5, 30, 64):
+            clock.now = t
+            watch.unanswered("nats: no response from stream")
+        assert lines(logs) == [], "not before 60 s"
+        clock.now = 66
+        watch.unanswered("nats: no response from stream")
+        clock.now = 70
+        watch.unanswered("nats: no response from stream")
+        clock.now = 80
+        watch.answered()
+        clock.now = 90
+        watch.answered()
+    said = lines(logs)
+    assert len(said) == 2, said
+    assert said[0].startswith("the bus has not answered job j1 for 61s")
+    assert "JetStream has lost its quorum" in said[0] and "goes on when it answers" in said[0]
+    assert said[1] == "the bus answers job j1 again, after 75s"

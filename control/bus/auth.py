@@ -160,7 +160,9 @@ def permissions(creds: Credentials) -> dict[str, Any]:
             "$JS.API.STREAM.UPDATE.>",
             f"$JS.API.STREAM.PURGE.OBJ_{subjects.SNAPSHOT_OBJECTS}",
         ]
-        # the leader hears heartbeats live, on a core subscription (rove.control.bus.live)
+    if role in ("master", "launcher") or (role == "cli" and job):
+        # the leader, and `rove status`, hear heartbeats live on a core subscription
+        # (rove.control.bus.live); stored, they are readable by every role anyway
         subscribe["allow"].append(subjects.job_heartbeats(job))
     if role == "agent" or (role == "launcher" and node):
         writes += [subjects.node_facts(job, node), subjects.heartbeat(job, node)]

@@ -20,6 +20,9 @@ from rove.control.bus.client import Bus
 from rove.control.bus.natsclient import RoveNatsClient
 from rove.control.errors import PermissionDeniedError
 
+#: Round trips after subscribing in which a server's refusal is looked for.
+_ROUND_TRIPS = 3
+
 
 async def listen(
     bus: Bus, subject_filter: str, on_message: Callable[[str, bytes], None]
@@ -30,12 +33,15 @@ async def listen(
     Raises:
         PermissionDeniedError: the server refused the subscription (this role may not
             read the subject: a server refuses it only in an asynchronous error, which
-            a round trip after subscribing brings).
+            one of the next few round trips brings).
     """
     nc = bus.nc
     assert isinstance(nc, RoveNatsClient)
     sub = await nc.subscribe(subject_filter)
-    await nc.flush()
+    for _ in range(_ROUND_TRIPS):  # the refusal can follow the first round trip's answer
+        await nc.flush()
+        if connection.denied(nc, subject_filter, subscription=True):
+            break
     if connection.denied(nc, subject_filter, subscription=True):
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()

@@ -123,6 +123,45 @@ async def nats_quorum(world: World, rnd: random.Random) -> Injected:
     return Injected("nats-quorum", began, ended, f"{names} down {hold:.1f}s", problems)
 
 
+#: Seconds of the long outage: past the agents' 60 s before they say the bus is silent.
+OUTAGE_S = 75.0
+
+
+async def nats_outage(world: World, rnd: random.Random) -> Injected:
+    """Two of three NATS servers down for longer than the agents wait before they say
+    so: the job must not fail, each agent must say that the bus does not answer and
+    that it answers again, and the job must go on."""
+    assert world.cluster is not None
+    down = sorted(rnd.sample(range(3), 2))
+    began = time.time()
+    for i in down:
+        world.cluster.nodes[i].kill()
+    problems = []
+    silent = "the bus has not answered job"
+    try:
+        await eventually(
+            lambda: all(silent in p.log() for p in world.nodes.values()), timeout=OUTAGE_S + 30
+        )
+    except AssertionError:
+        problems.append("an agent did not say that the bus does not answer")
+    await asyncio.sleep(max(0.0, began + OUTAGE_S - time.time()))
+    codes = {n: p.proc.poll() for n, p in world.nodes.items()}
+    if any(c is not None for c in codes.values()):
+        problems.append(f"nodes ended during the outage: {codes}")
+    for i in down:
+        world.cluster.nodes[i].start()
+    ended = time.time()
+    try:
+        await eventually(
+            lambda: all("the bus answers job" in p.log() for p in world.nodes.values()),
+            timeout=120,
+        )
+    except AssertionError:
+        problems.append("an agent did not say that the bus answers again")
+    names = " and ".join(f"n{i + 1}" for i in down)
+    return Injected("nats-outage", began, ended, f"{names} down {ended - began:.0f}s", problems)
+
+
 async def nats_partition(world: World, rnd: random.Random) -> Injected:
     """Cut NATS server n3 off from the other two and every client; heal the link."""
     assert world.nats_ns is not None
@@ -564,6 +603,7 @@ FAULTS: dict[str, Fault] = {
     "nats-kill": nats_kill,
     "nats-quorum": nats_quorum,
     "nats-partition": nats_partition,
+    "nats-outage": nats_outage,
     "node-partition": node_partition,
     "master-pause": master_pause,
     "disk-full": disk_full,

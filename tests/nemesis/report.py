@@ -49,6 +49,7 @@ ORDER = [
     "nats-kill",
     "nats-quorum",
     "nats-partition",
+    "nats-outage",
     "node-partition",
     "master-pause",
     "disk-full",

@@ -34,6 +34,8 @@ SCENARIOS = {
         ("node-partition", "master-pause", "disk-full", "checkpoint-corrupt"),
         Shape(samples=3200, step_sleep=0.25, node_netns=True, disk_mib=16),
     ),
+    # (not in the suite's one seed: 75 s of outage; `make test-nemesis` runs it)
+    "outage": Scenario("outage", ("nats-outage",), Shape(samples=3200, step_sleep=0.15)),
     "hostile": Scenario(
         "hostile", ("poison", "flood"), Shape(samples=4800, step_sleep=0.15, secured=True)
     ),
