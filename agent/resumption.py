@@ -32,7 +32,11 @@ class Resumption:
 
     def round_started(self, r: ev.RoundCompleted) -> None:
         """Round `r`'s workers were started here."""
-        if r.cause not in (ev.RoundCause.FORMED, ev.RoundCause.SCALE_UP):
+        if self._waiting is not None:
+            # the round before never trained a step here: this one resumes instead,
+            # counting from the first interruption
+            self._waiting = (self._waiting[0], r)
+        elif r.cause not in (ev.RoundCause.FORMED, ev.RoundCause.SCALE_UP):
             self._waiting = (self._since or self.clock(), r)
         self._since = None
 

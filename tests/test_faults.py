@@ -76,3 +76,39 @@ def test_training_again_is_said_once_every_local_rank_trained_after_an_interrupt
     ]
     resumption.progress({0: Progress(153, 1, 1, first_step=151)})
     assert len(said) == 1, "once"
+
+
+def test_a_round_that_never_trained_hands_the_resumption_to_the_next_one() -> None:
+    """A re-formed round whose workers never stepped (the node was lost again while they
+    started), then a scale-up round that trains: the sentence names the round that
+    trains, and counts from the first interruption. (The nemesis saw `round 3:
+    training again` from a node that trained in round 6.)"""
+    from msgspec.structs import replace
+
+    from rove.agent.progress import Progress
+    from rove.agent.resumption import Resumption
+    from rove.control.catalogue import events as ev
+    from tests import factories
+
+    now = [100.0]
+    said: list[str] = []
+    resumption = Resumption(lambda text, **_: said.append(text), lambda: now[0])
+    resumption.round_started(factories.round_completed(1, 1, "n1"))
+    resumption.interrupted()
+    reformed = replace(factories.round_completed(3, 1, "n1"), cause=ev.RoundCause.RESTART)
+    resumption.round_started(reformed)
+    now[0] = 110.0
+    resumption.interrupted()  # its workers are stopped before they report a step
+    grown = replace(
+        factories.round_completed(4, 1, "n1"),
+        cause=ev.RoundCause.SCALE_UP,
+        restore_step=95,
+        restore_source=ev.RestoreSource.STORAGE,
+    )
+    resumption.round_started(grown)
+    now[0] = 120.0
+    resumption.progress({0: Progress(96, 1, 1, first_step=96)})
+    assert said == [
+        "round 4: training again 20.0s after the interruption, at step 96 "
+        "(restored step 95 from storage)"
+    ]
