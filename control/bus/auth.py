@@ -160,9 +160,8 @@ def permissions(creds: Credentials) -> dict[str, Any]:
             "$JS.API.STREAM.UPDATE.>",
             f"$JS.API.STREAM.PURGE.OBJ_{subjects.SNAPSHOT_OBJECTS}",
         ]
-    if role in ("master", "launcher") or (role == "cli" and job):
-        # the leader, and `rove status`, hear heartbeats live on a core subscription
-        # (rove.control.bus.live); stored, they are readable by every role anyway
+    if role in ("master", "launcher"):
+        # the leader hears heartbeats live on a core subscription (rove.control.bus.live)
         subscribe["allow"].append(subjects.job_heartbeats(job))
     if role == "agent" or (role == "launcher" and node):
         writes += [subjects.node_facts(job, node), subjects.heartbeat(job, node)]

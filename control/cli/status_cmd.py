@@ -57,7 +57,7 @@ async def _run(args: argparse.Namespace) -> int:
         if args.run is not None:
             _, until = runs.span(await runs.starts(bus, args.job), args.run)
         if until is None:  # the newest run: the job's state now
-            replica = Replica(bus, args.job)
+            replica = Replica(bus, args.job, live_heartbeats=False)  # read once: stored
             await replica.start()
             await replica.stop()
             state, liveness = replica.state, replica.liveness

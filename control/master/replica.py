@@ -47,6 +47,7 @@ class Replica:
         *,
         use_snapshot: bool = True,
         heartbeats: bool = True,
+        live_heartbeats: bool = True,
         on_applied: Callable[[records.Recorded], None] | None = None,
         on_rejected: Callable[[records.Rejection], None] | None = None,
     ) -> None:
@@ -54,6 +55,9 @@ class Replica:
         self.job = subjects.check_name("job", job)
         self.use_snapshot = use_snapshot
         self.heartbeats = heartbeats
+        #: False: the newest stored heartbeat of each node only (`rove status`, which
+        #: reads the job once), no live subscription
+        self.live_heartbeats = live_heartbeats
         self.state: JobState = initial(job)
         self.liveness: dict[str, ev.Heartbeat] = {}
         self.snapshot_seq = 0
@@ -108,10 +112,11 @@ class Replica:
         over, and again after each reconnection (what was sent while away)."""
         if self._live is not None:
             return
-        self._live = await live.listen(
-            self.bus, subjects.job_heartbeats(self.job), self._live_heartbeat
-        )
-        self._unhook = live.on_reconnected(self.bus, self._reread_heartbeats)
+        if self.live_heartbeats:
+            self._live = await live.listen(
+                self.bus, subjects.job_heartbeats(self.job), self._live_heartbeat
+            )
+            self._unhook = live.on_reconnected(self.bus, self._reread_heartbeats)
         await self._read_stored_heartbeats()
 
     async def _read_stored_heartbeats(self) -> None:

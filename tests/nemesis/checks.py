@@ -17,7 +17,8 @@ from tests.nemesis.world import NODES, WITNESS, World
 
 def storage_of(root: Path) -> FileStorage | None:
     """The job's checkpoint storage under `root` (where its `committed` tracker is)."""
-    for directory in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+    # (the agents remove old steps meanwhile: only `root` and its children are looked at)
+    for directory in [root, *sorted(root.glob("*"))]:
         if (directory / "committed").exists():
             return FileStorage(directory)
     return None
