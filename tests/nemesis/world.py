@@ -34,6 +34,7 @@ from tests.netns import Netns
 from tests.support import (
     ROOT,
     CliProc,
+    Cluster,
     MasterProc,
     RunProc,
     eventually,
@@ -73,12 +74,13 @@ class Witness:
     failed: int = 0
 
 
-class Nats3:
+class Nats3(Cluster):
     """Three routed `nats-server` nodes; n3 in `netns` when given. Clients on this host
     reach n1 and n2 at 127.0.0.1, n3 at its namespace's address; clients in another
     namespace reach n1 and n2 at that namespace's host address."""
 
     def __init__(self, root: Path, *, netns: Netns | None, config: Path | None) -> None:
+        # (Cluster's start, stop and url serve; its nodes are built here instead)
         self.netns = netns
         self.client_ports = [free_port() for _ in range(3)]
         self.route_ports = [free_port() for _ in range(3)]
@@ -112,18 +114,6 @@ class Nats3:
         if self.netns is not None and ip != "127.0.0.1":
             hosts = hosts[:2]
         return ",".join(f"nats://{h}:{p}" for h, p in zip(hosts, self.client_ports, strict=False))
-
-    @property
-    def url(self) -> str:
-        return self.url_at("127.0.0.1")
-
-    def start(self) -> None:
-        for n in self.nodes:
-            n.start()
-
-    def stop(self) -> None:
-        for n in self.nodes:
-            n.stop()
 
     def logs(self) -> dict[str, Path]:
         return {f"nats-server n{i + 1}": n.log_file for i, n in enumerate(self.nodes)}
