@@ -1,5 +1,6 @@
 """Small helpers the benchmarks share: free ports, trainers' JSON-lines traces, waiting,
-a job's master on an embedded NATS server, a simulated agent's heartbeat.
+a job's master on an embedded NATS server, a simulated agent's heartbeat, a CPU-bound
+process beside a measurement.
 
 Imported as `common` (a benchmark runs as `python benchmarks/NAME.py`, so this
 folder is on its path).
@@ -60,6 +61,21 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
             return got
         time.sleep(0.05)
     raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f}s")
+
+
+@contextlib.contextmanager
+def cpu_bound_beside(on: bool = True) -> Iterator[str]:
+    """One CPU-bound process (a busy loop) while the block runs, as a machine whose
+    other work keeps a core busy; yields what to record as `beside`."""
+    if not on:
+        yield "nothing"
+        return
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield "1 CPU-bound process"
+    finally:
+        burner.kill()
+        burner.wait()
 
 
 @contextlib.contextmanager

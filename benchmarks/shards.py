@@ -13,10 +13,13 @@
    sharded epoch adds (in the trainer, and in the master and nats-server that
    share its cores) shows where the time goes.
 
-Prints one JSON line: `runs` (clients, leases_per_s, p50_ms, p99_ms),
-`sampler_overhead_ratio`, and the times it came from.
+The leases are measured beside one CPU-bound process (a busy loop: a machine
+whose training keeps a core busy), unless `--quiet-machine`.
 
-    python benchmarks/shards.py [--seconds 5] [--repeats 3]
+Prints one JSON line: `runs` (clients, leases_per_s, p50_ms, p99_ms),
+`leases_beside`, `sampler_overhead_ratio`, and the times it came from.
+
+    python benchmarks/shards.py [--seconds 5] [--repeats 7] [--only leases|sampler]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from common import job_master
+from common import cpu_bound_beside, job_master
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from rove.control.bus.client import Bus, BusOptions
@@ -213,6 +216,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument(
+        "--quiet-machine",
+        action="store_true",
+        help="leases without the CPU-bound process beside them (the target is with it)",
+    )
+    p.add_argument(
+        "--only", choices=("leases", "sampler"), help="one of the two measurements (default both)"
+    )
     args = p.parse_args()
     logs.configure(level="WARNING")
     level = os.environ.get("BENCH_MASTER_LOG", "warning")
@@ -220,12 +231,21 @@ def main() -> None:
         time.sleep(1.0)  # the master starts; the first request waits for its election
         # the sampler first, while the master holds only its dataset (as a training
         # job's master does), then the lease runs (which leave ~50,000 done shards)
-        overhead = sampler_overhead(url, args.repeats, tuple(pids))
-        runs = run_async(leases(url, args.seconds))
-    print(
-        json.dumps(
+        overhead = None
+        if args.only != "leases":
+            overhead = sampler_overhead(url, args.repeats, tuple(pids))
+        runs, beside = [], "nothing"
+        if args.only != "sampler":
+            with cpu_bound_beside(not args.quiet_machine) as beside:
+                runs = run_async(leases(url, args.seconds))
+    result: dict[str, object] = {
+        "runs": runs,
+        "leases_beside": beside,
+        "targets": {"leases_per_s": 2000, "p99_ms": 20, "sampler_overhead_ratio": 1.03},
+    }
+    if overhead is not None:
+        result.update(
             {
-                "runs": runs,
                 "sampler_overhead_ratio": round(overhead["ratio"], 4),
                 "plain_epoch_s": overhead["plain_epoch_s"],
                 "sharded_epoch_s": overhead["sharded_epoch_s"],
@@ -236,10 +256,9 @@ def main() -> None:
                 ],
                 "sampler_trainer_cpu_extra_s": round(overhead["trainer_cpu_extra_s"], 3),
                 "sampler_master_and_server_cpu_s": round(overhead["master_and_server_cpu_s"], 3),
-                "targets": {"leases_per_s": 2000, "p99_ms": 20, "sampler_overhead_ratio": 1.03},
             }
         )
-    )
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

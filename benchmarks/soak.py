@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import cpu_bound_beside
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "ddp_tutorial.py"
 BIN = Path(sys.executable).parent
@@ -168,35 +170,29 @@ def main() -> int:
     unknown = sorted(set(launchers) - set(LAUNCHERS))
     if unknown:
         p.error(f"unknown launcher(s) {', '.join(unknown)}")
-    burner = None
-    if not args.quiet_machine:
-        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     tallies = {name: Tally() for name in launchers}
-    try:
-        with tempfile.TemporaryDirectory(prefix="rove-soak-") as tmp:
-            for i in range(args.jobs):
-                for name in launchers:
-                    outcome, wall = one_job(
-                        name, Path(tmp) / "home", args.hang_after, args.job_timeout
-                    )
-                    t = tallies[name]
-                    t.runs += 1
-                    if outcome == "ok":
-                        t.walls.append(wall)
-                    elif outcome == "hang":
-                        t.hangs += 1
-                    else:
-                        t.failed += 1
-                        t.failures.append(outcome)
-                    if outcome != "ok":
-                        print(f"job {i + 1} under {name}: {outcome}", file=sys.stderr, flush=True)
-    finally:
-        if burner is not None:
-            burner.kill()
+    with (
+        cpu_bound_beside(not args.quiet_machine) as beside,
+        tempfile.TemporaryDirectory(prefix="rove-soak-") as tmp,
+    ):
+        for i in range(args.jobs):
+            for name in launchers:
+                outcome, wall = one_job(name, Path(tmp) / "home", args.hang_after, args.job_timeout)
+                t = tallies[name]
+                t.runs += 1
+                if outcome == "ok":
+                    t.walls.append(wall)
+                elif outcome == "hang":
+                    t.hangs += 1
+                else:
+                    t.failed += 1
+                    t.failures.append(outcome)
+                if outcome != "ok":
+                    print(f"job {i + 1} under {name}: {outcome}", file=sys.stderr, flush=True)
     result: dict[str, object] = {
         "benchmark": "soak",
         "jobs": args.jobs,
-        "beside": "nothing" if args.quiet_machine else "1 CPU-bound process",
+        "beside": beside,
         "hang_after_s": args.hang_after,
         "script": str(SCRIPT.relative_to(ROOT)),
         "launchers": {name: t.summary() for name, t in tallies.items()},
