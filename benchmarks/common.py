@@ -79,13 +79,16 @@ def cpu_bound_beside(on: bool = True) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def job_master(folder: Path, job: str, level: str = "warning") -> Iterator[tuple[str, list[int]]]:
-    """An embedded `nats-server -js` in `folder` and a `rove master` of `job` on it:
-    yields the server's URL and both pids. Stops both on the way out; on an error,
+def job_master(
+    folder: Path, job: str, level: str = "warning", *, sync_always: bool = True
+) -> Iterator[tuple[str, list[int]]]:
+    """An embedded `nats-server -js` in `folder` (fsyncing every message, as rove's
+    embedded server does, unless `sync_always` is False) and a `rove master` of `job` on
+    it: yields the server's URL and both pids. Stops both on the way out; on an error,
     the master's last log lines go to stderr first."""
     from rove.control.bus.embedded import EmbeddedServer
 
-    server = EmbeddedServer(folder / "nats")
+    server = EmbeddedServer(folder / "nats", sync_always=sync_always)
     server.start()
     assert server.url is not None and server.proc is not None
     log = folder / "master.log"

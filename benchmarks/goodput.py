@@ -18,7 +18,9 @@ bucket) as a cross-check.
     python benchmarks/goodput.py [--interval 60] [--duration 300]
 
 Prints one JSON line: `rove_goodput`, `torchrun_goodput`, `failures`, and the
-same for the dense schedule.
+same for the dense schedule; for each launcher where the rest of the wall time went
+(`badput_s`: the first start, the restarts, steps rolled back, steps slower than the
+median, the end), from the same trace, and each restart's gap (`restart_gaps_s`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any
 from common import pid_alive, trace_rows
 
 from rove.control.bus.embedded import EmbeddedServer
+from rove.control.process import logs
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train.py"
@@ -103,7 +106,18 @@ def inflict(
 
 
 def trace_goodput(all_rows: list[dict[str, Any]], began: float, stopped: float) -> dict[str, Any]:
-    """Steps in the final lineage times the median step time, over the wall time (rank 0)."""
+    """Steps in the final lineage times the median step time, over the wall time (rank 0),
+    and where the rest of the wall time went (`badput_s`, from the same trace):
+
+    - `first_start`: from the launch to the first step's end (a step's own time is
+      counted as one median step);
+    - `restarts`: from the last step of a process to the first step of the next one,
+      less one median step, summed over the restarts;
+    - `lost_steps`: steps trained and rolled back (not in the final lineage);
+    - `slow_steps`: the steps' time over the median (checkpoint saves, the machine's
+      noise, a failing peer's last step);
+    - `after_last_step`: from the last step to the stop.
+    """
     r0 = sorted((r for r in all_rows if r["rank"] == 0 and r["t"] <= stopped), key=lambda r: r["t"])
     attempts: dict[int, list[tuple[int, float]]] = {}
     for r in r0:
@@ -119,12 +133,26 @@ def trace_goodput(all_rows: list[dict[str, Any]], began: float, stopped: float) 
         kept += sum(1 for s, _ in steps if s <= limit)
         limit = min(limit, steps[0][0] - 1)
     wall = stopped - began
+    restarts = [b[0][1] - a[-1][1] for a, b in itertools.pairwise(ordered)]
+    badput = {}
+    if ordered:
+        badput = {
+            "first_start": ordered[0][0][1] - began - step_s,
+            "restarts": sum(restarts) - step_s * len(restarts),
+            "lost_steps": (len(r0) - kept) * step_s,
+            "slow_steps": sum(
+                b[1] - a[1] - step_s for steps in ordered for a, b in itertools.pairwise(steps)
+            ),
+            "after_last_step": stopped - ordered[-1][-1][1],
+        }
     return {
         "goodput": round(kept * step_s / wall, 4) if wall > 0 else 0.0,
         "kept_steps": kept,
         "trained_steps": len(r0),
         "step_s": round(step_s, 4),
         "processes": len(ordered),
+        "restart_gaps_s": [round(g, 3) for g in restarts],
+        "badput_s": {k: round(v, 3) for k, v in badput.items()},
     }
 
 
@@ -230,6 +258,7 @@ def main() -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--work", type=Path, help="keep traces and logs here (default: a temp dir)")
     a = p.parse_args()
+    logs.configure("warning")  # stdout is the JSON line alone
     result: dict[str, Any] = {"workers": 2, "ckpt_every": a.ckpt_every}
     with tempfile.TemporaryDirectory(prefix="rove-goodput-") as tmp:
         root = a.work or Path(tmp)
