@@ -5,7 +5,10 @@ pool registry (`rove.control.services.pool`) with its capacity, and refreshes th
 `refresh_s`. When a scaler assigns it node N of job J (a compare-and-set on its
 entry), it starts N exactly as `rove run` would, a `rove run` process with the
 job's workload and N's memory limit (`rove.control.scaler.local` does the
-starting), and marks itself running. When N ends (the job finished, N was
+starting), and marks itself running. While idle it keeps a standby node
+(`rove.agent.standby`): a process that imported what `rove run` needs and started its
+full warm server, which becomes N when N is assigned (`standby=False`: a new process
+each time, as before). When N ends (the job finished, N was
 excluded, it crashed) the daemon reports `node_gone` unless the node exited with
 status 0 (its job finished), and goes back to idle; when a scaler releases it, it stops N first.
 
@@ -47,6 +50,7 @@ class PoolDaemon:
         memory_bytes: int = 0,
         state_dir: Path | None = None,
         refresh_s: float = 2.0,
+        standby: bool = True,
     ) -> None:
         self.bus = bus
         self.pool = pool
@@ -56,7 +60,9 @@ class PoolDaemon:
         if memory_bytes:
             capacity = msgspec.structs.replace(capacity, memory_bytes=memory_bytes)
         self.capacity = capacity
-        self.backend = LocalBackend(bus.url, state_dir=state_dir, die_with_parent=True)
+        self.backend = LocalBackend(
+            bus.url, state_dir=state_dir, die_with_parent=True, standby=standby
+        )
         self.key = registry.key(pool, agent)
         self.entry = PoolEntry(pool=pool, agent=agent, host=socket.gethostname(), capacity=capacity)
         self.revision = 0
@@ -147,6 +153,11 @@ class PoolDaemon:
                 await self._write(kv, msgspec.structs.replace(current, seen=now))
         elif now - current.seen > self.refresh_s:
             await self._write(kv, msgspec.structs.replace(current, seen=now))
+        if self.entry.state is PoolState.IDLE:
+            self.backend.prepare()  # the next node, ready before it is asked for
+            warm = self.backend.standby_ready()
+            if warm != self.entry.warm:
+                await self._write(kv, msgspec.structs.replace(self.entry, warm=warm))
 
     async def _start(self, kv: KeyValue, entry: PoolEntry) -> None:
         assert entry.spec is not None and entry.workload is not None
@@ -196,6 +207,7 @@ def _idle(entry: PoolEntry, now: float, note: str = "") -> PoolEntry:
     return msgspec.structs.replace(
         entry,
         state=PoolState.IDLE,
+        warm=False,
         seen=now,
         job="",
         node="",

@@ -19,7 +19,8 @@ Two servers, so that neither the first line nor a restart waits:
   recovers from the quick server for its whole life.
 
 Where `rove run` did not start a quick server (a managed node, a test), the agent
-starts the full one as its first round forms, as before.
+starts the full one as its first round forms, as before. A pool agent's standby node
+(`rove.agent.standby`) starts the full one before any job needs it (`start_full`).
 
 A forked worker does not run the launcher's main module again (multiprocessing does
 that for every child of a forkserver: 0.5 s per worker for the `rove` command):
@@ -188,6 +189,13 @@ def start(extra: Sequence[str] = ()) -> None:
             asyncio.get_running_loop().call_later(NICE_FOR_S, escalate)
 
 
+def start_full() -> None:
+    """A standby node (`rove.agent.standby`): the full server now, at normal priority
+    (nothing else runs on an idle pool agent), to fork every round from."""
+    if _servers.serving is None:
+        _servers.install(_Server(FULL, "full"))
+
+
 def escalate() -> bool:
     """The full server is still importing at a low priority (the cores are busy): start
     one at normal priority in its place, so that restarts are fast from now on (its
@@ -225,6 +233,11 @@ def stop() -> None:
         if server is not None:
             server.kill()
     _servers.coming = None
+
+
+def serving_ready() -> bool:
+    """Whether the server that forks now has imported everything (never blocks)."""
+    return _servers.serving is not None and _servers.serving.ready()
 
 
 def serving() -> tuple[str, int | None] | None:

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
+import contextlib
 import dataclasses
+import logging
 import os
 import socket
 import sys
@@ -24,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
@@ -493,6 +496,18 @@ async def _serve(bridge: KafkaBridge) -> None:
         )
     finally:
         bridge.reader.close()
+
+
+def leave(code: int) -> NoReturn:
+    """`rove run` is done (its job, its servers and its files closed): run the exit
+    handlers and leave without the interpreter's teardown of torch's modules (0.9 s of
+    a short job's wall here; torchrun pays it too), what it would flush flushed first."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

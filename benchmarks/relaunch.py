@@ -7,12 +7,15 @@ its workers) is killed with SIGKILL. Measured: seconds from the kill to the
 first step trained again by a round of full size (2 nodes), with
 
 * `pool_replace_s`: the replacement assigned to an idle `rove agent --pool`
-  daemon already running (`--backend pool`);
+  daemon already running (`--backend pool`), whose standby node (torch imported,
+  its warm server started: `rove.agent.standby`) becomes the node;
 * `fresh_replace_s`: the replacement started as a new `rove run` process by
   the local backend (`--backend local`).
 
-On one machine both start the same `rove run` process; what a pool saves on a
-cluster (a pod schedule and an image pull) is not part of this measurement.
+`*_from_plan_s`: the same, from the master's plan that declared the node gone and
+replaced it (the issue's measure) instead of from the kill. What a pool saves on a
+cluster beyond this (a pod schedule and an image pull) is not part of this
+measurement.
 Then `oom_recover_s`: a 1-node job with `--node-memory 2G` whose worker needs
 2.5 GiB at step 5: seconds from the worker's out-of-memory exit to the first
 step of the node relaunched with 4 GiB. torchrun cannot replace a node at all
@@ -74,6 +77,20 @@ async def job_ended(url: str, job: str) -> ev.JobEnded | None:
     return next((r.event for r in got if isinstance(r.event, ev.JobEnded)), None)
 
 
+async def plan_ts(url: str, job: str, since: float) -> float | None:
+    """When the master decided the first scale plan after `since` (the node declared
+    lost and its replacement planned in one decision)."""
+    async with await Bus.connect(BusOptions(url=url)) as bus:
+        got: list[Any] = []
+        feed = await bus.subscribe(
+            subjects.EVENTS_STREAM, subjects.job_events(job), got.append, lambda r: None
+        )
+        await feed.caught_up.wait()
+        await feed.stop()
+    plans = [r.event.ts for r in got if isinstance(r.event, ev.ScalePlan) and r.event.ts > since]
+    return min(plans) if plans else None
+
+
 async def worker_oom_ts(url: str, job: str) -> float | None:
     async with await Bus.connect(BusOptions(url=url)) as bus:
         got: list[Any] = []
@@ -86,7 +103,11 @@ async def worker_oom_ts(url: str, job: str) -> float | None:
     return min(exits) if exits else None
 
 
-def trial(work: Path, url: str, job: str, backend: str, kill_step: int, oom: bool) -> float:
+def trial(
+    work: Path, url: str, job: str, backend: str, kill_step: int, oom: bool
+) -> tuple[float, float | None]:
+    """(seconds from the failure to the first step at full size, and from the plan that
+    replaced the node to it)."""
     trace = work / "trace.jsonl"
     procs = [spawn(work, "master", "master", "--job", job, "--nats", url, "--node-timeout", "20")]
     try:
@@ -163,7 +184,8 @@ def trial(work: Path, url: str, job: str, backend: str, kill_step: int, oom: boo
 
         resumed = wait_for(back, 240, "training at full size again")
         wait_for(lambda: run_async(job_ended(url, job)), 300, "the job's end")
-        return round(resumed - since, 3)
+        planned = run_async(plan_ts(url, job, since))
+        return round(resumed - since, 3), round(resumed - planned, 3) if planned else None
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -186,6 +208,7 @@ def main() -> dict[str, Any]:
     a = p.parse_args()
     logs.configure("warning")
     results: dict[str, list[float]] = {"pool": [], "fresh": [], "oom": []}
+    from_plan: dict[str, list[float]] = {"pool": [], "fresh": [], "oom": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(os.environ.get("RELAUNCH_DIR") or tmp)
         print(f"working in {root}", file=sys.stderr, flush=True)
@@ -201,9 +224,13 @@ def main() -> dict[str, Any]:
                     work = root / f"t{n}"
                     work.mkdir()
                     backend = "pool" if kind == "pool" else "local"
-                    took = trial(work, server.url, f"bench{n}", backend, a.kill_step, kind == "oom")
+                    took, planned = trial(
+                        work, server.url, f"bench{n}", backend, a.kill_step, kind == "oom"
+                    )
                     results[kind].append(took)
-                    print(f"{kind}: {took:.2f}s", file=sys.stderr, flush=True)
+                    if planned is not None:
+                        from_plan[kind].append(planned)
+                    print(f"{kind}: {took:.2f}s ({planned}s from the plan)", file=sys.stderr)
         finally:
             server.stop()
     return {
@@ -214,9 +241,18 @@ def main() -> dict[str, Any]:
         "torchrun_replace_s": None,
         "torchrun_note": "torchrun cannot replace a node: its rendezvous waits for the "
         "same node to return (or the job fails)",
+        "pool_replace_from_plan_s": _median(from_plan["pool"]),
+        "fresh_replace_from_plan_s": _median(from_plan["fresh"]),
         "trials": results,
-        "target_pool_replace_s": 5.0,
+        "trials_from_plan": from_plan,
+        # issue 24: a replaced node trains in < 2 s from its predecessor declared lost
+        # (the replace plan); the pool agents keep a standby node ready
+        "target_pool_replace_from_plan_s": 2.0,
     }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from rove.control.scaler.kubernetes import KubernetesBackend
 from rove.control.scaler.local import LocalBackend
 from rove.control.scaler.pool import PoolBackend
 from tests.kubelet import Kubelet, backend_for
-from tests.support import DaemonProc, eventually, job_events, patience, pid_alive
+from tests.support import DaemonProc, MasterProc, eventually, job_events, patience, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -211,3 +211,82 @@ async def _count(kv: Any, state: str) -> int:
     from rove.control.services import pool as registry
 
     return len([e for e, _ in await registry.entries(kv, "p") if e.state.value == state])
+
+
+def _standbys(daemon: DaemonProc) -> list[int]:
+    """The pids of the standby nodes `daemon` keeps (its children running the module)."""
+    import psutil
+
+    from rove.control.scaler import standby
+
+    out = []
+    for child in psutil.Process(daemon.proc.pid).children():
+        with contextlib.suppress(psutil.Error):
+            if standby.MODULE in child.cmdline():
+                out.append(child.pid)
+    return out
+
+
+def _address_space_limit(pid: int) -> int | None:
+    import resource
+
+    soft, _hard = resource.prlimit(pid, resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+async def test_a_pool_agent_hands_its_node_to_a_standby_that_imported_everything(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """While idle the daemon keeps a standby node whose warm server imported torch and
+    DDP's modules, says so in the registry (`warm`), and that process becomes the
+    node it is assigned: in the workload's folder, with the node's memory limit on it,
+    on its warm server and on the workers, writing to the node's log. Once the node
+    ends, a new standby gets ready; a daemon that stops takes its standby with it."""
+    import signal
+
+    from rove.control.services import pool as registry
+
+    daemon = DaemonProc(bus.url, "p", "a1", tmp_path)
+    MasterProc(bus.url, JOB, "m1", tmp_path)  # (its round starts the probe)
+    kv = await registry.bucket(bus)
+
+    async def warm() -> bool:
+        return any(e.warm for e, _ in await registry.entries(kv, "p"))
+
+    await eventually(warm, timeout=120, every=0.2)
+    (standby,) = _standbys(daemon)
+    folder = tmp_path / "work"
+    folder.mkdir()
+    probe = folder / "probe.py"
+    probe.write_text(
+        "import os, resource, sys, time\n"
+        "soft = resource.getrlimit(resource.RLIMIT_AS)[0]\n"
+        "warm = 'torch._dynamo' in sys.modules\n"
+        "open('seen.txt', 'w').write(f'{os.getcwd()} {soft} {warm}')\n"
+        "time.sleep(3600)\n"
+    )
+    w = ev.Workload(
+        argv=("--nproc-per-node", "1", "probe.py"), cwd=str(folder), min_nodes=1, max_nodes=1
+    )
+    pool = PoolBackend(bus, "p")
+    await pool.launch(JOB, spec("n1", memory=8 * ev.GIB), w, deadline())
+    await eventually(lambda: (folder / "seen.txt").exists(), timeout=120)
+    node = daemon.node_pid(JOB, "n1")
+    assert node == standby, "the standby became the node"
+    cwd, soft, imported = (folder / "seen.txt").read_text().split()
+    assert cwd == str(folder)
+    assert int(soft) == 8 * ev.GIB, "the worker runs under the node's memory limit"
+    assert imported == "True", "the worker was forked from a server that imported DDP's modules"
+    assert _address_space_limit(node) == 8 * ev.GIB
+    log = (daemon.state_dir / JOB / "n1.log").read_text()
+    assert f"rove: job {JOB}, node n1" in log, log[-2000:]
+    assert not await warm(), "no standby is ready while the node runs"
+
+    await pool.remove(JOB, "n1", deadline())
+    await eventually(warm, timeout=120, every=0.2)  # a new one, for the next node
+    (again,) = _standbys(daemon)
+    assert again != standby and not pid_alive(standby)
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(daemon.proc.wait, patience(30)) == 0, daemon.log()[-2000:]
+    await eventually(lambda: not pid_alive(again), timeout=30)
+    await pool.close()

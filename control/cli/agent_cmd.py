@@ -37,6 +37,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="where node logs go (default ~/.rove/jobs/<job>/scaler)",
     )
+    p.add_argument(
+        "--no-standby",
+        dest="standby",
+        action="store_false",
+        help="start each node as a new process (default: keep one ready while idle, "
+        "torch imported and its warm server started, so a node assigned trains sooner)",
+    )
     common.add_nats_args(p)
     p.set_defaults(func=run)
 
@@ -54,7 +61,12 @@ async def _run(args: argparse.Namespace, agent_id: str) -> int:
     options = common.bus_options(args, name=f"rove-agent-{agent_id}", daemon=True)
     bus = await Bus.connect(options)
     daemon = PoolDaemon(
-        bus, args.pool, agent_id, memory_bytes=args.memory, state_dir=args.state_dir
+        bus,
+        args.pool,
+        agent_id,
+        memory_bytes=args.memory,
+        state_dir=args.state_dir,
+        standby=args.standby,
     )
     aio.stop_on_signals(daemon.stop)
     try:

@@ -7,13 +7,8 @@ clear line on stderr and exit with a documented code, never a traceback.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
-import logging
-import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from rove.control.cli import (
     agent_cmd,
@@ -74,27 +69,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         forkservers.early_start(argv[1:])
         # `rove run` has torchrun's parser (torch's own), so it parses its own arguments.
+        from rove.agent.launcher import leave
         from rove.agent.launcher import main as run_main
 
-        return _leave(run_main(argv[1:]))
+        return leave(run_main(argv[1:]))
     parser = build_parser()
     suggest.install(parser, argv)
     args = parser.parse_args(argv)
     # Daemons tell what they do; one-shot commands print their answer and only warnings.
     logs.configure(args.log_level or ("info" if args.command in _DAEMONS else "warning"))
     return common.run_reporting(f"rove {args.command}", lambda: int(args.func(args)))
-
-
-def _leave(code: int) -> NoReturn:
-    """`rove run` is done (its job, its servers and its files closed): run the exit
-    handlers and leave without the interpreter's teardown of torch's modules (0.9 s of
-    a short job's wall here; torchrun pays it too), what it would flush flushed first."""
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ only if there is none. Nodes outlive the scaler (a restarted one adopts them),
 unless `die_with_parent` (the in-process scaler of `rove run --auto-scale`,
 whose nodes also write to its console; otherwise each node logs to
 `<state>/<job>/N.log`).
+
+With `standby` (a pool agent's backend) one node process is kept ready while none
+runs: `prepare()` starts `rove.agent.standby`, which imports what `rove run` needs and
+starts its full warm server, and the next launch hands it the node's arguments
+instead of starting a process (a node started that way is found through its process
+object, not its command line: only the backend that started it adopts it).
 """
 
 from __future__ import annotations
@@ -38,11 +44,16 @@ from rove.control.bus import embedded
 from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
 from rove.control.process import cgroups
+from rove.control.scaler import standby as standby_node
 from rove.control.scaler.backend import Backend, Ended, NodeInfo
 
 log = structlog.get_logger("rove.scaler.local")
 
 _MODULE = "rove.control.cli.main"
+#: The least time between two standby processes (one that dies at once is not a loop).
+STANDBY_RESPAWN_S = 10.0
+#: Standby processes that may end unasked before the backend stops making them.
+STANDBY_TRIES = 3
 
 
 class _Marker(msgspec.Struct, kw_only=True):
@@ -107,6 +118,7 @@ class LocalBackend(Backend):
         use_cgroup: bool = True,
         console: bool = False,
         node_auth: Callable[[str, str], Awaitable[list[str]]] | None = None,
+        standby: bool = False,
     ) -> None:
         self.nats_url = nats_url
         #: `(job, node)` → the node's credentials arguments (`--nats-auth ...`), made
@@ -121,6 +133,11 @@ class LocalBackend(Backend):
         self._children: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
         self._adopted: dict[tuple[str, str], psutil.Process] = {}
         self._reported: set[tuple[str, str]] = set()
+        self.standby = standby
+        self._standby: subprocess.Popen[bytes] | None = None
+        self._standby_ready: Path | None = None
+        self._standby_failures = 0
+        self._standby_at = -STANDBY_RESPAWN_S
 
     # ------------------------------------------------------------------ files
 
@@ -211,6 +228,24 @@ class LocalBackend(Backend):
                 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
         cmd = node_command(self.python, job, spec.node, self.nats_url, (*auth_args, *workload.argv))
+        ready = self._take_standby()
+        if ready is not None:
+            assignment = standby_node.Assignment(
+                argv=tuple(cmd[4:]),
+                cwd=workload.cwd,
+                log=None if self.console else str(self.log_path(job, spec.node)),
+                cgroup=str(cgroup) if cgroup is not None else None,
+                memory=memory if cgroup is None else 0,
+            )
+            try:
+                assert ready.stdin is not None
+                ready.stdin.write(standby_node.encode(assignment))
+                ready.stdin.close()
+            except OSError as exc:  # it died since it was looked at: a process as usual
+                log.warning("the standby node could not take the node", error=str(exc))
+            else:
+                self._children[(job, spec.node)] = ready
+                return ready.pid, f"{limit}, from a standby"
         # the node's output: this process's console (`rove run --auto-scale`), or a file
         logf = None if self.console else open(self.log_path(job, spec.node), "ab")  # noqa: SIM115
         try:
@@ -232,6 +267,75 @@ class LocalBackend(Backend):
                 logf.close()
         self._children[(job, spec.node)] = child
         return child.pid, limit
+
+    # ------------------------------------------------------------------ the standby
+
+    def prepare(self) -> None:
+        """(`standby`) A standby node ready for the next launch, unless one is (or one was
+        started in the last `STANDBY_RESPAWN_S`)."""
+        if not self.standby or (self._standby is not None and self._standby.poll() is None):
+            return
+        folder = self.state_dir if self.state_dir is not None else embedded.rove_home() / "pool"
+        if self._standby is not None:  # it ended unasked
+            self._standby_failures += 1
+            code = self._standby.poll()
+            self._standby = None
+            if self._standby_failures >= STANDBY_TRIES:
+                self.standby = False
+                log.error(
+                    f"standby nodes are off: {STANDBY_TRIES} ended unasked (the last with "
+                    f"{code}); nodes start as new processes. See {folder / 'standby.log'}"
+                )
+                return
+            log.warning("the standby node ended unasked", exit_code=code)
+        if time.monotonic() - self._standby_at < STANDBY_RESPAWN_S:
+            return
+        self._standby_at = time.monotonic()
+        folder.mkdir(parents=True, exist_ok=True)
+        die = self.die_with_parent
+        self._standby_ready = folder / f"standby-{os.getpid()}-{self._standby_at:.3f}.ready"
+        self._standby_ready.unlink(missing_ok=True)
+        with open(folder / "standby.log", "ab") as out:
+            self._standby = subprocess.Popen(
+                [self.python, "-m", standby_node.MODULE],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=embedded.die_with_parent if die else None,
+                env={**os.environ, standby_node.READY_ENV: str(self._standby_ready)},
+            )
+        log.info("a standby node is getting ready", pid=self._standby.pid)
+
+    def standby_ready(self) -> bool:
+        """Whether a standby node waits with its warm server ready."""
+        alive = self._standby is not None and self._standby.poll() is None
+        return alive and self._standby_ready is not None and self._standby_ready.exists()
+
+    def _take_standby(self) -> subprocess.Popen[bytes] | None:
+        if self._standby_ready is not None:
+            self._standby_ready.unlink(missing_ok=True)
+            self._standby_ready = None
+        ready, self._standby = self._standby, None
+        if ready is not None and ready.poll() is None:
+            return ready
+        return None
+
+    def _drop_standby(self) -> None:
+        ready = self._take_standby()
+        if ready is None:
+            return
+        with contextlib.suppress(OSError):
+            assert ready.stdin is not None
+            ready.stdin.close()  # it leaves at once once it reads the end
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(ready.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            ready.wait(self.grace_s)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(ready.pid, signal.SIGKILL)
+        ready.wait()
 
     # ------------------------------------------------------------------ the port
 
@@ -284,7 +388,7 @@ class LocalBackend(Backend):
                 continue
             child = self._children.get((job, marker.node))
             code = child.poll() if child is not None else None
-            alive = marker.node in running
+            alive = code is None if child is not None else marker.node in running
             out.append(
                 NodeInfo(
                     node=marker.node,
@@ -329,6 +433,7 @@ class LocalBackend(Backend):
     async def close(self) -> None:
         for child in self._children.values():
             child.poll()  # reap what ended; running nodes keep running
+        await asyncio.to_thread(self._drop_standby)
 
 
 def _exit_text(code: int) -> str:

@@ -82,7 +82,8 @@ class PoolBackend(Backend):
             and fits(e.capacity, spec.resources)
         ]
         kv = await self._bucket()
-        for entry, rev in sorted(idle, key=lambda x: x[0].agent):
+        # a daemon whose standby node is ready first: its node trains seconds sooner
+        for entry, rev in sorted(idle, key=lambda x: (not x[0].warm, x[0].agent)):
             assigned = msgspec.structs.replace(
                 entry,
                 state=PoolState.ASSIGNED,
@@ -91,6 +92,7 @@ class PoolBackend(Backend):
                 spec=spec,
                 workload=workload,
                 note="",
+                warm=False,
             )
             try:
                 await kv.update(entry.key, registry.encode(assigned), last=rev)

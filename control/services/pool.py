@@ -53,6 +53,9 @@ class PoolEntry(msgspec.Struct, frozen=True, kw_only=True):
     workload: ev.Workload | None = None
     ran: tuple[str, ...] = ()
     note: str = ""
+    #: an idle daemon whose standby node is ready (torch imported, its warm server
+    #: started): scalers assign it first
+    warm: bool = False
 
     @property
     def key(self) -> str:
