@@ -1,55 +1,73 @@
-"""The standby node's assignment, and a local backend whose standby nodes keep dying.
-
-(The standby becoming a node, with a real pool daemon, master and nats-server, is
-tests/test_backends.py's `test_a_pool_agent_hands_its_node_to_a_standby...`.)"""
+"""A standby master follows the job's events but not its heartbeats; it reads them
+when it takes over (real nats-server, masters in this process)."""
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
+import asyncio
 
-import msgspec
-import pytest
-
-from rove.control.scaler import local, standby
-from rove.control.scaler.local import LocalBackend
-
-
-def test_an_assignment_is_one_json_line_that_reads_back_the_same() -> None:
-    a = standby.Assignment(
-        argv=("--job", "j1", "--node-id", "n1", "train.py", "--lr", "0.1"),
-        cwd="/work",
-        log="/logs/n1.log",
-        memory=2**31,
-    )
-    line = standby.encode(a)
-    assert line.endswith(b"\n") and line.count(b"\n") == 1
-    assert standby.decode(line) == a
+from rove.control.bus.client import Bus
+from rove.control.catalogue import events as ev
+from rove.control.master.runner import MasterRunner
+from tests import factories
+from tests.support import eventually
 
 
-@pytest.mark.parametrize("line", [b"not json\n", b'{"cwd": "/x"}\n', b'{"argv": "run"}\n'])
-def test_a_line_that_is_no_assignment_is_refused(line: bytes) -> None:
-    with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
-        standby.decode(line)
+def runner(bus: Bus, master_id: str) -> MasterRunner:
+    return MasterRunner(bus, "j1", master_id, ev.JobSpec(node_timeout_s=60), tick_s=0.05)
 
 
-def test_standby_nodes_that_end_unasked_are_given_up_after_a_few(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A standby that cannot start (here `false` stands for its interpreter) is started
-    again a few times, then the backend says so and starts nodes as new processes."""
-    monkeypatch.setattr(local, "STANDBY_RESPAWN_S", 0.0)
-    backend = LocalBackend("nats://127.0.0.1:1", state_dir=tmp_path, python="false", standby=True)
-    started = 0
-    deadline = time.monotonic() + 30
-    while backend.standby and time.monotonic() < deadline:
-        before = backend._standby
-        backend.prepare()
-        if backend._standby is not None and backend._standby is not before:
-            started += 1
-            backend._standby.wait(10)
-    assert not backend.standby, "it gave standby nodes up"
-    assert started == local.STANDBY_TRIES
-    assert not backend.standby_ready()
-    backend.prepare()
-    assert backend._standby is None, "and starts none after that"
+async def test_a_standby_reads_no_heartbeats_until_it_leads(any_bus: Bus) -> None:
+    bus = any_bus
+    leader, standby = runner(bus, "m1"), runner(bus, "m2")
+    first = asyncio.create_task(leader.run())
+    await eventually(lambda: leader.role == "leader")
+    second = asyncio.create_task(standby.run())
+    try:
+        await eventually(lambda: standby.role == "standby")
+        await bus.publish_many([factories.joined(f"n{i}", n=i) for i in range(5)])
+        await bus.publish_many([factories.heartbeat(f"n{i}", seq=2) for i in range(5)])
+        await eventually(lambda: len(leader.liveness) == 5)
+        await eventually(lambda: len(standby.state.nodes) == 5)
+        assert standby.liveness == {}, "a standby does not follow heartbeats"
+        await bus.publish_many([factories.heartbeat("n1", seq=3)])
+        await asyncio.sleep(0.3)
+        assert standby.liveness == {}
+
+        leader.stop()  # the standby takes over: it reads the newest heartbeat of each node
+        await first
+        await eventually(lambda: standby.role == "leader", timeout=60)
+        await eventually(lambda: len(standby.liveness) == 5)
+        assert standby.liveness["n1"].seq == 3
+    finally:
+        leader.stop()
+        standby.stop()
+        await asyncio.gather(first, second)
+
+
+async def test_a_tick_longer_than_the_lease_does_not_depose_the_leader(bus: Bus) -> None:
+    """A round of 25,000 members or a wave of lost nodes can make one tick long: the
+    lease is renewed beside it, so the leader stays leader and nobody else is elected."""
+    leader, standby = runner(bus, "m1"), runner(bus, "m2")
+    _, ttl = await bus.lease_bucket()
+    ticked = leader._tick
+    slow_once = asyncio.Event()
+
+    async def slow_tick(epoch: int) -> None:
+        if not slow_once.is_set():
+            slow_once.set()
+            await asyncio.sleep(ttl * 2)  # e.g. a long publish of many parts
+        await ticked(epoch)
+
+    leader._tick = slow_tick  # type: ignore[method-assign]
+    first = asyncio.create_task(leader.run())
+    await eventually(lambda: leader.role == "leader")
+    second = asyncio.create_task(standby.run())
+    try:
+        await eventually(lambda: slow_once.is_set())
+        await asyncio.sleep(ttl * 2.5)
+        assert leader.role == "leader" and standby.role == "standby"
+        assert standby.state.epoch == leader.state.epoch == 1, "nobody else was elected"
+    finally:
+        leader.stop()
+        standby.stop()
+        await asyncio.gather(first, second)
