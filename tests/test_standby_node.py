@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -54,3 +55,43 @@ def test_standby_nodes_that_end_unasked_are_given_up_after_a_few(
     assert not backend.standby_ready()
     backend.prepare()
     assert backend._standby is None, "and starts none after that"
+
+
+async def test_an_assignment_refused_because_the_daemon_refreshed_its_entry_is_tried_again(
+    bus: Any,
+) -> None:
+    """A daemon writes its entry (seen, warm) while a scaler assigns it; the scaler's
+    compare-and-set is refused, and the launch reads the pool again instead of saying
+    no agent is free (seen in the contract test once daemons said they were warm)."""
+    from rove.control.catalogue import events as ev
+    from rove.control.scaler.pool import PoolBackend
+    from rove.control.services import pool as registry
+
+    kv = await registry.bucket(bus)
+    entry = registry.PoolEntry(
+        pool="p", agent="a1", host="h", capacity=ev.Resources(cpu=2), seen=time.time()
+    )
+    await kv.put(entry.key, registry.encode(entry))
+
+    class Refreshed(PoolBackend):
+        reads = 0
+
+        async def _entries(self) -> list[tuple[registry.PoolEntry, int]]:
+            got = await super()._entries()
+            Refreshed.reads += 1
+            if Refreshed.reads == 1:  # the daemon says it is warm right after our read
+                warm = msgspec.structs.replace(entry, warm=True, seen=time.time())
+                await kv.put(entry.key, registry.encode(warm))
+            return got
+
+    pool = Refreshed(bus, "p")
+    node = ev.NodeLaunch(node="n1", slot=0, attempt=0, resources=ev.Resources())
+    work = ev.Workload(argv=("x.py",), cwd="/", min_nodes=1, max_nodes=1)
+    where = await pool.launch("j1", node, work, time.monotonic() + 30)
+    assert where == "agent a1 on h" and Refreshed.reads == 2
+    ((assigned, _),) = await registry.entries(kv, "p")
+    assert (assigned.state, assigned.node, assigned.warm) == (
+        registry.PoolState.ASSIGNED,
+        "n1",
+        False,
+    )

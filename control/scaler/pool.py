@@ -31,6 +31,8 @@ log = structlog.get_logger("rove.scaler.pool")
 
 #: A daemon not seen for this long is not assigned anything.
 STALE_S = 10.0
+#: How many times a launch reads the pool when every idle daemon's entry changed since.
+ASSIGN_READS = 3
 
 
 def fits(capacity: ev.Resources, wanted: ev.Resources) -> bool:
@@ -69,18 +71,43 @@ class PoolBackend(Backend):
         self, job: str, spec: ev.NodeLaunch, workload: ev.Workload, deadline: float
     ) -> str:
         wanted = registry.ran_key(job, spec.node)
-        entries = await self._entries()
-        for entry, _rev in entries:
-            if (entry.job, entry.node) == (job, spec.node) or wanted in entry.ran:
-                return f"agent {entry.agent} on {entry.host} (assigned before)"
-        now = time.time()
-        idle = [
-            (e, rev)
-            for e, rev in entries
-            if e.state is PoolState.IDLE
-            and now - e.seen < STALE_S
-            and fits(e.capacity, spec.resources)
-        ]
+        # A daemon refreshes its entry (seen, warm) as a scaler assigns it: a refused
+        # compare-and-set is read again, a few times, before no agent is said free.
+        for _ in range(ASSIGN_READS):
+            entries = await self._entries()
+            for entry, _rev in entries:
+                if (entry.job, entry.node) == (job, spec.node) or wanted in entry.ran:
+                    return f"agent {entry.agent} on {entry.host} (assigned before)"
+            now = time.time()
+            idle = [
+                (e, rev)
+                for e, rev in entries
+                if e.state is PoolState.IDLE
+                and now - e.seen < STALE_S
+                and fits(e.capacity, spec.resources)
+            ]
+            if not idle:
+                break
+            got = await self._assign(idle, job, spec, workload)
+            if got is not None:
+                return got
+        free = sum(1 for e, _ in entries if e.state is PoolState.IDLE and now - e.seen < STALE_S)
+        raise TemporaryError(
+            f"no idle agent in pool {self.pool} can run node {spec.node} "
+            f"({spec.resources.describe()}): {len(entries)} agents, {free} idle; start more "
+            f"with `rove agent --pool {self.pool}`",
+            retry_after=1.0,
+        )
+
+    async def _assign(
+        self,
+        idle: list[tuple[PoolEntry, int]],
+        job: str,
+        spec: ev.NodeLaunch,
+        workload: ev.Workload,
+    ) -> str | None:
+        """Assign the node to the first of `idle` whose entry is unchanged (None: every
+        one changed since it was read)."""
         kv = await self._bucket()
         # a daemon whose standby node is ready first: its node trains seconds sooner
         for entry, rev in sorted(idle, key=lambda x: (not x[0].warm, x[0].agent)):
@@ -100,13 +127,7 @@ class PoolBackend(Backend):
                 continue  # another scaler took it, or the daemon refreshed: try the next
             log.info("node assigned", job=job, node=spec.node, agent=entry.agent)
             return f"agent {entry.agent} on {entry.host}"
-        free = sum(1 for e, _ in entries if e.state is PoolState.IDLE and now - e.seen < STALE_S)
-        raise TemporaryError(
-            f"no idle agent in pool {self.pool} can run node {spec.node} "
-            f"({spec.resources.describe()}): {len(entries)} agents, {free} idle; start more "
-            f"with `rove agent --pool {self.pool}`",
-            retry_after=1.0,
-        )
+        return None
 
     async def remove(self, job: str, node: str, deadline: float) -> None:
         while True:
