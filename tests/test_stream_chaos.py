@@ -18,6 +18,7 @@ import collections
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,18 @@ async def mirrored_the_committed_checkpoint(bus: Bus, bootstrap: str) -> None:
     assert streams.freshness(stream) is not None
 
 
+async def joined_or_ended(bus: Bus, node: str, since: float) -> str:
+    """ "joined" once `node` asked to join a round after `since`, "ended" once the job
+    ended first, "" before either."""
+    for r in await stored_events(bus, JOB):
+        e = r.event
+        if isinstance(e, ev.RdzvJoined) and e.node == node and e.ts >= since:
+            return "joined"
+        if isinstance(e, ev.JobEnded) and e.ts >= since:
+            return "ended"
+    return ""
+
+
 async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]) -> list[int]:
     """Run the job while the stream is produced, doing each (action, at records trained)
     of `plan`; check the lineage; return the world size of each round."""
@@ -146,6 +159,7 @@ async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
     nodes = {"na": agent("na", "na-1"), "nb": agent("nb", "nb-1")}
     everyone: list[CliProc] = [*nodes.values()]
     done_actions = []
+    late: set[str] = set()
     try:
         for action, when in plan:
             await eventually(lambda w=when: trained(trace) >= w, timeout=240)
@@ -169,12 +183,22 @@ async def chaos(bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]]
                 await eventually(
                     lambda seen=latest: max(r["round"] for r in rows(trace)) > seen, timeout=120
                 )
+                back = time.time()
                 nodes[node] = agent(node, f"{node}-2")
                 everyone.append(nodes[node])
+                # Under load the job can finish on the other node before this one joins
+                # again; it would then wait for the job's next run, which no master
+                # serves (they stop with the job). Such a node came back too late.
+                outcome = await eventually(
+                    lambda n=node, t=back: joined_or_ended(bus, n, t), timeout=120
+                )
+                if outcome == "ended":
+                    nodes[node].stop()
+                    late.add(node)
             done_actions.append(action)
         procs = [*everyone, *masters.values(), *bridges]
-        codes = await finished(bus, JOB, nodes, procs)
-        assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
+        codes = await finished(bus, JOB, {n: p for n, p in nodes.items() if n not in late}, procs)
+        assert set(codes.values()) == {0}, {n: p.log()[-3000:] for n, p in nodes.items()}
     finally:
         for p in [*everyone, *bridges]:
             p.stop()

@@ -190,12 +190,14 @@ async def node_partition(world: World, rnd: random.Random) -> Injected:
     problems = []
     try:
         await eventually(lambda: _more_joins(world, "nb", joins), timeout=120)
-        # the job went on with na alone (2 ranks), then grew to both nodes again
+        # the job went on with na alone (a round of 2 ranks), then grew to both nodes
+        # again. (The round alone is what to look for: on a busy machine nb can be back
+        # before that round's workers trained a step.)
         await eventually(lambda: world.full_speed_at(ended), timeout=120)
         worlds = [
-            r["world"]
-            for r in world.rows()
-            if "world" in r and r["rank"] == 0 and r["round"] > round_before
+            r.event.world_size
+            for r in await world.records()
+            if isinstance(r.event, ev.RoundCompleted) and r.event.round > round_before
         ]
         if 2 not in worlds:
             problems.append(f"the job did not go on with na alone while nb was away: {worlds}")
