@@ -20,7 +20,8 @@ Two servers, so that neither the first line nor a restart waits:
 
 Where `rove run` did not start a quick server (a managed node, a test), the agent
 starts the full one as its first round forms, as before. A pool agent's standby node
-(`rove.agent.standby`) starts the full one before any job needs it (`start_full`).
+(`rove.agent.standby`) calls `start` before any job needs it: the full one, at normal
+priority (nothing else runs on an idle pool agent).
 
 A forked worker does not run the launcher's main module again (multiprocessing does
 that for every child of a forkserver: 0.5 s per worker for the `rove` command):
@@ -187,13 +188,6 @@ def start(extra: Sequence[str] = ()) -> None:
 
         with contextlib.suppress(RuntimeError):  # (no event loop: nobody to escalate)
             asyncio.get_running_loop().call_later(NICE_FOR_S, escalate)
-
-
-def start_full() -> None:
-    """A standby node (`rove.agent.standby`): the full server now, at normal priority
-    (nothing else runs on an idle pool agent), to fork every round from."""
-    if _servers.serving is None:
-        _servers.install(_Server(FULL, "full"))
 
 
 def escalate() -> bool:

@@ -72,7 +72,7 @@ def main() -> int:
     # What `rove run` imports, and the server its rounds fork from, before any job.
     from rove.agent import forkservers, launcher
 
-    forkservers.start_full()
+    forkservers.start()  # no quick server here: the full one, at once
     print(
         f"rove standby {os.getpid()}: waiting for a node (its warm server imports)",
         file=sys.stderr,

@@ -66,7 +66,8 @@ def spawn(work: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
         )
 
 
-async def job_ended(url: str, job: str) -> ev.JobEnded | None:
+async def job_events(url: str, job: str) -> list[ev.AnyEvent]:
+    """Every event of `job` stored now."""
     async with await Bus.connect(BusOptions(url=url)) as bus:
         got: list[Any] = []
         feed = await bus.subscribe(
@@ -74,32 +75,23 @@ async def job_ended(url: str, job: str) -> ev.JobEnded | None:
         )
         await feed.caught_up.wait()
         await feed.stop()
-    return next((r.event for r in got if isinstance(r.event, ev.JobEnded)), None)
+    return [r.event for r in got]
+
+
+async def job_ended(url: str, job: str) -> ev.JobEnded | None:
+    return next((e for e in await job_events(url, job) if isinstance(e, ev.JobEnded)), None)
 
 
 async def plan_ts(url: str, job: str, since: float) -> float | None:
     """When the master decided the first scale plan after `since` (the node declared
     lost and its replacement planned in one decision)."""
-    async with await Bus.connect(BusOptions(url=url)) as bus:
-        got: list[Any] = []
-        feed = await bus.subscribe(
-            subjects.EVENTS_STREAM, subjects.job_events(job), got.append, lambda r: None
-        )
-        await feed.caught_up.wait()
-        await feed.stop()
-    plans = [r.event.ts for r in got if isinstance(r.event, ev.ScalePlan) and r.event.ts > since]
+    events = await job_events(url, job)
+    plans = [e.ts for e in events if isinstance(e, ev.ScalePlan) and e.ts > since]
     return min(plans) if plans else None
 
 
 async def worker_oom_ts(url: str, job: str) -> float | None:
-    async with await Bus.connect(BusOptions(url=url)) as bus:
-        got: list[Any] = []
-        feed = await bus.subscribe(
-            subjects.EVENTS_STREAM, subjects.job_events(job), got.append, lambda r: None
-        )
-        await feed.caught_up.wait()
-        await feed.stop()
-    exits = [r.event.ts for r in got if isinstance(r.event, ev.WorkerExited)]
+    exits = [e.ts for e in await job_events(url, job) if isinstance(e, ev.WorkerExited)]
     return min(exits) if exits else None
 
 
