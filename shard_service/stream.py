@@ -371,7 +371,14 @@ class StreamIterable(LeasedIterable):
             if self._unsaved is None:
                 on_save(self._saved)
             self._unsaved = (position, newest)
+        # the produce time travels with the position: a process restored from it that
+        # saves before training anything new still knows how fresh its lineage is
+        state["newest_ts"] = max(0.0, newest)
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.newest_ts = float(state.get("newest_ts", 0.0))  # (absent in older saves)
 
     def _saved(self, step: int) -> None:
         """A checkpoint of `step` was saved: report the position it holds, if any."""

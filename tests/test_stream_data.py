@@ -75,6 +75,8 @@ async def test_a_stream_resumed_from_its_position_delivers_every_offset_once(
         data = make(round_)
         if state is not None:
             data.load_state_dict(state)
+            # the produce time of the newest record saved comes back with the position
+            assert data.newest_ts == state["newest_ts"] > 0
         # timeout: a batch not coming for this long fails the test (the stream never ends)
         loader = data.loader(batch_size=5, num_workers=2, lockstep=False, timeout=patience(20))
         seen: list[tuple[int, int]] = []
