@@ -237,6 +237,7 @@ class Agent:
             self.tasks.stop()  # the outbox goes on: it sends the node's last facts
             await aio.cancel_and_wait([*loops, *self.tasks.side])
             await self._stop_workers()
+            await asyncio.to_thread(self.workers.close)
             await _stop_feed(feed)
             self.facts.emit(ev.NodeLeft(**self.facts.envelope(), reason=self.status.end_reason))
             if not await self.facts.outbox.flush(10.0):

@@ -13,23 +13,11 @@ interpreter ends) and leaves with the status that interpreter would have.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 from typing import NoReturn
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux: the agent still stops its workers on every clean exit
-
+from rove.agent.self_process import die_with_parent
 
 #: The first argument that runs a Python script here instead of exec'ing a command.
 RUN = "--run"

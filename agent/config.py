@@ -40,6 +40,8 @@ class AgentConfig:
     start_method: str = "spawn"
     #: Extra modules the warm server imports (warm start only).
     preload: tuple[str, ...] = ()
+    #: TensorFlow: keep spare tasks that imported TensorFlow (`rove.agent.tf_spare`)
+    tf_spares: bool = True
     checkpoint_dir: Path | None = None
     save_at_breakpoint: bool = False
     keep_checkpoints: int = 3

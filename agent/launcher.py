@@ -233,6 +233,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         entrypoint=entrypoint,
         args=worker_args,
         preload=tuple(args.preload) if warm_start else (),
+        tf_spares=bool(getattr(args, "tf_spares", False)),
         logs_specs=logs_specs,
         state_dir=embedded.job_dir(job) / "agents" / node,
         max_restarts=launch.max_restarts,
@@ -297,7 +298,10 @@ def _tf_ps(args: argparse.Namespace, standalone: bool) -> int:
             "--tf-ps runs the script as the chief with python: it cannot go with "
             "--run-path, -m or --no-python"
         )
-    args.warm_start = False  # a torch forkserver: TensorFlow tasks start their own
+    # not a torch forkserver: TensorFlow tasks start from spares that imported it
+    # (rove.agent.tf_spare), which --no-warm-start turns off
+    args.tf_spares = bool(args.warm_start)
+    args.warm_start = False
     if args.num_workers is not None:
         if args.num_workers < 1:
             raise ConfigError(f"--num-workers must be at least 1, got {args.num_workers}")

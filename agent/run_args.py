@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="fork workers from a server that imported torch once, so a restart skips "
         "interpreter start and imports (default: on); --no-warm-start starts every "
-        "worker as a fresh interpreter, as torchrun does (see docs/runtime.md)",
+        "worker as a fresh interpreter, as torchrun does (see docs/runtime.md); in a "
+        "--tf-ps job, tasks start from spares that imported TensorFlow (docs/tensorflow.md)",
     )
     g.add_argument(
         "--preload",

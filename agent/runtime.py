@@ -80,6 +80,8 @@ class WorkerRuntime(abc.ABC):
       way out (`rove.agent.stuck`); `end(local_rank)` kills one such worker whose
       work was done: the round still counts as succeeded. Runtimes whose workers
       are not watched this way return {} and are never asked to `end` one.
+    * `close()` lets go of what the runtime keeps between rounds (TensorFlow's spare
+      tasks), once, as the agent ends.
 
     Implementations are safe to call from several threads: `wait` does its
     blocking work in one while `stop` may run in another.
@@ -121,3 +123,7 @@ class WorkerRuntime(abc.ABC):
 
     def end(self, local_rank: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not end single workers")
+
+    def close(self) -> None:
+        """Let go of what the runtime keeps between rounds (the agent is ending)."""
+        return  # (most keep nothing)

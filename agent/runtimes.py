@@ -23,6 +23,7 @@ def tf_runtime(cfg: AgentConfig, incarnation: str) -> WorkerRuntime:
         cfg.state_dir / "progress" / incarnation,
         max_restarts=cfg.max_task_restarts,
         stop_timeout_s=cfg.stop_timeout_s,
+        spares=cfg.tf_spares,
     )
 
 

@@ -38,9 +38,8 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-import setproctitle
-
 from rove.agent import groups, progress
+from rove.agent.self_process import title
 
 
 def run(kind: str, target: str, argv: Sequence[str]) -> None:
@@ -77,17 +76,6 @@ def run(kind: str, target: str, argv: Sequence[str]) -> None:
         end(main)
         if succeeded:
             progress.script_ended()
-
-
-def title(command: str) -> None:
-    """`ps` and `pkill -f` see the command a fresh worker would have, not the runner's.
-    Written over the process's own command line only (`SPT_NOENV`: a longer title is cut,
-    never spilled over the environment block, which `/proc/<pid>/environ` shows)."""
-    os.environ["SPT_NOENV"] = "1"
-    try:
-        setproctitle.setproctitle(command)
-    finally:
-        del os.environ["SPT_NOENV"]
 
 
 def _run_file(main: types.ModuleType, path: str) -> None:

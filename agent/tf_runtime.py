@@ -24,6 +24,13 @@ What happens when a task ends:
 So unlike torch's, a TensorFlow round's `wait` returns when its chief ends,
 not when every task has: parameter servers and workers serve until stopped.
 
+Tasks start from spares (`rove.agent.tf_spare`): processes that imported TensorFlow
+before they were needed, so that a new round's tasks skip the import that is most of
+their start. A node keeps one spare per task of its round, started once the round is
+at work (every server of this node serving and its chief, if it runs it, past its
+first step; at the latest `SPARE_DELAY_S` after the start) so that they never slow the
+start they are meant to speed up. A task with no spare starts as a fresh process.
+
 A task's output goes to its log file (`<log_dir>/round<R>-<role><index>.log`);
 the chief's is also echoed to the agent's stderr, prefixed `[chief]`, as are
 the servers' own `rove:` lines. The last lines of a failed task are its
@@ -47,13 +54,18 @@ from typing import IO
 
 import structlog
 
-from rove.agent import progress
+from rove.agent import progress, tf_spare
 from rove.agent.diagnosis import Diagnosis, classify
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
 from rove.control.domain import tf_cluster
 
 log = structlog.get_logger("rove.agent")
+
+#: Characters of blank command line a spare starts with, for its task's title.
+TITLE_ROOM = 512
+#: The module parameter servers and workers run.
+SERVER = "rove.agent.tf_server"
 
 #: Environment the agent gives each task (besides TF_CONFIG).
 ROLE_ENV = "ROVE_TF_ROLE"
@@ -62,6 +74,11 @@ INDEX_ENV = "ROVE_TF_INDEX"
 TAIL_LINES = 60
 #: Seconds the other tasks of a failed round get to exit before SIGKILL.
 FAILED_ROUND_GRACE_S = 1.0
+#: Seconds after a round's start before spares are started, where this node's tasks do
+#: not all say sooner that they are at work.
+SPARE_DELAY_S = 15.0
+#: Spares that may end before they are given a task; after that, this node keeps none.
+SPARE_FAILURES = 3
 
 
 @dataclass
@@ -72,12 +89,16 @@ class _Task:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    #: what a spare runs for it (`python -u -m module args`); None: a fresh process only
+    handover: tf_spare.Handover | None = None
     proc: subprocess.Popen[bytes] | None = None
     reader: threading.Thread | None = None
     tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
     )
     restarts: int = 0
+    #: a server said it serves (`rove: ... serving at`): its start is done
+    serving: bool = False
 
     @property
     def name(self) -> str:
@@ -97,12 +118,29 @@ class TfRuntime(WorkerRuntime):
         python: str = sys.executable,
         echo: IO[str] | None = None,
         stop_timeout_s: float = 10.0,
+        spares: bool = True,
     ) -> None:
         self.chief_argv = list(chief_argv)
         self.server_argv = [
             *(python, "-m", "rove.agent.child"),
-            *(python, "-u", "-m", "rove.agent.tf_server"),
+            *(python, "-u", "-m", SERVER),
         ]
+        # (blank room on the command line: a task's title is written over the spare's
+        # own, never past it, see rove.agent.self_process.title)
+        self.spare_argv = [python, "-u", "-m", "rove.agent.tf_spare", " " * TITLE_ROOM]
+        # the chief runs from a spare when its command is `python -u -m MODULE ARGS`
+        # (rove run's own: rove.agent.child --run script SCRIPT ...)
+        head = self.chief_argv[:3]
+        self._chief_module = (
+            (self.chief_argv[3], self.chief_argv[4:])
+            if head == [python, "-u", "-m"] and len(self.chief_argv) > 3
+            else None
+        )
+        self.keep_spares = spares
+        self._spares: list[subprocess.Popen[bytes]] = []
+        self._want = 0  # spares to keep: this node's tasks
+        self._refill_at: float | None = None
+        self._spare_failures = 0
         self.log_dir = log_dir
         self.progress_dir = progress_dir
         self.max_restarts = max_restarts
@@ -138,8 +176,10 @@ class TfRuntime(WorkerRuntime):
                     progress.create(path)
                     self._progress_files[local_rank] = path
                     full[progress.ENV] = str(path)
-                argv = self.chief_argv if role == tf_cluster.CHIEF else self.server_argv
-                name = role if role == tf_cluster.CHIEF else f"{role}{index}"
+                chief = role == tf_cluster.CHIEF
+                argv = self.chief_argv if chief else self.server_argv
+                module = self._chief_module if chief else (SERVER, [])
+                name = role if chief else f"{role}{index}"
                 task = _Task(
                     local_rank,
                     role,
@@ -147,20 +187,103 @@ class TfRuntime(WorkerRuntime):
                     argv,
                     full,
                     self.log_dir / f"round{round_}-{name}.log",
+                    None if module is None else tf_spare.Handover(full, module[0], module[1]),
                 )
                 self._tasks[local_rank] = task
                 self._spawn(task)
+            self._want = len(envs) if self.keep_spares else 0
+            self._refill_at = time.monotonic() + SPARE_DELAY_S
             return self.pids()
 
     def _spawn(self, task: _Task) -> None:
         task.tail.clear()
-        task.proc = subprocess.Popen(
-            task.argv, env=task.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
+        task.serving = False
+        task.proc = self._from_spare(task) if task.handover is not None else None
+        if task.proc is None:
+            task.proc = subprocess.Popen(
+                task.argv, env=task.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
         task.reader = threading.Thread(
             target=self._read, args=(task, task.proc), name=f"tf-{task.name}-output", daemon=True
         )
         task.reader.start()
+
+    # ------------------------------------------------------------------ spares
+
+    def _from_spare(self, task: _Task) -> subprocess.Popen[bytes] | None:
+        """A spare given `task`, or None when none is ready."""
+        assert task.handover is not None
+        while self._spares:
+            proc = self._spares.pop(0)
+            if proc.poll() is not None:
+                self._spare_ended(proc)
+                continue
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(tf_spare.encode(task.handover))
+                proc.stdin.close()
+            except OSError:  # it ended as it was handed the task
+                proc.wait()
+                self._spare_ended(proc)
+                continue
+            log.info(f"{_title(task)} starts from a spare", round=self._round, pid=proc.pid)
+            return proc
+        return None
+
+    def _spare_ended(self, proc: subprocess.Popen[bytes]) -> None:
+        """A spare ended before it had a task: say why; after `SPARE_FAILURES`, keep none."""
+        out = proc.stdout.read() if proc.stdout is not None else b""
+        if proc.stdout is not None:
+            proc.stdout.close()
+        self._spare_failures += 1
+        tail = out.decode(errors="replace").strip().splitlines()[-5:]
+        if self._spare_failures >= SPARE_FAILURES:
+            self.keep_spares, self._want = False, 0
+        log.warning(
+            f"a spare TensorFlow process ended before it had a task (code {proc.returncode})"
+            + ("; this node starts its tasks fresh from now on" if not self.keep_spares else ""),
+            round=self._round,
+            output=tail,
+        )
+
+    def _spares_due(self) -> float | None:
+        """Start the spares this node lacks if the round is at work; else the seconds to
+        check again (None: none are wanted)."""
+        if self._refill_at is None or len(self._spares) >= self._want:
+            return None
+        stepped = {lr for lr, p in self.progress().items() if p.step > 0}
+        at_work = all(t.serving or t.local_rank in stepped for t in list(self._tasks.values()))
+        now = time.monotonic()
+        if not at_work and now < self._refill_at:
+            return min(1.0, self._refill_at - now)
+        # (on the event loop's thread, as the tasks: a spare dies with the thread that
+        # started it, see rove.agent.child)
+        while self.keep_spares and len(self._spares) < self._want:
+            self._spares.append(
+                subprocess.Popen(
+                    self.spare_argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        log.info("TensorFlow spares ready to start", spares=len(self._spares), round=self._round)
+        return None
+
+    def close(self) -> None:
+        """Let the spares go (the agent is ending)."""
+        spares, self._spares, self._want = self._spares, [], 0
+        for proc in spares:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        for proc in spares:
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
+    # ------------------------------------------------------------------ output
 
     def _read(self, task: _Task, proc: subprocess.Popen[bytes]) -> None:
         """Copy a task's output to its log file (and the chief's to the agent's stderr)."""
@@ -171,6 +294,8 @@ class TfRuntime(WorkerRuntime):
                 out.flush()
                 line = raw.decode(errors="replace").rstrip("\n")
                 task.tail.append(line)
+                if line.startswith("rove:") and " serving at " in line:
+                    task.serving = True
                 if task.role == tf_cluster.CHIEF or line.startswith("rove:"):
                     self.echo.write(f"[{task.name}] {line}\n")
                     self.echo.flush()
@@ -194,9 +319,14 @@ class TfRuntime(WorkerRuntime):
             if not live:
                 await asyncio.sleep(0.1)
                 continue
+            due = self._spares_due()
             watched = Sentinels(live, [])
             try:
-                await watched.next_exit()
+                if due is None:
+                    await watched.next_exit()
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(watched.next_exit(), due)
             finally:
                 watched.close()
 
@@ -238,21 +368,31 @@ class TfRuntime(WorkerRuntime):
         # The round is over and every checkpoint is durable already: nothing to wait for.
         # A coordinator that lost its parameter server can take long to exit on SIGTERM
         # (TensorFlow's threads), and every second here is a second of the recovery.
+        began = time.monotonic()
         await asyncio.to_thread(self.stop, signal.SIGTERM, FAILED_ROUND_GRACE_S)
+        log.info(
+            f"the round's other tasks ended in {time.monotonic() - began:.2f}s",
+            round=self._round,
+            ended_after_s=round(time.monotonic() - began, 3),
+        )
         return WorkersEnded(self._round, failure)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         with self._lock:
             tasks, self._tasks = list(self._tasks.values()), {}
-        live = [t.proc for t in tasks if t.proc is not None and t.proc.poll() is None]
-        for proc in live:
+        live = [(t, t.proc) for t in tasks if t.proc is not None and t.proc.poll() is None]
+        for _, proc in live:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(sig)
         deadline = time.monotonic() + timeout_s
-        for proc in live:
+        for task, proc in live:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.info(
+                    f"{_title(task)} did not end within {timeout_s:g}s of {sig.name}; killing it",
+                    round=self._round,
+                )
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 proc.wait()

@@ -45,8 +45,10 @@ def main() -> None:
         flush=True,
     )
     # SIGTERM (the agent stopping the round) ends the task at once: a server has no
-    # state of its own to save
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # state of its own to save. The default action, not a Python handler: the main
+    # thread waits inside TensorFlow's join, where no Python handler ever runs (one
+    # here made every server wait out the agent's grace period for a SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     server.join()
     sys.exit(f"the {task['type']} {task['index']} server stopped serving")
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rove.agent import echo, forkservers, script
-from rove.agent.child import die_with_parent
+from rove.agent.self_process import die_with_parent
 
 #: The warm server's pid, as every worker forked from it inherits it: this module is
 #: imported by the server itself before it forks (it is in every server's preload). (If

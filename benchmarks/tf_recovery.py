@@ -9,7 +9,10 @@ checkpoint after every closure (`--window 1`).
     restarts the worker on its address; TensorFlow retries its closure);
   - the parameter server is killed with -9: seconds to the next completed
     closure (the master restarts the round; the coordinator restores its last
-    committed checkpoint).
+    committed checkpoint);
+  - then the coordinator is killed with -9: the same.
+  Each kill comes in the job's steady state: 20 s after its first step or the
+  previous recovery, once its spares have imported TensorFlow.
 - **by hand** (what a user without rove does once the job dies): the four
   processes are started again (`tf.distribute.Server`s and a plain coordinator
   with `tf.train.CheckpointManager`), the coordinator restoring the last
@@ -17,10 +20,15 @@ checkpoint after every closure (`--window 1`).
   time a person takes to notice and act is *not* counted: the figure is a
   lower bound for the manual path.
 
-Prints one JSON line with `worker_recover_s`, `ps_recover_s`, `restart_job_s`
-(medians over `--repeats`) and the runs they come from.
+rove runs twice in the same run: with its spare tasks (the default) and with
+`--no-warm-start` (every task of a new round a fresh process, as before spares).
 
-    python benchmarks/tf_recovery.py [--repeats 2]
+Prints one JSON line with `worker_recover_s`, `ps_recover_s` and
+`chief_recover_s` (with spares), the same without (`*_no_spares_s`),
+`restart_job_s` (medians over `--repeats`), the ratios to the by-hand restart with
+their target, and the runs they come from.
+
+    python benchmarks/tf_recovery.py [--repeats 2] [--work DIR]
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ from common import trace_rows, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "tf_ps.py"
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+#: Seconds after the first step before the first kill, and after the worker's recovery
+#: before the parameter server's (the steady state: the spares have imported TensorFlow).
+STEADY_S = 20.0
 
 # the same model and data as examples/tf_ps.py, without rove: a plain coordinator
 MANUAL = r"""
@@ -122,8 +133,8 @@ def task_pids(url: str, job: str) -> list[int]:
     return list(rows[-1]["pids"]) if rows else []
 
 
-def rove_side(tmp: Path, url: str, repeat: int) -> tuple[float, float]:
-    job = f"tfbench{repeat}"
+def rove_side(tmp: Path, url: str, repeat: int, spares: bool) -> tuple[float, float, float]:
+    job = f"tfbench{repeat}{'' if spares else '-fresh'}"
     trace = tmp / f"{job}.jsonl"
     env = {**os.environ, **QUIET, "ROVE_LOG_LEVEL": "warning"}
     logs = tmp / f"{job}.log"
@@ -138,6 +149,7 @@ def rove_side(tmp: Path, url: str, repeat: int) -> tuple[float, float]:
                 *("--job", job, "--node-id", "n0", "--local-addr", "127.0.0.1"),
                 *("--tf-ps", "--num-ps", "1", "--nproc-per-node", "4", "--max-restarts", "5"),
                 *("--heartbeat-interval", "0.5", "--checkpoint-dir", str(tmp / f"{job}-ckpt")),
+                *(() if spares else ("--no-warm-start",)),
                 *(str(SCRIPT), "--samples", "1000000", "--shard-size", "96", "--window", "1"),
                 *("--trace", str(trace)),
             ],
@@ -145,16 +157,27 @@ def rove_side(tmp: Path, url: str, repeat: int) -> tuple[float, float]:
         )  # fmt: skip
     try:
         wait_for(lambda: len(steps(trace)) >= 20, 240, "the rove job to train")
+        # the failures come once the job is in its steady state: its spares (started at
+        # the first step) have imported TensorFlow
+        first = steps(trace)[0]["t"]
+        time.sleep(max(0.0, first + STEADY_S - time.time()))
         pids = task_pids(url, job)
         killed = time.time()
         os.kill(pids[2], signal.SIGKILL)  # worker 0
         worker_s = next_step_after(trace, killed)
         done = len(steps(trace))
         wait_for(lambda: len(steps(trace)) >= done + 5, 120, "steady training after")
+        # the steady state again: the spare the worker took is replaced and imported
+        time.sleep(max(0.0, killed + worker_s + STEADY_S - time.time()))
         killed = time.time()
         os.kill(pids[1], signal.SIGKILL)  # the parameter server
         ps_s = next_step_after(trace, killed)
-        return worker_s, ps_s
+        time.sleep(max(0.0, killed + ps_s + STEADY_S - time.time()))
+        coordinator = task_pids(url, job)[0]  # the new round's
+        killed = time.time()
+        os.kill(coordinator, signal.SIGKILL)
+        chief_s = next_step_after(trace, killed)
+        return worker_s, ps_s, chief_s
     except BaseException:
         sys.stderr.write(logs.read_text()[-4000:])
         raise
@@ -221,33 +244,48 @@ def manual_side(tmp: Path, repeat: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--work", type=Path, help="keep the jobs' files and logs here")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from rove.control.bus.embedded import EmbeddedServer
 
-    worker, ps, manual = [], [], []
+    worker, ps, chief, fresh, fresh_chief, manual = [], [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp_:
-        tmp = Path(tmp_)
+        tmp = Path(tmp_) if args.work is None else args.work
+        tmp.mkdir(parents=True, exist_ok=True)
         server = EmbeddedServer(tmp / "nats")
         server.start()
         assert server.url is not None
         try:
             for r in range(args.repeats):
-                w, s = rove_side(tmp, server.url, r)
+                w, p_, c = rove_side(tmp, server.url, r, spares=True)
                 worker.append(w)
-                ps.append(s)
+                ps.append(p_)
+                chief.append(c)
+                _, p_, c = rove_side(tmp, server.url, r, spares=False)
+                fresh.append(p_)
+                fresh_chief.append(c)
                 manual.append(manual_side(tmp, r))
         finally:
             server.stop()
+    med = statistics.median
     print(
         json.dumps(
             {
-                "worker_recover_s": round(statistics.median(worker), 2),
-                "ps_recover_s": round(statistics.median(ps), 2),
-                "restart_job_s": round(statistics.median(manual), 2),
-                "ps_vs_restart_ratio": round(statistics.median(ps) / statistics.median(manual), 3),
+                "worker_recover_s": round(med(worker), 2),
+                "ps_recover_s": round(med(ps), 2),
+                "chief_recover_s": round(med(chief), 2),
+                "ps_recover_no_spares_s": round(med(fresh), 2),
+                "chief_recover_no_spares_s": round(med(fresh_chief), 2),
+                "restart_job_s": round(med(manual), 2),
+                "ps_vs_restart_ratio": round(med(ps) / med(manual), 3),
+                "chief_vs_restart_ratio": round(med(chief) / med(manual), 3),
+                "target_ratio": round(1 / 3, 3),
                 "worker_s": [round(x, 2) for x in worker],
                 "ps_s": [round(x, 2) for x in ps],
+                "chief_s": [round(x, 2) for x in chief],
+                "ps_no_spares_s": [round(x, 2) for x in fresh],
+                "chief_no_spares_s": [round(x, 2) for x in fresh_chief],
                 "restart_s": [round(x, 2) for x in manual],
                 "note": "restart_job_s excludes the time a person takes to notice and act",
             }

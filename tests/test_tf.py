@@ -3,8 +3,9 @@ and a `rove run --tf-ps` node running a chief (examples/tf_ps.py), one parameter
 and two workers on loopback, over a real nats-server.
 
 One job takes three kills in turn: a worker (restarted in place: no new round, the
-same chief), the parameter server (a new round: the chief restores its checkpoint and
-the loss goes on from there), then the chief (the same). In the lineage of the final
+same chief), the parameter server (a new round, its tasks from spares that imported
+TensorFlow before the failure: the chief restores its checkpoint and the loss goes on
+from there), then the chief (the same). In the lineage of the final
 model, every sample of the data set was trained exactly once.
 """
 
@@ -15,7 +16,9 @@ import os
 import re
 import signal
 from pathlib import Path
+from typing import TypeVar
 
+import psutil
 import pytest
 
 from rove.control.bus.client import Bus
@@ -37,6 +40,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPT = ROOT / "examples" / "tf_ps.py"
 SAMPLES, SHARD = 9600, 96  # 100 shards
+E = TypeVar("E")
 
 
 def node(
@@ -55,10 +59,12 @@ def node(
     )
 
 
+async def events_of(bus: Bus, job: str, kind: type[E]) -> list[E]:
+    return [r.event for r in await stored_events(bus, job) if isinstance(r.event, kind)]
+
+
 async def started(bus: Bus, job: str) -> list[ev.WorkersStarted]:
-    return [
-        r.event for r in await stored_events(bus, job) if isinstance(r.event, ev.WorkersStarted)
-    ]
+    return await events_of(bus, job, ev.WorkersStarted)
 
 
 async def pids_by_rank(bus: Bus, job: str, round_: int) -> dict[int, int]:
@@ -109,6 +115,14 @@ async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_ea
         await eventually(lambda: len({r["round"] for r in rows(trace)}) >= 2, timeout=240)
         at = steps(trace)
         await eventually(lambda: steps(trace) >= at + 8, timeout=240)
+        # every task of the new round, on both nodes, is a spare (rove.agent.tf_spare):
+        # a process started before the master decided the round, not at its start
+        decided = [e.ts for e in await events_of(bus, job, ev.RoundCompleted) if e.round == 2]
+        born = {
+            r: psutil.Process(p).create_time() for r, p in (await pids_by_rank(bus, job, 2)).items()
+        }
+        assert sorted(born) == [0, 1, 2, 3], born
+        assert all(t < decided[0] for t in born.values()), (born, decided)
         # 3. the chief: the same
         os.kill((await pids_by_rank(bus, job, 2))[0], signal.SIGKILL)
         codes = await finished(bus, job, runs, [*runs.values(), master])
