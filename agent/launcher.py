@@ -324,9 +324,19 @@ def _kafka_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
             f"--kafka-shard-records must be at least 1, got {args.kafka_shard_records}"
         )
     if not args.kafka_bootstrap:
+        if args.kafka_config:
+            raise ConfigError(
+                "--kafka-config is for a job that streams from Kafka: add --kafka-bootstrap"
+            )
         return ()
     subjects.check_name("dataset", args.kafka_topic)
-    return (("ROVE_KAFKA_BOOTSTRAP", args.kafka_bootstrap), ("ROVE_KAFKA_TOPIC", args.kafka_topic))
+    env = [("ROVE_KAFKA_BOOTSTRAP", args.kafka_bootstrap), ("ROVE_KAFKA_TOPIC", args.kafka_topic)]
+    if args.kafka_config:
+        from rove.control.process import kafka_settings
+
+        kafka_settings.load(args.kafka_config)  # a file it cannot use fails here, said once
+        env.append((kafka_settings.ENV, str(Path(args.kafka_config).resolve())))
+    return tuple(env)
 
 
 async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool, log_path: Path) -> int:
@@ -473,12 +483,18 @@ def _housekeeping(job: str) -> None:
 
 def _bridge(bus: Bus, cfg: AgentConfig, args: argparse.Namespace) -> KafkaBridge:
     """The standalone job's Kafka bridge (`rove kafka-bridge`, in this process)."""
+    from rove.control.process import kafka_settings
     from rove.control.services.kafka_bridge import BrokerReader, KafkaBridge
 
     return KafkaBridge(
         bus,
         cfg.job,
-        BrokerReader(args.kafka_bootstrap, args.kafka_topic, group=args.kafka_group),
+        BrokerReader(
+            args.kafka_bootstrap,
+            args.kafka_topic,
+            group=args.kafka_group,
+            settings=kafka_settings.load(args.kafka_config),
+        ),
         dataset=args.kafka_topic,
         bridge_id=f"{cfg.node}-bridge",
         shard_records=args.kafka_shard_records,

@@ -246,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
         "group (for lag dashboards)",
     )
     k.add_argument(
+        "--kafka-config",
+        metavar="FILE",
+        help="librdkafka settings for a secured Kafka cluster (security.protocol, ssl.*, "
+        "sasl.*), one key=value per line, from this file: the workers find its path in "
+        "ROVE_KAFKA_CONFIG, and so does the --standalone bridge (docs/streaming.md)",
+    )
+    k.add_argument(
         "--kafka-shard-records",
         type=int,
         default=256,

@@ -30,10 +30,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import cast
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from rove.control.catalogue import events as ev
-from rove.control.process import logs
+from rove.control.process import kafka_settings, logs
 from rove.shard_service.keeper import DataError
 
 #: librdkafka's own log lines (connection retries every second) stay out of rove's
@@ -105,13 +105,23 @@ class RangeReader:
         stall_s: float = 60.0,
         batch: int = 1000,
         buffer_bytes: int = 1 << 20,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
+        """`settings`: the user's librdkafka settings (TLS, SASL: see
+        `rove.control.process.kafka_settings`), under the reader's own.
+
+        Raises:
+            ConfigError: librdkafka refuses a setting (an unknown name, a bad value).
+        """
         self.topic = topic
         self.poll_s = poll_s
         self.stall_s = stall_s
         self.batch = batch
         self.buffer_bytes = buffer_bytes
-        self.consumer = Consumer(
+        #: the Kafka client's last error of its own (a refused login, unreachable brokers)
+        self.client_error = ""
+        self.consumer = kafka_settings.consumer(
+            settings or {},
             {
                 "bootstrap.servers": bootstrap,
                 "group.id": f"rove-reader-{topic}",  # required by the client; never joined
@@ -124,7 +134,8 @@ class RangeReader:
                 # what librdkafka prefetches for all assigned partitions together
                 "queued.max.messages.kbytes": 32768,
                 "logger": _LIBRDKAFKA,
-            }
+                "error_cb": self._client_error,
+            },
         )
         #: partition -> the offset below which every record was read or dropped: the
         #: records from there on come from the buffer, then from the consumer
@@ -220,6 +231,7 @@ class RangeReader:
                 raise DataError(
                     f"topic {self.topic}: no record of partition {p} came for "
                     f"{self.stall_s:g}s, though the range ends at {shard.end}"
+                    + kafka_settings.last_error(self.client_error)
                 )
         return out
 
@@ -336,6 +348,9 @@ class RangeReader:
             if problem is not None:
                 return DataError(f"topic {self.topic}: {problem}")
         return DataError(f"topic {self.topic}, partition {shard.partition}: {error}")
+
+    def _client_error(self, error: KafkaError) -> None:
+        self.client_error = kafka_settings.kept_error(self.client_error, error)
 
     def close(self) -> None:
         self.consumer.close()

@@ -64,6 +64,7 @@ from torch.utils.data._utils.collate import default_collate
 from rove.checkpoint.api import on_save
 from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError, plain
+from rove.control.process import kafka_settings
 from rove.shard_service.client import DataClient
 from rove.shard_service.iterable import LeasedIterable
 from rove.shard_service.kafka import RangeReader, Record
@@ -173,16 +174,21 @@ class StreamIterable(LeasedIterable):
         topic: str | None = None,
         decode: Callable[[Record], Any] = _value,
         idle_s: float = 0.2,
+        kafka_config: str | None = None,
         **options: Unpack[Leasing],
     ) -> None:
         """The stream `name`, records of Kafka `topic` at `bootstrap` (default: what
         `rove run` put in the environment) leased in offset ranges, each record given to
-        `decode`; `options`: how it is leased and where this process runs
+        `decode`; `kafka_config`: a file of librdkafka settings for a secured cluster
+        (default: the one `rove run --kafka-config` names in ROVE_KAFKA_CONFIG);
+        `options`: how it is leased and where this process runs
         (`rove.shard_service.options`)."""
         o = streamed("stream", name, options)
         super().__init__(name, o.spec, o.where, o.pace)
         self.bootstrap = _setting(bootstrap, "ROVE_KAFKA_BOOTSTRAP", "bootstrap")
         self.topic = _setting(topic, "ROVE_KAFKA_TOPIC", "topic")
+        # TLS, SASL...: read here, so that a file it cannot use fails the script at once
+        self.kafka_settings = kafka_settings.load(kafka_config)
         self.decode = decode
         self.idle_s = idle_s
         self.batch_size = 1
@@ -198,7 +204,7 @@ class StreamIterable(LeasedIterable):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         client = DataClient.at(self.where, self.name, f"{self.base_client}-w{worker}")
-        reader = RangeReader(self.bootstrap, self.topic)
+        reader = RangeReader(self.bootstrap, self.topic, settings=self.kafka_settings)
         try:
             yield from self._batches(client, reader)
         finally:

@@ -65,6 +65,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="how often to read the partitions' watermarks (default 0.5)",
     )
     p.add_argument(
+        "--kafka-config",
+        metavar="FILE",
+        help="librdkafka settings for a secured cluster (security.protocol, ssl.*, sasl.*), "
+        "one key=value per line, from this file (default: the file named in "
+        "$ROVE_KAFKA_CONFIG); secrets never go on the command line (docs/streaming.md)",
+    )
+    p.add_argument(
         "--connect-deadline",
         type=common.positive,
         default=60.0,
@@ -94,7 +101,12 @@ async def _run(args: argparse.Namespace, bridge_id: str, dataset: str) -> int:
         ) from exc
     options = common.bus_options(args, name=f"rove-bridge-{bridge_id}", job=args.job, daemon=True)
     bus = await Bus.connect(options)
-    reader = BrokerReader(args.bootstrap, args.topic, group=args.group)
+    from rove.control.process import kafka_settings
+
+    settings = kafka_settings.load(args.kafka_config)
+    if settings:
+        log.info("Kafka client settings", job=args.job, **kafka_settings.shown(settings))
+    reader = BrokerReader(args.bootstrap, args.topic, group=args.group, settings=settings)
     bridge = KafkaBridge(
         bus,
         args.job,

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import structlog
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
@@ -39,7 +39,7 @@ from rove.control.domain.streaming import cut
 from rove.control.errors import ConfigError, TemporaryError
 from rove.control.master import streams
 from rove.control.master.service import JobService
-from rove.control.process import logs
+from rove.control.process import kafka_settings, logs
 
 log = structlog.get_logger("rove.kafka")
 
@@ -49,28 +49,49 @@ class BrokerReader:
     group or fetches a record (blocking calls: run it in a thread)."""
 
     def __init__(
-        self, bootstrap: str, topic: str, *, group: str = "", timeout_s: float = 5.0
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        group: str = "",
+        timeout_s: float = 5.0,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
+        """`settings`: the user's librdkafka settings (TLS, SASL: see
+        `rove.control.process.kafka_settings`), under the bridge's own.
+
+        Raises:
+            ConfigError: librdkafka refuses a setting.
+        """
         self.bootstrap = bootstrap
         self.topic = topic
         self.group = group
         self.timeout_s = timeout_s
-        self.consumer = Consumer(
+        #: the Kafka client's last error of its own (a refused login, a bad certificate)
+        self.client_error = ""
+        self.consumer = kafka_settings.consumer(
+            settings or {},
             {
                 "bootstrap.servers": bootstrap,
                 "group.id": group or f"rove-bridge-{topic}",
                 "enable.auto.commit": False,
                 "allow.auto.create.topics": False,
                 "logger": _LIBRDKAFKA,
-            }
+                "error_cb": self._client_error,
+            },
         )
+
+    def _client_error(self, error: KafkaError) -> None:
+        self.client_error = kafka_settings.kept_error(self.client_error, error)
 
     def watermarks(self) -> list[ev.Watermark]:
         try:
             meta = self.consumer.list_topics(self.topic, timeout=self.timeout_s)
         except KafkaException as exc:
+            self.consumer.poll(0)  # (serves the client's error callbacks: why it failed)
             raise TemporaryError(
                 f"cannot reach the Kafka brokers {self.bootstrap}: {exc.args[0]}"
+                + kafka_settings.last_error(self.client_error)
             ) from exc
         topic = meta.topics.get(self.topic)
         if topic is None or topic.error is not None:
