@@ -1,0 +1,96 @@
+"""An overlay applied with an example finds everything its objects refer to
+(`tests.kube_refs`): the ConfigMaps and Secrets of volumes and env, service accounts,
+priority classes, bindings' subjects and roles, namespaces; and no namespaced object
+lacks a namespace. The dev overlay brings everything; the prod overlay leaves out
+only the Secrets docs/kubernetes.md has the operator create first, with the keys it
+creates."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests import kube_refs
+from tests.support import ROOT
+from tests.test_deploy import render
+
+DOCS = ROOT / "docs" / "kubernetes.md"
+
+
+def documented_secrets() -> dict[tuple[str, str], set[str]]:
+    """(namespace, name) -> keys of each `kubectl -n NS create secret generic NAME`
+    command in docs/kubernetes.md."""
+    text = DOCS.read_text().replace("\\\n", " ")
+    found = {}
+    for m in re.finditer(r"kubectl -n (\S+) create secret generic (\S+)([^\n]*)", text):
+        keys = re.findall(r"--from-(?:literal|file)=([^=\s]+)", m[3])
+        found[(m[1], m[2])] = {Path(k).name for k in keys}
+    return found
+
+
+@pytest.mark.parametrize("example", ["pool", "pods"])
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_an_overlay_with_an_example_finds_everything_it_refers_to(
+    overlay: str, example: str
+) -> None:
+    problems, missing = kube_refs.check(
+        render(f"overlays/{overlay}") + render(f"examples/{example}")
+    )
+    assert problems == []
+    if overlay == "dev":
+        assert [str(m) for m in missing] == [], "the dev overlay brings everything"
+    documented = documented_secrets()
+    assert documented, "docs/kubernetes.md says which Secrets to create"
+    undocumented = [
+        str(m)
+        for m in missing
+        if m.kind != "Secret"
+        or (m.namespace or "", m.name) not in documented
+        or (m.key is not None and m.key not in documented[(m.namespace or "", m.name)])
+    ]
+    assert undocumented == [], "referred to, and neither applied nor created by the docs"
+
+
+def test_the_check_finds_a_generated_config_map_outside_its_readers_namespace() -> None:
+    """What the pods example did: its ConfigMap had no namespace, and the scaler in
+    rove-system mounted it under its name without the generator's hash."""
+    docs = [
+        {"kind": "Namespace", "metadata": {"name": "rove-system"}},
+        {"kind": "ConfigMap", "metadata": {"name": "tpl-h4sh"}, "data": {"a": "b"}},
+        {
+            "kind": "Deployment",
+            "metadata": {"name": "scaler", "namespace": "rove-system"},
+            "spec": {
+                "template": {
+                    "spec": {
+                        "volumes": [{"name": "t", "configMap": {"name": "tpl"}}],
+                        "containers": [
+                            {
+                                "name": "c",
+                                "volumeMounts": [{"name": "t"}, {"name": "gone"}],
+                                "env": [
+                                    {
+                                        "name": "P",
+                                        "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}},
+                                    }
+                                ],
+                            }
+                        ],
+                        "serviceAccountName": "nobody",
+                    }
+                }
+            },
+        },
+    ]
+    problems, missing = kube_refs.check(docs)
+    assert problems == [
+        "ConfigMap/tpl-h4sh: no namespace (it would land in the kubectl context's namespace)",
+        "Deployment/scaler/c: mounts gone, which its pod does not have",
+    ]
+    assert [str(m) for m in missing] == [
+        "Deployment/scaler: ConfigMap rove-system/tpl does not exist",
+        "Deployment/scaler: Secret rove-system/s (key k) does not exist",
+        "Deployment/scaler: ServiceAccount rove-system/nobody does not exist",
+    ]
