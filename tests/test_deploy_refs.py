@@ -94,3 +94,22 @@ def test_the_check_finds_a_generated_config_map_outside_its_readers_namespace() 
         "Deployment/scaler: Secret rove-system/s (key k) does not exist",
         "Deployment/scaler: ServiceAccount rove-system/nobody does not exist",
     ]
+
+
+def test_the_image_carries_what_the_manifests_and_their_jobs_run() -> None:
+    """The default image has every extra a torch job's pods use (the Kafka bridge and
+    StreamIterable included); a TensorFlow image is one build argument away, and each
+    extra named is one rove's pyproject defines."""
+    import tomllib
+
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    default = re.search(r"^ARG EXTRAS=(\S+)$", text, re.M)
+    assert default is not None, "the image's extras are a build argument"
+    extras = set(default[1].split(","))
+    assert extras == {"torch", "kubernetes", "gpu", "kafka"}
+    tf = re.search(r"--build-arg EXTRAS=(\S+)", text)
+    assert tf is not None and "tensorflow" in tf[1].split(",") and "torch" not in tf[1]
+    defined = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert extras | set(tf[1].split(",")) <= set(defined["optional-dependencies"])
+    assert 'pip install ".[${EXTRAS}]"' in text
+    assert tf[0] in DOCS.read_text(), "docs/kubernetes.md gives the TensorFlow image's build"
