@@ -10,6 +10,7 @@ from rove.control.catalogue import events as ev
 from rove.control.master.decide import decide
 from rove.control.master.evolve import evolve
 from rove.control.master.netcheck import Wait
+from rove.control.master.silence import replaces
 from rove.control.master.state import JobState, initial
 from tests import factories
 
@@ -64,7 +65,11 @@ class Sim:
 
     def beat(self, node: str, *, inc: str = "i1") -> None:
         seq = self.liveness[node].seq + 1 if node in self.liveness else 1
-        self.liveness[node] = factories.heartbeat(node, inc=inc, seq=seq, ts=self.now)
+        hb = factories.heartbeat(node, inc=inc, seq=seq, ts=self.now)
+        record = self.state.nodes.get(node)
+        # kept as the replica keeps it (an old incarnation's never hides the current's)
+        if replaces(self.liveness.get(node), hb, record.incarnation if record else None):
+            self.liveness[node] = hb
 
     def rounds(self) -> list[ev.RoundCompleted]:
         return [d for d in self.decisions if isinstance(d, ev.RoundCompleted)]

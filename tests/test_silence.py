@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from rove.control.catalogue import events as ev
 from rove.control.master.decide import decide
-from rove.control.master.silence import Silence
+from rove.control.master.silence import Silence, replaces
 from tests import factories
 from tests.sim import Sim
 
@@ -96,3 +96,21 @@ def test_a_node_that_left_is_forgotten_and_watched_again_when_it_joins_again() -
     assert len(sim.silence) == 1
     sim.now += 11
     assert sim.silence.suspects(sim.state, sim.liveness, sim.now, TIMEOUT) == ["n1"]
+
+
+def test_an_old_incarnation_still_beating_never_hides_the_current_ones_heartbeats() -> None:
+    """The history hypothesis found: n1 joined again as i2 and beat; a process of its old
+    incarnation i1 still beat after. Kept as the newest, i1's heartbeat would make i2
+    silent since its join, and the scan would declare a beating node lost."""
+    sim = Watched()
+    sim.join("n1", inc="i2")
+    sim.now += 10.1
+    sim.beat("n1", inc="i2")
+    sim.beat("n1", inc="i1")  # the old incarnation's, after the current one's
+    assert sim.liveness["n1"].incarnation == "i2"
+    assert sim.lost_both_ways() == (set(), set())
+    # a new incarnation's heartbeat is taken once the state knows it joined
+    early = factories.heartbeat("n1", inc="i3", seq=1, ts=sim.now)
+    assert not replaces(sim.liveness["n1"], early, "i2")
+    assert replaces(sim.liveness["n1"], early, "i3")
+    assert replaces(sim.liveness["n1"], early, None), "a node the state does not know: by time"

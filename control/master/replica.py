@@ -27,6 +27,7 @@ from rove.control.catalogue import subjects
 from rove.control.errors import LostEventsError, RoveError
 from rove.control.master import continuity, snapshots
 from rove.control.master.evolve import evolve
+from rove.control.master.silence import replaces
 from rove.control.master.state import JobState, initial
 from rove.control.process import aio
 
@@ -230,13 +231,11 @@ class Replica:
 
     def _heard(self, hb: ev.Heartbeat) -> None:
         # the newest: by its sequence within an incarnation, else by its time (the
-        # stored ones read after the live ones began may be older than those)
-        known = self.liveness.get(hb.node)
-        if (
-            known is None
-            or (known.incarnation == hb.incarnation and known.seq < hb.seq)
-            or (known.incarnation != hb.incarnation and known.ts <= hb.ts)
-        ):
+        # stored ones read after the live ones began may be older than those), never
+        # an old incarnation's over the node's current one's (`silence.replaces`)
+        record = self.state.nodes.get(hb.node)
+        current = record.incarnation if record is not None else None
+        if replaces(self.liveness.get(hb.node), hb, current):
             self.liveness[hb.node] = hb
 
     def _reject(self, rej: records.Rejection) -> None:
