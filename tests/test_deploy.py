@@ -42,7 +42,10 @@ KUBECTL = Path(sys.executable).parent / "kubectl"
 NATS_SERVER = Path(sys.executable).parent / "nats-server"
 #: the Kubernetes version manifests are validated for (the newest minor release out)
 K8S_VERSION = "1.37.0"
-TARGETS = ["overlays/dev", "overlays/prod", "examples/pool", "examples/pods"]
+TARGETS = [
+    *("overlays/dev", "overlays/prod", "examples/pool", "examples/pods"),
+    *("examples/pool-prod", "examples/pods-prod"),
+]
 
 
 @functools.cache
@@ -278,8 +281,8 @@ def test_security_posture() -> None:
             # (a pod template's pods run where the scaler creates them, rove-jobs, not in
             # the namespace of the ConfigMap that holds it)
             namespace = "rove-jobs" if d["kind"] == "ConfigMap" else d["metadata"].get("namespace")
-            wants_token = (
-                d["metadata"]["name"].startswith("rove-scaler") and target == "examples/pods"
+            wants_token = d["metadata"]["name"].startswith("rove-scaler") and target.startswith(
+                "examples/pods"
             )
             assert spec.get("automountServiceAccountToken") is wants_token, name
             if namespace == "rove-system":

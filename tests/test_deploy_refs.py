@@ -14,7 +14,7 @@ import pytest
 
 from tests import kube_refs
 from tests.support import ROOT
-from tests.test_deploy import render
+from tests.test_deploy import pod_specs, render
 
 DOCS = ROOT / "docs" / "kubernetes.md"
 
@@ -30,8 +30,11 @@ def documented_secrets() -> dict[tuple[str, str], set[str]]:
     return found
 
 
-@pytest.mark.parametrize("example", ["pool", "pods"])
-@pytest.mark.parametrize("overlay", ["dev", "prod"])
+#: Each overlay with the examples made for it.
+PAIRS = [("dev", "pool"), ("dev", "pods"), ("prod", "pool-prod"), ("prod", "pods-prod")]
+
+
+@pytest.mark.parametrize(("overlay", "example"), PAIRS)
 def test_an_overlay_with_an_example_finds_everything_it_refers_to(
     overlay: str, example: str
 ) -> None:
@@ -113,3 +116,31 @@ def test_the_image_carries_what_the_manifests_and_their_jobs_run() -> None:
     assert extras | set(tf[1].split(",")) <= set(defined["optional-dependencies"])
     assert 'pip install ".[${EXTRAS}]"' in text
     assert tf[0] in DOCS.read_text(), "docs/kubernetes.md gives the TensorFlow image's build"
+
+
+@pytest.mark.parametrize("example", ["pool-prod", "pods-prod"])
+def test_under_prod_every_nats_client_uses_tls_and_trusts_a_mounted_ca(example: str) -> None:
+    """The prod servers refuse plain connections: every rove container of the overlay and
+    of its examples (the node pods' template too) names a tls:// address if it names
+    one, and a CA file inside a volume it mounts."""
+    docs = render("overlays/prod") + render(f"examples/{example}")
+    checked = []
+    for d, spec in pod_specs(docs):
+        for c in spec.get("containers", []):
+            template = d["kind"] == "ConfigMap"
+            if c.get("command") != ["rove"] and not template:
+                continue  # the NATS servers themselves
+            where = f"{d['kind']}/{d['metadata']['name']}/{c['name']}"
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            url = env.get("ROVE_NATS_URL")
+            assert url is None or url.startswith("tls://"), (where, url)
+            ca = env.get("ROVE_NATS_TLS_CA")
+            assert ca, f"{where}: no ROVE_NATS_TLS_CA"
+            mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
+            assert any(ca.startswith(m.rstrip("/") + "/") for m in mounts), (where, ca, mounts)
+            checked.append(where)
+    names = {w.split("/")[1] for w in checked}
+    wanted = {"rove-agent", "rove-master-example", "rove-scaler-example", "rove-submit-example"}
+    assert wanted <= names, checked
+    if example == "pods-prod":
+        assert any(w.startswith("ConfigMap/rove-pod-template") for w in checked), checked
