@@ -58,6 +58,7 @@ class CheckpointDuty:
         #: counts from it, so that a node whose persist failed (a full disk) persists the
         #: same steps as its peers next, and those steps can be committed
         self._attempted = -1
+        self._base = -1  # steps persisted are this plus multiples of persist_every (0: -1)
 
     async def new_round(
         self,
@@ -90,16 +91,22 @@ class CheckpointDuty:
         self._round = round_
         self._kept = -1 if restore_step is None else restore_step
         self._attempted = self._kept  # every node counts from the step the round restored
+        self._base = self._kept
         self._world_size = world_size
         self._group_rank = group_rank
 
     def tick(self) -> None:
-        """Report a new step in memory; start persisting it when one is due."""
-        step = self._report_in_memory()
+        """Report a new step in memory; start persisting one when one is due: the
+        newest held of the steps every node persists (`Saver.aligned_step`: the round's
+        restored step plus multiples of `persist_every`), so that all nodes persist the
+        same steps whenever each looks."""
+        self._report_in_memory()
         busy = self._persisting is not None and not self._persisting.done()
+        if busy or self.saver.storage is None:
+            return
         since = max(0, self.saver.persisted_step, self._attempted)
-        due = step is not None and step - since >= self.persist_every
-        if due and step is not None and self.saver.storage is not None and not busy:
+        step = self.saver.aligned_step(self.persist_every, max(0, self._base), since)
+        if step is not None:
             self._persisting = asyncio.create_task(self._persist(step))
 
     async def breakpoint(self) -> None:

@@ -78,18 +78,27 @@ class Saver:
         self.persisted_step = min(self.persisted_step, keep)
         return sorted(dropped), removed
 
+    def common_steps(self) -> set[int]:
+        """The steps every local rank holds complete in memory."""
+        if not self.engines:
+            return set()
+        return set.intersection(*({s.step for s in e.slots()} for e in self.engines.values()))
+
     def common_step(self) -> int | None:
         """The newest step every local rank holds complete in memory."""
-        if not self.engines:
-            return None
-        per_rank = []
-        for engine in self.engines.values():
-            steps = {s.step for s in engine.slots()}
-            if not steps:
-                return None
-            per_rank.append(steps)
-        common = set.intersection(*per_rank)
-        return max(common) if common else None
+        return max(self.common_steps(), default=None)
+
+    def aligned_step(self, every: int, base: int, after: int) -> int | None:
+        """The newest step every local rank holds in memory that is `base` plus a
+        multiple of `every` and newer than `after` (None: none is).
+
+        Every node persists these, whatever step it happened to see first: a node that
+        looked between steps 5 and 6 and another that looked after 6 both persist 5, so
+        the master finds 5 on every rank and commits it. (Persisting the newest step
+        each had seen, they persisted 5 and 6, 10 and 11, ...: on a busy machine no
+        step was ever on every rank, and nothing was committed until the job's end.)"""
+        due = [s for s in self.common_steps() if s > after and (s - base) % every == 0]
+        return max(due, default=None)
 
     def new_in_memory(self) -> int | None:
         step = self.common_step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -118,39 +119,7 @@ async def test_a_node_whose_persist_failed_persists_the_same_steps_as_its_peer_n
     """Two nodes persist every 5th step. One's persist of step 10 fails (its disk was
     full); the other's succeeds. Both must persist 15 next, or no step is ever on every
     rank again and none can be committed (the nemesis found every later commit gone)."""
-    from rove.agent import ckpt_duty
-    from rove.agent.facts import NodeFacts
-    from rove.checkpoint.engine import CheckpointError
-
-    class Steps:
-        """Persists what it is asked, failing the steps in `failing`; holds `newest`."""
-
-        storage = object()
-        engines = {0: None}
-
-        def __init__(self, failing: set[int]) -> None:
-            self.failing, self.newest, self.reported_step = failing, 0, -1
-            self.persisted_step, self.persisted = -1, []
-
-        def new_in_memory(self) -> int | None:
-            if self.newest <= self.reported_step:
-                return None
-            self.reported_step = self.newest
-            return self.newest
-
-        def persist(self, step: int) -> object:
-            if step in self.failing:
-                raise CheckpointError(f"step {step}: the disk is full")
-            self.persisted.append(step)
-            self.persisted_step = step
-            return type("Done", (), {"ranks": (0,), "location": "x"})()
-
-    duties = []
-    for node, failing in (("na", {10}), ("nb", set())):
-        duty = ckpt_duty.CheckpointDuty(NodeFacts(_Outbox(), job="j", node=node), None)  # type: ignore[arg-type]
-        duty.saver = Steps(failing)  # type: ignore[assignment]
-        duty.persist_every = 5
-        duties.append(duty)
+    duties = [_duty(node, Steps(failing)) for node, failing in (("na", {10}), ("nb", set()))]
     for step in range(1, 31):
         for duty in duties:
             duty.saver.newest = step  # type: ignore[attr-defined]
@@ -159,3 +128,63 @@ async def test_a_node_whose_persist_failed_persists_the_same_steps_as_its_peer_n
                 await duty._persisting
     assert duties[1].saver.persisted == [5, 10, 15, 20, 25, 30]  # type: ignore[attr-defined]
     assert duties[0].saver.persisted == [5, 15, 20, 25, 30]  # type: ignore[attr-defined]
+
+
+async def test_nodes_that_look_at_different_moments_persist_the_same_steps() -> None:
+    """On a busy machine a node's agent may look only after step 6 was saved, its peer's
+    between 5 and 6: both must persist 5 (still in memory), not each the newest it saw,
+    or no step is ever on every rank and nothing is committed until the job ends (the
+    nemesis found a whole job with one commit, at its end)."""
+    eager = _duty("na", Steps(set()))
+    late = _duty("nb", Steps(set()))
+    for step in range(1, 31):
+        for duty, looks in ((eager, True), (late, step % 5 == 1)):  # nb: at 1, 6, 11, ...
+            duty.saver.newest = step  # type: ignore[attr-defined]
+            if looks:
+                duty.tick()
+                if duty._persisting is not None:
+                    await duty._persisting
+    assert eager.saver.persisted == [5, 10, 15, 20, 25, 30]  # type: ignore[attr-defined]
+    assert late.saver.persisted == [5, 10, 15, 20, 25]  # type: ignore[attr-defined]
+
+
+def _duty(node: str, saver: Steps) -> Any:
+    from rove.agent import ckpt_duty
+    from rove.agent.facts import NodeFacts
+
+    duty = ckpt_duty.CheckpointDuty(NodeFacts(_Outbox(), job="j", node=node), None)  # type: ignore[arg-type]
+    duty.saver = saver  # type: ignore[assignment]
+    duty.persist_every = 5
+    return duty
+
+
+class Steps:
+    """A node's saver that holds its two newest steps in memory (as the slots do), and
+    persists what it is asked, failing the steps in `failing`; which step is due is the
+    real `Saver.aligned_step`."""
+
+    storage = object()
+    engines = {0: None}
+    aligned_step = Saver.aligned_step
+
+    def __init__(self, failing: set[int]) -> None:
+        self.failing, self.newest, self.reported_step = failing, 0, -1
+        self.persisted_step, self.persisted = -1, []
+
+    def common_steps(self) -> set[int]:
+        return {s for s in (self.newest - 1, self.newest) if s > 0}
+
+    def new_in_memory(self) -> int | None:
+        if self.newest <= self.reported_step:
+            return None
+        self.reported_step = self.newest
+        return self.newest
+
+    def persist(self, step: int) -> object:
+        from rove.checkpoint.engine import CheckpointError
+
+        if step in self.failing:
+            raise CheckpointError(f"step {step}: the disk is full")
+        self.persisted.append(step)
+        self.persisted_step = step
+        return type("Done", (), {"ranks": (0,), "location": "x"})()

@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rove.control.catalogue import events as ev
 from tests.nemesis import checks
 from tests.nemesis.faults import FAULTS, Injected
 from tests.nemesis.world import Shape, World
@@ -82,6 +83,11 @@ def plan(scenario: Scenario, seed: int) -> list[tuple[str, int]]:
     return list(zip(order, at, strict=True))
 
 
+async def ended(world: World) -> bool:
+    """Whether the job has ended (its `job_ended` is stored)."""
+    return any(isinstance(r.event, ev.JobEnded) for r in await world.records())
+
+
 async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
     """Run the job with the scenario's faults; check it. Never raises for what the
     system did wrong: that is in the outcome's problems (and rows)."""
@@ -95,6 +101,11 @@ async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
             await eventually(lambda a=at: world.progress() >= a, timeout=300)
             if world.progress() > world.total_steps() * 0.9:
                 problems.append(f"the job was nearly done before {fault}: too short a job")
+            if await ended(world):
+                # (nodes a fault starts again would wait for the job's next run, which no
+                # master serves: the run would hang instead of failing)
+                problems.append(f"the job had ended before {fault}: it was not injected")
+                break
             injected.append(await FAULTS[fault](world, rnd))
         codes = await world.finish()
         problems += await checks.after_run(world, injected, codes)
