@@ -503,10 +503,20 @@ async def poison(world: World, rnd: random.Random) -> Injected:
         if who == "stranger" and stored:
             problems.append(f"another job's agent stored {stored} messages in this job")
     ended = time.time()
-    # the job goes on in the round it was in: a few more steps of every rank
+    # the job goes on in the round it was in: a few more steps of every rank, or to its
+    # last step (sending the poison on a busy machine can take most of the job)
     target = world.progress() + 5
+
+    async def went_on() -> bool:
+        if world.progress() >= target:
+            return True
+        return any(  # or it reached its end
+            isinstance(r.event, ev.JobEnded) and r.event.phase is ev.JobPhase.FINISHED
+            for r in await world.records()
+        )
+
     try:
-        await eventually(lambda: world.progress() >= target, timeout=60)
+        await eventually(went_on, timeout=60)
     except AssertionError:
         problems.append("training did not go on after the poison")
     rounds_after = max((r["round"] for r in world.rows()), default=0)
