@@ -329,7 +329,7 @@ async def disk_full(world: World, rnd: random.Random) -> Injected:
     )  # fmt: skip
 
 
-async def _ended(world: World) -> bool:
+async def job_ended(world: World) -> bool:
     """Whether the job's `job_ended` is stored (False when the stream cannot be read)."""
     try:
         records = await world.records()
@@ -352,7 +352,7 @@ async def checkpoint_corrupt(world: World, rnd: random.Random) -> Injected:
     await eventually(lambda: len(_committed_steps(world)) >= 2, timeout=120)
     rounds = max((r["round"] for r in world.rows()), default=0)
     began = time.time()
-    if await _ended(world):
+    if await job_ended(world):
         # two steps were committed only at the job's end: nodes started again now would
         # wait for a next run no master serves (the run would hang, not fail)
         problem = "fewer than 2 steps were committed before the job ended"

@@ -8,9 +8,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rove.control.catalogue import events as ev
 from tests.nemesis import checks
-from tests.nemesis.faults import FAULTS, Injected
+from tests.nemesis.faults import FAULTS, Injected, job_ended
 from tests.nemesis.world import Shape, World
 from tests.support import eventually
 
@@ -83,17 +82,6 @@ def plan(scenario: Scenario, seed: int) -> list[tuple[str, int]]:
     return list(zip(order, at, strict=True))
 
 
-async def ended(world: World) -> bool:
-    """Whether the job has ended (its `job_ended` is stored). False when the stream
-    cannot be read just now: a fault before this one (a quorum lost) can leave JetStream
-    unavailable for a moment, and the next fault is injected as it was meant to be."""
-    try:
-        records = await world.records()
-    except Exception:  # any failure to read: not known to have ended
-        return False
-    return any(isinstance(r.event, ev.JobEnded) for r in records)
-
-
 async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
     """Run the job with the scenario's faults; check it. Never raises for what the
     system did wrong: that is in the outcome's problems (and rows)."""
@@ -107,7 +95,7 @@ async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
             await eventually(lambda a=at: world.progress() >= a, timeout=300)
             if world.progress() > world.total_steps() * 0.9:
                 problems.append(f"the job was nearly done before {fault}: too short a job")
-            if await ended(world):
+            if await job_ended(world):
                 # (nodes a fault starts again would wait for the job's next run, which no
                 # master serves: the run would hang instead of failing)
                 problems.append(f"the job had ended before {fault}: it was not injected")
