@@ -131,6 +131,12 @@ async def chaos(
                 pids = sorted({r["pid"] for r in rows(trace) if r["round"] == latest})
                 victim = rnd.choice([p for p in pids if pid_alive(p)] or pids)
                 os.kill(victim, signal.SIGKILL)
+                # the next action waits for this one's round: the poll above can see a step
+                # a few steps late, and an agent killed while the round restarts would make
+                # one round of two faults
+                await eventually(
+                    lambda seen=latest: max(r["round"] for r in rows(trace)) > seen, timeout=120
+                )
             elif action == "master":
                 name = killed_master = await leader(bus)
                 masters[name].kill()
