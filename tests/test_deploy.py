@@ -223,7 +223,10 @@ def test_the_nats_configuration_is_valid_and_prod_fsyncs_every_write(
         (tmp_path / name).write_text(text)
     env = {
         "SERVER_NAME": "rove-nats-0",
-        **{f"ROVE_NATS_{r}_PASSWORD": "x" for r in ("ADMIN", "MASTER", "SCALER", "AGENT", "CLI")},
+        **{
+            f"ROVE_NATS_{r}_PASSWORD": "x"
+            for r in ("ADMIN", "MASTER", "SCALER", "AGENT", "CLI", "OPERATOR")
+        },
     }
     out = subprocess.run(
         [str(NATS_SERVER), "-c", str(tmp_path / "nats.conf"), "-t"],
@@ -281,9 +284,11 @@ def test_security_posture() -> None:
             # (a pod template's pods run where the scaler creates them, rove-jobs, not in
             # the namespace of the ConfigMap that holds it)
             namespace = "rove-jobs" if d["kind"] == "ConfigMap" else d["metadata"].get("namespace")
-            wants_token = d["metadata"]["name"].startswith("rove-scaler") and target.startswith(
-                "examples/pods"
-            )
+            # (the kubernetes backend's scaler and the operator talk to the API server)
+            wants_token = (
+                d["metadata"]["name"].startswith("rove-scaler")
+                and target.startswith("examples/pods")
+            ) or d["metadata"]["name"] == "rove-operator"
             assert spec.get("automountServiceAccountToken") is wants_token, name
             if namespace == "rove-system":
                 # the "restricted" Pod Security level, which rove-system enforces
@@ -344,7 +349,9 @@ async def test_the_nats_users_of_deploy_work_and_the_readonly_and_agent_ones_are
     (tmp_path / "server.conf").write_text(
         f"listen: 127.0.0.1:{port}\njetstream {{ store_dir: {tmp_path}/js }}\ninclude ./auth.conf\n"
     )
-    passwords = {r: f"pw-{r.lower()}" for r in ("ADMIN", "MASTER", "SCALER", "AGENT", "CLI")}
+    passwords = {
+        r: f"pw-{r.lower()}" for r in ("ADMIN", "MASTER", "SCALER", "AGENT", "CLI", "OPERATOR")
+    }
     server = subprocess.Popen(
         [str(NATS_SERVER), "-c", str(tmp_path / "server.conf")],
         env={**os.environ, **{f"ROVE_NATS_{r}_PASSWORD": p for r, p in passwords.items()}},

@@ -19,6 +19,7 @@ from rove.control.cli import (
     kafka_cmd,
     logs_cmd,
     master_cmd,
+    operator_cmd,
     scaler_cmd,
     status_cmd,
     stop_cmd,
@@ -28,7 +29,7 @@ from rove.control.flags import options as common
 from rove.control.flags import suggest
 from rove.control.process import logs
 
-_DAEMONS = frozenset({"master", "scaler", "agent", "kafka-bridge"})
+_DAEMONS = frozenset({"master", "scaler", "agent", "kafka-bridge", "operator"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         jobs_cmd,
         stop_cmd,
         auth_cmd,
+        operator_cmd,
     ):
         module.add_parser(sub)
     return p

@@ -1,0 +1,1 @@
+"""The Kubernetes operator: a `RoveJob` per job (deploy/base/operator)."""

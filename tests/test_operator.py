@@ -1,0 +1,500 @@
+"""`rove operator` and the RoveJob: the objects it makes, the status it writes.
+
+The operator runs against `kmock`'s API emulator with the official client and a
+real nats-server: a RoveJob created there gets its masters, scaler and submit Job
+(with TLS), its status follows a scripted job on the bus (round formed, a node
+lost, finished), an ended job's Deployments go to 0, a delete stops the job on the
+bus and lets Kubernetes clean up, and an operator restarted, or refused by the API
+server mid-reconcile, creates nothing twice. The CRD's schema is checked offline
+(`jsonschema`, the example and bad specs); its immutability rule (CEL) needs a live
+API server and is not exercised here (docs/kubernetes.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kmock
+import msgspec
+import pytest
+import yaml
+
+from rove.control.bus.client import Bus
+from rove.control.catalogue import events as ev
+from rove.control.cli.main import build_parser
+from rove.control.errors import ConfigError
+from rove.control.operator import controller
+from rove.control.operator import spec as rj
+from rove.control.operator import status as st
+from rove.control.scaler.kubernetes import api_client
+from tests import factories as f
+from tests.support import ROOT, CliProc, eventually, stored_events
+
+DEPLOY = ROOT / "deploy"
+NS = "rove-system"
+JOB = "rj1"
+RESOURCE = "rove.dev/v1alpha1/rovejobs"
+SITE = rj.Site(
+    nats_url="tls://rove-nats.rove-system.svc:4222",
+    ca_secret="rove-nats-tls",
+    nodes_ca_secret="rove-nats-ca",
+)
+
+
+def crd_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((DEPLOY / "base/operator/crd.yaml").read_text())
+    [version] = crd["spec"]["versions"]
+    return dict(version["schema"]["openAPIV3Schema"])
+
+
+def example() -> dict[str, Any]:
+    return dict(yaml.safe_load((DEPLOY / "examples/rovejob/job.yaml").read_text()))
+
+
+def rovejob(name: str = JOB, **spec: Any) -> dict[str, Any]:
+    obj = example()
+    obj["metadata"] = {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1}
+    obj["spec"].update(spec)
+    return obj
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_the_example_passes_the_crds_schema_and_bad_specs_are_refused() -> None:
+    schema = crd_schema()
+    jsonschema.validate(example(), schema)
+    bad: dict[str, dict[str, Any]] = {
+        "no image": {"image": None},
+        "nnodes not MIN:MAX": {"nnodes": "2-4"},
+        "no process per node": {"nprocPerNode": 0},
+        "an unknown field": {"replicas": 3},
+        "an unknown mode": {"mode": "slurm"},
+        "memory not a quantity": {"resources": {"memory": "lots"}},
+        "kafka without a topic": {"kafka": {"bootstrap": "k:9092"}},
+    }
+    for why, change in bad.items():
+        obj = copy.deepcopy(example())
+        for key, value in change.items():
+            if value is None:
+                del obj["spec"][key]
+            else:
+                obj["spec"][key] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(obj, schema)
+            pytest.fail(f"the schema let through {why}")
+
+
+def test_the_operator_refuses_what_the_schema_cannot_check() -> None:
+    with pytest.raises(ConfigError, match="nnodes '4:2'"):
+        rj.parse(rovejob(nnodes="4:2"))
+    with pytest.raises(ConfigError, match="invalid job name"):
+        rj.parse(rovejob(name="a.b"))
+    with pytest.raises(ConfigError, match="use mode: pods"):
+        rj.parse(rovejob(mode="pool", scheduling={"queue": "q"}))
+    with pytest.raises(ConfigError, match="needs a dir"):
+        rj.parse(rovejob(checkpoint={"persistentVolumeClaim": "ckpt"}))
+
+
+# --------------------------------------------------------------------------- children
+
+
+def test_every_child_is_owned_runs_a_command_rove_parses_and_uses_tls() -> None:
+    obj = rovejob(
+        kafka={"bootstrap": "kafka:9093", "topic": "clicks", "configSecret": "kafka-client"},
+        checkpoint={"dir": "/ckpt", "persistentVolumeClaim": "rove-ckpt"},
+        scheduling={"priorityClassName": "training", "queue": "team-a", "podGroup": "pg"},
+    )
+    children = rj.children(obj, rj.parse(obj), SITE)
+    by_name = {c["metadata"]["name"]: c for c in children}
+    assert set(by_name) == {
+        f"rove-{k}-{JOB}" for k in ("pod-template", "submit", "master", "scaler", "kafka-bridge")
+    }
+    parser = build_parser()
+    for child in children:
+        meta = child["metadata"]
+        assert meta["namespace"] == NS and meta["labels"][rj.JOB_LABEL] == JOB
+        [ref] = meta["ownerReferences"]
+        assert (ref["kind"], ref["uid"], ref["controller"]) == ("RoveJob", f"uid-{JOB}", True)
+        if child["kind"] == "ConfigMap":
+            continue
+        pod = child["spec"]["template"]["spec"]
+        [c] = pod["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["ROVE_NATS_URL"].startswith("tls://"), meta["name"]
+        assert env["ROVE_NATS_TLS_CA"] == "/etc/rove-tls/ca.crt"
+        assert {"name": "nats-ca", "mountPath": "/etc/rove-tls", "readOnly": True} in c[
+            "volumeMounts"
+        ]
+        assert any(v.get("secret", {}).get("secretName") == "rove-nats-tls" for v in pod["volumes"])
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        parser.parse_args(c["args"])  # (SystemExit if rove would refuse it)
+    submit = by_name[f"rove-submit-{JOB}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    after = submit[submit.index("--") + 1 :]
+    assert after[:6] == ["--nnodes", "1:4", "--nproc-per-node", "2", "--max-restarts", "10"]
+    assert after[6:8] == ["--checkpoint-dir", "/ckpt"]
+    bridge = by_name[f"rove-kafka-bridge-{JOB}"]["spec"]["template"]["spec"]
+    assert {"name": "ROVE_KAFKA_CONFIG", "value": "/etc/rove-kafka/client.properties"} in bridge[
+        "containers"
+    ][0]["env"]
+    # the nodes' pod template: what the kubernetes backend accepts, wired for the job
+    from rove.control.scaler.kubernetes import load_template
+
+    template_map = by_name[f"rove-pod-template-{JOB}"]["data"]["pod-template.yaml"]
+    path = Path("/tmp") / f"rove-test-template-{JOB}.yaml"
+    path.write_text(template_map)
+    template = load_template(path)
+    assert template is not None
+    node = template["spec"]
+    assert node["priorityClassName"] == "training"
+    assert template["metadata"]["labels"][rj.KUEUE_QUEUE] == "team-a"
+    assert template["metadata"]["labels"][rj.POD_GROUP] == "pg"
+    volumes = {v["name"]: v for v in node["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "rove-ckpt"
+    assert volumes["nats-ca"]["secret"]["secretName"] == "rove-nats-ca"
+    assert volumes["kafka-config"]["secret"]["secretName"] == "kafka-client"
+    mounts = {m["name"]: m["mountPath"] for m in node["containers"][0]["volumeMounts"]}
+    assert mounts["checkpoints"] == "/ckpt" and mounts["kafka-config"] == "/etc/rove-kafka"
+
+
+def test_a_pool_job_has_no_pod_template_and_its_scaler_no_api_token() -> None:
+    obj = rovejob(mode="pool", pool="gpus")
+    children = rj.children(obj, rj.parse(obj), rj.Site(nats_url="nats://n:4222"))
+    kinds = sorted(c["kind"] for c in children)
+    assert kinds == ["Deployment", "Deployment", "Job"]
+    [scaler] = [c for c in children if c["metadata"]["name"].startswith("rove-scaler")]
+    pod = scaler["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["containers"][0]["args"][-4:] == ["--backend", "pool", "--pool", "gpus"]
+    assert "ROVE_NATS_TLS_CA" not in {e["name"] for e in pod["containers"][0]["env"]}
+
+
+# --------------------------------------------------------------------------- status
+
+
+def test_the_status_follows_the_job_and_names_its_last_failure() -> None:
+    from rove.control.master.evolve import evolve
+    from rove.control.master.state import initial
+
+    state = initial(JOB)
+    events: list[ev.Event] = [
+        f.elected("m1", 1, job=JOB),
+        f.joined("n1", job=JOB),
+        f.joined("n2", n=1, job=JOB),
+        f.round_completed(1, 1, "n1", "n2", job=JOB),
+    ]
+    for seq, e in enumerate(events, 1):
+        state = evolve(state, e, seq)
+    s = st.status(state, None, seen=True, generation=1, events_through=0, now=1000.0)
+    assert (s["phase"], s["round"], s["nodes"], s["worldSize"]) == ("Running", 1, 2, 4)
+    running = {c["type"]: c for c in s["conditions"]}["Running"]
+    assert (running["status"], running["reason"]) == ("True", "RoundActive")
+    state = evolve(state, f.exited("n2", 1, rank=3, job=JOB), 5)
+    later = st.status(
+        state, None, seen=True, generation=1, events_through=0, now=2000.0, previous=s
+    )
+    assert later["lastFailure"]["node"] == "n2" and later["lastFailure"]["rank"] == 3
+    # a condition that still holds keeps the time it became true
+    assert {c["type"]: c for c in later["conditions"]}["Running"]["lastTransitionTime"] == (
+        running["lastTransitionTime"]
+    )
+    assert st.status(initial(JOB), None, seen=False, generation=1, events_through=0, now=0)[
+        "phase"
+    ] == ("Submitting")
+
+
+# --------------------------------------------------------------------------- operator
+
+
+class Cluster:
+    """kmock's emulator, with the resources the operator lists declared."""
+
+    def __init__(self, emulator: kmock.KubernetesEmulator, server: kmock.Server) -> None:
+        self.emulator = emulator
+        self.server = server
+        emulator.resources[RESOURCE] = {}  # type: ignore[assignment]
+
+    def api(self) -> Any:
+        return api_client(str(self.server.url).rstrip("/"))
+
+    def objects(self, plural: str) -> dict[str, dict[str, Any]]:
+        out = {}
+        for (resource, _ns, name), obj in self.emulator.objects.items():
+            if resource.plural == plural and not obj.deleted:
+                out[name] = obj.raw
+        return out
+
+    def rovejob(self) -> dict[str, Any] | None:
+        return self.objects("rovejobs").get(JOB)
+
+
+@contextlib.asynccontextmanager
+async def operator(bus: Bus, cluster: Cluster) -> AsyncIterator[controller.Operator]:
+    op = controller.Operator(bus, cluster.api(), NS, SITE, resync_s=0.5, status_every_s=0.2)
+    task = asyncio.create_task(op.run())
+    try:
+        yield op
+    finally:
+        op.stop()
+        await asyncio.wait_for(task, 30)
+
+
+async def create(cluster: Cluster, obj: dict[str, Any]) -> None:
+    from kubernetes import client as k8s
+
+    api = k8s.CustomObjectsApi(cluster.api())
+    await asyncio.to_thread(
+        api.create_namespaced_custom_object, rj.GROUP, rj.VERSION, NS, rj.PLURAL, obj
+    )
+
+
+def status_of(cluster: Cluster) -> dict[str, Any]:
+    return (cluster.rovejob() or {}).get("status") or {}
+
+
+def event_reasons(cluster: Cluster) -> list[str]:
+    events = cluster.objects("events").values()
+    return sorted(e["reason"] for e in events if e["involvedObject"]["name"] == JOB)
+
+
+async def test_a_rovejob_is_run_followed_and_stopped_through_the_bus(bus: Bus) -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        await create(cluster, rovejob())
+        async with operator(bus, cluster):
+            await eventually(lambda: len(cluster.objects("deployments")) == 2, timeout=30)
+            assert set(cluster.objects("jobs")) == {f"rove-submit-{JOB}"}
+            assert set(cluster.objects("configmaps")) == {f"rove-pod-template-{JOB}"}
+            await eventually(lambda: status_of(cluster).get("phase") == "Submitting", timeout=30)
+            assert rj.FINALIZER in cluster.rovejob()["metadata"]["finalizers"]  # type: ignore[index]
+
+            # a scripted job on the bus: a round of two nodes, one lost, a round of one
+            for e in (
+                f.elected("m1", 1, job=JOB),
+                f.joined("n1", job=JOB),
+                f.joined("n2", n=1, job=JOB),
+                msgspec.structs.replace(f.round_completed(1, 1, "n1", "n2", job=JOB), ts=101.0),
+                f.progressed("n1", 1, 40, 130.0, job=JOB),
+            ):
+                await bus.publish(e)
+            await eventually(lambda: status_of(cluster).get("round") == 1, timeout=30)
+            s = status_of(cluster)
+            assert (s["phase"], s["nodes"], s["worldSize"], s["step"]) == ("Running", 2, 4, 40)
+            await bus.publish(f.lost("n2", 1, job=JOB))
+            await bus.publish(
+                msgspec.structs.replace(f.round_completed(2, 1, "n1", job=JOB), ts=201.0)
+            )
+            await eventually(lambda: status_of(cluster).get("round") == 2, timeout=30)
+            assert status_of(cluster)["nodes"] == 1
+            await eventually(lambda: "NodeLost" in event_reasons(cluster), timeout=30)
+            assert event_reasons(cluster).count("RoundFormed") == 2
+
+            await bus.publish(f.ended(1, ev.JobPhase.FINISHED, job=JOB))
+            await eventually(lambda: status_of(cluster).get("phase") == "Finished", timeout=30)
+            assert "goodput" in status_of(cluster)
+            # an ended job's masters and scaler would exit and be restarted forever
+            await eventually(
+                lambda: all(
+                    d["spec"]["replicas"] == 0 for d in cluster.objects("deployments").values()
+                ),
+                timeout=30,
+            )
+            told = status_of(cluster)["eventsThrough"]
+            assert told > 0 and "JobFinished" in event_reasons(cluster)
+
+        # a second operator (a restart) rebuilds the status from the stream and
+        # creates nothing twice: no object, no Kubernetes Event
+        before = {p: set(cluster.objects(p)) for p in ("deployments", "jobs", "configmaps")}
+        n_events = len(cluster.objects("events"))
+        seen = len(list(emulator))
+        async with operator(bus, cluster) as second:
+            await eventually(lambda: JOB in second.followers, timeout=30)
+            await asyncio.sleep(1.5)  # (several resyncs and status rounds)
+        assert {p: set(cluster.objects(p)) for p in before} == before
+        assert len(cluster.objects("events")) == n_events
+        created = [r for r in list(emulator)[seen:] if r.method.value == "POST"]
+        assert all(r.resource is not None and r.resource.plural != "events" for r in created)
+        assert status_of(cluster)["phase"] == "Finished"
+
+
+async def test_deleting_a_running_rovejob_stops_the_job_then_lets_kubernetes_delete_it(
+    bus: Bus,
+) -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        await create(cluster, rovejob())
+        for e in (
+            f.elected("m1", 1, job=JOB),
+            f.joined("n1", job=JOB),
+            f.round_completed(1, 1, "n1", job=JOB),
+        ):
+            await bus.publish(e)
+        async with operator(bus, cluster):
+            await eventually(lambda: status_of(cluster).get("phase") == "Running", timeout=30)
+            from kubernetes import client as k8s
+
+            api = k8s.CustomObjectsApi(cluster.api())
+            await asyncio.to_thread(
+                api.delete_namespaced_custom_object, rj.GROUP, rj.VERSION, NS, rj.PLURAL, JOB
+            )
+
+            async def stop_asked() -> bool:
+                return any(
+                    isinstance(r.event, ev.StopRequested) for r in await stored_events(bus, JOB)
+                )
+
+            await eventually(stop_asked, timeout=30)
+            # the finalizer is taken off: the emulator (as Kubernetes) deletes the object
+            await eventually(lambda: cluster.rovejob() is None, timeout=30)
+        [stop] = [
+            r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.StopRequested)
+        ]
+        assert stop.reason == f"RoveJob {NS}/{JOB} deleted"
+
+
+async def test_a_refused_create_is_retried_and_nothing_is_created_twice(bus: Bus) -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        await create(cluster, rovejob())
+        # the API server fails the scaler's creation once (as an operator killed mid-way)
+        scalers = kmock.data({"metadata": {"name": f"rove-scaler-{JOB}"}})
+        emulator["post", re.compile(r".*/deployments$"), scalers][:1] << 503  # type: ignore[index]
+        async with operator(bus, cluster):
+            await eventually(lambda: len(cluster.objects("deployments")) == 2, timeout=30)
+            await asyncio.sleep(1.0)  # (resyncs after everything is there)
+        posts: dict[str, int] = {}
+        skip = ("events", "rovejobs")  # (Kubernetes Events; the test's own RoveJob)
+        for r in emulator:
+            if r.method.value == "POST" and r.resource and r.resource.plural not in skip:
+                name = (r.data or {}).get("metadata", {}).get("name", "")
+                posts[name] = posts.get(name, 0) + 1
+        # the refused create was tried again, and each object created once
+        assert posts == {
+            f"rove-pod-template-{JOB}": 1,
+            f"rove-submit-{JOB}": 1,
+            f"rove-master-{JOB}": 1,
+            f"rove-scaler-{JOB}": 2,
+        }
+        assert set(cluster.objects("deployments")) == {f"rove-master-{JOB}", f"rove-scaler-{JOB}"}
+
+
+async def test_an_invalid_rovejob_is_marked_and_told_not_run(bus: Bus) -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        await create(cluster, rovejob(nnodes="4:2"))
+        async with operator(bus, cluster):
+            await eventually(lambda: status_of(cluster).get("phase") == "Invalid", timeout=30)
+            await asyncio.sleep(1.0)
+        assert cluster.objects("deployments") == {} and cluster.objects("jobs") == {}
+        assert "nnodes" in status_of(cluster)["conditions"][0]["message"]
+        assert event_reasons(cluster) == ["InvalidSpec"]
+
+
+def _role() -> dict[tuple[str, str], set[str]]:
+    docs = list(yaml.safe_load_all((DEPLOY / "base/operator/rbac.yaml").read_text()))
+    [role] = [d for d in docs if d["kind"] == "Role"]
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                granted.setdefault((group, res), set()).update(rule["verbs"])
+    return granted
+
+
+_VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
+
+
+async def test_the_operators_role_grants_exactly_what_it_uses(bus: Bus) -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        await create(cluster, rovejob())
+        await create(cluster, rovejob(name="rj2", nnodes="3:1"))  # an invalid one
+        for e in (f.elected("m1", 1, job=JOB), f.ended(1, ev.JobPhase.FINISHED, job=JOB)):
+            await bus.publish(e)
+        start = len(list(emulator))
+        async with operator(bus, cluster):
+            await eventually(lambda: status_of(cluster).get("phase") == "Finished", timeout=30)
+            await eventually(
+                lambda: all(
+                    d["spec"]["replicas"] == 0 for d in cluster.objects("deployments").values()
+                ),
+                timeout=30,
+            )
+            from kubernetes import client as k8s
+
+            api = k8s.CustomObjectsApi(cluster.api())
+            await asyncio.to_thread(
+                api.delete_namespaced_custom_object, rj.GROUP, rj.VERSION, NS, rj.PLURAL, JOB
+            )
+            await eventually(lambda: cluster.rovejob() is None, timeout=30)
+        used: dict[tuple[str, str], set[str]] = {}
+        for request in list(emulator)[start:]:
+            if request.method.value == "DELETE":
+                continue  # (the test's own: the operator deletes nothing)
+            res, action = request.resource, request.action
+            assert res is not None and action is not None and request.namespace == NS
+            plural = res.plural + ("/status" if request.url.path.endswith("/status") else "")
+            verb = "patch" if request.method.value == "PATCH" else _VERBS[action.value]
+            used.setdefault((res.group or "", plural), set()).add(verb)
+    assert used == _role()
+
+
+class OperatorProc(CliProc):
+    """A `rove operator` process."""
+
+    def __init__(self, nats_url: str, kube_api: str, log_dir: Path, name: str) -> None:
+        self._spawn(
+            f"rove operator {name}",
+            log_dir / f"operator-{name}.log",
+            *("operator", "--namespace", NS, "--nats", nats_url, "--kube-api", kube_api),
+            *("--resync", "1", "--tls-ca-secret", "rove-nats-tls"),
+        )
+
+
+async def test_the_rove_operator_command_killed_and_started_again_creates_nothing_twice(
+    bus: Bus, tmp_path: Path
+) -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        kube = str(server.url).rstrip("/")
+        await create(cluster, rovejob())
+        first = OperatorProc(bus.url, kube, tmp_path, "1")
+        await eventually(lambda: len(cluster.objects("deployments")) == 2, timeout=60)
+        await bus.publish(f.elected("m1", 1, job=JOB))
+        await bus.publish(f.joined("n1", job=JOB))
+        await bus.publish(f.round_completed(1, 1, "n1", job=JOB))
+        await eventually(lambda: status_of(cluster).get("phase") == "Running", timeout=60)
+        first.kill()  # SIGKILL: no goodbye
+        second = OperatorProc(bus.url, kube, tmp_path, "2")
+        await bus.publish(f.ended(1, ev.JobPhase.FINISHED, job=JOB))
+        await eventually(lambda: status_of(cluster).get("phase") == "Finished", timeout=60)
+        # (in a thread: the emulator answers the operator's last calls on this loop)
+        assert await asyncio.to_thread(second.stop) == 0, second.log()[-3000:]
+        assert "Traceback" not in second.log(), second.log()[-3000:]
+    creates: dict[str, list[int]] = {}
+    for r in emulator:
+        if (
+            r.method.value == "POST"
+            and r.resource
+            and r.resource.plural not in ("rovejobs", "events")
+        ):
+            creates.setdefault((r.data or {})["metadata"]["name"], []).append(1)
+    # each child was asked for by both operators (the second got 409) and exists once
+    assert {name: len(asked) for name, asked in creates.items()} == {
+        f"rove-{k}-{JOB}": 2 for k in ("pod-template", "submit", "master", "scaler")
+    }
+    assert set(cluster.objects("deployments")) == {f"rove-master-{JOB}", f"rove-scaler-{JOB}"}
+    envs = {
+        e["name"]: e.get("value")
+        for e in cluster.objects("deployments")[f"rove-master-{JOB}"]["spec"]["template"]["spec"][
+            "containers"
+        ][0]["env"]
+    }
+    assert envs["ROVE_NATS_URL"] == bus.url and envs["ROVE_NATS_TLS_CA"] == "/etc/rove-tls/ca.crt"
