@@ -221,13 +221,12 @@ def test_the_nats_configuration_is_valid_and_prod_fsyncs_every_write(
     for name, text in config["data"].items():
         text = text.replace("/etc/nats-tls", str(tmp_path)).replace("/data/", f"{tmp_path}/")
         (tmp_path / name).write_text(text)
-    env = {
-        "SERVER_NAME": "rove-nats-0",
-        **{
-            f"ROVE_NATS_{r}_PASSWORD": "x"
-            for r in ("ADMIN", "MASTER", "SCALER", "AGENT", "CLI", "OPERATOR")
-        },
-    }
+    [sts] = [d for d in render(f"overlays/{overlay}") if d["kind"] == "StatefulSet"]
+    env = container_env(sts, "rove-nats-0")
+    routes = [v for k, v in env.items() if k.startswith("ROVE_NATS_ROUTE_")]
+    assert routes == [
+        f"nats://rove-nats-{i}.rove-nats-headless.rove-system.svc:6222" for i in range(3)
+    ], "the routes name the servers in the namespace they run in"
     out = subprocess.run(
         [str(NATS_SERVER), "-c", str(tmp_path / "nats.conf"), "-t"],
         capture_output=True,
@@ -239,6 +238,24 @@ def test_the_nats_configuration_is_valid_and_prod_fsyncs_every_write(
     fsync = re.search(r"^\s*sync_interval:\s*always", config["data"]["jetstream.conf"], re.M)
     assert bool(fsync) == (overlay == "prod")
     assert bool(re.search(r"^tls \{", config["data"]["tls.conf"], re.M)) == (overlay == "prod")
+
+
+def container_env(d: dict[str, Any], pod: str) -> dict[str, str]:
+    """The environment of `d`'s first container in pod `pod`, as Kubernetes makes it:
+    field references resolved, `$(VAR)` of earlier variables expanded, a Secret's key
+    as "x"."""
+    env: dict[str, str] = {}
+    [c, *_] = d["spec"]["template"]["spec"]["containers"]
+    fields = {"metadata.name": pod, "metadata.namespace": d["metadata"]["namespace"]}
+    for e in c.get("env", []):
+        source = e.get("valueFrom", {})
+        if "fieldRef" in source:
+            env[e["name"]] = fields[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            env[e["name"]] = "x"
+        else:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+    return env
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
