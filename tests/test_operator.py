@@ -498,3 +498,31 @@ async def test_the_rove_operator_command_killed_and_started_again_creates_nothin
         ][0]["env"]
     }
     assert envs["ROVE_NATS_URL"] == bus.url and envs["ROVE_NATS_TLS_CA"] == "/etc/rove-tls/ca.crt"
+
+
+async def test_a_rovejob_under_the_name_of_a_job_that_ended_is_refused(bus: Bus) -> None:
+    for e in (
+        msgspec.structs.replace(f.elected("m1", 1, job=JOB), ts=1_000.0),
+        msgspec.structs.replace(f.ended(1, ev.JobPhase.FINISHED, job=JOB), ts=1_010.0),
+    ):
+        await bus.publish(e)
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        obj = rovejob()
+        obj["metadata"]["creationTimestamp"] = "2026-11-27T12:00:00Z"  # long after the end
+        await create(cluster, obj)
+        async with operator(bus, cluster):
+            await eventually(lambda: status_of(cluster).get("phase") == "Invalid", timeout=30)
+            await asyncio.sleep(1.0)  # (resyncs: it stays refused, and nothing is made)
+        assert cluster.objects("deployments") == {} and cluster.objects("jobs") == {}
+        message = status_of(cluster)["conditions"][0]["message"]
+        assert "already ran and ended" in message and "new name" in message
+        assert status_of(cluster)["phase"] == "Invalid"
+
+
+def test_a_job_that_ended_after_its_rovejob_was_created_is_its_own() -> None:
+    created = "2026-11-27T12:00:00Z"
+    assert st.reused(JOB, created, None) is None  # not ended
+    assert st.reused(JOB, None, 1.0) is None  # (no creation time: the emulator's objects)
+    assert st.reused(JOB, created, 1_796_000_000.0) is None  # ended after: this job's end
+    assert "already ran" in (st.reused(JOB, created, 1_000.0) or "")

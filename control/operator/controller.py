@@ -117,6 +117,8 @@ class Operator:
         self._last_status: dict[str, dict[str, Any]] = {}
         #: RoveJob uid -> the children known to exist (created, or found there)
         self._made: dict[str, set[str]] = {}
+        #: RoveJob uids refused for a name an ended job used
+        self._refused: set[str] = set()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._failed: str | None = None
@@ -228,7 +230,7 @@ class Operator:
         for name, obj in present.items():
             try:
                 await self.reconcile(obj)
-            except (ApiException, *_TRANSIENT) as exc:
+            except (ApiException, RoveError, *_TRANSIENT) as exc:  # (RoveError: the bus)
                 log.warning("cannot reconcile; retrying", job=name, error=_said(exc))
         for name in set(self.followers) - set(present):
             await self._forget(name)
@@ -243,20 +245,29 @@ class Operator:
                 await self._patch(job, {"metadata": {"finalizers": _without(finalizers)}})
             await self._forget(job)
             self._made.pop(meta["uid"], None)
+            self._refused.discard(meta["uid"])
             return
         if rj.FINALIZER not in finalizers:
             await self._patch(job, {"metadata": {"finalizers": [*finalizers, rj.FINALIZER]}})
+        if meta["uid"] in self._refused:
+            return
         try:
             spec = rj.parse(obj)
         except ConfigError as exc:
             await self._invalid(obj, str(exc))
+            return
+        follower = await self._follow(job, obj)
+        reused = st.reused(job, meta.get("creationTimestamp"), follower.ledger.ended_ts)
+        if reused is not None:
+            self._refused.add(meta["uid"])
+            await self._forget(job)
+            await self._invalid(obj, reused)
             return
         made = self._made.setdefault(meta["uid"], set())
         for child in rj.children(obj, spec, self.site):
             if child["metadata"]["name"] not in made:
                 await self._create(child)
                 made.add(child["metadata"]["name"])
-        follower = await self._follow(job, obj)
         if follower.replica.state.phase.terminal:
             await self._wind_down(job, spec)
 

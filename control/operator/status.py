@@ -133,6 +133,23 @@ def status(
     return out
 
 
+def reused(job: str, created: str | None, ended_ts: float | None) -> str | None:
+    """Why a RoveJob created at `created` (RFC 3339) cannot run: its name is that of a
+    job that ended on the bus before it was created (`ended_ts`); None if it can."""
+    if not created or ended_ts is None:
+        return None
+    import datetime as dt
+
+    at = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    if ended_ts >= at:
+        return None
+    return (
+        f"job {job} already ran and ended at {iso(ended_ts)}, before this RoveJob was "
+        "created: a job name is used once (its events stay readable with `rove events "
+        f"--job {job}`); create the RoveJob under a new name"
+    )
+
+
 def invalid(generation: int, why: str, now: float) -> dict[str, Any]:
     """The `.status` of a RoveJob the operator refuses to run."""
     return {
