@@ -141,9 +141,28 @@ async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:
     assert json.loads(events.stdout)["reason"] == "done"
 
 
+async def test_scale_sets_the_jobs_node_bounds(bus: Bus) -> None:
+    await seed(bus)
+    out = await asyncio.to_thread(
+        rove_cli, "scale", "--job", "j1", "--nats", bus.url, "--nnodes", "2:6", "--reason", "more"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "2-6 nodes requested" in out.stdout
+    events = await asyncio.to_thread(
+        rove_cli, "events", "--job", "j1", "--nats", bus.url, "--type", "scale_requested", "--json"
+    )
+    asked = json.loads(events.stdout)
+    assert (asked["min_nodes"], asked["max_nodes"], asked["reason"]) == (2, 6, "more")
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
+        (
+            ["scale", "--job", "j1", "--nnodes", "4:2", "--nats", "nats://x:1"],
+            common.EXIT_USAGE,
+            "--nnodes '4:2': give MIN or MIN:MAX, 1 <= MIN <= MAX",
+        ),
         (
             ["status", "--job", "j1", "--nats", "localhost:4222"],
             common.EXIT_USAGE,

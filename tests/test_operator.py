@@ -526,3 +526,31 @@ def test_a_job_that_ended_after_its_rovejob_was_created_is_its_own() -> None:
     assert st.reused(JOB, None, 1.0) is None  # (no creation time: the emulator's objects)
     assert st.reused(JOB, created, 1_796_000_000.0) is None  # ended after: this job's end
     assert "already ran" in (st.reused(JOB, created, 1_000.0) or "")
+
+
+async def test_a_new_nnodes_in_the_spec_asks_the_job_for_its_new_bounds_once(bus: Bus) -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        await create(cluster, rovejob(nnodes="1:4"))
+        submitted = ev.JobSubmitted(
+            **ev.envelope(JOB, "cli", 100.0, "submitted"), workload=f.workload(1, 4)
+        )
+        for e in (f.elected("m1", 1, job=JOB), submitted, f.joined("n1", job=JOB)):
+            await bus.publish(e)
+        async with operator(bus, cluster):
+            await eventually(lambda: status_of(cluster).get("nnodes") == "1:4", timeout=30)
+            # kubectl edit: nnodes 2:6 (the API server bumps the generation)
+            from kubernetes import client as k8s
+
+            api = k8s.CustomObjectsApi(cluster.api())
+            patch = {"metadata": {"generation": 2}, "spec": {"nnodes": "2:6"}}
+            await asyncio.to_thread(
+                api.patch_namespaced_custom_object, rj.GROUP, rj.VERSION, NS, rj.PLURAL, JOB, patch
+            )
+            await eventually(lambda: status_of(cluster).get("nnodes") == "2:6", timeout=30)
+            await asyncio.sleep(1.5)  # (resyncs: the job's bounds are the spec's now)
+        asked = [
+            r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.ScaleRequested)
+        ]
+        assert [(e.min_nodes, e.max_nodes) for e in asked] == [(2, 6)]
+        assert asked[0].reason == f"RoveJob {NS}/{JOB}: nnodes 2:6"

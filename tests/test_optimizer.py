@@ -450,3 +450,55 @@ def test_a_node_the_backend_cannot_place_is_retried_smaller_without_waiting_the_
     m.apply(pending)
     m.step(2.5)
     assert len([p for p in m.plans() if p.rule is ev.ScaleRule.PENDING]) == 1
+
+
+def _resize(m: Managed, lo: int, hi: int) -> ev.ScaleRequested:
+    event = ev.ScaleRequested(
+        **ev.envelope(factories.JOB, "operator", m.now, "scale", lo, hi), min_nodes=lo, max_nodes=hi
+    )
+    m.apply(event)
+    return event
+
+
+def test_an_operator_raises_the_minimum_and_nodes_are_started_up_to_it() -> None:
+    m = Managed(workload(1, 1))
+    m.step()
+    m.step(2.0)
+    assert m.members() == ["n0-a0"]
+    _resize(m, 3, 4)
+    for _ in range(6):
+        m.step(3.0)
+    assert m.state.scale.target == 3
+    assert m.state.rdzv.params is not None and m.state.rdzv.params.max_nodes == 4
+    assert sorted(m.live()) == ["n0-a0", "n1-a0", "n2-a0"]
+    assert m.members() == ["n0-a0", "n1-a0", "n2-a0"]  # one round of the three
+
+
+def test_an_operator_lowers_the_maximum_and_the_newest_nodes_are_stopped_once() -> None:
+    m = Managed(workload(3, 3))
+    m.step()
+    m.step(2.0)
+    assert len(m.members()) == 3
+    request = _resize(m, 1, 2)
+    for _ in range(6):
+        m.step(3.0)
+    resize = [p for p in m.plans() if p.rule is ev.ScaleRule.RESIZE]
+    assert len(resize) == 1, "one plan for one request"
+    assert resize[0].remove == ("n2-a0",) and resize[0].target == 2
+    assert resize[0].cause == f"resize:{request.id}:2"
+    assert m.live() == ["n0-a0", "n1-a0"] and m.members() == ["n0-a0", "n1-a0"]
+
+
+def test_bounds_that_make_no_sense_change_nothing_and_bounds_before_any_node_hold() -> None:
+    m = Managed(workload(2, 2))
+    before = m.state
+    _resize(m, 3, 1)
+    assert m.state.scale == before.scale and m.state.rdzv.params == before.rdzv.params
+    from rove.control.master import rdzv_state
+
+    early = rdzv_state.on_scale_requested(rdzv_state.RdzvState(), _resize(m, 2, 5))
+    joined = rdzv_state.on_rdzv_joined(early, factories.rdzv("n1"))
+    assert joined.params is not None and (joined.params.min_nodes, joined.params.max_nodes) == (
+        2,
+        5,
+    )

@@ -21,7 +21,7 @@ from rove.control.bus import auth
 from rove.control.bus.client import Bus
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
-from tests.lineage import lineage, progress
+from tests.lineage import lineage, progress, rows
 from tests.support import (
     ROOT,
     DaemonProc,
@@ -170,6 +170,50 @@ async def test_a_scaler_killed_while_applying_a_plan_creates_nothing_twice_and_f
     first_round = next(e for e in events if isinstance(e, ev.RoundCompleted))
     assert len(first_round.members) == 3
     assert_exactly_once(tmp_path)
+
+
+async def test_rove_scale_grows_a_running_job_to_two_nodes_then_shrinks_it_to_one(
+    bus: Bus, url: str, master: MasterProc, tmp_path: Path
+) -> None:
+    ScalerProc(url, "scaled", "s1", tmp_path)
+    samples = 1500
+    submit(
+        url,
+        "scaled",
+        tmp_path,
+        *train_args(tmp_path, "--step-sleep", "0.05", nnodes="1:2", samples=samples),
+    )
+    trace = tmp_path / "trace.jsonl"
+
+    def world(rnd: int) -> int:
+        return max(
+            (r["world"] for r in rows(trace) if r["round"] == rnd and "world" in r), default=0
+        )
+
+    def newest_round() -> int:
+        return max((r["round"] for r in rows(trace)), default=0)
+
+    def trained_in(rnd: int) -> int:
+        return sum(1 for r in rows(trace) if r["round"] == rnd and "step" in r)
+
+    await eventually(lambda: progress(trace) >= 10, timeout=180)
+    grow = rove_cli("scale", "--job", "scaled", "--nats", url, "--nnodes", "2:2", timeout=60)
+    assert grow.returncode == 0, grow.stderr
+    await eventually(lambda: world(newest_round()) == 2, timeout=180)
+    grown = newest_round()
+    await eventually(lambda: trained_in(grown) >= 20, timeout=180)  # (10 steps of 2 ranks)
+    shrink = rove_cli("scale", "--job", "scaled", "--nats", url, "--nnodes", "1", timeout=60)
+    assert shrink.returncode == 0, shrink.stderr
+    await eventually(lambda: newest_round() > grown and world(newest_round()) == 1, timeout=180)
+    end = await ended(bus, "scaled")
+    assert end.phase is ev.JobPhase.FINISHED, end.reason
+    events = await job_events(bus, "scaled")
+    resize = [p for p in plans(events) if p.rule is ev.ScaleRule.RESIZE]
+    assert [([n.node for n in p.launch], p.remove) for p in resize] == [
+        (["n1-a0"], ()),
+        ([], ("n1-a0",)),
+    ]
+    assert_exactly_once(tmp_path, samples)
 
 
 async def test_a_straggler_is_replaced(

@@ -159,7 +159,7 @@ def render() -> str:
                 ev.RecordsUndecodable,
             ],
         ),
-        ("Operator commands", [ev.StopRequested, ev.JobSubmitted]),
+        ("Operator commands", [ev.StopRequested, ev.JobSubmitted, ev.ScaleRequested]),
         ("Scaler facts", [ev.PlanApplied, ev.PlanFailed, ev.NodeGone, ev.NodePending]),
         ("Stream bridges", [ev.StreamShardsAdded]),
         ("Master decisions", [c for c in ev.EVENT_TYPES.values() if issubclass(c, ev.Decision)]),

@@ -59,6 +59,7 @@ from rove.control.catalogue.scale_events import PlanFailed as PlanFailed
 from rove.control.catalogue.scale_events import Resources as Resources
 from rove.control.catalogue.scale_events import ScalePlan as ScalePlan
 from rove.control.catalogue.scale_events import ScalePolicy as ScalePolicy
+from rove.control.catalogue.scale_events import ScaleRequested as ScaleRequested
 from rove.control.catalogue.scale_events import ScaleRule as ScaleRule
 from rove.control.catalogue.scale_events import Workload as Workload
 from rove.control.catalogue.scale_events import node_gone as node_gone
@@ -522,6 +523,7 @@ AnyEvent = (
     | RunStarted
     | EventRejected
     | JobSubmitted
+    | ScaleRequested
     | ScalePlan
     | PlanApplied
     | PlanFailed

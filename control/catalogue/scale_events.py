@@ -96,6 +96,8 @@ class ScaleRule(enum.StrEnum):
     PENDING = "pending"
     GROW = "grow"
     SHRINK = "shrink"
+    #: an operator's new node bounds (`scale_requested`)
+    RESIZE = "resize"
 
 
 class NodeLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +123,16 @@ class JobSubmitted(Event, tag="job_submitted", frozen=True, kw_only=True):
     `workload`; the first submission of a job is the one that counts."""
 
     workload: Workload
+
+
+class ScaleRequested(Event, tag="scale_requested", frozen=True, kw_only=True):
+    """An operator set the job's node bounds (`rove scale`, a RoveJob's `nnodes`): its
+    rounds take `min_nodes` to `max_nodes` nodes from now on, and a managed job's master
+    plans toward them (nodes started up to the minimum, removed down to the maximum)."""
+
+    min_nodes: int
+    max_nodes: int
+    reason: str = ""
 
 
 class ScalePlan(Decision, tag="scale_plan", frozen=True, kw_only=True):

@@ -149,6 +149,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.CkptFailed: lambda e: node_facts(e.job, e.node),
     ev.StopRequested: lambda e: cmd(e.job),
     ev.JobSubmitted: lambda e: cmd(e.job),
+    ev.ScaleRequested: lambda e: cmd(e.job),
     ev.ScalePlan: lambda e: plan(e.job),
     ev.PlanApplied: lambda e: scaler(e.job),
     ev.PlanFailed: lambda e: scaler(e.job),

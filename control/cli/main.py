@@ -20,6 +20,7 @@ from rove.control.cli import (
     logs_cmd,
     master_cmd,
     operator_cmd,
+    scale_cmd,
     scaler_cmd,
     status_cmd,
     stop_cmd,
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         logs_cmd,
         jobs_cmd,
         stop_cmd,
+        scale_cmd,
         auth_cmd,
         operator_cmd,
     ):

@@ -32,6 +32,7 @@ _E = TypeVar("_E", bound=ev.Event)
 #: Events that only change one part of the state: (the part, its fold).
 _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.RdzvJoined: ("rdzv", rdzv.on_rdzv_joined),
+    ev.ScaleRequested: ("rdzv", rdzv.on_scale_requested),
     ev.WorkersSucceeded: ("rdzv", rdzv.on_workers_succeeded),
     ev.TaskRestarted: ("rdzv", rdzv.on_task_restarted),
     ev.NetworkCheckAssigned: ("rdzv", rdzv.on_check_assigned),

@@ -111,6 +111,7 @@ def _proposals(
     """Candidate plans, the most urgent first (generated lazily: the first usable wins)."""
     p = w.policy
     yield from _oom(s, p)
+    yield from _shrink(s, w)
     yield from _fill(s, w)
     yield from _pending(s, w, now)
     yield from _straggler(s, r, liveness, now)
@@ -170,6 +171,22 @@ def _oom(s: ScaleState, p: ev.ScalePolicy) -> Iterator[Plan]:
         )
 
 
+def _shrink(s: ScaleState, w: ev.Workload) -> Iterator[Plan]:
+    """More nodes live than an operator's new maximum: stop the newest slots."""
+    live = [x for x in s.live() if x.node not in s.removing]
+    if len(live) <= w.max_nodes:
+        return
+    extra = tuple(x.node for x in live[w.max_nodes :])
+    yield Plan(
+        rule=ev.ScaleRule.RESIZE,
+        reason=f"the job's nodes are now {w.min_nodes}-{w.max_nodes} (scale_requested): "
+        f"stop {', '.join(extra)}",
+        cause=f"resize:{s.resize}:{w.max_nodes}",
+        target=w.max_nodes,
+        remove=extra,
+    )
+
+
 def _fill(s: ScaleState, w: ev.Workload) -> Iterator[Plan]:
     live = s.live()
     if len(live) >= s.target:
@@ -205,7 +222,8 @@ def _fill(s: ScaleState, w: ev.Workload) -> Iterator[Plan]:
     if not ended:
         index = _next_slot(s)
         yield Plan(
-            rule=ev.ScaleRule.REPLACE,
+            # (below the target with no slot to relaunch: an operator raised the minimum)
+            rule=ev.ScaleRule.RESIZE if s.resize else ev.ScaleRule.REPLACE,
             reason=f"{len(live)} of {s.target} nodes live: start {ev.node_name(index, 0)}",
             cause=f"fill:{index}",
             target=s.target,

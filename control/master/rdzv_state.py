@@ -47,6 +47,8 @@ class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     params: ev.RdzvParams | None = None
+    #: node bounds an operator set (`scale_requested`) before the first joiner's params
+    bounds: tuple[int, int] | None = None
     round: int = 0
     members: tuple[ev.RoundMember, ...] = ()
     active: bool = False
@@ -118,11 +120,24 @@ def on_excluded(r: RdzvState, event: ev.NodeExcluded) -> RdzvState:
     return replace(r, excluded=r.excluded.set(event.node, event.reason))
 
 
+def on_scale_requested(r: RdzvState, e: ev.ScaleRequested) -> RdzvState:
+    """New node bounds: rounds formed from now on take `min_nodes` to `max_nodes` (the
+    running round goes on; bounds that make no sense are ignored)."""
+    if not 1 <= e.min_nodes <= e.max_nodes:
+        return r
+    if r.params is None:
+        return replace(r, bounds=(e.min_nodes, e.max_nodes))
+    return replace(r, params=replace(r.params, min_nodes=e.min_nodes, max_nodes=e.max_nodes))
+
+
 def on_rdzv_joined(r: RdzvState, e: ev.RdzvJoined) -> RdzvState:
     if e.node in r.excluded:
         return r
     if r.params is None:
-        r = replace(r, params=e.params)
+        params = e.params
+        if r.bounds is not None:
+            params = replace(params, min_nodes=r.bounds[0], max_nodes=r.bounds[1])
+        r = replace(r, params=params)
     m = r.member(e.node)
     if r.active and m is not None and m.incarnation == e.incarnation:
         return r  # already in the running round

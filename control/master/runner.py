@@ -55,6 +55,7 @@ _WAKE_ON = (
     ev.NetworkCheckReported,
     ev.StopRequested,
     ev.JobSubmitted,
+    ev.ScaleRequested,
     ev.PlanApplied,
     ev.PlanFailed,
     ev.NodeJoined,

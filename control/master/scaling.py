@@ -113,6 +113,8 @@ class ScaleState(msgspec.Struct, frozen=True, kw_only=True):
     #: when the current round started, and with how many nodes
     round_since: float = 0.0
     round_size: int = 0
+    #: the id of the newest `scale_requested` (the cause of the plans it leads to)
+    resize: str = ""
 
     def current(self, node: str) -> Slot | None:
         """The slot `node` runs, if `node` is its current attempt."""
@@ -139,6 +141,15 @@ def on_submitted(s: ScaleState, e: ev.JobSubmitted) -> ScaleState:
     if s.workload is not None:
         return s  # the first submission counts
     return replace(s, workload=e.workload, target=e.workload.min_nodes)
+
+
+def on_scale_requested(s: ScaleState, e: ev.ScaleRequested) -> ScaleState:
+    """New node bounds for a managed job: its workload's, and a target within them (the
+    optimiser starts nodes up to the minimum and removes them down to the maximum)."""
+    if s.workload is None or not 1 <= e.min_nodes <= e.max_nodes:
+        return s
+    w = replace(s.workload, min_nodes=e.min_nodes, max_nodes=e.max_nodes)
+    return replace(s, workload=w, target=min(max(s.target, e.min_nodes), e.max_nodes), resize=e.id)
 
 
 def on_plan(s: ScaleState, e: ev.ScalePlan) -> ScaleState:
@@ -290,6 +301,7 @@ def on_round(s: ScaleState, e: ev.RoundCompleted) -> ScaleState:
 #: The fold of each event type this part follows.
 FOLDS: dict[type[ev.Event], Callable[[ScaleState, Any], ScaleState]] = {
     ev.JobSubmitted: on_submitted,
+    ev.ScaleRequested: on_scale_requested,
     ev.ScalePlan: on_plan,
     ev.PlanApplied: on_applied,
     ev.PlanFailed: on_failed,

@@ -268,8 +268,11 @@ class Operator:
             if child["metadata"]["name"] not in made:
                 await self._create(child)
                 made.add(child["metadata"]["name"])
-        if follower.replica.state.phase.terminal:
+        state = follower.replica.state
+        if state.phase.terminal:
             await self._wind_down(job, spec)
+        elif st.bounds(state) not in (None, spec.bounds):
+            await self._resize(job, obj, spec)
 
     async def _follow(self, job: str, obj: dict[str, Any]) -> Follower:
         follower = self.followers.get(job)
@@ -302,6 +305,30 @@ class Operator:
             )
         )
         log.info("RoveJob deleted: asked the job to stop", job=job)
+
+    async def _resize(self, job: str, obj: dict[str, Any], spec: rj.JobSpec) -> None:
+        """`spec.nnodes` changed: ask the job for the new bounds (once per generation; the
+        next resync sees the job's bounds equal the spec's)."""
+        lo, hi = spec.bounds
+        meta = obj["metadata"]
+        await self.bus.publish(
+            ev.ScaleRequested(
+                **ev.envelope(
+                    job,
+                    f"operator:{self.namespace}",
+                    self.clock(),
+                    "scale",
+                    meta["uid"],
+                    meta.get("generation", 0),
+                    lo,
+                    hi,
+                ),
+                min_nodes=lo,
+                max_nodes=hi,
+                reason=f"RoveJob {self.namespace}/{job}: nnodes {spec.nnodes}",
+            )
+        )
+        log.info("RoveJob resized: asked the job for new bounds", job=job, nnodes=spec.nnodes)
 
     async def _wind_down(self, job: str, spec: rj.JobSpec) -> None:
         names = rj.names(job)

@@ -120,6 +120,7 @@ def status(
         "worldSize": sum(m.nproc for m in r.members) if r.active else 0,
         "restarts": r.restarts,
         "conditions": conditions,
+        **({"nnodes": "{}:{}".format(*known)} if (known := bounds(state)) else {}),
         "eventsThrough": events_through,
     }
     if step is not None:
@@ -131,6 +132,12 @@ def status(
     if report is not None and report.total_s > 0:
         out["goodput"] = f"{100 * report.goodput:.1f}%"
     return out
+
+
+def bounds(state: JobState) -> tuple[int, int] | None:
+    """The job's node bounds as the bus has them (a managed job's workload), if known."""
+    w = state.scale.workload
+    return (w.min_nodes, w.max_nodes) if w is not None else None
 
 
 def reused(job: str, created: str | None, ended_ts: float | None) -> str | None:
