@@ -554,3 +554,49 @@ async def test_a_new_nnodes_in_the_spec_asks_the_job_for_its_new_bounds_once(bus
         ]
         assert [(e.min_nodes, e.max_nodes) for e in asked] == [(2, 6)]
         assert asked[0].reason == f"RoveJob {NS}/{JOB}: nnodes 2:6"
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_a_rovejobs_children_find_everything_they_refer_to_under_each_overlay(
+    overlay: str,
+) -> None:
+    """What the operator of an overlay (its own flags and NATS address) makes for the
+    example RoveJob, applied beside the overlay: every Secret, ConfigMap, account and
+    namespace it refers to exists, or is one docs/kubernetes.md has you create."""
+    from tests import kube_refs
+    from tests.test_deploy import render
+    from tests.test_deploy_refs import documented_secrets
+
+    docs = render(f"overlays/{overlay}")
+    [deployment] = [
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rove-operator"
+    ]
+    [c] = deployment["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(c["args"])
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    site = rj.Site(
+        nats_url=env["ROVE_NATS_URL"],
+        users_secret=args.users_secret,
+        ca_secret=args.tls_ca_secret,
+        nodes_ca_secret=args.nodes_ca_secret,
+        nodes_namespace=args.nodes_namespace,
+        scaler_account=args.scaler_account,
+    )
+    assert bool(site.ca_secret) == (overlay == "prod") and site.nats_url.startswith(
+        "tls://" if overlay == "prod" else "nats://"
+    )
+    obj = example()
+    obj["metadata"].update(namespace=args.namespace, uid="u1")
+    problems, missing = kube_refs.check(docs + rj.children(obj, rj.parse(obj), site))
+    assert problems == []
+    documented = documented_secrets()
+    undocumented = [
+        str(m)
+        for m in missing
+        if m.kind != "Secret"
+        or (m.namespace or "", m.name) not in documented
+        or (m.key is not None and m.key not in documented[(m.namespace or "", m.name)])
+    ]
+    assert undocumented == [], "referred to, and neither applied nor created by the docs"
+    if overlay == "dev":
+        assert [str(m) for m in missing] == []
