@@ -192,6 +192,7 @@ class Agent:
                 nproc_per_node=self.cfg.nproc,
                 ports=free_ports(self.cfg.addr, self.cfg.ports_offered),
                 params=self.cfg.params,
+                tf_role=self.cfg.tf_role,
             )
         )
         self.log.info("waiting for a rendezvous round", nproc=self.cfg.nproc)

@@ -42,6 +42,8 @@ class AgentConfig:
     preload: tuple[str, ...] = ()
     #: TensorFlow: keep spare tasks that imported TensorFlow (`rove.agent.tf_spare`)
     tf_spares: bool = True
+    #: TensorFlow: "ps" when this node hosts parameter servers only (`--tf-role ps`)
+    tf_role: str = ""
     checkpoint_dir: Path | None = None
     save_at_breakpoint: bool = False
     keep_checkpoints: int = 3

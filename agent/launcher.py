@@ -194,7 +194,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         network_check_timeout_s=args.network_check_timeout,
         tf_ps=tf_ps,
     )
-    if tf_ps:
+    if tf_ps and args.tf_role != "ps":  # (a node of parameter servers only is one part)
         problem = tf_cluster.problem(launch.max_nodes * launch.nproc_per_node, tf_ps)
         if problem is not None:
             raise ConfigError(f"--tf-ps: {problem}")
@@ -234,6 +234,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         args=worker_args,
         preload=tuple(args.preload) if warm_start else (),
         tf_spares=bool(getattr(args, "tf_spares", False)),
+        tf_role="" if args.tf_role == "any" else args.tf_role,
         logs_specs=logs_specs,
         state_dir=embedded.job_dir(job) / "agents" / node,
         max_restarts=launch.max_restarts,
@@ -290,7 +291,14 @@ def _tf_ps(args: argparse.Namespace, standalone: bool) -> int:
     if not args.tf_ps:
         if args.num_workers is not None:
             raise ConfigError("--num-workers is for a TensorFlow job: add --tf-ps")
+        if args.tf_role != "any":
+            raise ConfigError("--tf-role is for a TensorFlow job: add --tf-ps")
         return 0
+    if args.tf_role == "ps" and standalone:
+        raise ConfigError(
+            "--tf-role ps makes a node of parameter servers only; a --standalone job is one "
+            "node, which also runs the chief and the workers: drop --tf-role"
+        )
     if args.num_ps < 1:
         raise ConfigError(f"--num-ps must be at least 1, got {args.num_ps}")
     if args.run_path or args.module or args.no_python:

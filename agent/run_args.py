@@ -273,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-ps", type=int, default=1, metavar="P", help="parameter servers (default 1)"
     )
     t.add_argument(
+        "--tf-role",
+        choices=["any", "ps"],
+        default="any",
+        help="ps: this node hosts parameter servers only, one per process (a node sized "
+        "for them); any (default): roles in rank order, or the chief and workers when "
+        "other nodes host the parameter servers",
+    )
+    t.add_argument(
         "--num-workers",
         type=int,
         metavar="W",

@@ -6,6 +6,8 @@ the runner does, so whole scenarios run in microseconds without any I/O.
 
 from __future__ import annotations
 
+import msgspec
+
 from rove.control.catalogue import events as ev
 from rove.control.master.decide import decide
 from rove.control.master.evolve import evolve
@@ -55,12 +57,19 @@ class Sim:
         return self.tick()
 
     def join(
-        self, node: str, *, inc: str = "i1", nproc: int = 2, ports: tuple[int, ...] | None = None
+        self,
+        node: str,
+        *,
+        inc: str = "i1",
+        nproc: int = 2,
+        ports: tuple[int, ...] | None = None,
+        tf_role: str = "",
     ) -> None:
         self.apply(factories.joined(node, inc=inc, ts=self.now))
-        self.apply(
-            factories.rdzv(node, inc=inc, ts=self.now, nproc=nproc, params=self.params, ports=ports)
+        joined = factories.rdzv(
+            node, inc=inc, ts=self.now, nproc=nproc, params=self.params, ports=ports
         )
+        self.apply(msgspec.structs.replace(joined, tf_role=tf_role) if tf_role else joined)
         self.beat(node, inc=inc)
 
     def beat(self, node: str, *, inc: str = "i1") -> None:

@@ -198,6 +198,16 @@ async def test_scale_sets_the_jobs_node_bounds(bus: Bus) -> None:
         ),
         (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
         (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
+        (
+            ["run", "--standalone", "--tf-role", "ps", "examples/train.py"],
+            common.EXIT_USAGE,
+            "--tf-role is for a TensorFlow job: add --tf-ps",
+        ),
+        (
+            ["run", "--standalone", "--tf-ps", "--tf-role", "ps", "examples/tf_ps.py"],
+            common.EXIT_USAGE,
+            "a --standalone job is one node",
+        ),
         (["run", "--nnodes", "2", "examples/train.py"], common.EXIT_USAGE, "add --nats"),
         (["run", "--standalone", "--nnodes", "3:2", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
         (

@@ -139,3 +139,32 @@ def test_a_workers_death_is_absorbed_under_the_default_restart_budget(tmp_path: 
         ["--standalone", "--tf-ps", "--max-worker-restarts", "2", "--num-workers", "2", script]
     )
     assert agent_config(capped)[0].max_task_restarts == 2
+
+
+def test_nodes_that_host_parameter_servers_get_them_and_the_others_the_chief() -> None:
+    """`--tf-role ps` nodes (sized for parameter servers) run every parameter server,
+    wherever they stand in rank order."""
+    members = [member("a", 2, 0), member("p", 2, 2), member("b", 1, 4)]
+    ports = {"a": (1, 2), "p": (3, 4), "b": (5,)}
+    tasks = tf_cluster.assign(members, ports, 2, ps_nodes={"p"})
+    assert not isinstance(tasks, str)
+    assert [(t.role, t.index, t.rank, t.node) for t in tasks] == [
+        ("chief", 0, 0, "a"),
+        ("worker", 0, 1, "a"),
+        ("ps", 0, 2, "p"),
+        ("ps", 1, 3, "p"),
+        ("worker", 1, 4, "b"),
+    ]
+    wrong = tf_cluster.assign(members, ports, 1, ps_nodes={"p"})
+    assert isinstance(wrong, str) and "run 2 processes for 1 parameter server" in wrong
+
+
+def test_a_round_puts_the_parameter_servers_on_the_node_that_hosts_them() -> None:
+    sim = Sim(ev.RdzvParams(min_nodes=3, max_nodes=3, last_call_s=1.0, tf_ps=1))
+    sim.join("n1", nproc=2, ports=(41001, 41002))
+    sim.join("n2", nproc=1, ports=(42001,), tf_role="ps")
+    sim.join("n3", nproc=1, ports=(43001,))
+    sim.tick(2.0)
+    [rnd] = sim.rounds()
+    roles = {(t.node, t.role) for t in rnd.tasks}
+    assert roles == {("n1", "chief"), ("n1", "worker"), ("n2", "ps"), ("n3", "worker")}

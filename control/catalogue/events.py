@@ -250,6 +250,9 @@ class RdzvJoined(NodeFact, tag="rdzv_joined", frozen=True, kw_only=True):
     nproc_per_node: int
     ports: tuple[int, ...] = ()
     params: RdzvParams = msgspec.field(default_factory=RdzvParams)
+    #: a TensorFlow job's node that hosts parameter servers only ("ps", `--tf-role ps`:
+    #: a node sized for them); "": any role, in rank order
+    tf_role: str = ""
 
 
 class TaskRestarted(NodeFact, tag="task_restarted", frozen=True, kw_only=True):

@@ -12,13 +12,17 @@ process), so a task restarted within the round keeps its address:
     rank 0 chief  a:41001     rank 2 worker 0  b:42001
     rank 1 ps 0   a:41002     rank 3 worker 1  b:42002
 
+Nodes started with `rove run --tf-role ps` host the parameter servers instead (each
+of their processes is one), so they can be sized for them (memory for the
+variables, no accelerator); the chief is then the first process of the other nodes.
+
 The tasks ride in `round_completed.tasks`; agents build `TF_CONFIG` from them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from rove.control.catalogue.events import RoundMember, TfTask
 
@@ -49,26 +53,51 @@ def problem(world: int, num_ps: int) -> str | None:
 
 
 def assign(
-    members: Sequence[RoundMember], ports: Mapping[str, Sequence[int]], num_ps: int
+    members: Sequence[RoundMember],
+    ports: Mapping[str, Sequence[int]],
+    num_ps: int,
+    ps_nodes: Collection[str] = frozenset(),
 ) -> tuple[TfTask, ...] | str:
     """The round's tasks, by rank, or why there are none (too few processes, or a node
-    that offered fewer ports than it runs processes)."""
+    that offered fewer ports than it runs processes).
+
+    Roles follow rank order, unless some members host parameter servers (`ps_nodes`,
+    `rove run --tf-role ps`: nodes sized for them): then their processes are the
+    parameter servers, the first process of the other nodes is the chief and the rest
+    are workers."""
     world = sum(m.nproc for m in members)
     why = problem(world, num_ps)
     if why is not None:
         return why
-    tasks = []
-    for m in members:
-        offered = ports.get(m.node, ())
-        if len(offered) < m.nproc:
+    hosts = [m for m in members if m.node in ps_nodes]
+    if hosts:
+        offered = sum(m.nproc for m in hosts)
+        names = ", ".join(m.node for m in hosts)
+        if offered != num_ps:
             return (
-                f"node {m.node} offered {len(offered)} free ports for its {m.nproc} "
+                f"the nodes that host parameter servers (--tf-role ps: {names}) run {offered} "
+                f"process{'es' if offered != 1 else ''} for {num_ps} parameter server"
+                f"{'s' if num_ps != 1 else ''} (--num-ps): a round waits until they match"
+            )
+    tasks = []
+    ps_index, other = 0, 0
+    for m in members:
+        offered_ports = ports.get(m.node, ())
+        if len(offered_ports) < m.nproc:
+            return (
+                f"node {m.node} offered {len(offered_ports)} free ports for its {m.nproc} "
                 "TensorFlow tasks; it joins again with more"
             )
         for local in range(m.nproc):
             rank = m.first_rank + local
-            role, index = role_of(rank, num_ps)
-            tasks.append(TfTask(role, index, rank, m.node, m.addr, offered[local]))
+            if not hosts:
+                role, index = role_of(rank, num_ps)
+            elif m.node in ps_nodes:
+                role, index, ps_index = PS, ps_index, ps_index + 1
+            else:
+                role, index = (CHIEF, 0) if other == 0 else (WORKER, other - 1)
+                other += 1
+            tasks.append(TfTask(role, index, rank, m.node, m.addr, offered_ports[local]))
     return tuple(tasks)
 
 

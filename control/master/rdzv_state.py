@@ -22,6 +22,7 @@ class Waiter(msgspec.Struct, frozen=True, kw_only=True):
     nproc: int
     ports: tuple[int, ...]
     since: float
+    tf_role: str = ""
 
 
 class Failure(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,6 +151,7 @@ def on_rdzv_joined(r: RdzvState, e: ev.RdzvJoined) -> RdzvState:
         nproc=e.nproc_per_node,
         ports=e.ports,
         since=since,
+        tf_role=e.tf_role,
     )
     return replace(r, waiting=r.waiting.set(e.node, waiter), ports=r.ports.set(e.node, e.ports))
 

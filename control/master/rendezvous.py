@@ -405,7 +405,10 @@ def _round(
     tasks: tuple[ev.TfTask, ...] = ()
     if r.params is not None and r.params.tf_ps:
         assigned = tf_cluster.assign(
-            members, {w.node: _fresh_ports(w, liveness) for w in pool}, r.params.tf_ps
+            members,
+            {w.node: _fresh_ports(w, liveness) for w in pool},
+            r.params.tf_ps,
+            ps_nodes=frozenset(w.node for w in pool if w.tf_role == "ps"),
         )
         if isinstance(assigned, str):
             return Wait(reason=assigned)
