@@ -526,6 +526,12 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
             count=1,
             error="JSONDecodeError('Expecting value: line 1 column 1 (char 0)')",
         ),
+        ev.ScaleRequested(
+            **ev.envelope(job, "cli:me@host", 100.0, "scale", "r1"),
+            min_nodes=1,
+            max_nodes=3,
+            reason="more data today",
+        ),
     ]
 
 
