@@ -33,6 +33,8 @@ _NODE_FLAGS = {
     "--node-id",
     "--node-memory",
     "--node-cpu",
+    "--ps-node-memory",
+    "--ps-node-cpu",
     "--policy",
     # the launcher's: it serves the job's metrics; the scaler gives nodes credentials
     "--metrics-port",
@@ -64,6 +66,40 @@ def node_argv(argv: Sequence[str], args: argparse.Namespace) -> tuple[str, ...]:
     return (*kept, *tail)
 
 
+def ps_argv(argv: Sequence[str]) -> tuple[str, ...]:
+    """The arguments of a node that hosts one parameter server: the workload's, with
+    `--tf-role ps --nproc-per-node 1` after its flags (the last of a flag counts)."""
+    from rove.agent.run_args import build_parser
+
+    parsed = build_parser().parse_args(list(argv))
+    script_at = len(argv) - len(parsed.training_script_args) - 1
+    return (*argv[:script_at], "--tf-role", "ps", "--nproc-per-node", "1", *argv[script_at:])
+
+
+def ps_nodes(args: argparse.Namespace, argv: Sequence[str], lo: int) -> ev.PsNodes | None:
+    """A TensorFlow job's parameter servers on nodes of their own, when
+    `--ps-node-memory` or `--ps-node-cpu` sizes them (one parameter server per node)."""
+    memory, cpu = getattr(args, "ps_node_memory", None), getattr(args, "ps_node_cpu", None)
+    if not (memory or cpu):
+        return None
+    if not args.tf_ps:
+        raise ConfigError(
+            "--ps-node-memory and --ps-node-cpu size a TensorFlow job's "
+            "parameter servers: add --tf-ps"
+        )
+    if lo <= args.num_ps:
+        raise ConfigError(
+            f"--nnodes counts the parameter servers' {args.num_ps} node"
+            f"{'s' if args.num_ps != 1 else ''} too: give at least {args.num_ps + 1} "
+            "(the chief and the workers need one of their own)"
+        )
+    return ev.PsNodes(
+        count=int(args.num_ps),
+        resources=ev.Resources(cpu=cpu or 0.0, memory_bytes=memory or 0),
+        argv=ps_argv(argv),
+    )
+
+
 def policy(settings: Sequence[str]) -> ev.ScalePolicy:
     """A `ScalePolicy` from `KEY=VALUE` settings; raises ConfigError naming a bad one."""
     values: dict[str, str] = {}
@@ -84,14 +120,16 @@ def policy(settings: Sequence[str]) -> ev.ScalePolicy:
 def workload(argv: Sequence[str], args: argparse.Namespace, cwd: str) -> ev.Workload:
     """What every node of a managed job runs, from `rove run`'s arguments."""
     lo, hi = parse_min_max_nnodes(str(args.nnodes))
+    kept = node_argv(argv, args)
     return ev.Workload(
-        argv=node_argv(argv, args),
+        argv=kept,
         cwd=cwd,
         min_nodes=lo,
         max_nodes=hi,
         nproc_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1,
         resources=ev.Resources(cpu=args.node_cpu or 0.0, memory_bytes=args.node_memory or 0),
         policy=policy(args.policy),
+        ps=ps_nodes(args, kept, lo),
     )
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import kmock
+import msgspec
 import pytest
 
 from rove.control.bus.client import Bus
@@ -181,3 +182,42 @@ async def test_refusals_and_server_errors_become_rove_errors_that_say_what_to_do
         with pytest.raises(TemporaryError, match="deadline passed"):
             await backend.launch("j", launch("n1-a0"), w, time.monotonic() - 1)
         await backend.close()
+
+
+def test_a_parameter_servers_node_pod_runs_its_roles_command_with_its_own_size() -> None:
+    ps = ev.PsNodes(
+        count=1,
+        resources=ev.Resources(cpu=4, memory_bytes=16 * GIB),
+        argv=("--tf-ps", "--tf-role", "ps", "--nproc-per-node", "1", "coordinator.py"),
+    )
+    w = ev.Workload(
+        argv=("--tf-ps", "--nproc-per-node", "2", "coordinator.py"),
+        cwd="/app",
+        min_nodes=2,
+        max_nodes=3,
+        ps=ps,
+    )
+    spec = ev.NodeLaunch(node="n0-a0", slot=0, attempt=0, resources=ps.resources, role="ps")
+    common = dict(
+        job="demo",
+        namespace="rove-jobs",
+        workload=w,
+        nats_url="nats://n:4222",
+        image="rove:1",
+        owner_uid="uid-1",
+        template=None,
+    )
+    pod = pods.pod(spec=spec, **common)  # type: ignore[arg-type]
+    [c] = pod["spec"]["containers"]  # type: ignore[index]
+    assert c["args"][-6:] == [
+        "--tf-ps",
+        "--tf-role",
+        "ps",
+        "--nproc-per-node",
+        "1",
+        "coordinator.py",
+    ]
+    assert c["resources"]["limits"]["memory"] == str(16 * GIB)
+    worker = msgspec.structs.replace(spec, node="n1-a0", slot=1, role="")
+    [w_c] = pods.pod(spec=worker, **common)["spec"]["containers"]  # type: ignore[arg-type,index]
+    assert w_c["args"][-4:] == ["--tf-ps", "--nproc-per-node", "2", "coordinator.py"]

@@ -600,3 +600,29 @@ def test_a_rovejobs_children_find_everything_they_refer_to_under_each_overlay(
     assert undocumented == [], "referred to, and neither applied nor created by the docs"
     if overlay == "dev":
         assert [str(m) for m in missing] == []
+
+
+def test_the_immutability_rule_names_every_field_but_nnodes() -> None:
+    """(CEL runs only in an API server: this checks that a field added to the schema is
+    added to the rule too.)"""
+    spec = crd_schema()["properties"]["spec"]
+    [rule] = spec["x-kubernetes-validations"]
+    named = set(re.findall(r"self\.(\w+)", rule["rule"]))
+    assert named == set(spec["properties"]) - {"nnodes"}
+
+
+def test_a_tensorflow_job_submits_its_parameter_servers_nodes_and_their_size() -> None:
+    tf = {"numPs": 2, "psResources": {"cpu": "500m", "memory": "16Gi"}}
+    obj = rovejob(nnodes="3:4", tensorflow=tf, script="examples/tf_ps.py", args=[])
+    jsonschema.validate(obj, crd_schema())
+    [submit] = [c for c in rj.children(obj, rj.parse(obj), SITE) if c["kind"] == "Job"]
+    args = submit["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--ps-node-memory") + 1] == "16G"
+    assert args[args.index("--ps-node-cpu") + 1] == "0.5"
+    after = args[args.index("--") + 1 :]
+    assert after[-4:] == ["--tf-ps", "--num-ps", "2", "examples/tf_ps.py"]
+    build_parser().parse_args(args)
+    with pytest.raises(ConfigError, match="give at least 3"):
+        rj.parse(rovejob(nnodes="2:4", tensorflow=tf))
+    with pytest.raises(ConfigError, match="use mode: pods"):
+        rj.parse(rovejob(nnodes="3", mode="pool", tensorflow=tf))

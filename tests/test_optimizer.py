@@ -502,3 +502,57 @@ def test_bounds_that_make_no_sense_change_nothing_and_bounds_before_any_node_hol
         2,
         5,
     )
+
+
+def tf_workload(lo: int, hi: int) -> ev.Workload:
+    ps = ev.PsNodes(
+        count=1,
+        resources=ev.Resources(cpu=4, memory_bytes=16 * GIB),
+        argv=("--tf-ps", "--tf-role", "ps", "--nproc-per-node", "1", "coordinator.py"),
+    )
+    return ev.msgspec.structs.replace(workload(lo, hi), ps=ps)
+
+
+def test_a_tensorflow_jobs_parameter_servers_get_nodes_of_their_own_size_kept_on_relaunch() -> None:
+    w = tf_workload(3, 3)
+    m = Managed(w)
+    m.step()
+    [initial] = m.plans()
+    assert [(n.node, n.role, n.resources.memory_bytes) for n in initial.launch] == [
+        ("n0-a0", "ps", 16 * GIB),
+        ("n1-a0", "", 2 * GIB),
+        ("n2-a0", "", 2 * GIB),
+    ]
+    assert "1 of them for the parameter servers (4 CPU, 16 GiB each)" in initial.reason
+    assert ev.node_argv(w, initial.launch[0]) == w.ps.argv  # type: ignore[union-attr]
+    assert ev.node_argv(w, initial.launch[1]) == w.argv
+    m.step(2.0)
+    m.lose("n0-a0")
+    m.step(5.0)
+    replace = m.plans()[-1]
+    assert [(n.node, n.role, n.resources.memory_bytes) for n in replace.launch] == [
+        ("n0-a1", "ps", 16 * GIB)
+    ]
+
+
+def test_a_resize_or_a_node_that_never_joins_never_drops_a_parameter_server() -> None:
+    m = Managed(tf_workload(3, 4))
+    m.step()
+    m.step(2.0)
+    _resize(m, 2, 2)
+    for _ in range(4):
+        m.step(3.0)
+    [resize] = [p for p in m.plans() if p.rule is ev.ScaleRule.RESIZE]
+    assert resize.remove == ("n2-a0",), "the newest worker's node, not the parameter server's"
+    assert "n0-a0" in m.live()
+    # a parameter server's node that never joins is retried, not given up
+    late = Managed(tf_workload(3, 3), auto_join=False)
+    _resize(late, 2, 3)  # (a worker's node that never joined could now be given up)
+    late.step()
+    late.join("n1-a0", nproc=1)
+    late.join("n2-a0", nproc=1)
+    late.step(61.0)
+    pending = [p for p in late.plans() if p.rule is ev.ScaleRule.PENDING]
+    assert [(p.remove, [(n.node, n.role) for n in p.launch]) for p in pending] == [
+        (("n0-a0",), [("n0-a1", "ps")])
+    ]

@@ -70,11 +70,26 @@ class ScalePolicy(msgspec.Struct, frozen=True, kw_only=True):
     auto_grow: bool = True
 
 
+class PsNodes(msgspec.Struct, frozen=True, kw_only=True):
+    """A TensorFlow job's parameter servers on nodes of their own, one per node
+    (`rove run --tf-role ps`), sized `resources`; `argv` is what such a node runs."""
+
+    count: int
+    resources: Resources
+    argv: tuple[str, ...]
+
+
+#: The role of a node that hosts a parameter server (`NodeLaunch.role`).
+PS_ROLE = "ps"
+
+
 class Workload(msgspec.Struct, frozen=True, kw_only=True):
     """What runs on every node of a managed job.
 
     `argv`: the `rove run` arguments every node gets (flags, script and its
     arguments), without the node's own (`--node-id`, `--nats`, `--job`).
+    `ps`: a TensorFlow job's parameter servers on nodes of their own (counted in
+    `min_nodes` and `max_nodes`), else None.
     """
 
     argv: tuple[str, ...]
@@ -84,6 +99,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
     nproc_per_node: int = 1
     resources: Resources = msgspec.field(default_factory=Resources)
     policy: ScalePolicy = msgspec.field(default_factory=ScalePolicy)
+    ps: PsNodes | None = None
 
 
 class ScaleRule(enum.StrEnum):
@@ -111,6 +127,13 @@ class NodeLaunch(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int
     resources: Resources
     replaces: str = ""
+    #: "ps": a node of a TensorFlow job's parameter servers (`Workload.ps`)
+    role: str = ""
+
+
+def node_argv(w: Workload, launch: NodeLaunch) -> tuple[str, ...]:
+    """The `rove run` arguments of the node `launch` starts (its role's)."""
+    return w.ps.argv if launch.role == PS_ROLE and w.ps is not None else w.argv
 
 
 def node_name(slot: int, attempt: int) -> str:

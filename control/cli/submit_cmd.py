@@ -68,6 +68,7 @@ def build(args: argparse.Namespace) -> ev.Workload:
         args.node_cpu,
         args.policy,
     )
+    parsed.ps_node_memory, parsed.ps_node_cpu = args.ps_node_memory, args.ps_node_cpu
     return managed.workload(argv, parsed, str(cwd))
 
 

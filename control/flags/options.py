@@ -372,6 +372,21 @@ def add_node_resource_args(g: argparse._ArgumentGroup | argparse.ArgumentParser)
         help="CPUs of each node the scaler starts (a request for the backend)",
     )
     g.add_argument(
+        "--ps-node-memory",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="with --tf-ps: the parameter servers run on nodes of their own, one each, "
+        "with this memory (counted in --nnodes)",
+    )
+    g.add_argument(
+        "--ps-node-cpu",
+        type=positive,
+        default=None,
+        metavar="CPUS",
+        help="with --tf-ps: CPUs of each parameter server's node",
+    )
+    g.add_argument(
         "--policy",
         action="append",
         default=[],

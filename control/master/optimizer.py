@@ -145,6 +145,7 @@ def _relaunch(slot: Slot, resources: ev.Resources) -> tuple[ev.NodeLaunch, tuple
         attempt=slot.attempt + 1,
         resources=resources,
         replaces=slot.node,
+        role=slot.role,
     )
     return launch, ((slot.node,) if slot.phase.live else ())
 
@@ -176,7 +177,9 @@ def _shrink(s: ScaleState, w: ev.Workload) -> Iterator[Plan]:
     live = [x for x in s.live() if x.node not in s.removing]
     if len(live) <= w.max_nodes:
         return
-    extra = tuple(x.node for x in live[w.max_nodes :])
+    # the newest nodes go first; a parameter server's never (the job needs every one)
+    workers = [x for x in live if x.role != ev.PS_ROLE]
+    extra = tuple(x.node for x in workers[len(workers) - (len(live) - w.max_nodes) :])
     yield Plan(
         rule=ev.ScaleRule.RESIZE,
         reason=f"the job's nodes are now {w.min_nodes}-{w.max_nodes} (scale_requested): "
@@ -192,14 +195,28 @@ def _fill(s: ScaleState, w: ev.Workload) -> Iterator[Plan]:
     if len(live) >= s.target:
         return
     if not s.plans:
+        ps = w.ps.count if w.ps is not None else 0
         nodes = tuple(
             ev.NodeLaunch(node=ev.node_name(i, 0), slot=i, attempt=0, resources=w.resources)
+            if i >= ps or w.ps is None
+            else ev.NodeLaunch(
+                node=ev.node_name(i, 0),
+                slot=i,
+                attempt=0,
+                resources=w.ps.resources,
+                role=ev.PS_ROLE,
+            )
             for i in range(s.target)
+        )
+        of_ps = (
+            f", {ps} of them for the parameter servers ({w.ps.resources.describe()} each)"
+            if w.ps is not None
+            else ""
         )
         yield Plan(
             rule=ev.ScaleRule.INITIAL,
             reason=f"start {s.target} node{'s' if s.target != 1 else ''} "
-            f"({w.resources.describe()} each)",
+            f"({w.resources.describe()} each{of_ps})",
             cause="submitted",
             target=s.target,
             launch=nodes,
@@ -251,7 +268,7 @@ def _pending(s: ScaleState, w: ev.Workload, now: float) -> Iterator[Plan]:
             waited = f"{slot.node} has not joined {now - slot.since:.0f}s after its launch"
         else:
             continue
-        if len(live) > w.min_nodes:
+        if len(live) > w.min_nodes and slot.role != ev.PS_ROLE:
             yield Plan(
                 rule=ev.ScaleRule.PENDING,
                 reason=f"{waited}: go on with {len(live) - 1} nodes",

@@ -63,6 +63,8 @@ class Slot(msgspec.Struct, frozen=True, kw_only=True):
     oom_reason: str = ""
     #: the backend said it cannot place this attempt (`node_pending`), and why
     unplaceable: str = ""
+    #: "ps": a node of a TensorFlow job's parameter servers (kept by every attempt)
+    role: str = ""
 
 
 class PlanStatus(enum.StrEnum):
@@ -172,6 +174,7 @@ def on_plan(s: ScaleState, e: ev.ScalePlan) -> ScaleState:
                 phase=SlotPhase.LAUNCHING,
                 since=e.ts,
                 plan=e.plan,
+                role=launch.role,
             ),
         )
         by_node = by_node.set(launch.node, launch.slot)

@@ -69,6 +69,14 @@ class Kafka(_Spec, frozen=True, kw_only=True):
     config_secret: str = ""
 
 
+class TensorFlow(_Spec, frozen=True, kw_only=True):
+    """A TF2 parameter-server job (`rove run --tf-ps`); with `psResources`, each
+    parameter server runs on a node of its own of that size (counted in `nnodes`)."""
+
+    num_ps: int = 1
+    ps_resources: Resources | None = None
+
+
 class Scheduling(_Spec, frozen=True, kw_only=True):
     priority_class_name: str = ""
     #: a Kueue LocalQueue: the nodes carry `kueue.x-k8s.io/queue-name`
@@ -92,6 +100,7 @@ class JobSpec(_Spec, frozen=True, kw_only=True):
     policy: dict[str, str] = {}
     checkpoint: Checkpoint = Checkpoint()
     kafka: Kafka | None = None
+    tensorflow: TensorFlow | None = None
     scheduling: Scheduling = Scheduling()
 
     @property
@@ -130,6 +139,18 @@ def parse(obj: Mapping[str, Any]) -> JobSpec:
         raise ConfigError(f"RoveJob {name}: nnodes {spec.nnodes!r} is not MIN or MIN:MAX")
     if spec.nproc_per_node < 1 or spec.max_restarts < 0:
         raise ConfigError(f"RoveJob {name}: nprocPerNode >= 1 and maxRestarts >= 0")
+    tf = spec.tensorflow
+    if tf is not None and tf.ps_resources is not None:
+        if spec.mode == "pool":
+            raise ConfigError(
+                f"RoveJob {name}: tensorflow.psResources sizes nodes the scaler creates; a "
+                "pool job runs on the agents' machines: use mode: pods"
+            )
+        if spec.bounds[0] <= tf.num_ps:
+            raise ConfigError(
+                f"RoveJob {name}: nnodes counts the parameter servers' nodes: give at "
+                f"least {tf.num_ps + 1} (the chief and the workers need one of their own)"
+            )
     if spec.checkpoint.persistent_volume_claim and not spec.checkpoint.dir:
         raise ConfigError(f"RoveJob {name}: checkpoint.persistentVolumeClaim needs a dir")
     if spec.mode == "pool" and (spec.checkpoint.persistent_volume_claim or _hooks(spec)):
@@ -288,6 +309,8 @@ def _run_args(spec: JobSpec) -> list[str]:
     ]
     if spec.checkpoint.dir:
         out += ["--checkpoint-dir", spec.checkpoint.dir]
+    if spec.tensorflow is not None:
+        out += ["--tf-ps", "--num-ps", str(spec.tensorflow.num_ps)]
     return [*out, spec.script, *spec.args]
 
 
@@ -296,7 +319,12 @@ def _submit(name: str, job: str, spec: JobSpec, site: Site) -> dict[str, Any]:
     if spec.resources.memory:
         args += ["--node-memory", spec.resources.memory.removesuffix("i")]
     if spec.resources.cpu:
-        args += ["--node-cpu", spec.resources.cpu]
+        args += ["--node-cpu", _cpus(spec.resources.cpu)]
+    ps = spec.tensorflow.ps_resources if spec.tensorflow is not None else None
+    if ps is not None and ps.memory:
+        args += ["--ps-node-memory", ps.memory.removesuffix("i")]
+    if ps is not None and ps.cpu:
+        args += ["--ps-node-cpu", _cpus(ps.cpu)]
     for key, value in sorted(spec.policy.items()):
         args += ["--policy", f"{key}={value}"]
     args += ["--cwd", spec.working_dir, "--", *_run_args(spec)]
@@ -310,6 +338,11 @@ def _submit(name: str, job: str, spec: JobSpec, site: Site) -> dict[str, Any]:
         "metadata": {"name": name, "labels": dict(pod["metadata"]["labels"])},
         "spec": {"backoffLimit": 6, "ttlSecondsAfterFinished": 3600, "template": pod},
     }
+
+
+def _cpus(quantity: str) -> str:
+    """A Kubernetes CPU quantity ("2", "500m") as `rove submit --node-cpu` takes it."""
+    return f"{float(quantity[:-1]) / 1000:g}" if quantity.endswith("m") else quantity
 
 
 def _masters(name: str, job: str, spec: JobSpec, site: Site) -> dict[str, Any]:

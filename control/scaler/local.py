@@ -227,7 +227,9 @@ class LocalBackend(Backend):
             elif memory:
                 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
-        cmd = node_command(self.python, job, spec.node, self.nats_url, (*auth_args, *workload.argv))
+        cmd = node_command(
+            self.python, job, spec.node, self.nats_url, (*auth_args, *ev.node_argv(workload, spec))
+        )
         ready = self._take_standby()
         if ready is not None:
             assignment = standby_node.Assignment(

@@ -155,7 +155,7 @@ def pod(
     ours["args"] = [
         "run",
         *("--job", job, "--node-id", spec.node, "--nats", nats_url),
-        *workload.argv,
+        *ev.node_argv(workload, spec),
     ]
     if workload.cwd and "workingDir" not in ours:
         ours["workingDir"] = workload.cwd

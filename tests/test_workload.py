@@ -1,0 +1,38 @@
+"""A managed job's workload from `rove run` / `rove submit` arguments (pure): a
+TensorFlow job's parameter servers on nodes of their own, sized apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from rove.agent.managed import workload
+from rove.agent.run_args import build_parser
+from rove.control.catalogue import events as ev
+from rove.control.errors import ConfigError
+
+TF = ("--nnodes", "3:4", "--nproc-per-node", "2", "--tf-ps", "--num-ps", "1")
+SCRIPT = ("examples/tf_ps.py", "--nproc-per-node", "the script's own")
+
+
+def test_parameter_servers_sized_apart_run_one_per_node_with_their_role() -> None:
+    argv = [*TF, "--ps-node-memory", "16G", "--ps-node-cpu", "4", *SCRIPT]
+    w = workload(argv, build_parser().parse_args(argv), "/opt/rove")
+    assert w.ps is not None
+    assert (w.ps.count, w.ps.resources) == (1, ev.Resources(cpu=4, memory_bytes=16 * ev.GIB))
+    assert w.argv == (*TF, *SCRIPT), "the parameter servers' sizes are the scaler's, not a node's"
+    # after the workload's flags (the last one counts), before the script and its arguments
+    assert w.ps.argv == (*TF, "--tf-role", "ps", "--nproc-per-node", "1", *SCRIPT)
+    parsed = build_parser().parse_args(list(w.ps.argv))
+    assert (parsed.tf_role, parsed.nproc_per_node) == ("ps", "1")
+    assert parsed.training_script_args == list(SCRIPT[1:])
+
+
+def test_without_their_own_size_every_node_runs_the_same_and_mistakes_are_said() -> None:
+    argv = [*TF, *SCRIPT]
+    assert workload(argv, build_parser().parse_args(argv), "/opt/rove").ps is None
+    torch_job = ["--nnodes", "2", "--ps-node-memory", "8G", "train.py"]
+    with pytest.raises(ConfigError, match="add --tf-ps"):
+        workload(torch_job, build_parser().parse_args(torch_job), "/")
+    too_few = ["--nnodes", "1", "--tf-ps", "--ps-node-memory", "8G", "examples/tf_ps.py"]
+    with pytest.raises(ConfigError, match="give at least 2"):
+        workload(too_few, build_parser().parse_args(too_few), "/")
