@@ -176,3 +176,33 @@ async def test_a_chief_that_fails_in_its_own_code_again_and_again_fails_the_job_
     assert ended.phase is ev.JobPhase.FAILED
     assert "ValueError: the learning rate must be positive, got -1" in ended.reason
     assert len([e for e in events if isinstance(e, ev.RoundCompleted)]) == 2, "one retry only"
+
+
+def test_a_managed_job_starts_its_parameter_server_on_a_node_of_its_own(tmp_path: Path) -> None:
+    """`rove run --standalone --auto-scale --ps-node-cpu 1`: the scaler starts the
+    parameter server's node (one process, `--tf-role ps`) apart from the chief's and
+    the worker's, and the round places the tasks so."""
+    import json
+
+    from tests.support import rove_cli
+
+    env = {"ROVE_HOME": str(tmp_path / "home"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    run = rove_cli(
+        *("run", "--standalone", "--auto-scale", "--job", "tfm", "--nnodes", "2"),
+        *("--nproc-per-node", "2", "--tf-ps", "--num-ps", "1", "--ps-node-cpu", "1"),
+        *("--max-restarts", "2", "--checkpoint-dir", str(tmp_path / "ckpt")),
+        *(str(SCRIPT), "--samples", "2000"),
+        timeout=240,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = rove_cli("events", "--job", "tfm", "--type", "round_completed", "--json", env=env)
+    [first, *_] = [json.loads(line) for line in out.stdout.splitlines()]
+    placed = {(t[0], t[3]) for t in first["tasks"]}  # (role, node)
+    assert placed == {("ps", "n0-a0"), ("chief", "n1-a0"), ("worker", "n1-a0")}, first
+    plans = rove_cli("events", "--job", "tfm", "--type", "scale_plan", "--json", env=env)
+    [initial, *_] = [json.loads(line) for line in plans.stdout.splitlines()]
+    assert [(n["node"], n.get("role", "")) for n in initial["launch"]] == [
+        ("n0-a0", "ps"),
+        ("n1-a0", ""),
+    ]
