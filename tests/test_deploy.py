@@ -171,7 +171,8 @@ def _role(docs: list[dict[str, Any]]) -> dict[str, set[str]]:
     return granted
 
 
-_VERBS = {
+#: the RBAC verb of each request kmock records (a PATCH is `patch`)
+VERBS = {
     "LIST": "list",
     "WATCH": "watch",
     "FETCH": "get",
@@ -197,7 +198,7 @@ async def test_the_scalers_role_grants_exactly_what_the_kubernetes_backend_uses(
         used: dict[str, set[str]] = {}
         for request in emulator:
             assert request.resource is not None and request.namespace == "rove-jobs", request.url
-            verb = "patch" if request.method.value == "PATCH" else _VERBS[request.action.value]
+            verb = "patch" if request.method.value == "PATCH" else VERBS[request.action.value]
             used.setdefault(request.resource.plural, set()).add(verb)
     assert _role(render("overlays/prod")) == used
 

@@ -30,6 +30,19 @@ def documented_secrets() -> dict[tuple[str, str], set[str]]:
     return found
 
 
+def undocumented(missing: list[kube_refs.Missing]) -> list[str]:
+    """What is referred to and missing, but for the Secrets (and keys) the docs create."""
+    documented = documented_secrets()
+    assert documented, "docs/kubernetes.md says which Secrets to create"
+    return [
+        str(m)
+        for m in missing
+        if m.kind != "Secret"
+        or (m.namespace or "", m.name) not in documented
+        or (m.key is not None and m.key not in documented[(m.namespace or "", m.name)])
+    ]
+
+
 #: Each overlay with the examples made for it.
 PAIRS = [("dev", "pool"), ("dev", "pods"), ("prod", "pool-prod"), ("prod", "pods-prod")]
 
@@ -44,16 +57,7 @@ def test_an_overlay_with_an_example_finds_everything_it_refers_to(
     assert problems == []
     if overlay == "dev":
         assert [str(m) for m in missing] == [], "the dev overlay brings everything"
-    documented = documented_secrets()
-    assert documented, "docs/kubernetes.md says which Secrets to create"
-    undocumented = [
-        str(m)
-        for m in missing
-        if m.kind != "Secret"
-        or (m.namespace or "", m.name) not in documented
-        or (m.key is not None and m.key not in documented[(m.namespace or "", m.name)])
-    ]
-    assert undocumented == [], "referred to, and neither applied nor created by the docs"
+    assert undocumented(missing) == [], "referred to, and neither applied nor created by the docs"
 
 
 def test_the_check_finds_a_generated_config_map_outside_its_readers_namespace() -> None:

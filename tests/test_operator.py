@@ -36,6 +36,7 @@ from rove.control.operator import status as st
 from rove.control.scaler.kubernetes import api_client
 from tests import factories as f
 from tests.support import ROOT, CliProc, eventually, stored_events
+from tests.test_deploy import VERBS
 
 DEPLOY = ROOT / "deploy"
 NS = "rove-system"
@@ -264,7 +265,8 @@ def event_reasons(cluster: Cluster) -> list[str]:
     return sorted(e["reason"] for e in events if e["involvedObject"]["name"] == JOB)
 
 
-async def test_a_rovejob_is_run_followed_and_stopped_through_the_bus(bus: Bus) -> None:
+async def test_a_rovejob_is_run_followed_and_stopped_through_the_bus(any_bus: Bus) -> None:
+    bus = any_bus  # (one server, and the 3-node cluster users deploy)
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
         cluster = Cluster(emulator, server)
         await create(cluster, rovejob())
@@ -325,8 +327,9 @@ async def test_a_rovejob_is_run_followed_and_stopped_through_the_bus(bus: Bus) -
 
 
 async def test_deleting_a_running_rovejob_stops_the_job_then_lets_kubernetes_delete_it(
-    bus: Bus,
+    any_bus: Bus,
 ) -> None:
+    bus = any_bus  # (one server, and the 3-node cluster users deploy)
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
         cluster = Cluster(emulator, server)
         await create(cluster, rovejob())
@@ -408,9 +411,6 @@ def _role() -> dict[tuple[str, str], set[str]]:
     return granted
 
 
-_VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
-
-
 async def test_the_operators_role_grants_exactly_what_it_uses(bus: Bus) -> None:
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
         cluster = Cluster(emulator, server)
@@ -441,7 +441,7 @@ async def test_the_operators_role_grants_exactly_what_it_uses(bus: Bus) -> None:
             res, action = request.resource, request.action
             assert res is not None and action is not None and request.namespace == NS
             plural = res.plural + ("/status" if request.url.path.endswith("/status") else "")
-            verb = "patch" if request.method.value == "PATCH" else _VERBS[action.value]
+            verb = "patch" if request.method.value == "PATCH" else VERBS[action.value]
             used.setdefault((res.group or "", plural), set()).add(verb)
     assert used == _role()
 
@@ -565,7 +565,7 @@ def test_a_rovejobs_children_find_everything_they_refer_to_under_each_overlay(
     namespace it refers to exists, or is one docs/kubernetes.md has you create."""
     from tests import kube_refs
     from tests.test_deploy import render
-    from tests.test_deploy_refs import documented_secrets
+    from tests.test_deploy_refs import undocumented
 
     docs = render(f"overlays/{overlay}")
     [deployment] = [
@@ -589,15 +589,7 @@ def test_a_rovejobs_children_find_everything_they_refer_to_under_each_overlay(
     obj["metadata"].update(namespace=args.namespace, uid="u1")
     problems, missing = kube_refs.check(docs + rj.children(obj, rj.parse(obj), site))
     assert problems == []
-    documented = documented_secrets()
-    undocumented = [
-        str(m)
-        for m in missing
-        if m.kind != "Secret"
-        or (m.namespace or "", m.name) not in documented
-        or (m.key is not None and m.key not in documented[(m.namespace or "", m.name)])
-    ]
-    assert undocumented == [], "referred to, and neither applied nor created by the docs"
+    assert undocumented(missing) == [], "referred to, and neither applied nor created by the docs"
     if overlay == "dev":
         assert [str(m) for m in missing] == []
 

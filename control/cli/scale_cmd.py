@@ -12,13 +12,10 @@ master starts nodes up to MIN and stops the newest down to MAX. A job of plain
 from __future__ import annotations
 
 import argparse
-import getpass
-import socket
 import sys
 import time
 import uuid
 
-from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError
 from rove.control.flags import options as common
@@ -57,18 +54,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, lo: int, hi: int) -> int:
-    options = common.bus_options(args, name="rove-scale", job=args.job, role="operator")
-    who = f"{getpass.getuser()}@{socket.gethostname()}"
-    async with await Bus.connect(options) as bus:
-        if not await bus.job_exists(args.job):
-            raise common.no_such_job(bus, args.job)
-        event = ev.ScaleRequested(
+    def scale(who: str) -> ev.ScaleRequested:
+        return ev.ScaleRequested(
             **ev.envelope(args.job, f"cli:{who}", time.time(), "scale", uuid.uuid4().hex),
             min_nodes=lo,
             max_nodes=hi,
             reason=args.reason or f"requested by {who}",
         )
-        seq = await bus.publish(event)
+
+    seq = await common.publish_command(args, "rove-scale", scale)
     sys.stdout.write(
         f"job {args.job}: {lo}-{hi} nodes requested (event #{seq}); rounds formed from now "
         "on take that many, and a managed job's master starts or stops nodes to match\n"

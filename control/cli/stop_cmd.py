@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import getpass
-import socket
 import sys
 import time
 import uuid
 
-from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.flags import options as common
 from rove.control.process import aio
@@ -28,16 +25,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    options = common.bus_options(args, name="rove-stop", job=args.job, role="operator")
-    who = f"{getpass.getuser()}@{socket.gethostname()}"
-    async with await Bus.connect(options) as bus:
-        if not await bus.job_exists(args.job):
-            raise common.no_such_job(bus, args.job)
-        event = ev.StopRequested(
+    def stop(who: str) -> ev.StopRequested:
+        return ev.StopRequested(
             **ev.envelope(args.job, f"cli:{who}", time.time(), "stop", uuid.uuid4().hex),
             reason=args.reason or f"requested by {who}",
         )
-        seq = await bus.publish(event)
+
+    seq = await common.publish_command(args, "rove-stop", stop)
     sys.stdout.write(
         f"stop of job {args.job} requested (event #{seq}); the leading master ends it\n"
     )

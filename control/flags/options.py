@@ -14,6 +14,7 @@ from typing import Any
 
 from rove.control.bus import embedded, stored
 from rove.control.bus.client import Bus, BusOptions
+from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
 
@@ -393,6 +394,21 @@ def add_node_resource_args(g: argparse._ArgumentGroup | argparse.ArgumentParser)
         metavar="KEY=VALUE",
         help="an optimiser setting, e.g. --policy settle_s=30 (repeatable; docs/scaling.md)",
     )
+
+
+async def publish_command(
+    args: argparse.Namespace, name: str, make: Callable[[str], ev.Event]
+) -> int:
+    """Publish an operator's command to job `args.job` (`rove stop`, `rove scale`) and
+    return its stream sequence; `make(who)` builds it (`who`: user@host, for its
+    producer and reason). An unknown job is an `UnknownJobError`."""
+    import getpass
+
+    options = bus_options(args, name=name, job=args.job, role="operator")
+    async with await Bus.connect(options) as bus:
+        if not await bus.job_exists(args.job):
+            raise no_such_job(bus, args.job)
+        return await bus.publish(make(f"{getpass.getuser()}@{socket.gethostname()}"))
 
 
 def no_such_job(bus: Bus, job: str) -> UnknownJobError:

@@ -195,21 +195,9 @@ def _fill(s: ScaleState, w: ev.Workload) -> Iterator[Plan]:
     if len(live) >= s.target:
         return
     if not s.plans:
-        ps = w.ps.count if w.ps is not None else 0
-        nodes = tuple(
-            ev.NodeLaunch(node=ev.node_name(i, 0), slot=i, attempt=0, resources=w.resources)
-            if i >= ps or w.ps is None
-            else ev.NodeLaunch(
-                node=ev.node_name(i, 0),
-                slot=i,
-                attempt=0,
-                resources=w.ps.resources,
-                role=ev.PS_ROLE,
-            )
-            for i in range(s.target)
-        )
+        nodes = tuple(_new_launch(w, i) for i in range(s.target))
         of_ps = (
-            f", {ps} of them for the parameter servers ({w.ps.resources.describe()} each)"
+            f", {w.ps.count} of them for the parameter servers ({w.ps.resources.describe()} each)"
             if w.ps is not None
             else ""
         )
@@ -244,16 +232,26 @@ def _fill(s: ScaleState, w: ev.Workload) -> Iterator[Plan]:
             reason=f"{len(live)} of {s.target} nodes live: start {ev.node_name(index, 0)}",
             cause=f"fill:{index}",
             target=s.target,
-            launch=(
-                ev.NodeLaunch(
-                    node=ev.node_name(index, 0), slot=index, attempt=0, resources=w.resources
-                ),
-            ),
+            launch=(_new_launch(w, index),),
         )
 
 
 def _next_slot(s: ScaleState) -> int:
     return max(s.slots.keys(), default=-1) + 1
+
+
+def _new_launch(w: ev.Workload, index: int) -> ev.NodeLaunch:
+    """The first attempt of slot `index`: one of a TensorFlow job's parameter servers'
+    nodes (the first `w.ps.count` slots), else a node like every other."""
+    if w.ps is not None and index < w.ps.count:
+        return ev.NodeLaunch(
+            node=ev.node_name(index, 0),
+            slot=index,
+            attempt=0,
+            resources=w.ps.resources,
+            role=ev.PS_ROLE,
+        )
+    return ev.NodeLaunch(node=ev.node_name(index, 0), slot=index, attempt=0, resources=w.resources)
 
 
 def _pending(s: ScaleState, w: ev.Workload, now: float) -> Iterator[Plan]:
@@ -397,10 +395,6 @@ def _throughput(
         f"(kept if the new node adds {p.min_marginal_speed:g} of a node's speed)",
         cause=f"grow:{s.plans}",
         target=size + 1,
-        launch=(
-            ev.NodeLaunch(
-                node=ev.node_name(index, 0), slot=index, attempt=0, resources=w.resources
-            ),
-        ),
+        launch=(_new_launch(w, index),),
         speed=speed,
     )
