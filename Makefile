@@ -6,6 +6,7 @@
 
 PYTHON ?= python3
 VENV ?= .venv
+S3VENV ?= .venv-s3
 BIN := $(VENV)/bin
 # torch first, pinned: 2.13.0 is the CPU build that lies on this machine's disk;
 # any other spec downloads several GB of CUDA packages.
@@ -22,8 +23,15 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[torch]'
 	touch $@
 
-$(VENV)/.installed-tests: $(VENV)/.installed
+$(VENV)/.installed-tests: $(VENV)/.installed $(S3VENV)/.installed
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[torch,tests]'
+	touch $@
+
+# The S3 server the object-store checkpoint tests run against (moto's, tests/s3server.py),
+# in an environment of its own: botocore pins python-dateutil<3, the kubernetes client >=3.
+$(S3VENV)/.installed:
+	$(PYTHON) -m venv $(S3VENV)
+	$(S3VENV)/bin/pip install --quiet --disable-pip-version-check 'moto[server]>=5,<6'
 	touch $@
 
 DEMO_DIR ?= .rove-demo
@@ -93,4 +101,4 @@ bench: $(VENV)/.installed-tests
 	$(BIN)/python benchmarks/tf_recovery.py
 
 clean:
-	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) $(S3VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

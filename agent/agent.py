@@ -206,6 +206,7 @@ class Agent:
         self.log.info("agent starting", incarnation=self.incarnation, addr=self.cfg.addr)
         if self._warm:
             warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
+        await self.checkpoints.announce_found()  # before it joins: the round restores it
         self._register()
         feed = await retry.wait_out(  # started while JetStream has no quorum: it waits
             lambda: self.bus.subscribe(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import structlog
 
@@ -27,6 +26,10 @@ from rove.control.process import metrics
 
 log = structlog.get_logger("rove.agent")
 
+#: How long the agent reads its storage's committed step as it starts before it joins
+#: without it (an object store away: its persists will say so in turn).
+FOUND_READ_S = 15.0
+
 #: Steps overwritten in a row while they were persisted before it is said on the console:
 #: one now and then is the workers saving faster than storage takes it (a newer step is
 #: persisted next); many in a row mean nothing reaches storage.
@@ -37,7 +40,7 @@ class CheckpointDuty:
     def __init__(
         self,
         facts: NodeFacts,
-        checkpoint_dir: Path | None,
+        checkpoint_dir: str | None,
         *,
         keep: int = 3,
         persist_every: int = 1,
@@ -59,6 +62,31 @@ class CheckpointDuty:
         #: same steps as its peers next, and those steps can be committed
         self._attempted = -1
         self._base = -1  # steps persisted are this plus multiples of persist_every (0: -1)
+
+    async def announce_found(self) -> None:
+        """Before the node first joins: say the step an earlier run of the job left
+        committed in this node's storage (`ckpt_found`), so that the job goes on from it
+        rather than starting afresh (which would drop it as an abandoned lineage)."""
+        storage = self.saver.storage
+        if storage is None:
+            return
+        try:
+            step = await asyncio.wait_for(asyncio.to_thread(storage.committed), FOUND_READ_S)
+        except (TimeoutError, CheckpointError) as exc:
+            reason = str(exc) or f"no answer in {FOUND_READ_S:.0f} s"
+            self.log.warning(
+                f"could not read the committed step in {storage.location}: {reason}; "
+                "the job starts without it"
+            )
+            return
+        if step is None:
+            return
+        self.log.info(
+            f"found step {step} committed in {storage.location} by an earlier run of the "
+            "job: it goes on from there",
+            say=True,
+        )
+        self.facts.emit(ev.CkptFound(**self.facts.envelope(), step=step, location=storage.location))
 
     async def new_round(
         self,

@@ -44,7 +44,8 @@ class AgentConfig:
     tf_spares: bool = True
     #: TensorFlow: "ps" when this node hosts parameter servers only (`--tf-role ps`)
     tf_role: str = ""
-    checkpoint_dir: Path | None = None
+    #: where flash checkpoints persist: a directory or an object store's URL (s3://...)
+    checkpoint_dir: str | None = None
     save_at_breakpoint: bool = False
     keep_checkpoints: int = 3
     persist_every: int = 1

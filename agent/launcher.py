@@ -117,10 +117,24 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be at least {least}, got {value:g}")
 
 
+def _check_storage(location: str) -> None:
+    """A checkpoint URL no store can serve is said before anything starts. (Nothing is
+    contacted here: an unreachable store fails each persist with its reason, and
+    training goes on from memory.)"""
+    from rove.checkpoint.storage import StorageError, open_storage
+
+    try:
+        open_storage(location)
+    except StorageError as exc:
+        raise ConfigError(f"--checkpoint-dir: {exc}") from exc
+
+
 def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     """The agent's configuration from parsed arguments; raises ConfigError for bad ones."""
     _auto_config(args)
     _check_ranges(args)
+    if args.checkpoint_dir:
+        _check_storage(args.checkpoint_dir)
     standalone = bool(args.standalone)
     try:
         lo, hi = parse_min_max_nnodes(str(args.nnodes))
@@ -246,7 +260,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         exit_timeout_s=args.hang_timeout or EXIT_TIMEOUT_S,
         stop_timeout_s=float(args.shutdown_timeout) if args.shutdown_timeout else 10.0,
         start_method=start_method,
-        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_dir=args.checkpoint_dir or None,
         save_at_breakpoint=bool(args.save_at_breakpoint),
         keep_checkpoints=args.keep_checkpoints,
         persist_every=args.persist_every,

@@ -115,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--checkpoint-dir",
         default=os.environ.get("ROVE_CKPT_DIR"),
-        help="persist flash checkpoints here (env ROVE_CKPT_DIR); without it they stay in memory",
+        help="persist flash checkpoints here: a directory, or an object store's URL "
+        "(s3://BUCKET/PREFIX, gs://..., az://...; credentials from the environment) "
+        "(env ROVE_CKPT_DIR); without it they stay in memory",
     )
     g.add_argument(
         "--persist-every",

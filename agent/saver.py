@@ -11,12 +11,11 @@ writes the commit tracker when the master decides `ckpt_committed`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 
 from rove.checkpoint.engine import FlashEngine, default_dir, namespace
-from rove.checkpoint.storage import FileStorage, SlotOverwritten
+from rove.checkpoint.storage import SlotOverwritten, open_storage
 
 log = structlog.get_logger("rove.saver")
 
@@ -29,10 +28,11 @@ class Persisted:
 
 
 class Saver:
-    def __init__(self, job: str, checkpoint_dir: Path | None, *, keep: int = 3) -> None:
+    def __init__(self, job: str, checkpoint_dir: str | None, *, keep: int = 3) -> None:
+        """`checkpoint_dir`: a directory or an object store's URL (None: memory only)."""
         self.job = job
         self.name = job
-        self.storage = FileStorage(checkpoint_dir) if checkpoint_dir else None
+        self.storage = open_storage(checkpoint_dir) if checkpoint_dir else None
         self.keep = keep
         self.engines: dict[int, FlashEngine] = {}
         self.reported_step = -1
@@ -123,7 +123,7 @@ class Saver:
                 )
             self.storage.persist(engine, slot, rank)
         self.persisted_step = max(self.persisted_step, step)
-        return Persisted(step, tuple(sorted(self.engines)), str(self.storage.root))
+        return Persisted(step, tuple(sorted(self.engines)), self.storage.location)
 
     def commit(self, step: int) -> None:
         if self.storage is not None:

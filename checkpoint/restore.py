@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rove.checkpoint.engine import FlashEngine
-from rove.checkpoint.storage import FileStorage, Storage
+from rove.checkpoint.storage import Storage, open_storage
 
 
 def _group_size(group: Any) -> int:
@@ -95,11 +95,12 @@ def job_and_storage(
     job: str | None, checkpoint_dir: str | Path | None
 ) -> tuple[str, Storage | None]:
     """The job (argument, else `ROVE_JOB`, else torchrun's run id, else "local") and
-    the storage (argument, else `ROVE_CKPT_DIR`, else none) of a checkpointer."""
+    the storage (argument, else `ROVE_CKPT_DIR`, else none) of a checkpointer: a
+    directory, or an object store's URL (`s3://bucket/prefix`, ...)."""
     env = os.environ
     job = job or env.get("ROVE_JOB") or env.get("TORCHELASTIC_RUN_ID") or "local"
-    directory = checkpoint_dir or env.get("ROVE_CKPT_DIR")
-    return job, FileStorage(Path(directory)) if directory else None
+    location = checkpoint_dir or env.get("ROVE_CKPT_DIR")
+    return job, open_storage(location) if location else None
 
 
 def begin_lineage(engine: FlashEngine, storage: Storage | None, step: int) -> None:

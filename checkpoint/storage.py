@@ -1,7 +1,9 @@
 """Persistent checkpoint storage: where the agent's saver writes complete slots.
 
 `Storage` is the port; `FileStorage` implements it on a local or shared
-filesystem path. An object store can implement the same port later.
+filesystem path, `rove.checkpoint.object_store.ObjectStorage` in an object store
+(S3, GCS, Azure). `open_storage` picks one from the location a user gives
+(`--checkpoint-dir`, `ROVE_CKPT_DIR`): a URL is an object store, anything else a path.
 
 Layout under the root:
 
@@ -57,6 +59,11 @@ class Storage(abc.ABC):
     verifying it. Implementations never expose a partially written rank file.
     """
 
+    @property
+    @abc.abstractmethod
+    def location(self) -> str:
+        """Where the checkpoints are, as the user gave it (a path or a URL)."""
+
     @abc.abstractmethod
     def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
         """Persist a complete slot.
@@ -97,6 +104,10 @@ class FileStorage(Storage):
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
     def _step_dir(self, step: int) -> Path:
         return durable.step_dir(self.root, step)
 
@@ -116,6 +127,11 @@ class FileStorage(Storage):
             durable.write_atomic(
                 data, [seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)]
             )
+            after = seg.header()
+            if after is None or after.generation != h.generation:
+                # the file may hold a mix of two steps: no manifest names it, and it goes
+                data.unlink(missing_ok=True)
+                raise SlotOverwritten(f"slot {slot} was overwritten while it was persisted")
             durable.write_atomic(
                 directory / f"rank-{rank:05d}.json", [msgspec.json.encode(manifest)]
             )
@@ -133,9 +149,6 @@ class FileStorage(Storage):
                 f"could not persist step {h.step} of rank {rank} to {self.root}: {reason}; "
                 "training goes on with in-memory checkpoints; free space or fix the path"
             ) from exc
-        after = seg.header()
-        if after is None or after.generation != h.generation:
-            raise SlotOverwritten(f"slot {slot} was overwritten while it was persisted")
         return manifest
 
     def persisted_ranks(self, step: int) -> set[int]:
@@ -196,3 +209,18 @@ class FileStorage(Storage):
         data = memoryview(raw)[manifest.meta_len :]
 
         return layout.rebuild(meta, lambda _i, e: layout.tensor_at(data, e))
+
+
+def open_storage(location: str | Path) -> Storage:
+    """The storage at `location`: an object store for a URL (`s3://bucket/prefix`,
+    `gs://...`, `az://...`), else a directory (a path, or `file://PATH`).
+
+    Raises:
+        StorageError: the URL names no store rove can use (the message says which).
+    """
+    from rove.checkpoint import object_store
+
+    text = str(location)
+    if object_store.is_url(text):
+        return object_store.ObjectStorage(text)
+    return FileStorage(Path(text.removeprefix("file://")))

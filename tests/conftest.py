@@ -13,6 +13,7 @@ from rove.control.catalogue import subjects
 from rove.control.process import logs
 from tests import support
 from tests.kafkamock import KafkaCluster
+from tests.s3server import S3Server
 from tests.support import Cluster
 
 logs.configure("warning")
@@ -147,3 +148,21 @@ def kafka() -> Iterator[KafkaCluster]:
     c = KafkaCluster()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One S3 server (moto's emulator, a process of its own) for the session."""
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket's URL (with a prefix), and the environment that reaches it, as a
+    user would set it for any S3-compatible store."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return f"s3://{s3_server.bucket()}/ckpt"

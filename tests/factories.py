@@ -329,6 +329,10 @@ def in_memory(
     )
 
 
+def found(node: str, step: int, *, inc: str = "i1", job: str = JOB) -> ev.CkptFound:
+    return ev.CkptFound(**_fact(node, inc, 100.0, job, "found"), step=step, location="s3://b/j")
+
+
 def persisted(
     node: str,
     step: int,
@@ -531,6 +535,11 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
             min_nodes=1,
             max_nodes=3,
             reason="more data today",
+        ),
+        ev.CkptFound(
+            **ev.node_envelope(job, "n0", "inc1", 100.0, "found"),
+            step=120,
+            location="s3://bucket/job",
         ),
     ]
 

@@ -150,6 +150,45 @@ def test_without_memory_for_every_rank_the_committed_step_is_restored() -> None:
     assert (last.restore_step, last.restore_source) == (10, "storage")
 
 
+def test_a_new_job_goes_on_from_the_oldest_step_its_nodes_found_on_storage() -> None:
+    """An earlier run of the job left steps committed: the first round restores the
+    oldest one the members found, rather than starting afresh (which drops them)."""
+    s = sim()
+    s.apply(factories.found("n1", 40))
+    s.apply(factories.found("n2", 30))
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    assert (rounds(s)[-1].restore_step, rounds(s)[-1].restore_source) == (30, "storage")
+
+
+def test_a_member_that_found_nothing_on_storage_means_a_fresh_start() -> None:
+    s = sim()
+    s.apply(factories.found("n1", 40))
+    s.join("n1")
+    s.join("n2")
+    s.tick()
+    assert (rounds(s)[-1].restore_step, rounds(s)[-1].restore_source) == (
+        None,
+        ev.RestoreSource.NONE,
+    )
+
+
+def test_once_the_job_commits_its_own_step_a_step_found_is_no_longer_used() -> None:
+    s = sim()
+    for node in ("n1", "n2"):
+        s.apply(factories.found(node, 40))
+        s.join(node)
+    s.tick()
+    s.apply(factories.persisted("n1", 45, (0, 1)))
+    s.apply(factories.persisted("n2", 45, (2, 3)))
+    s.tick()
+    assert commits(s) == [45]
+    s.apply(factories.exited("n1", 1))
+    s.tick()
+    assert (rounds(s)[-1].restore_step, rounds(s)[-1].restore_source) == (45, "storage")
+
+
 def test_memory_older_than_the_committed_step_is_not_used() -> None:
     s = running()
     s.apply(factories.in_memory("n1", 5, (0, 1)))

@@ -200,6 +200,11 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
         (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
         (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
         (
+            ["run", "--standalone", "--checkpoint-dir", "ftp://host/x", "examples/train.py"],
+            common.EXIT_USAGE,
+            "--checkpoint-dir: cannot use ftp://host/x for checkpoints",
+        ),
+        (
             ["run", "--standalone", "--tf-role", "ps", "examples/train.py"],
             common.EXIT_USAGE,
             "--tf-role is for a TensorFlow job: add --tf-ps",

@@ -80,6 +80,7 @@ def test_the_example_passes_the_crds_schema_and_bad_specs_are_refused() -> None:
         "an unknown mode": {"mode": "slurm"},
         "memory not a quantity": {"resources": {"memory": "lots"}},
         "kafka without a topic": {"kafka": {"bootstrap": "k:9092"}},
+        "a checkpoint url that is a path": {"checkpoint": {"url": "/ckpt"}},
     }
     for why, change in bad.items():
         obj = copy.deepcopy(example())
@@ -102,6 +103,28 @@ def test_the_operator_refuses_what_the_schema_cannot_check() -> None:
         rj.parse(rovejob(mode="pool", scheduling={"queue": "q"}))
     with pytest.raises(ConfigError, match="needs a dir"):
         rj.parse(rovejob(checkpoint={"persistentVolumeClaim": "ckpt"}))
+    with pytest.raises(ConfigError, match="not both"):
+        rj.parse(rovejob(checkpoint={"dir": "/ckpt", "url": "s3://b/j"}))
+    with pytest.raises(ConfigError, match="is not an object store's URL"):
+        rj.parse(rovejob(checkpoint={"url": "bucket/j"}))
+    with pytest.raises(ConfigError, match="credentialsSecret needs a url"):
+        rj.parse(rovejob(checkpoint={"credentialsSecret": "s3"}))
+    with pytest.raises(ConfigError, match="use mode: pods"):
+        rj.parse(rovejob(mode="pool", checkpoint={"url": "s3://b/j", "credentialsSecret": "s3"}))
+
+
+def test_an_object_store_for_checkpoints_reaches_every_node_with_its_credentials() -> None:
+    obj = rovejob(checkpoint={"url": "s3://bucket/jobs/j", "credentialsSecret": "s3-creds"})
+    by_name = {c["metadata"]["name"]: c for c in rj.children(obj, rj.parse(obj), SITE)}
+    submit = by_name[f"rove-submit-{JOB}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    after = submit[submit.index("--") + 1 :]
+    assert after[6:8] == ["--checkpoint-dir", "s3://bucket/jobs/j"]
+    import yaml
+
+    template = yaml.safe_load(by_name[f"rove-pod-template-{JOB}"]["data"]["pod-template.yaml"])
+    [node] = template["spec"]["containers"]
+    assert node["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert "checkpoints" not in {v["name"] for v in template["spec"]["volumes"]}
 
 
 # --------------------------------------------------------------------------- children

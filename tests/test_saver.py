@@ -54,7 +54,7 @@ def test_a_round_restored_to_a_step_drops_every_newer_step_of_every_rank(
         for step in (93, 94):
             stats = engine.save(step, {"w": torch.full((2,), float(step))})
             storage.persist(engine, stats.slot, rank)
-    saver = Saver("j1", tmp_path / "ckpt")
+    saver = Saver("j1", str(tmp_path / "ckpt"))
     saver.ranks((0, 1), "run1")
     saver.reported_step = saver.persisted_step = 94
     dropped, removed = saver.cut(93)

@@ -144,6 +144,7 @@ def render() -> str:
                 ev.WorkersSucceeded,
                 ev.TrainingProgress,
                 ev.NetworkCheckReported,
+                ev.CkptFound,
                 ev.CkptInMemory,
                 ev.CkptPersisted,
                 ev.CkptFailed,

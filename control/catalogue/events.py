@@ -323,6 +323,14 @@ class CkptPersisted(NodeFact, tag="ckpt_persisted", frozen=True, kw_only=True):
     round: int = 0
 
 
+class CkptFound(NodeFact, tag="ckpt_found", frozen=True, kw_only=True):
+    """As it started, `node` found `step` committed in its checkpoint storage
+    (`location`): an earlier run of the job left it, and the job goes on from it."""
+
+    step: int
+    location: str = ""
+
+
 class CkptFailed(NodeFact, tag="ckpt_failed", frozen=True, kw_only=True):
     """Persisting `step` failed on `node` (disk full, unwritable path, ...)."""
 
@@ -517,6 +525,7 @@ AnyEvent = (
     | CkptFailed
     | CkptPersisted
     | CkptInMemory
+    | CkptFound
     | NetworkCheckCompleted
     | NetworkCheckAssigned
     | EventPart

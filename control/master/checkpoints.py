@@ -9,6 +9,11 @@ never mixes the ranks of two lineages that reuse the same step numbers. A step i
 world it was saved in; only the newest such step is committed, and a
 committed step never goes back. Steps at or below the committed one are
 forgotten, so the state stays small however long the job runs.
+
+A job started on storage an earlier run of it left behind goes on from there: each
+agent says the committed step it found as it started (`ckpt_found`), and until the
+job commits a step of its own, a round that cannot restore from memory restores the
+oldest step its members found (every one of them must have found one).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class CkptState(msgspec.Struct, frozen=True, kw_only=True):
     )
     failures: int = 0
     last_error: str = ""
+    #: node -> the committed step it found on storage as it started (an earlier run's)
+    found: immutables.Map[str, int] = msgspec.field(default_factory=immutables.Map)
     #: (round, step it restored, -1 for a fresh start) of the recent rounds: where
     #: each started a new lineage (the newest `MAX_CUTS`)
     cuts: tuple[tuple[int, int], ...] = ()
@@ -94,6 +101,10 @@ def on_failed(c: CkptState, e: ev.CkptFailed) -> CkptState:
     )
 
 
+def on_found(c: CkptState, e: ev.CkptFound) -> CkptState:
+    return replace(c, found=c.found.set(e.node, e.step))
+
+
 def on_committed(c: CkptState, e: ev.CkptCommitted) -> CkptState:
     if c.committed is not None and e.step <= c.committed:
         return c
@@ -123,8 +134,10 @@ def restore_point(
     `members` are (node, the ranks it will run). Memory wins when every member
     reported a step in memory for exactly those ranks: the newest step they all
     hold (each keeps its two newest, so the oldest of their newest is there).
-    Otherwise the committed step on storage; otherwise nothing (a fresh start).
+    Otherwise the committed step on storage (the job's own, else the one an earlier
+    run left, found by every member); otherwise nothing (a fresh start).
     """
+    committed = c.committed if c.committed is not None else _found(c, members)
     steps: list[int] = []
     for node, ranks in members:
         held = c.memory.get(node)
@@ -132,11 +145,19 @@ def restore_point(
             steps = []
             break
         steps.append(held[0])
-    if steps and (c.committed is None or min(steps) >= c.committed):
+    if steps and (committed is None or min(steps) >= committed):
         return min(steps), ev.RestoreSource.MEMORY
-    if c.committed is not None:
-        return c.committed, ev.RestoreSource.STORAGE
+    if committed is not None:
+        return committed, ev.RestoreSource.STORAGE
     return None, ev.RestoreSource.NONE
+
+
+def _found(c: CkptState, members: list[tuple[str, tuple[int, ...]]]) -> int | None:
+    """The oldest step the members found on storage as they started, if each did."""
+    found = [c.found.get(node) for node, _ in members]
+    if not found or any(step is None for step in found):
+        return None
+    return min(step for step in found if step is not None)
 
 
 def at_end(c: CkptState, nodes: list[str], committing: int | None) -> str:

@@ -41,6 +41,7 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.CkptInMemory: ("ckpt", ckpt.on_in_memory),
     ev.CkptPersisted: ("ckpt", ckpt.on_persisted),
     ev.CkptFailed: ("ckpt", ckpt.on_failed),
+    ev.CkptFound: ("ckpt", ckpt.on_found),
     ev.CkptCommitted: ("ckpt", ckpt.on_committed),
     ev.DatasetRegistered: ("data", data.on_registered),
     ev.ShardRequested: ("data", data.on_requested),

@@ -42,6 +42,8 @@ KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 POD_GROUP = "scheduling.x-k8s.io/pod-group"
 
 _NNODES = re.compile(r"^([1-9][0-9]*)(?::([1-9][0-9]*))?$")
+#: an object store's URL (`rove.checkpoint.object_store`): a scheme, then a bucket
+_STORE_URL = re.compile(r"^[a-z][a-z0-9+.-]*://[^/]+")
 
 
 class _Spec(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
@@ -58,6 +60,11 @@ class Checkpoint(_Spec, frozen=True, kw_only=True):
     dir: str = ""
     #: a PersistentVolumeClaim in the nodes' namespace, mounted at `dir` (ReadWriteMany)
     persistent_volume_claim: str = ""
+    #: or an object store: `s3://bucket/prefix`, `gs://...`, `az://...`
+    url: str = ""
+    #: a Secret in the nodes' namespace whose keys are the store's environment
+    #: (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...), given to every node
+    credentials_secret: str = ""
 
 
 class Kafka(_Spec, frozen=True, kw_only=True):
@@ -151,14 +158,33 @@ def parse(obj: Mapping[str, Any]) -> JobSpec:
                 f"RoveJob {name}: nnodes counts the parameter servers' nodes: give at "
                 f"least {tf.num_ps + 1} (the chief and the workers need one of their own)"
             )
-    if spec.checkpoint.persistent_volume_claim and not spec.checkpoint.dir:
-        raise ConfigError(f"RoveJob {name}: checkpoint.persistentVolumeClaim needs a dir")
-    if spec.mode == "pool" and (spec.checkpoint.persistent_volume_claim or _hooks(spec)):
+    _check_checkpoint(name, spec)
+    if spec.mode == "pool" and (
+        spec.checkpoint.persistent_volume_claim or spec.checkpoint.credentials_secret or _hooks(spec)
+    ):
         raise ConfigError(
             f"RoveJob {name}: a pool job runs on the agents' DaemonSet, which mounts no "
-            "volume and takes no scheduling hooks per job; use mode: pods"
+            "volume or Secret and takes no scheduling hooks per job; use mode: pods"
         )
     return spec
+
+
+def _check_checkpoint(name: str, spec: JobSpec) -> None:
+    c = spec.checkpoint
+    if c.persistent_volume_claim and not c.dir:
+        raise ConfigError(f"RoveJob {name}: checkpoint.persistentVolumeClaim needs a dir")
+    if c.url and c.dir:
+        raise ConfigError(
+            f"RoveJob {name}: give checkpoint.dir (a volume) or checkpoint.url (an object "
+            "store), not both"
+        )
+    if c.url and not _STORE_URL.match(c.url):
+        raise ConfigError(
+            f"RoveJob {name}: checkpoint.url {c.url!r} is not an object store's URL: give "
+            "s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or az://CONTAINER/PREFIX"
+        )
+    if c.credentials_secret and not c.url:
+        raise ConfigError(f"RoveJob {name}: checkpoint.credentialsSecret needs a url")
 
 
 def _hooks(spec: JobSpec) -> bool:
@@ -307,8 +333,8 @@ def _run_args(spec: JobSpec) -> list[str]:
         *("--nnodes", f"{low}:{high}", "--nproc-per-node", str(spec.nproc_per_node)),
         *("--max-restarts", str(spec.max_restarts)),
     ]
-    if spec.checkpoint.dir:
-        out += ["--checkpoint-dir", spec.checkpoint.dir]
+    if spec.checkpoint.dir or spec.checkpoint.url:
+        out += ["--checkpoint-dir", spec.checkpoint.dir or spec.checkpoint.url]
     if spec.tensorflow is not None:
         out += ["--tf-ps", "--num-ps", str(spec.tensorflow.num_ps)]
     return [*out, spec.script, *spec.args]
@@ -454,21 +480,22 @@ def _pod_template(spec: JobSpec, site: Site) -> str:
         labels[KUEUE_QUEUE] = spec.scheduling.queue
     if spec.scheduling.pod_group:
         labels[POD_GROUP] = spec.scheduling.pod_group
+    container: dict[str, Any] = {
+        "name": "node",
+        "image": spec.image,
+        "workingDir": spec.working_dir,
+        "env": env,
+        "ports": [{"name": "metrics", "containerPort": 9400}],
+        "volumeMounts": mounts,
+    }
+    if spec.checkpoint.credentials_secret:  # the object store's credentials, as env
+        container["envFrom"] = [{"secretRef": {"name": spec.checkpoint.credentials_secret}}]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "hostIPC": True,  # the machine's /dev/shm: a relaunched node restores from memory
         "terminationGracePeriodSeconds": 60,
-        "containers": [
-            {
-                "name": "node",
-                "image": spec.image,
-                "workingDir": spec.working_dir,
-                "env": env,
-                "ports": [{"name": "metrics", "containerPort": 9400}],
-                "volumeMounts": mounts,
-            }
-        ],
+        "containers": [container],
         "volumes": volumes,
     }
     if spec.scheduling.priority_class_name:

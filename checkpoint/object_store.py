@@ -1,0 +1,288 @@
+"""Persistent checkpoint storage in an object store: S3 (and S3-compatible stores such
+as MinIO or Ceph), Google Cloud Storage and Azure Blob Storage, through `obstore`.
+
+`rove run --checkpoint-dir s3://bucket/prefix` (or `gs://`, `az://`) selects it; the
+same layout as on files, under the prefix:
+
+    step-00000120/rank-00003.ckpt        the slot's description and tensor bytes
+    step-00000120/rank-00003.json        manifest: sizes and the xxh3 checksum
+    committed                            tracker: {"step": N}, the newest committed step
+
+What makes it safe without renames or fsync: an object store makes each PUT atomic (a
+reader sees the whole object or none; a large one is a multipart upload, which becomes
+visible only when it completes). A rank's data object is uploaded first, then its
+manifest, and only after the slot was checked unchanged, so a manifest always names a
+whole, verified upload; `persisted_ranks` counts a rank only when both are there, and
+`load` checks the size and the checksum again. The tracker is written only when the
+master decided the step is on every rank.
+
+Credentials and endpoints come from the environment, as each cloud's own tools read
+them (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL`
+for S3-compatible stores, `AWS_ALLOW_HTTP=true` for a plain-HTTP endpoint;
+`GOOGLE_SERVICE_ACCOUNT`; `AZURE_STORAGE_ACCOUNT_NAME`, ...), or from the instance's
+role where the cloud has one. No credential is ever on a command line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import xxhash
+
+from rove.checkpoint import layout
+from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.shm import COMPLETE, HEADER_SIZE
+from rove.checkpoint.storage import Manifest, SlotOverwritten, Storage, StorageError
+
+if TYPE_CHECKING:
+    from obstore.store import ObjectStore
+
+#: A location with a scheme (`s3://`, `gs://`, `az://`, ...) is an object store; a
+#: plain path (or `file://`) is a directory.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+#: Objects larger than this are uploaded in parts of this size (S3's parts are at least
+#: 5 MiB); smaller ones in one PUT.
+PART_BYTES = 16 * 1024 * 1024
+#: Parts uploaded at once: each holds PART_BYTES in memory.
+PART_CONCURRENCY = 4
+#: How long one call may keep retrying a store that fails or is away (5xx answers,
+#: refused or dropped connections) before the persist fails with its reason; the
+#: saver's next due step tries again.
+RETRY_TIMEOUT_S = 60.0
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def is_url(location: str) -> bool:
+    """Whether `location` names an object store rather than a directory."""
+    return bool(_URL.match(location)) and not location.startswith("file://")
+
+
+def _short(exc: BaseException) -> str:
+    """The first line of an obstore error (the rest is the HTTP client's debug dump)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+class ObjectStorage(Storage):
+    """Checkpoints under `url` (`s3://bucket/prefix`, `gs://...`, `az://...`)."""
+
+    def __init__(self, url: str) -> None:
+        from obstore.store import from_url
+
+        self.url = url.rstrip("/")
+        try:
+            self.store: ObjectStore = from_url(
+                self.url,
+                retry_config={
+                    "max_retries": 10,
+                    "retry_timeout": timedelta(seconds=RETRY_TIMEOUT_S),
+                },
+            )
+        except Exception as exc:  # obstore raises several kinds for a bad URL or config
+            raise StorageError(
+                f"cannot use {url} for checkpoints: {_short(exc)}; give s3://BUCKET/PREFIX, "
+                "gs://BUCKET/PREFIX or az://CONTAINER/PREFIX, with credentials in the "
+                "environment"
+            ) from exc
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def _fail(self, what: str, exc: BaseException) -> StorageError:
+        return StorageError(
+            f"could not {what} in {self.url}: {_short(exc)}; training goes on with "
+            "in-memory checkpoints; check the bucket, the endpoint and the credentials"
+        )
+
+    # -- objects ---------------------------------------------------------------------
+
+    def _put(self, path: str, chunks: list[memoryview | bytes]) -> None:
+        import obstore
+
+        size = sum(len(c) for c in chunks)
+        if size <= PART_BYTES:
+            obstore.put(self.store, path, b"".join(chunks), use_multipart=False)
+        else:
+            obstore.put(
+                self.store,
+                path,
+                _parts(chunks, PART_BYTES),
+                chunk_size=PART_BYTES,
+                max_concurrency=PART_CONCURRENCY,
+            )
+
+    def _get(self, path: str) -> bytearray:
+        """The object's bytes in one writable buffer (tensors can view it), filled as
+        they arrive: one copy of the state in memory, not two."""
+        import obstore
+
+        result = obstore.get(self.store, path)
+        out = bytearray(result.meta["size"])
+        at = 0
+        for chunk in result:
+            view = memoryview(chunk)
+            out[at : at + len(view)] = view
+            at += len(view)
+        if at != len(out):
+            raise CheckpointError(f"{self.url}/{path}: read {at} of {len(out)} bytes")
+        return out
+
+    def _names(self, prefix: str | None) -> tuple[list[str], list[str]]:
+        """(sub-prefixes, object names) directly under `prefix`."""
+        import obstore
+
+        found = obstore.list_with_delimiter(self.store, prefix)
+        return list(found["common_prefixes"]), [o["path"] for o in found["objects"]]
+
+    def _delete_step(self, step: int) -> None:
+        import obstore
+
+        _, names = self._names(_step_dir(step))
+        if names:
+            obstore.delete(self.store, names)
+
+    # -- the port ----------------------------------------------------------------------
+
+    def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
+        import obstore
+
+        seg = engine.segments[slot]
+        h = seg.header()
+        if h is None or h.state != COMPLETE:
+            raise CheckpointError(f"slot {slot} holds no complete checkpoint to persist")
+        checksum = h.checksum if h.sealed else engine.seal(slot)
+        manifest = Manifest(
+            step=h.step, rank=rank, meta_len=h.meta_len, data_len=h.data_len, checksum=checksum
+        )
+        data = f"{_step_dir(h.step)}/rank-{rank:05d}.ckpt"
+        try:
+            self._put(
+                data, [seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)]
+            )
+        except Exception as exc:
+            raise self._fail(f"persist step {h.step} of rank {rank}", exc) from exc
+        after = seg.header()
+        if after is None or after.generation != h.generation:
+            # the upload may hold a mix of two steps: no manifest names it, and it goes
+            try:
+                obstore.delete(self.store, data)
+            except Exception:  # noqa: BLE001 - unnamed by any manifest, it is never loaded
+                pass
+            raise SlotOverwritten(f"slot {slot} was overwritten while it was persisted")
+        try:
+            self._put(f"{_step_dir(h.step)}/rank-{rank:05d}.json", [msgspec.json.encode(manifest)])
+        except Exception as exc:
+            raise self._fail(f"persist the manifest of step {h.step} rank {rank}", exc) from exc
+        return manifest
+
+    def persisted_ranks(self, step: int) -> set[int]:
+        try:
+            _, names = self._names(_step_dir(step))
+        except Exception as exc:
+            raise self._fail(f"list step {step}", exc) from exc
+        stems = {n.rsplit("/", 1)[-1] for n in names}
+        return {
+            int(s.removeprefix("rank-").removesuffix(".json"))
+            for s in stems
+            if s.startswith("rank-")
+            and s.endswith(".json")
+            and s.removeprefix("rank-").removesuffix(".json").isdigit()
+            and s.removesuffix(".json") + ".ckpt" in stems
+        }
+
+    def steps(self) -> list[int]:
+        try:
+            prefixes, _ = self._names(None)
+        except Exception as exc:
+            raise self._fail("list the steps", exc) from exc
+        found = []
+        for prefix in prefixes:
+            match = _STEP.match(prefix.rstrip("/").rsplit("/", 1)[-1])
+            if match:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def commit(self, step: int, keep: int) -> None:
+        if step not in self.steps():
+            raise CheckpointError(f"step {step} was never persisted; it cannot be committed")
+        try:
+            self._put("committed", [json.dumps({"step": step}).encode()])
+        except Exception as exc:
+            raise self._fail(f"mark step {step} committed", exc) from exc
+        committed_or_older = [s for s in self.steps() if s <= step]
+        for old in committed_or_older[: max(0, len(committed_or_older) - keep)]:
+            try:
+                self._delete_step(old)
+            except Exception:  # noqa: BLE001 - an old step left behind is only space
+                pass
+
+    def committed(self) -> int | None:
+        try:
+            raw = self._get("committed")
+        except FileNotFoundError:
+            return None  # nothing committed yet
+        except Exception as exc:
+            raise self._fail("read the committed step", exc) from exc
+        try:
+            return int(json.loads(raw)["step"])
+        except (ValueError, KeyError, TypeError):
+            return None  # no readable tracker: as on files
+
+    def discard_newer(self, step: int) -> list[int]:
+        newer = [s for s in self.steps() if s > step]
+        for s in newer:
+            try:
+                self._delete_step(s)
+            except Exception as exc:
+                raise self._fail(f"remove step {s} of an abandoned lineage", exc) from exc
+        return newer
+
+    def load(self, step: int, rank: int) -> Any:
+        base = f"{_step_dir(step)}/rank-{rank:05d}"
+        try:
+            manifest = msgspec.json.decode(self._get(f"{base}.json"), type=Manifest)
+            raw = self._get(f"{base}.ckpt")
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"step {step} of rank {rank} is not in {self.url}") from exc
+        except msgspec.DecodeError as exc:
+            raise CheckpointError(f"the manifest of step {step} rank {rank} is unreadable") from exc
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"could not read step {step} of rank {rank} from {self.url}: {_short(exc)}"
+            ) from exc
+        if len(raw) != manifest.meta_len + manifest.data_len:
+            raise CheckpointError(f"step {step} rank {rank}: the object is truncated")
+        if xxhash.xxh3_64_intdigest(raw) != manifest.checksum:
+            raise CheckpointError(f"step {step} rank {rank}: the object failed its checksum")
+        meta = layout.decode_meta(bytes(raw[: manifest.meta_len]))
+        data = memoryview(raw)[manifest.meta_len :]
+        return layout.rebuild(meta, lambda _i, e: layout.tensor_at(data, e))
+
+
+def _step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _parts(chunks: Iterable[memoryview | bytes], size: int) -> Iterable[bytes]:
+    """`chunks` cut into pieces of `size` bytes (the last may be shorter): each part of a
+    multipart upload but the last must be at least the store's minimum."""
+    pending = bytearray()
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while len(view):
+            take = min(size - len(pending), len(view))
+            pending += view[:take]
+            view = view[take:]
+            if len(pending) == size:
+                yield bytes(pending)
+                pending.clear()
+    if pending:
+        yield bytes(pending)
