@@ -121,7 +121,8 @@ def _check_storage(location: str) -> None:
     """A checkpoint URL no store can serve is said before anything starts. (Nothing is
     contacted here: an unreachable store fails each persist with its reason, and
     training goes on from memory.)"""
-    from rove.checkpoint.storage import StorageError, open_storage
+    from rove.checkpoint.storage import StorageError
+    from rove.checkpoint.stores import open_storage
 
     try:
         open_storage(location)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import structlog
 
 from rove.checkpoint.engine import FlashEngine, default_dir, namespace
-from rove.checkpoint.storage import SlotOverwritten, open_storage
+from rove.checkpoint.storage import SlotOverwritten
+from rove.checkpoint.stores import open_storage
 
 log = structlog.get_logger("rove.saver")
 

@@ -22,7 +22,8 @@ from typing import Any
 import torch.distributed as dist
 
 from rove.checkpoint.engine import FlashEngine
-from rove.checkpoint.storage import Storage, open_storage
+from rove.checkpoint.storage import Storage
+from rove.checkpoint.stores import open_storage
 
 
 def _group_size(group: Any) -> int:

@@ -2,8 +2,8 @@
 
 `Storage` is the port; `FileStorage` implements it on a local or shared
 filesystem path, `rove.checkpoint.object_store.ObjectStorage` in an object store
-(S3, GCS, Azure). `open_storage` picks one from the location a user gives
-(`--checkpoint-dir`, `ROVE_CKPT_DIR`): a URL is an object store, anything else a path.
+(S3, GCS, Azure). `rove.checkpoint.stores.open_storage` picks one from the location a
+user gives (`--checkpoint-dir`, `ROVE_CKPT_DIR`).
 
 Layout under the root:
 
@@ -209,18 +209,3 @@ class FileStorage(Storage):
         data = memoryview(raw)[manifest.meta_len :]
 
         return layout.rebuild(meta, lambda _i, e: layout.tensor_at(data, e))
-
-
-def open_storage(location: str | Path) -> Storage:
-    """The storage at `location`: an object store for a URL (`s3://bucket/prefix`,
-    `gs://...`, `az://...`), else a directory (a path, or `file://PATH`).
-
-    Raises:
-        StorageError: the URL names no store rove can use (the message says which).
-    """
-    from rove.checkpoint import object_store
-
-    text = str(location)
-    if object_store.is_url(text):
-        return object_store.ObjectStorage(text)
-    return FileStorage(Path(text.removeprefix("file://")))

@@ -14,7 +14,8 @@ import torch
 from rove.checkpoint import object_store
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.object_store import ObjectStorage
-from rove.checkpoint.storage import FileStorage, SlotOverwritten, StorageError, open_storage
+from rove.checkpoint.storage import FileStorage, SlotOverwritten, StorageError
+from rove.checkpoint.stores import open_storage
 from tests.s3server import S3Server
 from tests.support import TRAIN, RunProc, free_port, trace_rows
 

@@ -160,7 +160,9 @@ def parse(obj: Mapping[str, Any]) -> JobSpec:
             )
     _check_checkpoint(name, spec)
     if spec.mode == "pool" and (
-        spec.checkpoint.persistent_volume_claim or spec.checkpoint.credentials_secret or _hooks(spec)
+        spec.checkpoint.persistent_volume_claim
+        or spec.checkpoint.credentials_secret
+        or _hooks(spec)
     ):
         raise ConfigError(
             f"RoveJob {name}: a pool job runs on the agents' DaemonSet, which mounts no "
