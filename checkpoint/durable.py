@@ -16,7 +16,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
+
+#: A location with a scheme (`s3://`, `gs://`, `az://`, ...) names an object store; a
+#: plain path (or `file://`) a directory.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(location: str) -> bool:
+    """Whether `location` names an object store rather than a directory."""
+    return bool(_URL.match(location)) and not location.startswith("file://")
 
 
 class CheckpointError(RuntimeError):

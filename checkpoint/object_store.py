@@ -42,9 +42,6 @@ from rove.checkpoint.storage import Manifest, SlotOverwritten, Storage, StorageE
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
 
-#: A location with a scheme (`s3://`, `gs://`, `az://`, ...) is an object store; a
-#: plain path (or `file://`) is a directory.
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 #: Objects larger than this are uploaded in parts of this size (S3's parts are at least
 #: 5 MiB); smaller ones in one PUT.
 PART_BYTES = 16 * 1024 * 1024
@@ -55,11 +52,6 @@ PART_CONCURRENCY = 4
 #: saver's next due step tries again.
 RETRY_TIMEOUT_S = 60.0
 _STEP = re.compile(r"^step-(\d+)$")
-
-
-def is_url(location: str) -> bool:
-    """Whether `location` names an object store rather than a directory."""
-    return bool(_URL.match(location)) and not location.startswith("file://")
 
 
 def _short(exc: BaseException) -> str:

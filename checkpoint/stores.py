@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rove.checkpoint.object_store import ObjectStorage, is_url
+from rove.checkpoint.durable import is_url
+from rove.checkpoint.object_store import ObjectStorage
 from rove.checkpoint.storage import FileStorage, Storage
 
 

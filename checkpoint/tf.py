@@ -70,6 +70,12 @@ class TfCheckpointer:
                     "TfCheckpointer needs a directory: pass one, or run under `rove run "
                     "--checkpoint-dir DIR`, which sets ROVE_CKPT_DIR"
                 )
+            if durable.is_url(base):
+                raise CheckpointError(
+                    f"TfCheckpointer writes TensorFlow's checkpoint files to a directory, and "
+                    f"ROVE_CKPT_DIR is an object store ({base}): pass TfCheckpointer a "
+                    "directory on a volume every chief can reach"
+                )
             directory = Path(base) / "tf"
         if keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep}")

@@ -83,3 +83,12 @@ def test_without_a_directory_the_error_says_how_to_give_one(
     monkeypatch.delenv("ROVE_CKPT_DIR", raising=False)
     with pytest.raises(CheckpointError, match="--checkpoint-dir"):
         TfCheckpointer(object())
+
+
+def test_an_object_store_for_rove_run_is_refused_with_what_to_give_instead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TensorFlow writes its own files (and rove its commit tracker) to a directory."""
+    monkeypatch.setenv("ROVE_CKPT_DIR", "s3://bucket/job")
+    with pytest.raises(CheckpointError, match=r"is an object store \(s3://bucket/job\)"):
+        TfCheckpointer(object())
