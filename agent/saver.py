@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from rove.checkpoint.engine import FlashEngine, default_dir, namespace
+from rove.checkpoint.engine import CheckpointError, FlashEngine, default_dir, namespace
 from rove.checkpoint.storage import SlotOverwritten
 from rove.checkpoint.stores import open_storage
 
@@ -74,10 +74,31 @@ class Saver:
         for rank in ranks | set(self.engines):
             engine = self.engines.get(rank) or FlashEngine(self.name, rank)
             dropped.update(engine.discard_newer(keep))
-        removed = self.storage.discard_newer(keep) if self.storage is not None else []
+        removed = self.storage.discard_newer(self._storage_floor(keep)) if self.storage else []
         self.reported_step = min(self.reported_step, keep)
         self.persisted_step = min(self.persisted_step, keep)
         return sorted(dropped), removed
+
+    def _storage_floor(self, keep: int) -> int:
+        """The newest step a cut to `keep` may leave on storage: `keep`, or the committed
+        step when it is newer. The master never restores a step older than the one it
+        committed, so such a cut comes from a stale round: one this node hears late
+        (it was cut off while the job went on without it). The committed steps are the
+        live lineage's, on storage every node shares; the nemesis saw a node back from a
+        partition delete the job's committed step that way."""
+        assert self.storage is not None
+        try:
+            committed = self.storage.committed()
+        except CheckpointError:
+            committed = None  # unreadable tracker: as on files, none
+        if committed is None or committed <= keep:
+            return keep
+        log.warning(
+            f"not removing checkpoint steps up to {committed} from storage: they are "
+            f"committed, and this node's round goes on from {keep if keep >= 0 else 'scratch'} "
+            "(a round decided while it was away)"
+        )
+        return committed
 
     def common_steps(self) -> set[int]:
         """The steps every local rank holds complete in memory."""

@@ -66,6 +66,29 @@ def test_a_round_restored_to_a_step_drops_every_newer_step_of_every_rank(
     assert saver.cut(None) == ([93], [93]), "a fresh start keeps nothing"
 
 
+def test_a_late_round_never_removes_a_committed_step_from_shared_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node cut off while the job went on hears round 4 (restore step 50) only once
+    it is back, after the job committed step 85 to the storage every node shares: its
+    cut keeps 85 (only the uncommitted steps after it go)."""
+    from rove.checkpoint.storage import FileStorage
+
+    monkeypatch.setenv("ROVE_SHM_DIR", str(tmp_path / "shm"))
+    storage = FileStorage(tmp_path / "ckpt")
+    engine = FlashEngine(namespace("j1", "run1"), 0)
+    for step in (50, 80, 85, 90):
+        stats = engine.save(step, {"w": torch.full((2,), float(step))})
+        storage.persist(engine, stats.slot, 0)
+    storage.commit(85, keep=5)
+    saver = Saver("j1", str(tmp_path / "ckpt"))
+    saver.ranks((0, 1), "run1")
+    _, removed = saver.cut(50)
+    assert removed == [90] and storage.steps() == [50, 80, 85] and storage.committed() == 85
+    _, removed = saver.cut(None)
+    assert removed == [] and storage.steps() == [50, 80, 85]
+
+
 class _Outbox:
     def __init__(self) -> None:
         self.events: list[object] = []
