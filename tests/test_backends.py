@@ -101,6 +101,19 @@ def deadline(seconds: float = 30) -> float:
     return time.monotonic() + patience(seconds)
 
 
+async def launch(backend: Backend, node: str, w: ev.Workload) -> str:
+    """`backend.launch`, retried on `TemporaryError` as the scaler retries it (the pool's
+    registry read can come back empty for a moment on a busy machine)."""
+    end = deadline()
+    while True:
+        try:
+            return await backend.launch(JOB, spec(node), w, end)
+        except TemporaryError:
+            if time.monotonic() > end:
+                raise
+            await asyncio.sleep(0.5)
+
+
 async def running(backend: Backend) -> set[str]:
     return {n.node for n in await backend.nodes(JOB) if n.running}
 
@@ -109,8 +122,8 @@ async def test_launch_is_idempotent_and_remove_stops_the_node(
     backend: Backend, tmp_path: Path
 ) -> None:
     w = workload(tmp_path)
-    first = await backend.launch(JOB, spec("n0-a0"), w, deadline())
-    again = await backend.launch(JOB, spec("n0-a0"), w, deadline())
+    first = await launch(backend, "n0-a0", w)
+    again = await launch(backend, "n0-a0", w)
     assert "before" in again or "found" in again, (first, again)
     await eventually(lambda: running(backend), timeout=30)
     assert await running(backend) == {"n0-a0"}
@@ -129,11 +142,11 @@ async def test_a_node_name_is_never_started_twice_even_after_it_ended(
     backend: Backend, tmp_path: Path
 ) -> None:
     w = workload(tmp_path)
-    await backend.launch(JOB, spec("n1-a0"), w, deadline())
+    await launch(backend, "n1-a0", w)
     await eventually(lambda: running(backend), timeout=30)
     await backend.remove(JOB, "n1-a0", deadline())
     await eventually(lambda: _not_running(backend, "n1-a0"), timeout=30)
-    where = await backend.launch(JOB, spec("n1-a0"), w, deadline())
+    where = await launch(backend, "n1-a0", w)
     assert "before" in where
     await asyncio.sleep(1.0)
     assert "n1-a0" not in await running(backend)
@@ -148,7 +161,7 @@ async def test_a_node_that_ends_on_its_own_is_reported(
         min_nodes=1,
         max_nodes=1,
     )
-    await backend.launch(JOB, spec("n2-a0"), bad, deadline())
+    await launch(backend, "n2-a0", bad)
 
     async def reported() -> bool:
         if any(e.node == "n2-a0" for e in await backend.ended(JOB)):
