@@ -349,8 +349,15 @@ async def stored_events(bus: Any, job: str = "j1") -> list[Any]:
     feed = await bus.subscribe(
         subjects.EVENTS_STREAM, subjects.job_events(job), got.append, lambda r: None
     )
-    await feed.caught_up.wait()
-    await feed.stop()
+    try:
+        await asyncio.wait_for(feed.caught_up.wait(), patience(120))
+    except TimeoutError:
+        raise AssertionError(
+            f"reading job {job}'s events did not catch up in {patience(120):.0f} s "
+            f"({len(got)} read): is the bus answering?"
+        ) from None
+    finally:
+        await feed.stop()
     return got
 
 
