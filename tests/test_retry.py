@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import nats.errors
 import nats.js.errors
 import pytest
@@ -83,3 +85,26 @@ async def test_without_a_deadline_it_goes_on_until_the_call_succeeds() -> None:
         return tries
 
     assert await retry.call(later, what="x", deadline_s=None, wait_initial=0.01) == 5
+
+
+async def test_a_cancelled_call_ends_even_when_the_client_turned_its_cancel_into_a_timeout() -> (
+    None
+):
+    """nats-py's request waits with `asyncio.wait_for`, which can hand the caller's
+    cancellation back as a timeout: a retryable error. The call must end cancelled."""
+    calls = 0
+
+    async def request(_timeout: float) -> None:
+        nonlocal calls
+        calls += 1
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise nats.errors.TimeoutError from None  # what the client gave back
+
+    task = asyncio.create_task(retry.call(request, what="publish", deadline_s=None))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert calls == 1, "not retried"

@@ -13,6 +13,13 @@ in-process master. What is worth another try is decided by `backoff` alone:
 The first attempt runs outside stamina: most calls succeed at once, and a
 publish should not pay for the retry machinery it does not use (~30 µs).
 
+A cancelled caller is never retried. nats-py's request waits with `asyncio.wait_for`,
+which can turn the caller's cancellation into a timeout (Python 3.11); a timeout is
+retryable, so the cancelled task went on retrying for ever. After any failure `call`
+checks whether its task is being cancelled (`Task.cancelling`) and, if so, raises
+`CancelledError`. (The nemesis's witness, cancelled while it published, published on
+for a quarter of an hour, and the test hung.)
+
 `wait_out` is the same policy without a deadline, for a daemon starting while the
 bus is away (NATS down, JetStream without quorum): it waits, saying so once and then
 once a minute, and goes on when the bus is back.
@@ -70,6 +77,14 @@ def backoff(exc: Exception) -> bool | float:
     )
 
 
+def _unless_cancelled(exc: Exception) -> None:
+    """Raise `CancelledError` (from `exc`) when the current task is being cancelled:
+    the failure may be its cancellation in disguise, and it must not be retried."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > 0:
+        raise asyncio.CancelledError() from exc
+
+
 async def call(
     fn: Callable[[float], Awaitable[T]],
     *,
@@ -103,6 +118,7 @@ async def call(
     try:
         return await fn(budget())
     except Exception as exc:
+        _unless_cancelled(exc)
         if not backoff(exc):
             raise
         last: Exception = exc
@@ -122,9 +138,11 @@ async def call(
                 try:
                     return await fn(budget())
                 except Exception as exc:
+                    _unless_cancelled(exc)
                     last = exc
                     raise
     except Exception as exc:
+        _unless_cancelled(exc)
         if not backoff(exc):
             raise
         last = exc

@@ -256,10 +256,13 @@ class World:
     async def stop_witness(self) -> None:
         """Stop the witness (before its events are read back)."""
         if self._witness_task is not None:
-            self._witness_task.cancel()
+            task, self._witness_task = self._witness_task, None
+            task.cancel()
+            await asyncio.wait({task}, timeout=30)
+            if not task.done():
+                raise AssertionError("the witness did not stop within 30 s of its cancel")
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._witness_task
-            self._witness_task = None
+                task.result()
 
     async def stop(self) -> None:
         await self.stop_witness()
