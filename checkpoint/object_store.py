@@ -32,12 +32,17 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import xxhash
 
-from rove.checkpoint import layout
 from rove.checkpoint.engine import CheckpointError, FlashEngine
-from rove.checkpoint.shm import COMPLETE, HEADER_SIZE
-from rove.checkpoint.storage import Manifest, SlotOverwritten, Storage, StorageError
+from rove.checkpoint.shm import HEADER_SIZE
+from rove.checkpoint.storage import (
+    Manifest,
+    SlotOverwritten,
+    Storage,
+    StorageError,
+    rebuild_verified,
+    to_persist,
+)
 
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
@@ -144,14 +149,7 @@ class ObjectStorage(Storage):
     def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
         import obstore
 
-        seg = engine.segments[slot]
-        h = seg.header()
-        if h is None or h.state != COMPLETE:
-            raise CheckpointError(f"slot {slot} holds no complete checkpoint to persist")
-        checksum = h.checksum if h.sealed else engine.seal(slot)
-        manifest = Manifest(
-            step=h.step, rank=rank, meta_len=h.meta_len, data_len=h.data_len, checksum=checksum
-        )
+        seg, h, manifest = to_persist(engine, slot, rank)
         data = f"{_step_dir(h.step)}/rank-{rank:05d}.ckpt"
         try:
             self._put(
@@ -250,13 +248,7 @@ class ObjectStorage(Storage):
             raise CheckpointError(
                 f"could not read step {step} of rank {rank} from {self.url}: {_short(exc)}"
             ) from exc
-        if len(raw) != manifest.meta_len + manifest.data_len:
-            raise CheckpointError(f"step {step} rank {rank}: the object is truncated")
-        if xxhash.xxh3_64_intdigest(raw) != manifest.checksum:
-            raise CheckpointError(f"step {step} rank {rank}: the object failed its checksum")
-        meta = layout.decode_meta(bytes(raw[: manifest.meta_len]))
-        data = memoryview(raw)[manifest.meta_len :]
-        return layout.rebuild(meta, lambda _i, e: layout.tensor_at(data, e))
+        return rebuild_verified(raw, manifest, step, rank, "object")
 
 
 def _step_dir(step: int) -> str:

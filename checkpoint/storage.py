@@ -31,7 +31,7 @@ import xxhash
 
 from rove.checkpoint import durable, layout
 from rove.checkpoint.engine import CheckpointError, FlashEngine
-from rove.checkpoint.shm import COMPLETE, HEADER_SIZE
+from rove.checkpoint.shm import COMPLETE, HEADER_SIZE, Header, Segment
 
 
 class StorageError(CheckpointError):
@@ -49,6 +49,32 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     meta_len: int
     data_len: int
     checksum: int
+
+
+def to_persist(engine: FlashEngine, slot: int, rank: int) -> tuple[Segment, Header, Manifest]:
+    """The slot's segment, its header as it is now and the manifest of its complete
+    checkpoint (sealed first if it was not): what every storage persists."""
+    seg = engine.segments[slot]
+    h = seg.header()
+    if h is None or h.state != COMPLETE:
+        raise CheckpointError(f"slot {slot} holds no complete checkpoint to persist")
+    checksum = h.checksum if h.sealed else engine.seal(slot)
+    manifest = Manifest(
+        step=h.step, rank=rank, meta_len=h.meta_len, data_len=h.data_len, checksum=checksum
+    )
+    return seg, h, manifest
+
+
+def rebuild_verified(raw: bytearray, manifest: Manifest, step: int, rank: int, what: str) -> Any:
+    """The state in `raw` (a persisted rank's bytes, writable: tensors view it), once
+    its size and checksum match `manifest`; `what` names it in the error ("file")."""
+    if len(raw) != manifest.meta_len + manifest.data_len:
+        raise CheckpointError(f"step {step} rank {rank}: the {what} is truncated")
+    if xxhash.xxh3_64_intdigest(raw) != manifest.checksum:
+        raise CheckpointError(f"step {step} rank {rank}: the {what} failed its checksum")
+    meta = layout.decode_meta(bytes(raw[: manifest.meta_len]))
+    data = memoryview(raw)[manifest.meta_len :]
+    return layout.rebuild(meta, lambda _i, e: layout.tensor_at(data, e))
 
 
 class Storage(abc.ABC):
@@ -112,14 +138,7 @@ class FileStorage(Storage):
         return durable.step_dir(self.root, step)
 
     def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
-        seg = engine.segments[slot]
-        h = seg.header()
-        if h is None or h.state != COMPLETE:
-            raise CheckpointError(f"slot {slot} holds no complete checkpoint to persist")
-        checksum = h.checksum if h.sealed else engine.seal(slot)
-        manifest = Manifest(
-            step=h.step, rank=rank, meta_len=h.meta_len, data_len=h.data_len, checksum=checksum
-        )
+        seg, h, manifest = to_persist(engine, slot, rank)
         directory = self._step_dir(h.step)
         data = self.root / directory.name / f"rank-{rank:05d}.ckpt"
         try:
@@ -201,11 +220,4 @@ class FileStorage(Storage):
             raise CheckpointError(f"step {step} of rank {rank} is not in {self.root}") from exc
         except msgspec.DecodeError as exc:
             raise CheckpointError(f"the manifest of step {step} rank {rank} is unreadable") from exc
-        if len(raw) != manifest.meta_len + manifest.data_len:
-            raise CheckpointError(f"step {step} rank {rank}: the file is truncated")
-        if xxhash.xxh3_64_intdigest(raw) != manifest.checksum:
-            raise CheckpointError(f"step {step} rank {rank}: the file failed its checksum")
-        meta = layout.decode_meta(bytes(raw[: manifest.meta_len]))
-        data = memoryview(raw)[manifest.meta_len :]
-
-        return layout.rebuild(meta, lambda _i, e: layout.tensor_at(data, e))
+        return rebuild_verified(raw, manifest, step, rank, "file")
