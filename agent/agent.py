@@ -44,6 +44,7 @@ from rove.agent.faults import FaultPlan
 from rove.agent.heartbeat import Heartbeat, free_ports
 from rove.agent.leader_watch import LeaderWatch
 from rove.agent.lifecycle import AgentPhase, advance
+from rove.agent.replicas import PeerReplicas
 from rove.agent.reports import ProgressReports
 from rove.agent.resumption import Resumption
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
@@ -120,6 +121,9 @@ class Agent:
             persist_every=cfg.persist_every,
             save_at_breakpoint=cfg.save_at_breakpoint,
         )
+        # peer replicas of flash checkpoints, sent and held (`rove.agent.replicas`)
+        self.replicas = PeerReplicas(self.facts, cfg.addr, cfg.replicas, cfg.replica_budget)
+        self.checkpoints.on_in_memory = self.replicas.sender.offer
         self.heartbeat = Heartbeat(
             bus,
             self.facts,
@@ -193,6 +197,8 @@ class Agent:
                 ports=free_ports(self.cfg.addr, self.cfg.ports_offered),
                 params=self.cfg.params,
                 tf_role=self.cfg.tf_role,
+                replica_port=self.replicas.port,
+                domain=self.cfg.failure_domain,
             )
         )
         self.log.info("waiting for a rendezvous round", nproc=self.cfg.nproc)
@@ -207,6 +213,7 @@ class Agent:
         if self._warm:
             warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
         await self.checkpoints.announce_found()  # before it joins: the round restores it
+        await self.replicas.start()  # before it joins: its peers send to its port
         self._register()
         feed = await retry.wait_out(  # started while JetStream has no quorum: it waits
             lambda: self.bus.subscribe(
@@ -227,6 +234,7 @@ class Agent:
             asyncio.create_task(self._duties(), name="duties"),
             asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
             asyncio.create_task(self.leader_watch.run(), name="leader watch"),
+            asyncio.create_task(self.replicas.sender.run(), name="replica sender"),
         ]
         for task in [*loops, self.facts.outbox.task]:
             if task is not None:
@@ -238,6 +246,7 @@ class Agent:
                 self.signals.remove()
             self.tasks.stop()  # the outbox goes on: it sends the node's last facts
             await aio.cancel_and_wait([*loops, *self.tasks.side])
+            await self.replicas.stop()
             await self._stop_workers()
             await asyncio.to_thread(self.workers.close)
             await _stop_feed(feed)
@@ -395,6 +404,7 @@ class Agent:
         await self.checkpoints.new_round(
             r.round, r.restore_step, ranks, r.world_size, group_rank, self.job_run
         )
+        self.replicas.new_round(r, self.checkpoints.saver.engines)
         self._group_rank = group_rank
         if self._warm and not await warm.ready(self._interrupted):
             return  # a signal came first: the actor acts on it next
@@ -560,8 +570,9 @@ class Agent:
                 continue
             self.checkpoints.tick()
             self.reports.tick()
-            if self.faults.pending:
-                self._inject_faults()
+            if self.faults.pending:  # --inject-fault
+                steps = {lr: p.step for lr, p in self.workers.progress().items()}
+                self.faults.fire(self._first_rank(), self.workers.pids(), steps, self.log)
             if self.resumption.waiting:
                 self.resumption.progress(self.workers.progress())
             rnd = self.status.round
@@ -578,21 +589,6 @@ class Agent:
                     local_rank, p, silent_s = found
                     self._hang_round = rnd
                     self._inbox.put_nowait(_Hang(rnd, local_rank, p.step, silent_s))
-
-    def _inject_faults(self) -> None:
-        """`--inject-fault`: signal the workers whose rank reached a planned step."""
-        first = self._first_rank()
-        pids = self.workers.pids()
-        steps = {first + lr: p.step for lr, p in self.workers.progress().items()}
-        for fault in self.faults.due(steps):
-            pid = pids.get(fault.rank - first)
-            if pid is None:
-                continue
-            self.log.warning(
-                f"injecting a fault (--inject-fault): {fault}", rank=fault.rank, pid=pid
-            )
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, fault.signal)
 
 
 async def _stop_feed(feed: Feed) -> None:

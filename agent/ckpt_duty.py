@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -62,6 +63,8 @@ class CheckpointDuty:
         #: same steps as its peers next, and those steps can be committed
         self._attempted = -1
         self._base = -1  # steps persisted are this plus multiples of persist_every (0: -1)
+        #: told each new step every local rank holds (the peer replicas' sender)
+        self.on_in_memory: Callable[[int], None] = lambda _step: None
 
     async def announce_found(self) -> None:
         """Before the node first joins: say the step an earlier run of the job left
@@ -197,6 +200,7 @@ class CheckpointDuty:
                     round=self._round,
                 )
             )
+            self.on_in_memory(step)
         return step
 
     async def _persist(self, step: int) -> None:

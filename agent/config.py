@@ -49,6 +49,12 @@ class AgentConfig:
     save_at_breakpoint: bool = False
     keep_checkpoints: int = 3
     persist_every: int = 1
+    #: peers each flash checkpoint is sent to, into their memory (`--peer-replicas`; 0: none)
+    replicas: int = 1
+    #: the most bytes of its peers' replicas this node's agent holds (`--peer-memory`)
+    replica_budget: int = 8 << 30
+    #: this node's failure domain: replicas go to peers of another one first
+    failure_domain: str = ""
     #: More environment for the workers (e.g. ROVE_KAFKA_BOOTSTRAP from `--kafka-*`).
     worker_env: tuple[tuple[str, str], ...] = ()
     #: Where a TensorFlow round's task logs go (default: under the state dir).

@@ -11,10 +11,12 @@ same step again does not fire it again.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 #: The signals a fault may send, by the names the option takes.
 SIGNALS = {
@@ -63,3 +65,17 @@ class FaultPlan:
         fire = [f for f in self.pending if f.rank in steps and steps[f.rank] >= f.step]
         self.pending = [f for f in self.pending if f not in fire]
         return fire
+
+    def fire(
+        self, first_rank: int, pids: Mapping[int, int], steps: Mapping[int, int], log: Any
+    ) -> None:
+        """Signal the workers (`pids`, by local rank; `steps`: their newest step, by local
+        rank) whose global rank reached a planned step; this node's ranks start at
+        `first_rank`."""
+        for fault in self.due({first_rank + lr: step for lr, step in steps.items()}):
+            pid = pids.get(fault.rank - first_rank)
+            if pid is None:
+                continue
+            log.warning(f"injecting a fault (--inject-fault): {fault}", rank=fault.rank, pid=pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, fault.signal)

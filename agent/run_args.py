@@ -131,6 +131,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-checkpoints", type=int, default=3, help="committed steps kept on storage (3)"
     )
     g.add_argument(
+        "--peer-replicas",
+        type=int,
+        default=1,
+        metavar="K",
+        help="send each node's newest flash checkpoint to K peer nodes' memory (default 1; "
+        "0: none), so a lost node's state is there without storage",
+    )
+    g.add_argument(
+        "--peer-memory",
+        type=int,
+        default=8192,
+        metavar="MIB",
+        help="the most MiB of its peers' checkpoint replicas this node holds (8192); a "
+        "peer keeps the newest complete step of each node that sends to it",
+    )
+    g.add_argument(
+        "--failure-domain",
+        default=os.environ.get("ROVE_FAILURE_DOMAIN", ""),
+        metavar="NAME",
+        help="this node's failure domain (a host, a rack, a zone; env ROVE_FAILURE_DOMAIN): "
+        "replicas go to nodes of another domain first",
+    )
+    g.add_argument(
         "--save-at-breakpoint",
         action="store_true",
         help="persist the newest in-memory checkpoint when a worker fails",

@@ -329,6 +329,25 @@ def in_memory(
     )
 
 
+def replica(
+    holder: str,
+    source: str,
+    step: int,
+    *,
+    ranks: tuple[int, ...] = (0, 1),
+    round: int = 1,
+    inc: str = "i1",
+    job: str = JOB,
+) -> ev.ReplicaStored:
+    return ev.ReplicaStored(
+        **_fact(holder, inc, 100.0, job, "replica", source, step),
+        source=source,
+        step=step,
+        round=round,
+        ranks=tuple(ev.ReplicaRank(r, 1 << 20, 0xABC + r) for r in ranks),
+    )
+
+
 def found(node: str, step: int, *, inc: str = "i1", job: str = JOB) -> ev.CkptFound:
     return ev.CkptFound(**_fact(node, inc, 100.0, job, "found"), step=step, location="s3://b/j")
 
@@ -541,6 +560,7 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
             step=120,
             location="s3://bucket/job",
         ),
+        replica("n1", "n0", 120, job=job),
     ]
 
 

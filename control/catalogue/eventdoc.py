@@ -148,6 +148,7 @@ def render() -> str:
                 ev.CkptInMemory,
                 ev.CkptPersisted,
                 ev.CkptFailed,
+                ev.ReplicaStored,
             ],
         ),
         (

@@ -28,6 +28,13 @@ from typing import Final
 import msgspec
 
 # re-exported (`x as x`): callers import every event from here
+from rove.control.catalogue.ckpt_events import CkptCommitted as CkptCommitted
+from rove.control.catalogue.ckpt_events import CkptFailed as CkptFailed
+from rove.control.catalogue.ckpt_events import CkptFound as CkptFound
+from rove.control.catalogue.ckpt_events import CkptInMemory as CkptInMemory
+from rove.control.catalogue.ckpt_events import CkptPersisted as CkptPersisted
+from rove.control.catalogue.ckpt_events import ReplicaRank as ReplicaRank
+from rove.control.catalogue.ckpt_events import ReplicaStored as ReplicaStored
 from rove.control.catalogue.data_events import DataPosition as DataPosition
 from rove.control.catalogue.data_events import DataRejected as DataRejected
 from rove.control.catalogue.data_events import DataRestored as DataRestored
@@ -185,6 +192,8 @@ class RoundMember(msgspec.Struct, frozen=True, kw_only=True):
     addr: str
     nproc: int
     first_rank: int
+    replica_port: int = 0
+    domain: str = ""
 
 
 class TfTask(msgspec.Struct, frozen=True, array_like=True):
@@ -253,6 +262,11 @@ class RdzvJoined(NodeFact, tag="rdzv_joined", frozen=True, kw_only=True):
     nproc_per_node: int
     ports: tuple[int, ...] = ()
     params: RdzvParams = msgspec.field(default_factory=RdzvParams)
+    #: where this node's agent takes peer replicas of flash checkpoints (0: it takes none)
+    replica_port: int = 0
+    #: the node's failure domain (a host, a zone: `--failure-domain`): replicas go to
+    #: peers of another one where there are
+    domain: str = ""
     #: a TensorFlow job's node that hosts parameter servers only ("ps", `--tf-role ps`:
     #: a node sized for them); "": any role, in rank order
     tf_role: str = ""
@@ -302,40 +316,6 @@ class NetworkCheckReported(NodeFact, tag="network_check_reported", frozen=True, 
     matmul_s: float = 0.0
     allreduce_s: float = 0.0
     error: str = ""
-
-
-class CkptInMemory(NodeFact, tag="ckpt_in_memory", frozen=True, kw_only=True):
-    """Every local rank of `node` holds `step` in shared memory (saved in `round`)."""
-
-    step: int
-    ranks: tuple[int, ...]
-    round: int = 0
-
-
-class CkptPersisted(NodeFact, tag="ckpt_persisted", frozen=True, kw_only=True):
-    """`node` persisted `step` of these ranks to storage (files renamed into place);
-    `round`: the round whose lineage the step belongs to."""
-
-    step: int
-    ranks: tuple[int, ...]
-    world_size: int
-    location: str = ""
-    round: int = 0
-
-
-class CkptFound(NodeFact, tag="ckpt_found", frozen=True, kw_only=True):
-    """As it started, `node` found `step` committed in its checkpoint storage
-    (`location`): an earlier run of the job left it, and the job goes on from it."""
-
-    step: int
-    location: str = ""
-
-
-class CkptFailed(NodeFact, tag="ckpt_failed", frozen=True, kw_only=True):
-    """Persisting `step` failed on `node` (disk full, unwritable path, ...)."""
-
-    step: int
-    error: str
 
 
 class TrainingProgress(NodeFact, tag="training_progress", frozen=True, kw_only=True):
@@ -450,15 +430,6 @@ class NetworkCheckCompleted(Decision, tag="network_check_completed", frozen=True
     stragglers: tuple[str, ...]
 
 
-class CkptCommitted(Decision, tag="ckpt_committed", frozen=True, kw_only=True):
-    """Every rank of the world persisted `step`: it is the job's restore point on storage.
-    `round`: the round of the lineage it belongs to."""
-
-    step: int
-    world_size: int
-    round: int = 0
-
-
 class NodeExcluded(Decision, tag="node_excluded", frozen=True, kw_only=True):
     """`node` is taken out of the job (faulty hardware, failed checks)."""
 
@@ -526,6 +497,7 @@ AnyEvent = (
     | CkptPersisted
     | CkptInMemory
     | CkptFound
+    | ReplicaStored
     | NetworkCheckCompleted
     | NetworkCheckAssigned
     | EventPart

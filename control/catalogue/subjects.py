@@ -148,6 +148,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.CkptPersisted: lambda e: node_facts(e.job, e.node),
     ev.CkptFailed: lambda e: node_facts(e.job, e.node),
     ev.CkptFound: lambda e: node_facts(e.job, e.node),
+    ev.ReplicaStored: lambda e: node_facts(e.job, e.node),
     ev.StopRequested: lambda e: cmd(e.job),
     ev.JobSubmitted: lambda e: cmd(e.job),
     ev.ScaleRequested: lambda e: cmd(e.job),

@@ -151,6 +151,10 @@ def status_view(
         "checkpoints": {
             "committed_step": state.ckpt.committed,
             "in_memory": {node: step for node, (step, _ranks) in state.ckpt.memory.items()},
+            "replicas": {
+                node: {"step": step, "held_by": list(holders)}
+                for node, (step, _ranks, holders) in state.ckpt.replicas.items()
+            },
             "persist_failures": state.ckpt.failures,
             "last_error": state.ckpt.last_error or None,
         },
@@ -507,6 +511,11 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
             else "nothing persisted yet: losing a node loses its in-memory steps"
         )
         line = f"checkpoints: {committed}; in memory: {memory or '-'}"
+        if ck["replicas"]:
+            line += "; on peers: " + ", ".join(
+                f"{n} step {r['step']} on {'+'.join(r['held_by'])}"
+                for n, r in sorted(ck["replicas"].items())
+            )
         if ck["persist_failures"]:
             line += f"; {ck['persist_failures']} persist failures (last: {ck['last_error']})"
         lines.append(line)

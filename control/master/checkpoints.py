@@ -40,6 +40,11 @@ class CkptState(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str = ""
     #: node -> the committed step it found on storage as it started (an earlier run's)
     found: immutables.Map[str, int] = msgspec.field(default_factory=immutables.Map)
+    #: source node -> (newest step held as peer replicas, its ranks, the nodes holding
+    #: every one of them, verified): what a lost node's peers could give back
+    replicas: immutables.Map[str, tuple[int, tuple[int, ...], tuple[str, ...]]] = msgspec.field(
+        default_factory=immutables.Map
+    )
     #: (round, step it restored, -1 for a fresh start) of the recent rounds: where
     #: each started a new lineage (the newest `MAX_CUTS`)
     cuts: tuple[tuple[int, int], ...] = ()
@@ -66,8 +71,11 @@ def on_round(c: CkptState, e: ev.RoundCompleted) -> CkptState:
     memory = c.memory
     for node in [n for n, (step, _) in memory.items() if step > keep]:
         memory = memory.delete(node)
+    replicas = c.replicas
+    for node in [n for n, (step, _, _) in replicas.items() if step > keep]:
+        replicas = replicas.delete(node)
     cuts = (*c.cuts, (e.round, keep))[-MAX_CUTS:]
-    return replace(c, persisted=persisted, memory=memory, cuts=cuts)
+    return replace(c, persisted=persisted, memory=memory, replicas=replicas, cuts=cuts)
 
 
 def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
@@ -77,6 +85,23 @@ def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
     if known is not None and known[0] >= e.step:
         return c
     return replace(c, memory=c.memory.set(e.node, (e.step, e.ranks)))
+
+
+def on_replica(c: CkptState, e: ev.ReplicaStored) -> CkptState:
+    """`e.node` holds `e.source`'s ranks of `e.step`: the newest step replicated of a
+    source replaces an older one (a peer keeps only its newest), another holder of the
+    same step adds to it."""
+    if _stale(c, e.step, e.round):
+        return c
+    ranks = tuple(sorted(r.rank for r in e.ranks))
+    known = c.replicas.get(e.source)
+    if known is not None and (known[0] > e.step or (known[0] == e.step and known[1] != ranks)):
+        return c
+    holders = known[2] if known is not None and known[0] == e.step else ()
+    if e.node in holders:
+        return c
+    entry = (e.step, ranks, (*holders, e.node))
+    return replace(c, replicas=c.replicas.set(e.source, entry))
 
 
 def on_persisted(c: CkptState, e: ev.CkptPersisted) -> CkptState:

@@ -42,6 +42,7 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.CkptPersisted: ("ckpt", ckpt.on_persisted),
     ev.CkptFailed: ("ckpt", ckpt.on_failed),
     ev.CkptFound: ("ckpt", ckpt.on_found),
+    ev.ReplicaStored: ("ckpt", ckpt.on_replica),
     ev.CkptCommitted: ("ckpt", ckpt.on_committed),
     ev.DatasetRegistered: ("data", data.on_registered),
     ev.ShardRequested: ("data", data.on_requested),

@@ -23,6 +23,8 @@ class Waiter(msgspec.Struct, frozen=True, kw_only=True):
     ports: tuple[int, ...]
     since: float
     tf_role: str = ""
+    replica_port: int = 0
+    domain: str = ""
 
 
 class Failure(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,6 +154,8 @@ def on_rdzv_joined(r: RdzvState, e: ev.RdzvJoined) -> RdzvState:
         ports=e.ports,
         since=since,
         tf_role=e.tf_role,
+        replica_port=e.replica_port,
+        domain=e.domain,
     )
     return replace(r, waiting=r.waiting.set(e.node, waiter), ports=r.ports.set(e.node, e.ports))
 

@@ -228,7 +228,14 @@ def _unheard_since(r: RdzvState, ts: float, liveness: Mapping[str, ev.Heartbeat]
 def _as_waiter(m: ev.RoundMember, r: RdzvState, liveness: Mapping[str, ev.Heartbeat]) -> Waiter:
     ports = r.ports.get(m.node, ())
     return Waiter(
-        node=m.node, incarnation=m.incarnation, addr=m.addr, nproc=m.nproc, ports=ports, since=0.0
+        node=m.node,
+        incarnation=m.incarnation,
+        addr=m.addr,
+        nproc=m.nproc,
+        ports=ports,
+        since=0.0,
+        replica_port=m.replica_port,
+        domain=m.domain,
     )
 
 
@@ -398,7 +405,13 @@ def _round(
     for w in pool:
         members.append(
             ev.RoundMember(
-                node=w.node, incarnation=w.incarnation, addr=w.addr, nproc=w.nproc, first_rank=rank
+                node=w.node,
+                incarnation=w.incarnation,
+                addr=w.addr,
+                nproc=w.nproc,
+                first_rank=rank,
+                replica_port=w.replica_port,
+                domain=w.domain,
             )
         )
         rank += w.nproc

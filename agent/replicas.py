@@ -1,0 +1,371 @@
+"""Peer replicas, the agent's side: it sends its ranks' newest flash checkpoint to K
+peers, and keeps its peers' in memory (`rove.checkpoint.replica`).
+
+- **Sending.** When every local rank holds a new step (the checkpoint duty reports it),
+  the `ReplicaSender` sends that step's bytes, rank by rank, straight from shared
+  memory, to the `replicas` peers `choose_peers` picks: nodes of the round in another
+  failure domain first, in a ring from this node so that every node is some node's
+  peer. One step is in flight at a time; a newer step saved meanwhile is sent next and
+  the ones between are skipped, so a slow network never queues work, and training
+  never waits (the agent's event loop sends; sealing the slot runs in a thread). A
+  peer that cannot be reached or refuses is left alone for a while (`BACKOFF_S`,
+  doubling), said once.
+- **Holding.** The `ReplicaServer` listens on the agent's address; it verifies each
+  rank's size and checksum before it keeps it (`ReplicaStore`, within `budget`
+  bytes), and once it holds every rank a peer sent of a step it says so on the bus
+  (`replica_stored`), so the master knows which steps are recoverable without
+  storage. It answers gets of what it holds, for a node that restores from it.
+
+A torn or corrupted transfer fails its checksum and is refused; a slot overwritten
+while it was sent is refused the same way (its checksum was the step's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgspec
+import structlog
+
+from rove.agent.facts import NodeFacts
+from rove.checkpoint import replica as wire
+from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.shm import HEADER_SIZE
+from rove.checkpoint.storage import to_persist
+from rove.control.catalogue import events as ev
+
+log = structlog.get_logger("rove.replicas")
+T = TypeVar("T")
+
+#: A peer that failed is not tried again for this long, doubling up to `BACKOFF_MAX_S`.
+BACKOFF_S = 2.0
+BACKOFF_MAX_S = 60.0
+#: One read or write of a replica transfer that takes longer fails it.
+IO_TIMEOUT_S = 30.0
+#: Bytes read from the socket at a time while a rank arrives.
+CHUNK = 4 << 20
+
+
+def choose_peers(members: Sequence[ev.RoundMember], me: str, k: int) -> list[ev.RoundMember]:
+    """The `k` peers `me` sends its replicas to: members that take replicas, those of
+    another failure domain first (when domains are given), each group in ring order
+    from `me` (so each node's replicas land on different nodes)."""
+    if k <= 0:
+        return []
+    names = [m.node for m in members]
+    if me not in names:
+        return []
+    start = names.index(me)
+    ring = [members[(start + i) % len(members)] for i in range(1, len(members))]
+    takers = [m for m in ring if m.replica_port > 0]
+    mine = next(m.domain for m in members if m.node == me)
+    away = [m for m in takers if not mine or m.domain != mine]
+    near = [m for m in takers if mine and m.domain == mine]
+    return (away + near)[:k]
+
+
+class PeerReplicas:
+    """The agent's two halves: its sender, and its server unless it sends none
+    (`--peer-replicas 0`: it neither sends nor takes replicas)."""
+
+    def __init__(self, facts: NodeFacts, addr: str, replicas: int, budget: int) -> None:
+        self.server = ReplicaServer(facts, addr, budget) if replicas > 0 else None
+        self.sender = ReplicaSender(facts, replicas)
+        #: where peers send to (0: nowhere)
+        self.port = 0
+
+    async def start(self) -> None:
+        if self.server is not None:
+            self.port = await self.server.start()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+
+    def new_round(self, r: ev.RoundCompleted, engines: dict[int, FlashEngine]) -> None:
+        """Round `r` starts a lineage at its restore step: nothing newer is sent or kept."""
+        self.sender.new_round(r.round, r.members, engines)
+        if self.server is not None:
+            self.server.store.drop_newer(-1 if r.restore_step is None else r.restore_step)
+
+
+class ReplicaServer:
+    """Takes peers' replicas into a bounded `ReplicaStore` and serves them back."""
+
+    def __init__(self, facts: NodeFacts, host: str, budget: int) -> None:
+        self.facts = facts
+        self.host = host
+        self.store = wire.ReplicaStore(facts.job, budget)
+        self.log = log.bind(job=facts.job, node=facts.node)
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        """Listen on the agent's address; the port."""
+        self._server = await asyncio.start_server(self._serve, self.host, 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            op = await asyncio.wait_for(reader.readexactly(4), IO_TIMEOUT_S)
+            n = wire.length(await asyncio.wait_for(reader.readexactly(4), IO_TIMEOUT_S))
+            body = await asyncio.wait_for(reader.readexactly(n), IO_TIMEOUT_S)
+            if op == wire.PUT:
+                await self._put(msgspec_decode(body, wire.Offer), reader, writer)
+            elif op == wire.GET:
+                await self._get(msgspec_decode(body, wire.Want), writer)
+            else:
+                raise CheckpointError(f"unknown operation {op!r}: not a rove peer")
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, CheckpointError) as exc:
+            self.log.debug("a replica transfer ended early", error=str(exc) or type(exc).__name__)
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _put(
+        self, offer: wire.Offer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        refusal = self.store.refusal(offer)
+        if refusal:
+            writer.write(wire.answer_frame(wire.Answer(ok=False, error=refusal)))
+            await writer.drain()
+            return
+        data = bytearray(offer.size)
+        got = 0
+        while got < offer.size:
+            chunk = await asyncio.wait_for(reader.read(min(CHUNK, offer.size - got)), IO_TIMEOUT_S)
+            if not chunk:
+                raise CheckpointError(f"the sender left after {got} of {offer.size} bytes")
+            data[got : got + len(chunk)] = chunk
+            got += len(chunk)
+        problem = await asyncio.to_thread(wire.verify, offer, data)
+        if problem:
+            self.log.warning(
+                f"refused a replica of step {offer.step} rank {offer.rank} from "
+                f"{offer.source}: {problem}"
+            )
+            writer.write(wire.answer_frame(wire.Answer(ok=False, error=problem)))
+            await writer.drain()
+            return
+        complete = self.store.put(offer, data)
+        writer.write(wire.answer_frame(wire.Answer(ok=True)))
+        await writer.drain()
+        if complete:
+            held = self.store.held(offer.source)
+            assert held is not None
+            step, offers = held
+            self.facts.emit(
+                ev.ReplicaStored(
+                    **self.facts.envelope(),
+                    source=offer.source,
+                    step=step,
+                    round=offer.round,
+                    ranks=tuple(ev.ReplicaRank(o.rank, o.size, o.checksum) for o in offers),
+                )
+            )
+
+    async def _get(self, want: wire.Want, writer: asyncio.StreamWriter) -> None:
+        held = (
+            self.store.get(want.source, want.step, want.rank)
+            if want.job == self.store.job
+            else None
+        )
+        if held is None:
+            error = f"no replica of step {want.step} rank {want.rank} of {want.source} here"
+            writer.write(wire.answer_frame(wire.Answer(ok=False, error=error)))
+        else:
+            offer, data = held
+            writer.write(wire.answer_frame(wire.Answer(ok=True, offer=offer)))
+            writer.write(data)
+        await writer.drain()
+
+
+def msgspec_decode(body: bytes, kind: type[T]) -> T:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as exc:
+        raise CheckpointError(f"an unreadable replica header: {exc}") from exc
+
+
+class ReplicaSender:
+    """Sends this node's newest step in memory to its peers, one step at a time."""
+
+    def __init__(self, facts: NodeFacts, replicas: int, io_timeout_s: float = IO_TIMEOUT_S) -> None:
+        self.facts = facts
+        self.replicas = replicas
+        self.io_timeout_s = io_timeout_s
+        self.log = log.bind(job=facts.job, node=facts.node)
+        self._peers: list[ev.RoundMember] = []
+        self._round = 0
+        self._engines: dict[int, FlashEngine] = {}
+        self._due: int | None = None
+        self._wake = asyncio.Event()
+        #: peer -> (not before this monotonic time, the next backoff)
+        self._backoff: dict[str, tuple[float, float]] = {}
+        #: the newest step each peer took whole
+        self.sent: dict[str, int] = {}
+
+    def new_round(
+        self, round_: int, members: Sequence[ev.RoundMember], engines: dict[int, FlashEngine]
+    ) -> None:
+        """Round `round_`'s peers and this node's ranks' engines; nothing older is sent."""
+        self._round = round_
+        self._peers = choose_peers(members, self.facts.node, self.replicas)
+        self._engines = dict(engines)
+        self._due = None
+        self.sent = {}
+
+    def offer(self, step: int) -> None:
+        """Every local rank holds `step`: send it when the one in flight is done."""
+        if self._peers and self._engines:
+            self._due = step
+            self._wake.set()
+
+    async def run(self) -> None:
+        """The sending loop (a long-lived task the agent keeps). A step a peer did not
+        take (it was backing off) is tried again once the backoff ends, unless a newer
+        one is due by then."""
+        step: int | None = None
+        while True:
+            retry_in = self._retry_in(step)
+            if retry_in is None:
+                await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), retry_in)
+            self._wake.clear()
+            if self._due is not None:
+                step, self._due = self._due, None
+            if step is None:
+                continue
+            for peer in list(self._peers):
+                if self._due is not None:
+                    break  # a newer step is due: send that one instead
+                if not await self._send_to(peer, step):
+                    step = None  # it left memory: the next step saved goes instead
+                    break
+
+    def _retry_in(self, step: int | None) -> float | None:
+        """Seconds until a peer that has not taken `step` may be tried again (None: no
+        such peer: wait for the next step)."""
+        if step is None:
+            return None
+        waiting = [
+            self._backoff.get(p.node, (0.0, 0.0))[0]
+            for p in self._peers
+            if self.sent.get(p.node, -1) < step
+        ]
+        if not waiting:
+            return None
+        return max(0.05, min(waiting) - time.monotonic())
+
+    async def _send_to(self, peer: ev.RoundMember, step: int) -> bool:
+        """Send `step` to `peer` unless it has it or is backing off; False when the step
+        is no longer in memory (a newer save took its slot)."""
+        now = time.monotonic()
+        until, wait = self._backoff.get(peer.node, (0.0, BACKOFF_S))
+        if now < until or self.sent.get(peer.node, -1) >= step:
+            return True
+        engines = dict(self._engines)
+        try:
+            for rank, engine in sorted(engines.items()):
+                await self._send_rank(peer, step, rank, engine, tuple(sorted(engines)))
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, CheckpointError) as exc:
+            if isinstance(exc, Overtaken):
+                return False
+            if peer.node not in self._backoff:
+                self.log.warning(
+                    f"could not send the replica of step {step} to {peer.node}: "
+                    f"{exc or type(exc).__name__}; trying again in {wait:.0f} s"
+                )
+            self._backoff[peer.node] = (now + wait, min(BACKOFF_MAX_S, wait * 2))
+            return True
+        if peer.node in self._backoff:
+            self.log.info(f"replicas reach {peer.node} again")
+            del self._backoff[peer.node]
+        self.sent[peer.node] = step
+        return True
+
+    async def _send_rank(
+        self,
+        peer: ev.RoundMember,
+        step: int,
+        rank: int,
+        engine: FlashEngine,
+        ranks: tuple[int, ...],
+    ) -> None:
+        slot = next((s.slot for s in engine.slots() if s.step == step), None)
+        if slot is None:
+            raise Overtaken(f"step {step} of rank {rank} is no longer in memory")
+        seg, h, manifest = await asyncio.to_thread(to_persist, engine, slot, rank)
+        offer = wire.Offer(
+            job=self.facts.job,
+            source=self.facts.node,
+            round=self._round,
+            step=step,
+            rank=rank,
+            ranks=ranks,
+            meta_len=manifest.meta_len,
+            data_len=manifest.data_len,
+            checksum=manifest.checksum,
+        )
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(peer.addr, peer.replica_port), self.io_timeout_s
+        )
+        try:
+            writer.write(wire.frame(wire.PUT, offer))
+            for view in (seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)):
+                for at in range(0, len(view), CHUNK):
+                    writer.write(view[at : at + CHUNK])
+                    await asyncio.wait_for(writer.drain(), self.io_timeout_s)
+            n = wire.length(await asyncio.wait_for(reader.readexactly(4), self.io_timeout_s))
+            answer = msgspec_decode(
+                await asyncio.wait_for(reader.readexactly(n), self.io_timeout_s), wire.Answer
+            )
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        after = seg.header()
+        if after is None or after.generation != h.generation:
+            raise Overtaken(f"step {step} of rank {rank} was overwritten while it was sent")
+        if not answer.ok:
+            raise CheckpointError(f"{peer.node} refused it: {answer.error}")
+
+
+class Overtaken(CheckpointError):
+    """The step being sent left memory (a newer save took its slot)."""
+
+
+async def fetch(addr: str, port: int, want: wire.Want) -> tuple[wire.Offer, bytearray]:
+    """One rank of a peer's replica, verified. Raises CheckpointError (with why) or OSError."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), IO_TIMEOUT_S)
+    try:
+        writer.write(wire.frame(wire.GET, want))
+        await writer.drain()
+        n = wire.length(await asyncio.wait_for(reader.readexactly(4), IO_TIMEOUT_S))
+        answer = msgspec_decode(
+            await asyncio.wait_for(reader.readexactly(n), IO_TIMEOUT_S), wire.Answer
+        )
+        if not answer.ok or answer.offer is None:
+            raise CheckpointError(answer.error or "the peer sent no replica")
+        offer = answer.offer
+        data = bytearray(await asyncio.wait_for(reader.readexactly(offer.size), IO_TIMEOUT_S))
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    problem = await asyncio.to_thread(wire.verify, offer, data)
+    if problem:
+        raise CheckpointError(f"step {offer.step} rank {offer.rank} from {addr}: {problem}")
+    return offer, data

@@ -1,0 +1,182 @@
+"""Peer replicas of flash checkpoints: the bytes of a rank's step, held in a peer's memory.
+
+A node's agent sends each rank's newest complete step to K peers' agents (what
+`rove.agent.replicas` does); a peer keeps them here, in process memory, within a
+budget. What travels is what storage would write: the slot's metadata and data
+and its manifest (`rove.checkpoint.storage.to_persist`), so a replica is verified
+the way a persisted file is, by its size and xxh3 checksum, before it counts.
+
+The wire format, on a TCP connection between agents (one message each way):
+
+- a request: 4 bytes of operation (`PUT1`, `GET1`), a 4-byte big-endian length, a
+  JSON header (`Offer` for a put, `Want` for a get), then for a put the payload;
+- an answer: a 4-byte length and a JSON `Answer`, then for a get the payload.
+
+Bulk bytes never go through JetStream; what a peer holds is said there by the agent
+(`replica_stored`). This module is torch-free and knows nothing of the control plane.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import msgspec
+import xxhash
+
+from rove.checkpoint.durable import CheckpointError
+
+PUT = b"PUT1"
+GET = b"GET1"
+#: A header larger than this is not one of ours.
+MAX_HEADER = 1 << 16
+_LEN = struct.Struct(">I")
+
+
+class Offer(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank of `source`'s `step`, as sent: `ranks` are all the ranks `source` sends
+    of that step (the step is complete at the peer once it holds every one)."""
+
+    job: str
+    source: str
+    round: int
+    step: int
+    rank: int
+    ranks: tuple[int, ...]
+    meta_len: int
+    data_len: int
+    checksum: int
+
+    @property
+    def size(self) -> int:
+        return self.meta_len + self.data_len
+
+
+class Want(msgspec.Struct, frozen=True, kw_only=True):
+    job: str
+    source: str
+    step: int
+    rank: int
+
+
+class Answer(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool
+    error: str = ""
+    offer: Offer | None = None
+
+
+def frame(op: bytes, header: msgspec.Struct) -> bytes:
+    body = msgspec.json.encode(header)
+    return op + _LEN.pack(len(body)) + body
+
+
+def answer_frame(answer: Answer) -> bytes:
+    body = msgspec.json.encode(answer)
+    return _LEN.pack(len(body)) + body
+
+
+def length(raw: bytes) -> int:
+    """The length a 4-byte prefix says; CheckpointError if it is not a header's."""
+    (n,) = _LEN.unpack(raw)
+    if n > MAX_HEADER:
+        raise CheckpointError(f"a replica header of {n} bytes: not a rove peer")
+    return int(n)
+
+
+def verify(offer: Offer, data: bytes | bytearray | memoryview) -> str:
+    """'' when `data` is the rank `offer` describes, else what is wrong with it."""
+    if len(data) != offer.size:
+        return f"{len(data)} bytes arrived of {offer.size}"
+    if xxhash.xxh3_64_intdigest(data) != offer.checksum:
+        return "the bytes failed their checksum (torn or corrupted in transit)"
+    return ""
+
+
+@dataclass
+class _Source:
+    #: step -> rank -> (offer, bytes)
+    steps: dict[int, dict[int, tuple[Offer, bytearray]]] = field(default_factory=dict)
+    #: the newest step held for every rank it was sent with (-1: none yet)
+    complete: int = -1
+
+
+class ReplicaStore:
+    """What one agent holds for its peers: per source node, the newest step it holds
+    complete, and at most one newer step arriving; never more than `budget` bytes."""
+
+    def __init__(self, job: str, budget: int) -> None:
+        self.job = job
+        self.budget = budget
+        self._sources: dict[str, _Source] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(
+            o.size
+            for s in self._sources.values()
+            for held in s.steps.values()
+            for o, _ in held.values()
+        )
+
+    def refusal(self, offer: Offer) -> str:
+        """Why `offer` cannot be taken ('' when it can). Makes room for it first by
+        dropping what it would supersede: older incomplete steps of its source."""
+        if offer.job != self.job:
+            return f"this node serves job {self.job}, not {offer.job}"
+        if offer.rank not in offer.ranks:
+            return f"rank {offer.rank} is not among the ranks sent {list(offer.ranks)}"
+        src = self._sources.setdefault(offer.source, _Source())
+        if offer.step <= src.complete:
+            return f"step {offer.step} of {offer.source} is not newer than step {src.complete} held"
+        for step in [s for s in src.steps if src.complete < s < offer.step]:
+            del src.steps[step]  # an arriving step a newer one overtook
+        held = src.steps.get(offer.step, {}).get(offer.rank)
+        again = held[0].size if held is not None else 0
+        if self.used - again + offer.size > self.budget:
+            return (
+                f"the peer's replica budget is full ({self.used >> 20} of "
+                f"{self.budget >> 20} MiB held, {offer.size >> 20} MiB offered)"
+            )
+        return ""
+
+    def put(self, offer: Offer, data: bytearray) -> bool:
+        """Keep a verified rank; True when its step is now complete (older steps of its
+        source are then dropped). Raises CheckpointError if it was not verified."""
+        problem = verify(offer, data)
+        if problem:
+            raise CheckpointError(
+                f"step {offer.step} rank {offer.rank} of {offer.source}: {problem}"
+            )
+        src = self._sources.setdefault(offer.source, _Source())
+        ranks = src.steps.setdefault(offer.step, {})
+        ranks[offer.rank] = (offer, data)
+        if set(ranks) != set(offer.ranks):
+            return False
+        src.complete = offer.step
+        for step in [s for s in src.steps if s < offer.step]:
+            del src.steps[step]
+        return True
+
+    def get(self, source: str, step: int, rank: int) -> tuple[Offer, bytearray] | None:
+        src = self._sources.get(source)
+        if src is None or step != src.complete:
+            return None
+        return src.steps[step].get(rank)
+
+    def held(self, source: str) -> tuple[int, tuple[Offer, ...]] | None:
+        """(step, its ranks' offers) of the newest complete step held of `source`."""
+        src = self._sources.get(source)
+        if src is None or src.complete < 0:
+            return None
+        offers = tuple(
+            o for o, _ in sorted(src.steps[src.complete].values(), key=lambda h: h[0].rank)
+        )
+        return src.complete, offers
+
+    def drop_newer(self, step: int) -> None:
+        """A new lineage starts at `step`: no replica of a newer step may be restored."""
+        for src in self._sources.values():
+            for s in [s for s in src.steps if s > step]:
+                del src.steps[s]
+            if src.complete > step:
+                src.complete = -1

@@ -1,0 +1,355 @@
+"""Peer replicas of flash checkpoints (issue 27, its first part): a node's agent sends
+its ranks' newest step to a peer's agent over TCP, straight from shared memory; the
+peer verifies, keeps it within a budget and says `replica_stored` on the bus; the
+master folds which node's steps its peers hold. Real shared memory, real sockets, a
+real nats-server; the store, the choice of peers and the fold are pure."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import xxhash
+
+from rove.agent.facts import NodeFacts
+from rove.agent.replicas import ReplicaSender, ReplicaServer, choose_peers, fetch
+from rove.checkpoint import durable
+from rove.checkpoint import replica as wire
+from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.storage import Manifest, rebuild_verified
+from rove.control.bus.client import Bus
+from rove.control.bus.outbox import Outbox
+from rove.control.catalogue import events as ev
+from rove.control.cli import status_cmd
+from rove.control.master import checkpoints as ckpt
+from tests import factories
+from tests.support import eventually, stored_events
+from tests.test_checkpoint_commit import running
+
+JOB = "rj"
+
+
+def offer(
+    source: str, step: int, rank: int, data: bytes, ranks: tuple[int, ...] = (0, 1)
+) -> wire.Offer:
+    return wire.Offer(
+        job=JOB,
+        source=source,
+        round=1,
+        step=step,
+        rank=rank,
+        ranks=ranks,
+        meta_len=0,
+        data_len=len(data),
+        checksum=xxhash.xxh3_64_intdigest(data),
+    )
+
+
+def test_a_peer_keeps_the_newest_complete_step_of_each_source_within_its_budget() -> None:
+    store = wire.ReplicaStore(JOB, budget=300)
+    a0, a1 = b"a" * 50, b"b" * 50
+    assert store.refusal(offer("na", 10, 0, a0)) == ""
+    assert store.put(offer("na", 10, 0, a0), bytearray(a0)) is False  # rank 1 still to come
+    assert store.held("na") is None
+    assert store.put(offer("na", 10, 1, a1), bytearray(a1)) is True
+    held = store.held("na")
+    assert held is not None and held[0] == 10 and [o.rank for o in held[1]] == [0, 1]
+    # a newer step arriving keeps the complete one until it is complete itself
+    store.put(offer("na", 20, 0, a0), bytearray(a0))
+    assert store.held("na") is not None and store.held("na")[0] == 10  # type: ignore[index]
+    assert store.used == 150
+    store.put(offer("na", 20, 1, a1), bytearray(a1))
+    assert store.held("na")[0] == 20 and store.used == 100  # type: ignore[index]
+    assert store.get("na", 10, 0) is None and store.get("na", 20, 1) is not None
+    # stale, foreign and over-budget offers are refused, saying why
+    assert "not newer" in store.refusal(offer("na", 20, 0, a0))
+    foreign = wire.Offer(
+        job="other",
+        source="na",
+        round=1,
+        step=30,
+        rank=0,
+        ranks=(0,),
+        meta_len=0,
+        data_len=1,
+        checksum=0,
+    )
+    assert "serves job rj, not other" in store.refusal(foreign)
+    big = b"c" * 250
+    assert "budget is full" in store.refusal(offer("nb", 5, 0, big, ranks=(0,)))
+    # a corrupted rank never enters
+    bad = bytearray(a0)
+    bad[7] ^= 0xFF
+    with pytest.raises(CheckpointError, match="checksum"):
+        store.put(offer("nc", 5, 0, a0, ranks=(0,)), bad)
+    assert store.held("nc") is None
+    # a new lineage from step 15 forgets step 20
+    store.drop_newer(15)
+    assert store.held("na") is None
+
+
+def _member(node: str, domain: str = "", port: int = 9) -> ev.RoundMember:
+    return ev.RoundMember(
+        node=node,
+        incarnation="i",
+        addr="127.0.0.1",
+        nproc=2,
+        first_rank=0,
+        replica_port=port,
+        domain=domain,
+    )
+
+
+def test_peers_are_chosen_in_a_ring_off_the_nodes_failure_domain_first() -> None:
+    ring = [_member(n) for n in ("n0", "n1", "n2", "n3")]
+    assert [m.node for m in choose_peers(ring, "n1", 1)] == ["n2"]
+    assert [m.node for m in choose_peers(ring, "n3", 2)] == ["n0", "n1"]
+    assert choose_peers(ring, "n1", 0) == [] and choose_peers(ring, "nx", 1) == []
+    zoned = [_member("n0", "a"), _member("n1", "a"), _member("n2", "b"), _member("n3", "b")]
+    assert [m.node for m in choose_peers(zoned, "n0", 1)] == ["n2"]
+    assert [m.node for m in choose_peers(zoned, "n0", 3)] == ["n2", "n3", "n1"]
+    # a node that takes no replicas (--peer-replicas 0) is never a peer
+    assert [m.node for m in choose_peers([_member("n0"), _member("n1", port=0)], "n0", 1)] == []
+
+
+def test_the_master_knows_which_nodes_steps_its_peers_hold_and_forgets_an_abandoned_lineage() -> (
+    None
+):
+    c = ckpt.CkptState()
+    c = ckpt.on_replica(c, factories.replica("n1", "n0", 20))
+    c = ckpt.on_replica(c, factories.replica("n2", "n0", 20))
+    c = ckpt.on_replica(c, factories.replica("n1", "n0", 10))  # older: a late report
+    assert c.replicas["n0"] == (20, (0, 1), ("n1", "n2"))
+    c = ckpt.on_replica(c, factories.replica("n2", "n0", 30))
+    assert c.replicas["n0"] == (30, (0, 1), ("n2",))
+    # a round that goes on from step 25 abandons step 30: no peer's copy of it counts
+    cut = msgspec.structs.replace(factories.round_completed(2, 1, "n0", "n1"), restore_step=25)
+    c = ckpt.on_round(c, cut)
+    assert "n0" not in c.replicas
+    c = ckpt.on_replica(c, factories.replica("n1", "n0", 30, round=1))  # late, abandoned
+    assert "n0" not in c.replicas
+
+
+def test_status_says_which_peers_hold_a_nodes_step() -> None:
+    s = running()
+    s.apply(factories.in_memory("n1", 7, (0, 1)))
+    s.apply(factories.replica("n2", "n1", 7))
+    view = status_cmd.status_view(s.state, s.liveness, None, s.now)
+    assert view["checkpoints"]["replicas"] == {"n1": {"step": 7, "held_by": ["n2"]}}
+    assert "on peers: n1 step 7 on n2" in status_cmd.render(view)
+
+
+async def test_a_nodes_step_reaches_its_peer_verified_and_is_said_on_the_bus(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Two ranks' flash checkpoints in real shared memory go to a peer agent over TCP;
+    the peer says `replica_stored` with each rank's size and checksum, those of the
+    slot, and gives back bytes that rebuild to the very tensors saved."""
+    outbox = Outbox(bus, what="test facts")
+    outbox.start()
+    try:
+        holder = ReplicaServer(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 64 << 20)
+        port = await holder.start()
+        engines = {r: FlashEngine(f"{JOB}-x", r, directory=tmp_path) for r in (0, 1)}
+        states = {r: {"w": torch.randn(300, 100), "step": torch.tensor([r])} for r in (0, 1)}
+        for step in (4, 5):
+            for r, engine in engines.items():
+                engine.save(step, states[r])
+        sender = ReplicaSender(NodeFacts(outbox, job=JOB, node="na"), replicas=1)
+        sending = asyncio.create_task(sender.run())
+        sender.new_round(1, [_member("na", port=0), _member("nb", port=port)], engines)
+        sender.offer(5)
+
+        async def replica_events() -> list[ev.ReplicaStored]:
+            return [
+                r.event
+                for r in await stored_events(bus, JOB)
+                if isinstance(r.event, ev.ReplicaStored)
+            ]
+
+        events = await eventually(replica_events, timeout=30)
+        assert len(events) == 1, events
+        e = events[0]
+        assert (e.node, e.source, e.step, e.round) == ("nb", "na", 5, 1)
+        for rr in e.ranks:
+            h = engines[rr.rank].segments[engines[rr.rank].newest().slot].header()  # type: ignore[union-attr]
+            assert h is not None and (rr.size, rr.checksum) == (h.meta_len + h.data_len, h.checksum)
+        for r in (0, 1):
+            got, raw = await fetch(
+                "127.0.0.1", port, wire.Want(job=JOB, source="na", step=5, rank=r)
+            )
+            manifest = Manifest(
+                step=5, rank=r, meta_len=got.meta_len, data_len=got.data_len, checksum=got.checksum
+            )
+            state = rebuild_verified(raw, manifest, 5, r, "replica")
+            assert torch.equal(state["w"], states[r]["w"]) and torch.equal(
+                state["step"], states[r]["step"]
+            )
+        with pytest.raises(CheckpointError, match="no replica of step 4"):
+            await fetch("127.0.0.1", port, wire.Want(job=JOB, source="na", step=4, rank=0))
+        sending.cancel()
+        await holder.stop()
+    finally:
+        await outbox.stop()
+
+
+class FlippingProxy:
+    """A TCP proxy to the holder that flips one byte of what it forwards after the first
+    `after` bytes, while `corrupt` is set: a transfer corrupted in transit."""
+
+    def __init__(self, port: int, after: int = 4096) -> None:
+        self.port, self.after, self.corrupt = port, after, True
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._pipe, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection("127.0.0.1", self.port)
+        corrupt = self.corrupt
+
+        async def up() -> None:
+            seen = 0
+            while chunk := await r.read(65536):
+                buf = bytearray(chunk)
+                if corrupt and seen <= self.after < seen + len(buf):
+                    buf[self.after - seen] ^= 0xFF
+                seen += len(buf)
+                uw.write(buf)
+                await uw.drain()
+            uw.write_eof()
+
+        async def down() -> None:
+            while chunk := await ur.read(65536):
+                w.write(chunk)
+                await w.drain()
+            w.close()
+
+        await asyncio.gather(up(), down(), return_exceptions=True)
+
+
+async def test_a_replica_corrupted_in_transit_is_refused_and_the_next_step_goes_through(
+    bus: Bus, tmp_path: Path
+) -> None:
+    from structlog.testing import capture_logs
+
+    outbox = Outbox(bus, what="test facts")
+    outbox.start()
+    holder = ReplicaServer(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 64 << 20)
+    proxy = FlippingProxy(await holder.start())
+    via = await proxy.start()
+    engines = {0: FlashEngine(f"{JOB}-c", 0, directory=tmp_path)}
+    sender = ReplicaSender(NodeFacts(outbox, job=JOB, node="na"), replicas=1)
+    sending = asyncio.create_task(sender.run())
+    try:
+        sender.new_round(1, [_member("na", port=0), _member("nb", port=via)], engines)
+        engines[0].save(1, {"w": torch.randn(200, 100)})
+        with capture_logs() as logs:
+            sender.offer(1)
+            await eventually(lambda: "nb" in sender._backoff, timeout=30)
+        assert holder.store.held("na") is None
+        said = [e["event"] for e in logs if e["log_level"] == "warning"]
+        assert any("refused it" in s and "checksum" in s for s in said), logs
+        proxy.corrupt = False
+        engines[0].save(2, {"w": torch.randn(200, 100)})
+        sender.offer(2)  # after the backoff, the next step goes through whole
+        await eventually(lambda: sender.sent.get("nb") == 2, timeout=30)
+        held = holder.store.held("na")
+        assert held is not None and held[0] == 2
+    finally:
+        sending.cancel()
+        await holder.stop()
+        await outbox.stop()
+
+
+async def test_a_stalled_peer_never_holds_up_the_agent_and_is_left_alone_for_a_while(
+    tmp_path: Path,
+) -> None:
+    """A peer that takes the connection and never answers: `offer` returns at once, the
+    agent's loop keeps running, and the send fails after its timeout, into a backoff."""
+    stalled: list[asyncio.StreamWriter] = []
+
+    async def hold(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        stalled.append(w)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = int(server.sockets[0].getsockname()[1])
+    engines = {0: FlashEngine(f"{JOB}-s", 0, directory=tmp_path)}
+    engines[0].save(1, {"w": torch.randn(100, 100)})
+    sender = ReplicaSender(NodeFacts(_Facts(), job=JOB, node="na"), replicas=1, io_timeout_s=1.0)  # type: ignore[arg-type]
+    sending = asyncio.create_task(sender.run())
+    try:
+        sender.new_round(1, [_member("na", port=0), _member("nb", port=port)], engines)
+        ticks = 0
+        began = asyncio.get_running_loop().time()
+        sender.offer(1)
+        assert asyncio.get_running_loop().time() - began < 0.05
+        while "nb" not in sender._backoff:
+            await asyncio.sleep(0.05)
+            ticks += 1
+        assert ticks >= 10  # the loop went on for the whole stall
+        assert sender.sent == {} and stalled
+    finally:
+        sending.cancel()
+        server.close()
+
+
+class _Facts:
+    def put(self, event: ev.Event) -> None:
+        raise AssertionError(f"a sender says nothing on the bus: {event}")
+
+
+@pytest.mark.slow
+async def test_in_a_real_job_each_nodes_steps_land_on_its_peer_as_they_reach_storage(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Two `rove run` nodes in two failure domains: each one's flash checkpoints reach
+    the other's agent while they train (`replica_stored`, as the job goes), with the
+    checksum of the very file the node persisted of that step; `rove status` says so."""
+    from tests.support import MasterProc, RunProc, finished, rove_cli
+    from tests.test_runtime import TRAIN
+
+    job = "rj"
+    master = MasterProc(bus.url, job, "m1", tmp_path)
+    nodes = {
+        n: RunProc(
+            tmp_path,
+            n,
+            *("--nats", bus.url, "--job", job, "--node-id", n, "--local-addr", "127.0.0.1"),
+            *("--nnodes", "2", "--nproc-per-node", "1", "--failure-domain", f"rack-{n}"),
+            *("--checkpoint-dir", str(tmp_path / "store")),
+            *(str(TRAIN), "--steps", "60", "--step-sleep", "0.05", "--ckpt-every", "5"),
+            *("--ckpt-dir", str(tmp_path / "ckpt"), "--log-every", "100"),
+        )
+        for n in ("na", "nb")
+    }
+    try:
+        codes = await finished(bus, job, nodes, [master, *nodes.values()])
+        assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
+        records = await stored_events(bus, job)
+        replicas = [r.event for r in records if isinstance(r.event, ev.ReplicaStored)]
+        by_source = {s: [e for e in replicas if e.source == s] for s in ("na", "nb")}
+        assert {s: {e.node for e in es} for s, es in by_source.items()} == {
+            "na": {"nb"},
+            "nb": {"na"},
+        }, replicas
+        # while the job trained, not only at its end: several steps of each
+        assert all(len({e.step for e in es}) >= 3 for es in by_source.values()), replicas
+        checked = 0
+        for e in replicas:
+            for rr in e.ranks:
+                manifest = durable.step_dir(tmp_path / "store", e.step) / f"rank-{rr.rank:05d}.json"
+                if manifest.exists():
+                    m = msgspec.json.decode(manifest.read_bytes(), type=Manifest)
+                    assert (m.checksum, m.meta_len + m.data_len) == (rr.checksum, rr.size)
+                    checked += 1
+        assert checked >= 1, sorted((tmp_path / "store").iterdir())
+        out = rove_cli("status", "--job", job, "--nats", bus.url)
+        assert "on peers: na step" in out.stdout and "on nb" in out.stdout, out.stdout
+    finally:
+        for p in (master, *nodes.values()):
+            p.stop()
