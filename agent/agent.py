@@ -122,7 +122,9 @@ class Agent:
             save_at_breakpoint=cfg.save_at_breakpoint,
         )
         # peer replicas of flash checkpoints, sent and held (`rove.agent.replicas`)
-        self.replicas = PeerReplicas(self.facts, cfg.addr, cfg.replicas, cfg.replica_budget)
+        self.replicas = PeerReplicas(
+            self.facts, cfg.addr, cfg.replicas, cfg.replica_budget, self.checkpoints.saver.raw
+        )
         self.checkpoints.on_in_memory = self.replicas.sender.offer
         self.heartbeat = Heartbeat(
             bus,
@@ -405,6 +407,7 @@ class Agent:
             r.round, r.restore_step, ranks, r.world_size, group_rank, self.job_run
         )
         self.replicas.new_round(r, self.checkpoints.saver.engines)
+        await self.replicas.restore(r, self.checkpoints.saver.engines)
         self._group_rank = group_rank
         if self._warm and not await warm.ready(self._interrupted):
             return  # a signal came first: the actor acts on it next

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import msgspec
@@ -35,11 +35,13 @@ from rove.agent.facts import NodeFacts
 from rove.checkpoint import replica as wire
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.shm import HEADER_SIZE
-from rove.checkpoint.storage import to_persist
+from rove.checkpoint.storage import Manifest, to_persist
 from rove.control.catalogue import events as ev
 
 log = structlog.get_logger("rove.replicas")
 T = TypeVar("T")
+#: A rank's step from this node's own memory, as storage would write it (`Saver.raw`).
+Local = Callable[[int, int], "tuple[Manifest, bytes] | None"]
 
 #: A peer that failed is not tried again for this long, doubling up to `BACKOFF_MAX_S`.
 BACKOFF_S = 2.0
@@ -72,19 +74,64 @@ class PeerReplicas:
     """The agent's two halves: its sender, and its server unless it sends none
     (`--peer-replicas 0`: it neither sends nor takes replicas)."""
 
-    def __init__(self, facts: NodeFacts, addr: str, replicas: int, budget: int) -> None:
-        self.server = ReplicaServer(facts, addr, budget) if replicas > 0 else None
+    def __init__(
+        self, facts: NodeFacts, addr: str, replicas: int, budget: int, local: Local
+    ) -> None:
+        """`local(step, rank)`: that rank's step from this node's own memory (`Saver.raw`)."""
+        self.facts = facts
+        self.server = ReplicaServer(facts, addr, budget, local) if replicas > 0 else None
         self.sender = ReplicaSender(facts, replicas)
         #: where peers send to (0: nowhere)
         self.port = 0
 
     async def start(self) -> None:
-        if self.server is not None:
+        """Listen for peers; a node that cannot listen on its address takes none (said)."""
+        if self.server is None:
+            return
+        try:
             self.port = await self.server.start()
+        except OSError as exc:
+            self.server.log.warning(
+                f"cannot take peers' checkpoint replicas on {self.server.host}: {exc}; "
+                "this node keeps none (it still sends its own)"
+            )
+            self.server = None
 
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
+
+    async def restore(self, r: ev.RoundCompleted, engines: dict[int, FlashEngine]) -> None:
+        """Round `r` restores some ranks from peers: fetch those this node runs (its
+        `engines`), verified, into its own memory before its workers start. A rank that
+        cannot be fetched is said and left out: the workers then find the step missing
+        and every rank falls back to storage together (`rove.checkpoint.restore`)."""
+        step = r.restore_step
+        members = {m.node: m for m in r.members}
+        say = log.bind(job=self.facts.job, node=self.facts.node)
+        for f in r.fetches:
+            holder = members.get(f.node)
+            if step is None or f.rank not in engines or holder is None:
+                continue
+            began = time.monotonic()
+            want = wire.Want(job=self.facts.job, source=f.source, step=step, rank=f.rank)
+            try:
+                offer, raw = await fetch(holder.addr, holder.replica_port, want)
+                await asyncio.to_thread(
+                    engines[f.rank].install, step, raw, offer.meta_len, offer.checksum
+                )
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, CheckpointError) as exc:
+                say.warning(
+                    f"could not fetch rank {f.rank} of step {step} from {f.node}: "
+                    f"{exc or type(exc).__name__}; the ranks fall back to storage together"
+                )
+                continue
+            whose = "its own memory" if f.source == f.node else f"its replica of {f.source}"
+            say.info(
+                f"fetched rank {f.rank} of step {step} from {f.node} ({whose}) in "
+                f"{time.monotonic() - began:.2f} s",
+                bytes=len(raw),
+            )
 
     def new_round(self, r: ev.RoundCompleted, engines: dict[int, FlashEngine]) -> None:
         """Round `r` starts a lineage at its restore step: nothing newer is sent or kept."""
@@ -96,9 +143,10 @@ class PeerReplicas:
 class ReplicaServer:
     """Takes peers' replicas into a bounded `ReplicaStore` and serves them back."""
 
-    def __init__(self, facts: NodeFacts, host: str, budget: int) -> None:
+    def __init__(self, facts: NodeFacts, host: str, budget: int, local: Local) -> None:
         self.facts = facts
         self.host = host
+        self.local = local
         self.store = wire.ReplicaStore(facts.job, budget)
         self.log = log.bind(job=facts.job, node=facts.node)
         self._server: asyncio.Server | None = None
@@ -175,11 +223,25 @@ class ReplicaServer:
             )
 
     async def _get(self, want: wire.Want, writer: asyncio.StreamWriter) -> None:
-        held = (
-            self.store.get(want.source, want.step, want.rank)
-            if want.job == self.store.job
-            else None
-        )
+        held = None
+        if want.job == self.store.job and want.source == self.facts.node:
+            mine = await asyncio.to_thread(self.local, want.step, want.rank)
+            if mine is not None:
+                m, raw = mine
+                offer = wire.Offer(
+                    job=want.job,
+                    source=want.source,
+                    round=0,
+                    step=m.step,
+                    rank=m.rank,
+                    ranks=(m.rank,),
+                    meta_len=m.meta_len,
+                    data_len=m.data_len,
+                    checksum=m.checksum,
+                )
+                held = (offer, bytearray(raw))
+        elif want.job == self.store.job:
+            held = self.store.get(want.source, want.step, want.rank)
         if held is None:
             error = f"no replica of step {want.step} rank {want.rank} of {want.source} here"
             writer.write(wire.answer_frame(wire.Answer(ok=False, error=error)))

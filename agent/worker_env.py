@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from rove.control.catalogue.events import RoundCompleted, RoundMember
+from rove.control.catalogue.events import RestoreSource, RoundCompleted, RoundMember
 from rove.control.domain import tf_cluster
 
 if TYPE_CHECKING:
@@ -86,7 +86,10 @@ def rove_env(
     clients in the workers reach NATS; then the user's `cfg.worker_env`."""
     env = {
         "ROVE_RESTORE_STEP": "" if r.restore_step is None else str(r.restore_step),
-        "ROVE_RESTORE_SOURCE": r.restore_source.value,
+        # (a peer's ranks are in this node's memory before the workers start)
+        "ROVE_RESTORE_SOURCE": (
+            "memory" if r.restore_source is RestoreSource.PEER else r.restore_source.value
+        ),
         **bus_env,
         "ROVE_NODE": cfg.node,
         "ROVE_JOB_RUN": job_run,

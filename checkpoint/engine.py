@@ -117,6 +117,31 @@ class FlashEngine:
         )
         return SaveStats(step, index, p.meta.data_len, time.perf_counter() - started)
 
+    def install(
+        self, step: int, raw: bytes | bytearray | memoryview, meta_len: int, checksum: int
+    ) -> None:
+        """Put a step another node held (a peer replica: this rank's metadata then data,
+        as storage holds them, verified by the caller) in a slot, as a save would have,
+        sealed with its checksum: a restore from memory loads it, and checks it again."""
+        if len(raw) < meta_len:
+            raise CheckpointError(f"a replica of step {step} is shorter than its metadata")
+        data_len = len(raw) - meta_len
+        data_offset = layout.aligned(HEADER_SIZE + meta_len + 4096)
+        seg = self.segments[self._target()]
+        try:
+            seg.ensure(data_offset + data_len)
+        except ShmFullError as exc:
+            raise CheckpointError(exc.strerror) from exc
+        old = seg.header()
+        generation = (old.generation if old else 0) + 1
+        seg.write_header(Header(WRITING, generation, step, 0, 0, 0, 0, False))
+        view = memoryview(raw)
+        seg.view(HEADER_SIZE, meta_len)[:] = view[:meta_len]
+        seg.view(data_offset, data_len)[:] = view[meta_len:]
+        seg.write_header(
+            Header(COMPLETE, generation + 1, step, meta_len, data_offset, data_len, checksum, True)
+        )
+
     # ------------------------------------------------------------------ inspect
 
     def slots(self) -> list[SlotInfo]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -122,9 +123,9 @@ def test_the_master_knows_which_nodes_steps_its_peers_hold_and_forgets_an_abando
     c = ckpt.on_replica(c, factories.replica("n1", "n0", 20))
     c = ckpt.on_replica(c, factories.replica("n2", "n0", 20))
     c = ckpt.on_replica(c, factories.replica("n1", "n0", 10))  # older: a late report
-    assert c.replicas["n0"] == (20, (0, 1), ("n1", "n2"))
+    assert c.replicas["n0"] == (20, (0, 1), (("n1", "i1"), ("n2", "i1")))
     c = ckpt.on_replica(c, factories.replica("n2", "n0", 30))
-    assert c.replicas["n0"] == (30, (0, 1), ("n2",))
+    assert c.replicas["n0"] == (30, (0, 1), (("n2", "i1"),))
     # a round that goes on from step 25 abandons step 30: no peer's copy of it counts
     cut = msgspec.structs.replace(factories.round_completed(2, 1, "n0", "n1"), restore_step=25)
     c = ckpt.on_round(c, cut)
@@ -151,7 +152,9 @@ async def test_a_nodes_step_reaches_its_peer_verified_and_is_said_on_the_bus(
     outbox = Outbox(bus, what="test facts")
     outbox.start()
     try:
-        holder = ReplicaServer(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 64 << 20)
+        holder = ReplicaServer(
+            NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 64 << 20, _nothing
+        )
         port = await holder.start()
         engines = {r: FlashEngine(f"{JOB}-x", r, directory=tmp_path) for r in (0, 1)}
         states = {r: {"w": torch.randn(300, 100), "step": torch.tensor([r])} for r in (0, 1)}
@@ -239,7 +242,7 @@ async def test_a_replica_corrupted_in_transit_is_refused_and_the_next_step_goes_
 
     outbox = Outbox(bus, what="test facts")
     outbox.start()
-    holder = ReplicaServer(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 64 << 20)
+    holder = ReplicaServer(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 64 << 20, _nothing)
     proxy = FlippingProxy(await holder.start())
     via = await proxy.start()
     engines = {0: FlashEngine(f"{JOB}-c", 0, directory=tmp_path)}
@@ -353,3 +356,182 @@ async def test_in_a_real_job_each_nodes_steps_land_on_its_peer_as_they_reach_sto
     finally:
         for p in (master, *nodes.values()):
             p.stop()
+
+
+def _nothing(_step: int, _rank: int) -> None:
+    return None
+
+
+def _fold(*events: ev.Event) -> ckpt.CkptState:
+    c = ckpt.CkptState()
+    for e in events:
+        c = ckpt.on_in_memory(c, e) if isinstance(e, ev.CkptInMemory) else ckpt.on_replica(c, e)  # type: ignore[arg-type]
+    return c
+
+
+def test_a_lost_nodes_ranks_come_from_the_peer_that_holds_them_at_a_step_every_rank_has() -> None:
+    """nb (ranks 2-3) is lost after it saved step 20; na (ranks 0-1) holds step 25 and
+    20 in memory, and nb's replica of step 20. A new nb runs ranks 2-3: every rank has
+    step 20 (na's own slots, and na's replica of nb), not 25: the round restores 20
+    from peers, ranks 2 and 3 fetched from na."""
+    c = _fold(
+        factories.in_memory("na", 20, (0, 1)),
+        factories.in_memory("nb", 20, (2, 3)),
+        factories.replica("na", "nb", 20, ranks=(2, 3)),
+        factories.replica("nb", "na", 20, ranks=(0, 1)),
+        factories.in_memory("na", 25, (0, 1)),
+    )
+    assert c.previous["na"] == 20
+    members = [("na", (0, 1)), ("nb", (2, 3))]
+    # (nb's memory report is its lost agent's, i1: the new one, i2, holds nothing known)
+    got = ckpt.restore_point(c, members, {"na": "i1", "nb": "i2"})
+    assert (got.step, got.source) == (20, ev.RestoreSource.PEER)
+    assert got.fetches == (ev.RestoreFetch(2, "na", "nb"), ev.RestoreFetch(3, "na", "nb"))
+    # the committed step wins over an older step on peers
+    newer = msgspec.structs.replace(c, committed=22)
+    assert ckpt.restore_point(newer, members).source is ev.RestoreSource.STORAGE
+    # with the holder gone too (not a member), there is no step on peers
+    alone = ckpt.restore_point(c, [("nc", (0, 1)), ("nb", (2, 3))], {"nc": "i1", "nb": "i2"})
+    assert alone.source is ev.RestoreSource.NONE
+    # renumbered ranks: the surviving node runs 2-3 now; its own slots of 0-1 serve (the
+    # new nb holds nothing: the replica of na it held went with its old incarnation)
+    swapped = ckpt.restore_point(c, [("nb", (0, 1)), ("na", (2, 3))], {"nb": "i2", "na": "i1"})
+    assert (swapped.step, swapped.source) == (20, ev.RestoreSource.PEER)
+    assert swapped.fetches == (
+        ev.RestoreFetch(0, "na", "na"),
+        ev.RestoreFetch(1, "na", "na"),
+        ev.RestoreFetch(2, "na", "nb"),
+        ev.RestoreFetch(3, "na", "nb"),
+    )
+
+
+def test_an_engine_takes_a_replica_and_loads_it_verified(tmp_path: Path) -> None:
+    from rove.agent.saver import Saver
+
+    src = FlashEngine(f"{JOB}-a", 1, directory=tmp_path / "a")
+    state = {"w": torch.randn(64, 32), "n": torch.arange(5)}
+    src.save(7, state)
+    saver = Saver(f"{JOB}-a", None)
+    saver.engines = {1: src}
+    got = saver.raw(7, 1)
+    assert got is not None and saver.raw(8, 1) is None
+    manifest, raw = got
+    dst = FlashEngine(f"{JOB}-a", 1, directory=tmp_path / "b")
+    dst.install(7, raw, manifest.meta_len, manifest.checksum)
+    step, back = dst.load(7)
+    assert step == 7 and torch.equal(back["w"], state["w"]) and torch.equal(back["n"], state["n"])
+    # a replica installed with a wrong checksum is refused on load, never trained from
+    bad = FlashEngine(f"{JOB}-a", 1, directory=tmp_path / "c")
+    bad.install(7, raw, manifest.meta_len, manifest.checksum ^ 1)
+    with pytest.raises(CheckpointError, match="checksum"):
+        bad.load(7)
+
+
+@pytest.mark.slow
+async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_storage(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Two nodes, no checkpoint storage at all. nb's agent and worker are killed with
+    SIGKILL and its shared memory deleted after it saved a step that reached na; a new nb
+    (empty memory) joins: the round restores that step from peers (nb's rank fetched
+    from na's replica), both ranks resume right after it, and the job finishes."""
+    import contextlib
+    import os
+    import shutil
+    import signal
+
+    import psutil
+
+    from tests.support import MasterProc, RunProc, patience, pid_alive, rove_cli, trace_rows
+    from tests.test_runtime import TRAIN
+
+    job = "rp"
+    master = MasterProc(bus.url, job, "m1", tmp_path, "--node-timeout", "3")
+    trace = tmp_path / "trace.jsonl"
+
+    def node(name: str, log: str) -> RunProc:
+        shm = tmp_path / f"shm-{log}"
+        shm.mkdir()
+        return RunProc(
+            tmp_path,
+            log,
+            *("--nats", bus.url, "--job", job, "--node-id", name, "--local-addr", "127.0.0.1"),
+            *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "5"),
+            *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
+            # a save every second: a step's replica reaches the peer before the next save
+            *(str(TRAIN), "--steps", "60", "--step-sleep", "0.2", "--ckpt-every", "5"),
+            *("--ckpt-dir", str(tmp_path / "ckpt"), "--trace", str(trace), "--log-every", "50"),
+            env={"ROVE_SHM_DIR": str(shm)},
+        )
+
+    async def events(kind: type[ev.Event]) -> list[ev.Event]:
+        return [r.event for r in await stored_events(bus, job) if isinstance(r.event, kind)]
+
+    a, b = node("na", "na"), node("nb", "nb")
+    b2 = None
+    try:
+        await eventually(lambda: _replica_of(events, "nb", at_least=15), timeout=120)
+        # the whole node at once: its agent, its warm servers and its worker, with -9
+        whole = [b.proc.pid, *(c.pid for c in psutil.Process(b.proc.pid).children(recursive=True))]
+        for pid in whole:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        b.proc.wait()
+        await eventually(lambda: not any(pid_alive(p) for p in whole), timeout=30)
+        shutil.rmtree(tmp_path / "shm-nb")  # its memory is gone with it
+        b2 = node("nb", "nb-again")
+        first = (await events(ev.RoundCompleted))[0]
+        assert isinstance(first, ev.RoundCompleted)
+        old_nb = next(m.incarnation for m in first.members if m.node == "nb")
+
+        async def resumed() -> ev.RoundCompleted | None:
+            return next(  # the first round with the new nb
+                (
+                    r
+                    for r in await events(ev.RoundCompleted)
+                    if isinstance(r, ev.RoundCompleted)
+                    and any(m.node == "nb" and m.incarnation != old_nb for m in r.members)
+                ),
+                None,
+            )
+
+        r2 = await eventually(resumed, timeout=120)
+        facts = [
+            (type(e).__name__, e.node, getattr(e, "source", ""), getattr(e, "step", None))
+            for e in [*await events(ev.CkptInMemory), *await events(ev.ReplicaStored)]
+        ]
+        assert r2.restore_source is ev.RestoreSource.PEER, (r2, facts)
+        step = r2.restore_step
+        assert step is not None and step >= 15, r2
+        # each rank whose runner does not hold it comes from na: nb's old rank from na's
+        # replica of nb, na's old rank from na's own memory if another node runs it now
+        ran = {m.first_rank: m.node for m in first.members}
+        runs = {m.first_rank: m.node for m in r2.members}
+        want = tuple(
+            ev.RestoreFetch(r, "na", ran[r])
+            for r in sorted(runs)
+            if not (ran[r] == "na" and runs[r] == "na")
+        )
+        assert r2.fetches == want, (r2.fetches, want)
+        assert a.proc.wait(patience(120)) == 0, a.log()[-3000:]
+        assert b2.proc.wait(patience(60)) == 0, b2.log()[-3000:]
+        resumed_rows = [r for r in trace_rows(trace) if r["source"] != "none"]
+        firsts: dict[int, int] = {}
+        for row in resumed_rows:
+            firsts[row["rank"]] = min(firsts.get(row["rank"], 10**9), row["step"])
+        assert firsts == {0: step + 1, 1: step + 1}, firsts  # not from scratch, not storage
+        assert {r["source"] for r in resumed_rows} == {"memory"}  # no storage: there is none
+        assert "fetched rank" in b2.log() and f"of step {step} from na" in b2.log()
+        status = rove_cli("status", "--job", job, "--nats", bus.url).stdout
+        assert f"restored step {step} from peer, {len(want)} ranks fetched" in status, status
+        goodput = rove_cli("goodput", "--job", job, "--nats", bus.url).stdout
+        assert "1 from peer" in goodput, goodput
+    finally:
+        for p in (a, b, b2):
+            if p is not None:
+                p.stop()
+        master.stop()
+
+
+async def _replica_of(events: Any, source: str, at_least: int) -> bool:
+    return any(e.source == source and e.step >= at_least for e in await events(ev.ReplicaStored))

@@ -133,6 +133,8 @@ class RestoreSource(enum.StrEnum):
 
     NONE = ""
     MEMORY = "memory"
+    #: some ranks from a peer's memory (`RoundCompleted.fetches`), the rest from their own
+    PEER = "peer"
     STORAGE = "storage"
 
 
@@ -377,6 +379,15 @@ class NodeLost(Decision, tag="node_lost", frozen=True, kw_only=True):
     timeout_s: float
 
 
+class RestoreFetch(msgspec.Struct, frozen=True, array_like=True):
+    """Rank `rank` of the round's restore step is fetched from `node`'s agent, which holds
+    it of `source` (a peer replica; `source == node`: in its own memory)."""
+
+    rank: int
+    node: str
+    source: str
+
+
 class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True):
     """A rendezvous round: these members, in rank order, start their workers now."""
 
@@ -389,6 +400,9 @@ class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True)
     reason: str = ""
     restore_step: int | None = None
     restore_source: RestoreSource = RestoreSource.NONE
+    #: with `restore_source` peer: the ranks whose runner does not hold the step, and
+    #: where each is fetched from before the workers start
+    fetches: tuple[RestoreFetch, ...] = ()
     cause: RoundCause = RoundCause.FORMED
     #: a TensorFlow round's tasks, by rank: roles and addresses (empty for torch)
     tasks: tuple[TfTask, ...] = ()

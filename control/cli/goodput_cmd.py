@@ -85,6 +85,7 @@ def as_json(r: gp.Report, *, known: bool = True) -> dict[str, Any]:
         "steps_reported": known,
         "buckets": {b.value: round(s, 3) for b, s in r.seconds.items()},
         "rounds": r.rounds,
+        "restores": dict(r.restores),
         "failures": [
             {"ts": f.ts, "what": f.what, "node": f.node, "reason": f.reason} for f in r.failures
         ],
@@ -105,6 +106,10 @@ def render(r: gp.Report, *, known: bool = True) -> str:
         if secs or bucket is gp.Bucket.PRODUCTIVE:
             lines.append(f"{bucket.value:<22}{secs:>12.1f}{secs / total:>9.1%}")
     lines += ["", f"goodput {r.goodput:.1%}" if known else gp.NOT_KNOWN]
+    if r.restores:
+        lines.append(
+            "restores: " + ", ".join(f"{n} from {src}" for src, n in sorted(r.restores.items()))
+        )
     if r.failures:
         lines += ["", "failures:"]
         for f in r.failures:

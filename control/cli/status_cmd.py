@@ -152,9 +152,16 @@ def status_view(
             "committed_step": state.ckpt.committed,
             "in_memory": {node: step for node, (step, _ranks) in state.ckpt.memory.items()},
             "replicas": {
-                node: {"step": step, "held_by": list(holders)}
+                node: {"step": step, "held_by": [h for h, _ in holders]}
                 for node, (step, _ranks, holders) in state.ckpt.replicas.items()
             },
+            "restored": (
+                None
+                if state.ckpt.restored is None
+                else dict(
+                    zip(("step", "source", "fetched_ranks"), state.ckpt.restored, strict=True)
+                )
+            ),
             "persist_failures": state.ckpt.failures,
             "last_error": state.ckpt.last_error or None,
         },
@@ -508,9 +515,15 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
         committed = (
             f"committed step {ck['committed_step']}"
             if ck["committed_step"] is not None
+            else "nothing persisted yet: a lost node's steps come back only from its peers"
+            if ck["replicas"]
             else "nothing persisted yet: losing a node loses its in-memory steps"
         )
         line = f"checkpoints: {committed}; in memory: {memory or '-'}"
+        if ck["restored"] is not None:
+            got = ck["restored"]
+            fetched = f", {got['fetched_ranks']} ranks fetched" if got["fetched_ranks"] else ""
+            line += f"; this round restored step {got['step']} from {got['source']}{fetched}"
         if ck["replicas"]:
             line += "; on peers: " + ", ".join(
                 f"{n} step {r['step']} on {'+'.join(r['held_by'])}"

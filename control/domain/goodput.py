@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -132,6 +133,8 @@ class _Round:
     round: int
     ts: float
     restore_step: int | None
+    #: where its ranks restored from (`RestoreSource`; "": a fresh start)
+    restore_source: str = ""
     started: float | None = None
     #: each node's latest report
     latest: dict[str, ev.TrainingProgress] = field(default_factory=dict)
@@ -199,7 +202,7 @@ class Ledger:
         return any(r.points for r in self.rounds.values())
 
     def _round_completed(self, e: ev.RoundCompleted) -> None:
-        self.rounds[e.round] = _Round(e.round, e.ts, e.restore_step)
+        self.rounds[e.round] = _Round(e.round, e.ts, e.restore_step, e.restore_source.value)
 
     def _workers_started(self, e: ev.WorkersStarted) -> None:
         r = self.rounds.get(e.round)
@@ -359,6 +362,8 @@ class Report:
     rounds: int
     failures: tuple[Failure, ...]
     ended: str
+    #: rounds that restored a checkpoint, by where from (memory, peer, storage)
+    restores: Mapping[str, int] = field(default_factory=dict)
     #: the job's whole timeline (not only the window), for pictures
     intervals: tuple[Interval, ...] = ()
 
@@ -410,6 +415,13 @@ def report(
         rounds=sum(1 for r in ledger.rounds.values() if lo <= r.ts <= hi),
         failures=tuple(f for f in ledger.failures if lo <= f.ts <= hi),
         ended=ledger.ended,
+        restores=dict(
+            Counter(
+                r.restore_source
+                for r in ledger.rounds.values()
+                if lo <= r.ts <= hi and r.restore_source and r.restore_step is not None
+            )
+        ),
         intervals=tuple(intervals),
     )
 

@@ -18,6 +18,9 @@ oldest step its members found (every one of them must have found one).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import immutables
 import msgspec
 from msgspec.structs import replace
@@ -40,11 +43,20 @@ class CkptState(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str = ""
     #: node -> the committed step it found on storage as it started (an earlier run's)
     found: immutables.Map[str, int] = msgspec.field(default_factory=immutables.Map)
-    #: source node -> (newest step held as peer replicas, its ranks, the nodes holding
-    #: every one of them, verified): what a lost node's peers could give back
-    replicas: immutables.Map[str, tuple[int, tuple[int, ...], tuple[str, ...]]] = msgspec.field(
-        default_factory=immutables.Map
+    #: node -> the step it reported in memory before its newest (for the same ranks): its
+    #: other slot holds it unless the agent skipped a report (a restore then falls back)
+    previous: immutables.Map[str, int] = msgspec.field(default_factory=immutables.Map)
+    #: node -> the incarnation of its agent that reported its memory: a node restarted
+    #: since (a new agent, its memory maybe gone with the old one) holds nothing known
+    reporter: immutables.Map[str, str] = msgspec.field(default_factory=immutables.Map)
+    #: source node -> (newest step held as peer replicas, its ranks, the (node,
+    #: incarnation) holding every one of them, verified): what a lost node's peers could
+    #: give back (a holder restarted since holds nothing)
+    replicas: immutables.Map[str, tuple[int, tuple[int, ...], tuple[tuple[str, str], ...]]] = (
+        msgspec.field(default_factory=immutables.Map)
     )
+    #: the newest round's restore: (step, source, ranks fetched from peers); None: afresh
+    restored: tuple[int, str, int] | None = None
     #: (round, step it restored, -1 for a fresh start) of the recent rounds: where
     #: each started a new lineage (the newest `MAX_CUTS`)
     cuts: tuple[tuple[int, int], ...] = ()
@@ -74,8 +86,22 @@ def on_round(c: CkptState, e: ev.RoundCompleted) -> CkptState:
     replicas = c.replicas
     for node in [n for n, (step, _, _) in replicas.items() if step > keep]:
         replicas = replicas.delete(node)
+    previous = c.previous
+    for node in [n for n, step in previous.items() if step > keep or n not in memory]:
+        previous = previous.delete(node)
     cuts = (*c.cuts, (e.round, keep))[-MAX_CUTS:]
-    return replace(c, persisted=persisted, memory=memory, replicas=replicas, cuts=cuts)
+    restored = (
+        None if e.restore_step is None else (e.restore_step, e.restore_source.value, len(e.fetches))
+    )
+    return replace(
+        c,
+        persisted=persisted,
+        memory=memory,
+        previous=previous,
+        replicas=replicas,
+        cuts=cuts,
+        restored=restored,
+    )
 
 
 def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
@@ -84,7 +110,15 @@ def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
     known = c.memory.get(e.node)
     if known is not None and known[0] >= e.step:
         return c
-    return replace(c, memory=c.memory.set(e.node, (e.step, e.ranks)))
+    previous = c.previous.delete(e.node) if e.node in c.previous else c.previous
+    if known is not None and tuple(known[1]) == tuple(e.ranks):
+        previous = previous.set(e.node, known[0])
+    return replace(
+        c,
+        memory=c.memory.set(e.node, (e.step, e.ranks)),
+        previous=previous,
+        reporter=c.reporter.set(e.node, e.incarnation),
+    )
 
 
 def on_replica(c: CkptState, e: ev.ReplicaStored) -> CkptState:
@@ -98,9 +132,9 @@ def on_replica(c: CkptState, e: ev.ReplicaStored) -> CkptState:
     if known is not None and (known[0] > e.step or (known[0] == e.step and known[1] != ranks)):
         return c
     holders = known[2] if known is not None and known[0] == e.step else ()
-    if e.node in holders:
+    if (e.node, e.incarnation) in holders:
         return c
-    entry = (e.step, ranks, (*holders, e.node))
+    entry = (e.step, ranks, (*holders, (e.node, e.incarnation)))
     return replace(c, replicas=c.replicas.set(e.source, entry))
 
 
@@ -151,30 +185,99 @@ def to_commit(c: CkptState) -> tuple[int, int] | None:
     return max(complete) if complete else None
 
 
-def restore_point(
-    c: CkptState, members: list[tuple[str, tuple[int, ...]]]
-) -> tuple[int | None, ev.RestoreSource]:
-    """(step, where from) every rank of a new round should load.
+class Restore(NamedTuple):
+    """Where a new round restores from: the step, its source, and for a restore from
+    peers the ranks fetched and from whom."""
 
-    `members` are (node, the ranks it will run). Memory wins when every member
+    step: int | None
+    source: ev.RestoreSource
+    fetches: tuple[ev.RestoreFetch, ...] = ()
+
+
+def restore_point(
+    c: CkptState,
+    members: list[tuple[str, tuple[int, ...]]],
+    incarnations: Mapping[str, str] | None = None,
+) -> Restore:
+    """The step every rank of a new round should load, and where from.
+
+    `members` are (node, the ranks it will run); `incarnations` their incarnations
+    (a replica holder restarted since holds nothing). Memory wins when every member
     reported a step in memory for exactly those ranks: the newest step they all
     hold (each keeps its two newest, so the oldest of their newest is there).
-    Otherwise the committed step on storage (the job's own, else the one an earlier
-    run left, found by every member); otherwise nothing (a fresh start).
+    Else peers' memory (`peer_plan`), when it has a step at least as new as the
+    committed one. Otherwise the committed step on storage (the job's own, else the
+    one an earlier run left, found by every member); otherwise nothing (a fresh start).
     """
     committed = c.committed if c.committed is not None else _found(c, members)
+    incarnations = incarnations or {}
     steps: list[int] = []
     for node, ranks in members:
-        held = c.memory.get(node)
+        held = c.memory.get(node) if _same_agent(c, node, incarnations) else None
         if held is None or tuple(held[1]) != tuple(ranks):
             steps = []
             break
         steps.append(held[0])
     if steps and (committed is None or min(steps) >= committed):
-        return min(steps), ev.RestoreSource.MEMORY
+        return Restore(min(steps), ev.RestoreSource.MEMORY)
+    plan = peer_plan(c, members, incarnations)
+    if plan is not None and (committed is None or plan[0] >= committed):
+        step, fetches = plan
+        # (no rank to fetch: every runner holds the step, an older one than its newest)
+        source = ev.RestoreSource.PEER if fetches else ev.RestoreSource.MEMORY
+        return Restore(step, source, fetches)
     if committed is not None:
-        return committed, ev.RestoreSource.STORAGE
-    return None, ev.RestoreSource.NONE
+        return Restore(committed, ev.RestoreSource.STORAGE)
+    return Restore(None, ev.RestoreSource.NONE)
+
+
+def peer_plan(
+    c: CkptState, members: list[tuple[str, tuple[int, ...]]], incarnations: Mapping[str, str]
+) -> tuple[int, tuple[ev.RestoreFetch, ...]] | None:
+    """The newest step every rank of the new round can get from the members' memory
+    (their own flash slots, or the peer replicas they hold), and where each rank its
+    runner does not hold comes from; None when some rank has no such step.
+
+    Only members serve (they are alive: they just joined). A rank's runner that holds
+    it loads it itself; another one fetches it, from a replica first (held for that)."""
+    runner = {r: node for node, ranks in members for r in ranks}
+    here = set(runner.values())
+    offers: dict[int, dict[int, list[tuple[int, str, str]]]] = {}  # step -> rank -> offers
+
+    def offer(step: int, rank: int, kind: int, node: str, source: str) -> None:
+        if rank in runner:
+            offers.setdefault(step, {}).setdefault(rank, []).append((kind, node, source))
+
+    for node, (step, ranks) in c.memory.items():
+        if node not in here or not _same_agent(c, node, incarnations):
+            continue
+        for s in (step, c.previous.get(node)):
+            if s is not None:
+                for r in ranks:
+                    offer(s, r, 2, node, node)
+    for source, (step, ranks, holders) in c.replicas.items():
+        for holder, incarnation in holders:
+            if holder in here and incarnations.get(holder, incarnation) == incarnation:
+                for r in ranks:
+                    offer(step, r, 1, holder, source)
+    for step in sorted(offers, reverse=True):
+        by_rank = offers[step]
+        if len(by_rank) < len(runner):
+            continue
+        fetches = []
+        for r in sorted(runner):
+            if any(node == runner[r] and source == node for _, node, source in by_rank[r]):
+                continue  # its runner holds it in its own slots
+            _, node, source = min(by_rank[r])
+            fetches.append(ev.RestoreFetch(r, node, source))
+        return step, tuple(fetches)
+    return None
+
+
+def _same_agent(c: CkptState, node: str, incarnations: Mapping[str, str]) -> bool:
+    """`node`'s memory report came from the agent that runs it now (unknown: assumed)."""
+    now, then = incarnations.get(node), c.reporter.get(node)
+    return now is None or then is None or now == then
 
 
 def _found(c: CkptState, members: list[tuple[str, tuple[int, ...]]]) -> int | None:

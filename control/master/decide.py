@@ -139,12 +139,13 @@ def _next_run(state: JobState, now: float) -> list[ev.Decision]:
 def _rendezvous(state: JobState, intent: rdzv.Intent, now: float) -> ev.Decision:
     match intent:
         case rdzv.FormRound():
-            step, source = ckpt.restore_point(
+            restore = ckpt.restore_point(
                 state.ckpt,
                 [
                     (m.node, tuple(range(m.first_rank, m.first_rank + m.nproc)))
                     for m in intent.members
                 ],
+                {m.node: m.incarnation for m in intent.members},
             )
             return ev.RoundCompleted(
                 **_envelope(state, now, "round", intent.round),
@@ -156,8 +157,9 @@ def _rendezvous(state: JobState, intent: rdzv.Intent, now: float) -> ev.Decision
                 restart_count=intent.restart_count,
                 reason=intent.reason,
                 cause=intent.cause,
-                restore_step=step,
-                restore_source=source,
+                restore_step=restore.step,
+                restore_source=restore.source,
+                fetches=restore.fetches,
                 tasks=intent.tasks,
             )
         case rdzv.ExcludeNode():
