@@ -15,6 +15,7 @@ from rove.control.bus import embedded, records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.cli import status_ckpt
 from rove.control.cli.format import NODE_ROWS, first_nodes, rest_line, some
 from rove.control.domain import shards
 from rove.control.flags import options as common
@@ -148,23 +149,7 @@ def status_view(
         ),
         "excluded": dict(r.excluded.items()),
         "tensorflow": _tf_view(r),
-        "checkpoints": {
-            "committed_step": state.ckpt.committed,
-            "in_memory": {node: step for node, (step, _ranks) in state.ckpt.memory.items()},
-            "replicas": {
-                node: {"step": step, "held_by": [h for h, _ in holders]}
-                for node, (step, _ranks, holders) in state.ckpt.replicas.items()
-            },
-            "restored": (
-                None
-                if state.ckpt.restored is None
-                else dict(
-                    zip(("step", "source", "fetched_ranks"), state.ckpt.restored, strict=True)
-                )
-            ),
-            "persist_failures": state.ckpt.failures,
-            "last_error": state.ckpt.last_error or None,
-        },
+        "checkpoints": status_ckpt.view(state.ckpt),
         "datasets": [_dataset_view(state.data, ds) for ds in state.data.datasets.values()],
         "scaling": _scaling_view(state, decided.scale_waiting, now),
         "streams": [
@@ -509,28 +494,8 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
             f"last failure: rank {f['rank']} on {f['node']} in round {f['round']}: "
             f"{f['kind']}: {f['reason']}"
         )
-    ck = view["checkpoints"]
-    if ck["in_memory"] or ck["committed_step"] is not None:
-        memory = ", ".join(f"{n} step {s}" for n, s in sorted(ck["in_memory"].items()))
-        committed = (
-            f"committed step {ck['committed_step']}"
-            if ck["committed_step"] is not None
-            else "nothing persisted yet: a lost node's steps come back only from its peers"
-            if ck["replicas"]
-            else "nothing persisted yet: losing a node loses its in-memory steps"
-        )
-        line = f"checkpoints: {committed}; in memory: {memory or '-'}"
-        if ck["restored"] is not None:
-            got = ck["restored"]
-            fetched = f", {got['fetched_ranks']} ranks fetched" if got["fetched_ranks"] else ""
-            line += f"; this round restored step {got['step']} from {got['source']}{fetched}"
-        if ck["replicas"]:
-            line += "; on peers: " + ", ".join(
-                f"{n} step {r['step']} on {'+'.join(r['held_by'])}"
-                for n, r in sorted(ck["replicas"].items())
-            )
-        if ck["persist_failures"]:
-            line += f"; {ck['persist_failures']} persist failures (last: {ck['last_error']})"
+    line = status_ckpt.line(view["checkpoints"])
+    if line:
         lines.append(line)
     for ds in view["datasets"]:
         lines.append(_dataset_line(ds))

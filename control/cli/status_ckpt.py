@@ -1,0 +1,52 @@
+"""The checkpoints part of `rove status`: the view (plain data) and its line (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rove.control.master.checkpoints import CkptState
+
+
+def view(c: CkptState) -> dict[str, Any]:
+    return {
+        "committed_step": c.committed,
+        "in_memory": {node: step for node, (step, _ranks) in c.memory.items()},
+        "replicas": {
+            node: {"step": step, "held_by": [h for h, _ in holders]}
+            for node, (step, _ranks, holders) in c.replicas.items()
+        },
+        "restored": (
+            None
+            if c.restored is None
+            else dict(zip(("step", "source", "fetched_ranks"), c.restored, strict=True))
+        ),
+        "persist_failures": c.failures,
+        "last_error": c.last_error or None,
+    }
+
+
+def line(ck: dict[str, Any]) -> str:
+    """One line of what the checkpoints are ('' before any)."""
+    if not ck["in_memory"] and ck["committed_step"] is None:
+        return ""
+    memory = ", ".join(f"{n} step {s}" for n, s in sorted(ck["in_memory"].items()))
+    committed = (
+        f"committed step {ck['committed_step']}"
+        if ck["committed_step"] is not None
+        else "nothing persisted yet: a lost node's steps come back only from its peers"
+        if ck["replicas"]
+        else "nothing persisted yet: losing a node loses its in-memory steps"
+    )
+    text = f"checkpoints: {committed}; in memory: {memory or '-'}"
+    if ck["restored"] is not None:
+        got = ck["restored"]
+        fetched = f", {got['fetched_ranks']} ranks fetched" if got["fetched_ranks"] else ""
+        text += f"; this round restored step {got['step']} from {got['source']}{fetched}"
+    if ck["replicas"]:
+        text += "; on peers: " + ", ".join(
+            f"{n} step {r['step']} on {'+'.join(r['held_by'])}"
+            for n, r in sorted(ck["replicas"].items())
+        )
+    if ck["persist_failures"]:
+        text += f"; {ck['persist_failures']} persist failures (last: {ck['last_error']})"
+    return text
