@@ -203,8 +203,9 @@ class FlippingProxy:
     """A TCP proxy to the holder that flips one byte of what it forwards after the first
     `after` bytes, while `corrupt` is set: a transfer corrupted in transit."""
 
-    def __init__(self, port: int, after: int = 4096) -> None:
-        self.port, self.after, self.corrupt = port, after, True
+    def __init__(self, port: int, after: int = 4096, *, down: bool = False) -> None:
+        """`down`: corrupt what the holder sends back (a fetch), not what it is sent."""
+        self.port, self.after, self.corrupt, self.down = port, after, True, down
         self.server: asyncio.Server | None = None
 
     async def start(self) -> int:
@@ -215,24 +216,27 @@ class FlippingProxy:
         ur, uw = await asyncio.open_connection("127.0.0.1", self.port)
         corrupt = self.corrupt
 
-        async def up() -> None:
+        async def pipe(
+            src: asyncio.StreamReader, dst: asyncio.StreamWriter, flip: bool, eof: bool
+        ) -> None:
             seen = 0
-            while chunk := await r.read(65536):
+            while chunk := await src.read(65536):
                 buf = bytearray(chunk)
-                if corrupt and seen <= self.after < seen + len(buf):
+                if flip and seen <= self.after < seen + len(buf):
                     buf[self.after - seen] ^= 0xFF
                 seen += len(buf)
-                uw.write(buf)
-                await uw.drain()
-            uw.write_eof()
+                dst.write(buf)
+                await dst.drain()
+            if eof:
+                dst.write_eof()
+            else:
+                dst.close()
 
-        async def down() -> None:
-            while chunk := await ur.read(65536):
-                w.write(chunk)
-                await w.drain()
-            w.close()
-
-        await asyncio.gather(up(), down(), return_exceptions=True)
+        await asyncio.gather(
+            pipe(r, uw, corrupt and not self.down, True),
+            pipe(ur, w, corrupt and self.down, False),
+            return_exceptions=True,
+        )
 
 
 async def test_a_replica_corrupted_in_transit_is_refused_and_the_next_step_goes_through(
@@ -387,6 +391,10 @@ def test_a_lost_nodes_ranks_come_from_the_peer_that_holds_them_at_a_step_every_r
     got = ckpt.restore_point(c, members, {"na": "i1", "nb": "i2"})
     assert (got.step, got.source) == (20, ev.RestoreSource.PEER)
     assert got.fetches == (ev.RestoreFetch(2, "na", "nb"), ev.RestoreFetch(3, "na", "nb"))
+    # the peer lost too (a new na holds nothing it reported): storage's committed step
+    both = msgspec.structs.replace(c, committed=12)
+    got = ckpt.restore_point(both, members, {"na": "i2", "nb": "i2"})
+    assert (got.step, got.source, got.fetches) == (12, ev.RestoreSource.STORAGE, ())
     # the committed step wins over an older step on peers
     newer = msgspec.structs.replace(c, committed=22)
     assert ckpt.restore_point(newer, members).source is ev.RestoreSource.STORAGE
@@ -535,3 +543,50 @@ async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_st
 
 async def _replica_of(events: Any, source: str, at_least: int) -> bool:
     return any(e.source == source and e.step >= at_least for e in await events(ev.ReplicaStored))
+
+
+async def test_a_restore_fetch_corrupted_in_transit_is_refused_and_storage_is_next(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """A rank fetched for a restore fails its checksum on the way: nothing enters this
+    node's memory (the workers then find the step missing, and every rank falls back to
+    storage together, `rove.checkpoint.restore`), and the log says which rank and why."""
+    from structlog.testing import capture_logs
+
+    from rove.agent.replicas import PeerReplicas
+    from rove.agent.saver import Saver
+
+    outbox = Outbox(bus, what="test facts")
+    outbox.start()
+    src = FlashEngine(f"{JOB}-r", 1, directory=tmp_path / "na")
+    src.save(10, {"w": torch.randn(300, 100)})
+    saver = Saver(f"{JOB}-r", None)
+    saver.engines = {1: src}
+    holder = PeerReplicas(NodeFacts(outbox, job=JOB, node="na"), "127.0.0.1", 1, 1 << 26, saver.raw)
+    await holder.start()
+    proxy = FlippingProxy(holder.port, down=True)
+    via = await proxy.start()
+    mine = {1: FlashEngine(f"{JOB}-r", 1, directory=tmp_path / "nb")}
+    here = PeerReplicas(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 1, 1 << 26, _nothing)
+    r = msgspec.structs.replace(
+        factories.round_completed(2, 1, "nb", "na"),
+        members=(_member("nb", port=1), _member("na", port=via)),
+        restore_step=10,
+        restore_source=ev.RestoreSource.PEER,
+        fetches=(ev.RestoreFetch(1, "na", "na"),),
+    )
+    try:
+        with capture_logs() as logs:
+            await here.restore(r, mine)
+        said = [e["event"] for e in logs if e["log_level"] == "warning"]
+        assert any(
+            "could not fetch rank 1 of step 10 from na" in s and "checksum" in s for s in said
+        ), logs
+        assert mine[1].slots() == []
+        proxy.corrupt = False  # the same fetch, whole: the rank is in memory, verified
+        await here.restore(r, mine)
+        step, state = mine[1].load(10)
+        assert step == 10 and torch.equal(state["w"], src.load(10)[1]["w"])
+    finally:
+        await holder.stop()
+        await outbox.stop()

@@ -1,0 +1,230 @@
+"""A whole node lost, then training again: its state from a peer's memory, from storage,
+and torchrun's `torch.save`/`torch.load`, side by side in one run.
+
+Two nodes of one worker each train `benchmarks/peer_restore_train.py` (a state of
+--size-mb per rank, the ranks in lockstep, a checkpoint every --ckpt-every steps). Once
+training is steady, the whole of node nb (its launcher, agent, servers and worker) is
+killed with SIGKILL and its shared memory deleted; a replacement nb is started at once
+(as a pool's standby would be). Measured from the kill:
+
+- `back_s`: until both ranks trained a step again;
+- `lost_steps`: the newest step trained before the kill minus the step restored;
+- `source`: where the ranks restored from.
+
+Cases: `rove_peer` (`rove run`, flash checkpoints, no storage: the lost node's step
+comes from its peer's replica), `rove_storage` (`rove run --checkpoint-dir`, files,
+`--peer-replicas 0`: the committed step), `torchrun` (`torchrun` on a c10d rendezvous,
+rank 0 saves with `torch.save` to a file, every rank loads it after the restart).
+
+    python benchmarks/peer_restore.py [--size-mb 1024]
+
+Prints one JSON line: each case, and `peer_vs_storage` / `peer_vs_torchrun` (the ratio
+of their `back_s`; target: from a peer at least 3 times faster than from storage, and 0 steps lost
+beyond the last flash save).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from common import free_port, trace_rows, wait_for
+
+from rove.control.bus.embedded import EmbeddedServer
+
+TRAINER = Path(__file__).resolve().parent / "peer_restore_train.py"
+ROVE = [sys.executable, "-m", "rove.control.cli.main"]
+
+
+def kill_whole(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a launcher and everything under it at once: a node lost."""
+    pids = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def measure(
+    work: Path,
+    start: Any,
+    a: argparse.Namespace,
+    ready: Any = lambda: True,
+) -> dict[str, Any]:
+    """Start nodes na and nb (`start(name, incarnation)`), kill nb once steady, start it
+    again, and time the way back."""
+    trace = work / "trace.jsonl"
+    na, nb = start("na", 0), start("nb", 0)
+    procs = [na, nb]
+    try:
+        steady = 3 * a.ckpt_every + 1
+
+        def trained(at: int) -> bool:
+            rows = trace_rows(trace)
+            return len({r["rank"] for r in rows if r["step"] >= at}) == 2
+
+        wait_for(lambda: trained(steady) and ready(), a.timeout, "steady training")
+        before = trace_rows(trace)
+        newest = max(r["step"] for r in before)
+        old = {r["pid"] for r in before}
+        killed = time.time()
+        kill_whole(nb)
+        shutil.rmtree(work / "shm-nb", ignore_errors=True)  # its memory went with it
+        newest = max(newest, *(r["step"] for r in trace_rows(trace)))
+        procs.append(start("nb", 1))
+
+        def back() -> dict[int, dict[str, Any]] | None:
+            firsts: dict[int, dict[str, Any]] = {}
+            for r in trace_rows(trace):
+                if r["pid"] not in old and r["t"] > killed and r["rank"] not in firsts:
+                    firsts[r["rank"]] = r
+            return firsts if len(firsts) == 2 else None
+
+        firsts = wait_for(back, a.timeout, "training again")
+        restored = {r["from"] for r in firsts.values()}
+        return {
+            "back_s": round(max(r["t"] for r in firsts.values()) - killed, 2),
+            "lost_steps": newest - min(restored),
+            # the last step saved before the kill, less the one restored: 0 is the target
+            "lost_beyond_last_save": newest // a.ckpt_every * a.ckpt_every - min(restored),
+            "restored_step": min(restored),
+            "newest_step_before": newest,
+            "source": sorted({r["source"] for r in firsts.values()}),
+            "load_s": max(r["load_s"] for r in firsts.values()),
+        }
+    finally:
+        for p in procs:
+            with contextlib.suppress(Exception):
+                kill_whole(p)
+
+
+def rove_case(root: Path, url: str, a: argparse.Namespace, storage: bool) -> dict[str, Any]:
+    name = "storage" if storage else "peer"
+    work = root / name
+    work.mkdir()
+    job = f"pr-{name}"
+    env = {**os.environ, "ROVE_HOME": str(work / "home")}
+    master = subprocess.Popen(
+        [*ROVE, "master", "--job", job, "--nats", url, "--node-timeout", "10"],
+        stdout=(work / "master.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    extra = ["--checkpoint-dir", str(work / "store"), "--peer-replicas", "0"] if storage else []
+
+    def start(node: str, n: int) -> subprocess.Popen[bytes]:
+        shm = work / f"shm-{node}"
+        shm.mkdir(exist_ok=True)
+        return subprocess.Popen(
+            [
+                *ROVE,
+                *("run", "--nats", url, "--job", job, "--node-id", node),
+                *("--local-addr", "127.0.0.1", "--nnodes", "2", "--nproc-per-node", "1"),
+                *("--max-restarts", "3", "--heartbeat-interval", "0.5", *extra),
+                *trainer_args(work, a, "flash"),
+            ],
+            stdout=(work / f"{node}-{n}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**env, "ROVE_SHM_DIR": str(shm)},
+        )
+
+    def ready() -> bool:
+        # storage: a step is committed; peer: a step of nb reached na
+        out = subprocess.run(
+            [*ROVE, "status", "--job", job, "--nats", url],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        ).stdout
+        return "committed step" in out if storage else "on peers: nb step" in out
+
+    try:
+        return measure(work, start, a, ready)
+    finally:
+        master.terminate()
+        master.wait(30)
+
+
+def torchrun_case(root: Path, a: argparse.Namespace) -> dict[str, Any]:
+    work = root / "torchrun"
+    work.mkdir()
+    port = free_port()
+
+    def start(node: str, n: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "torch.distributed.run"),
+                *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3"),
+                *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
+                *("--rdzv-id", "peer-restore", "--local-addr", "127.0.0.1"),
+                *trainer_args(work, a, "torch"),
+            ],
+            stdout=(work / f"{node}-{n}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def first(node: str, n: int) -> subprocess.Popen[bytes]:
+        p = start(node, n)
+        if node == "na" and n == 0:
+            time.sleep(2.0)  # na hosts the rendezvous store: nb, the one lost, does not
+        return p
+
+    return measure(work, first, a, lambda: (work / "ckpt" / "ckpt.pt").exists())
+
+
+def trainer_args(work: Path, a: argparse.Namespace, checkpoint: str) -> list[str]:
+    return [
+        str(TRAINER),
+        *("--size-mb", str(a.size_mb), "--ckpt-every", str(a.ckpt_every)),
+        *("--step-s", str(a.step_s), "--checkpoint", checkpoint),
+        *("--ckpt-dir", str(work / "ckpt"), "--trace", str(work / "trace.jsonl")),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-mb", type=int, default=1024, help="the state of each rank")
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--step-s", type=float, default=0.2, help="each step's own time")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--work", type=Path, help="keep logs and traces here")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rove-peer-restore-") as tmp:
+        root = a.work or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        server = EmbeddedServer(root / "nats")
+        url = server.start()
+        try:
+            peer = rove_case(root, url, a, storage=False)
+            storage = rove_case(root, url, a, storage=True)
+        finally:
+            server.stop()
+        torchrun = torchrun_case(root, a)
+    result = {
+        "size_mb": a.size_mb,
+        "ckpt_every": a.ckpt_every,
+        "step_s": a.step_s,
+        "rove_peer": peer,
+        "rove_storage": storage,
+        "torchrun": torchrun,
+        "peer_vs_storage": round(storage["back_s"] / peer["back_s"], 2),
+        "peer_vs_torchrun": round(torchrun["back_s"] / peer["back_s"], 2),
+        "targets": {"peer_vs_storage": 3.0, "peer_lost_steps_beyond_last_save": 0},
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
