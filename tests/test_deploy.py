@@ -471,6 +471,22 @@ def test_the_grafana_dashboard_shows_every_metric_and_only_real_ones() -> None:
     assert json.loads(cm["data"]["rove-dashboard.json"]) == dashboard
 
 
+def test_every_node_pod_names_its_machine_as_its_failure_domain() -> None:
+    """Peer replicas of checkpoints go to a node on another machine first: every pod
+    that runs rove nodes (they serve metrics on 9400) says which machine it is on."""
+    nodes = []
+    for target in TARGETS:
+        for _d, spec in pod_specs(render(target)):
+            for c in spec.get("containers", []):
+                env = {v["name"]: v for v in c.get("env", [])}
+                if env.get("ROVE_METRICS_PORT", {}).get("value") != "9400":
+                    continue
+                nodes.append(target)
+                domain = env.get("ROVE_FAILURE_DOMAIN", {}).get("valueFrom")
+                assert domain == {"fieldRef": {"fieldPath": "spec.nodeName"}}, (target, c["name"])
+    assert {"overlays/dev", "examples/pods", "examples/pods-prod"} <= set(nodes), nodes
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_pod_that_serves_metrics_says_so_to_prometheus(target: str) -> None:
     for d, spec in pod_specs(render(target)):

@@ -124,6 +124,9 @@ def test_an_object_store_for_checkpoints_reaches_every_node_with_its_credentials
     template = yaml.safe_load(by_name[f"rove-pod-template-{JOB}"]["data"]["pod-template.yaml"])
     [node] = template["spec"]["containers"]
     assert node["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    # peer replicas go to a node on another machine first: the machine is the domain
+    domain = {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert {"name": "ROVE_FAILURE_DOMAIN", "valueFrom": domain} in node["env"]
     assert "checkpoints" not in {v["name"] for v in template["spec"]["volumes"]}
 
 

@@ -455,6 +455,8 @@ def _pod_template(spec: JobSpec, site: Site) -> str:
         },
         {"name": "ROVE_HOME", "value": "/var/lib/rove"},
         {"name": "ROVE_METRICS_PORT", "value": "9400"},
+        # the machine: each node's peer replicas go to a node on another one first
+        {"name": "ROVE_FAILURE_DOMAIN", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "shm", "mountPath": "/dev/shm"},
