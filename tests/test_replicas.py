@@ -439,10 +439,11 @@ def test_an_engine_takes_a_replica_and_loads_it_verified(tmp_path: Path) -> None
 async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_storage(
     bus: Bus, tmp_path: Path
 ) -> None:
-    """Two nodes, no checkpoint storage at all. nb's agent and worker are killed with
-    SIGKILL and its shared memory deleted after it saved a step that reached na; a new nb
-    (empty memory) joins: the round restores that step from peers (nb's rank fetched
-    from na's replica), both ranks resume right after it, and the job finishes."""
+    """Two nodes that persist every 50th step. After a step N < 50 of nb reached na, the
+    whole of nb (agent, warm servers, worker) is killed with SIGKILL and its shared
+    memory deleted; a new nb (empty memory) joins: the round restores step N from peers
+    (nb's rank fetched from na's replica), not from storage (which has nothing yet),
+    both ranks resume right after it, and the job finishes."""
     import contextlib
     import os
     import shutil
@@ -466,6 +467,8 @@ async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_st
             *("--nats", bus.url, "--job", job, "--node-id", name, "--local-addr", "127.0.0.1"),
             *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "5"),
             *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
+            # storage there, but nothing persisted yet when the node is lost
+            *("--checkpoint-dir", str(tmp_path / "store"), "--persist-every", "50"),
             # a save every second: a step's replica reaches the peer before the next save
             *(str(TRAIN), "--steps", "60", "--step-sleep", "0.2", "--ckpt-every", "5"),
             *("--ckpt-dir", str(tmp_path / "ckpt"), "--trace", str(trace), "--log-every", "50"),
@@ -528,7 +531,7 @@ async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_st
         for row in resumed_rows:
             firsts[row["rank"]] = min(firsts.get(row["rank"], 10**9), row["step"])
         assert firsts == {0: step + 1, 1: step + 1}, firsts  # not from scratch, not storage
-        assert {r["source"] for r in resumed_rows} == {"memory"}  # no storage: there is none
+        assert {r["source"] for r in resumed_rows} == {"memory"}  # the peer's, now local
         assert "fetched rank" in b2.log() and f"of step {step} from na" in b2.log()
         status = rove_cli("status", "--job", job, "--nats", bus.url).stdout
         assert f"restored step {step} from peer, {len(want)} ranks fetched" in status, status

@@ -140,6 +140,7 @@ class World:
         self.procs: list[CliProc] = []
         self.witness = Witness()
         self._witness_task: asyncio.Task[None] | None = None
+        self._witness_stopping = False
         self._mounted = False
         #: masters killed or stopped on purpose (their exit is no failure)
         self.gone: set[str] = set()
@@ -257,6 +258,9 @@ class World:
         """Stop the witness (before its events are read back)."""
         if self._witness_task is not None:
             task, self._witness_task = self._witness_task, None
+            # the flag too: a cancel that lands as a publish completes can be swallowed
+            # (asyncio.wait_for in nats-py), and the loop would go on publishing
+            self._witness_stopping = True
             task.cancel()
             await asyncio.wait({task}, timeout=30)
             if not task.done():
@@ -290,7 +294,7 @@ class World:
     async def _witness(self) -> None:
         """Publish a witness event every 50 ms; remember the acknowledged ones."""
         assert self.bus is not None
-        while True:
+        while not self._witness_stopping:
             i = self.witness.sent = self.witness.sent + 1
             event = ev.NodeJoined(
                 job=WITNESS,
