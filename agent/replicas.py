@@ -183,10 +183,16 @@ class ReplicaServer:
     async def _put(
         self, offer: wire.Offer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        refusal = self.store.refusal(offer)
-        if refusal:
-            writer.write(wire.answer_frame(wire.Answer(ok=False, error=refusal)))
+        # the first answer, before any byte of the rank travels: held already, refused
+        # (with why), or go ahead
+        if self.store.holds(offer):
+            writer.write(wire.answer_frame(wire.Answer(ok=True, held=True)))
             await writer.drain()
+            return
+        refusal = self.store.refusal(offer)
+        writer.write(wire.answer_frame(wire.Answer(ok=not refusal, error=refusal)))
+        await writer.drain()
+        if refusal:
             return
         data = bytearray(offer.size)
         got = 0
@@ -358,6 +364,11 @@ class ReplicaSender:
         self.sent[peer.node] = step
         return True
 
+    async def _answer(self, reader: asyncio.StreamReader) -> wire.Answer:
+        n = wire.length(await asyncio.wait_for(reader.readexactly(4), self.io_timeout_s))
+        body = await asyncio.wait_for(reader.readexactly(n), self.io_timeout_s)
+        return msgspec_decode(body, wire.Answer)
+
     async def _send_rank(
         self,
         peer: ev.RoundMember,
@@ -386,14 +397,17 @@ class ReplicaSender:
         )
         try:
             writer.write(wire.frame(wire.PUT, offer))
+            await asyncio.wait_for(writer.drain(), self.io_timeout_s)
+            go = await self._answer(reader)
+            if go.held:
+                return  # the peer holds this rank of the step already
+            if not go.ok:
+                raise CheckpointError(f"{peer.node} refused it: {go.error}")
             for view in (seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)):
                 for at in range(0, len(view), CHUNK):
                     writer.write(view[at : at + CHUNK])
                     await asyncio.wait_for(writer.drain(), self.io_timeout_s)
-            n = wire.length(await asyncio.wait_for(reader.readexactly(4), self.io_timeout_s))
-            answer = msgspec_decode(
-                await asyncio.wait_for(reader.readexactly(n), self.io_timeout_s), wire.Answer
-            )
+            answer = await self._answer(reader)
         finally:
             writer.close()
             with contextlib.suppress(Exception):

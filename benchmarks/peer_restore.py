@@ -91,7 +91,10 @@ def measure(
                     firsts[r["rank"]] = r
             return firsts if len(firsts) == 2 else None
 
-        firsts = wait_for(back, a.timeout, "training again")
+        try:
+            firsts = wait_for(back, a.timeout, "training again")
+        except TimeoutError as exc:  # (torchrun's restart can fail: say so, do not crash)
+            return {"back_s": None, "error": str(exc), "newest_step_before": newest}
         restored = {r["from"] for r in firsts.values()}
         return {
             "back_s": round(max(r["t"] for r in firsts.values()) - killed, 2),
@@ -142,13 +145,16 @@ def rove_case(root: Path, url: str, a: argparse.Namespace, storage: bool) -> dic
     def ready() -> bool:
         # storage: a step is committed; peer: a step of nb reached na
         out = subprocess.run(
-            [*ROVE, "status", "--job", job, "--nats", url],
+            [*ROVE, "status", "--job", job, "--nats", url, "--json"],
             capture_output=True,
             text=True,
             env=env,
             check=False,
         ).stdout
-        return "committed step" in out if storage else "on peers: nb step" in out
+        if not out.strip():
+            return False
+        ck = json.loads(out)["checkpoints"]
+        return ck["committed_step"] is not None if storage else "nb" in ck["replicas"]
 
     try:
         return measure(work, start, a, ready)
@@ -182,6 +188,13 @@ def torchrun_case(root: Path, a: argparse.Namespace) -> dict[str, Any]:
         return p
 
     return measure(work, first, a, lambda: (work / "ckpt" / "ckpt.pt").exists())
+
+
+def ratio(slow: dict[str, Any], fast: dict[str, Any]) -> float | None:
+    """How many times faster `fast` was back (None: one of them never came back)."""
+    if not slow.get("back_s") or not fast.get("back_s"):
+        return None
+    return round(slow["back_s"] / fast["back_s"], 2)
 
 
 def trainer_args(work: Path, a: argparse.Namespace, checkpoint: str) -> list[str]:
@@ -219,8 +232,8 @@ def main() -> None:
         "rove_peer": peer,
         "rove_storage": storage,
         "torchrun": torchrun,
-        "peer_vs_storage": round(storage["back_s"] / peer["back_s"], 2),
-        "peer_vs_torchrun": round(torchrun["back_s"] / peer["back_s"], 2),
+        "peer_vs_storage": ratio(storage, peer),
+        "peer_vs_torchrun": ratio(torchrun, peer),
         "targets": {"peer_vs_storage": 3.0, "peer_lost_steps_beyond_last_save": 0},
     }
     print(json.dumps(result))

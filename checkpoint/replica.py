@@ -9,8 +9,11 @@ the way a persisted file is, by its size and xxh3 checksum, before it counts.
 The wire format, on a TCP connection between agents (one message each way):
 
 - a request: 4 bytes of operation (`PUT1`, `GET1`), a 4-byte big-endian length, a
-  JSON header (`Offer` for a put, `Want` for a get), then for a put the payload;
-- an answer: a 4-byte length and a JSON `Answer`, then for a get the payload.
+  JSON header (`Offer` for a put, `Want` for a get);
+- an answer: a 4-byte length and a JSON `Answer`, then for a get the payload. To a put
+  the peer answers before any byte of the rank travels (go ahead, refused with why, or
+  held already); after a go-ahead the sender sends the payload, and the peer answers
+  again once it verified and kept it.
 
 Bulk bytes never go through JetStream; what a peer holds is said there by the agent
 (`replica_stored`). This module is torch-free and knows nothing of the control plane.
@@ -63,6 +66,8 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
     error: str = ""
     offer: Offer | None = None
+    #: to a put: the peer holds that rank of that step already (nothing more is sent)
+    held: bool = False
 
 
 def frame(op: bytes, header: msgspec.Struct) -> bytes:
@@ -117,6 +122,12 @@ class ReplicaStore:
             for held in s.steps.values()
             for o, _ in held.values()
         )
+
+    def holds(self, offer: Offer) -> bool:
+        """Whether the very rank `offer` describes is held already (same checksum)."""
+        src = self._sources.get(offer.source)
+        held = src.steps.get(offer.step, {}).get(offer.rank) if src is not None else None
+        return held is not None and held[0].checksum == offer.checksum
 
     def refusal(self, offer: Offer) -> str:
         """Why `offer` cannot be taken ('' when it can). Makes room for it first by

@@ -67,6 +67,7 @@ def test_a_peer_keeps_the_newest_complete_step_of_each_source_within_its_budget(
     assert store.get("na", 10, 0) is None and store.get("na", 20, 1) is not None
     # stale, foreign and over-budget offers are refused, saying why
     assert "not newer" in store.refusal(offer("na", 20, 0, a0))
+    assert store.holds(offer("na", 20, 0, a0)) and not store.holds(offer("na", 20, 0, a1))
     foreign = wire.Offer(
         job="other",
         source="na",
