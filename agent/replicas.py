@@ -34,14 +34,13 @@ import structlog
 from rove.agent.facts import NodeFacts
 from rove.checkpoint import replica as wire
 from rove.checkpoint.engine import CheckpointError, FlashEngine
-from rove.checkpoint.shm import HEADER_SIZE
-from rove.checkpoint.storage import Manifest, to_persist
+from rove.checkpoint.storage import Manifest, SlotOverwritten, copy_out
 from rove.control.catalogue import events as ev
 
 log = structlog.get_logger("rove.replicas")
 T = TypeVar("T")
 #: A rank's step from this node's own memory, as storage would write it (`Saver.raw`).
-Local = Callable[[int, int], "tuple[Manifest, bytes] | None"]
+Local = Callable[[int, int], "tuple[Manifest, bytearray] | None"]
 
 #: A peer that failed is not tried again for this long, doubling up to `BACKOFF_MAX_S`.
 BACKOFF_S = 2.0
@@ -245,7 +244,7 @@ class ReplicaServer:
                     data_len=m.data_len,
                     checksum=m.checksum,
                 )
-                held = (offer, bytearray(raw))
+                held = (offer, raw)
         elif want.job == self.store.job:
             held = self.store.get(want.source, want.step, want.rank)
         if held is None:
@@ -380,7 +379,13 @@ class ReplicaSender:
         slot = next((s.slot for s in engine.slots() if s.step == step), None)
         if slot is None:
             raise Overtaken(f"step {step} of rank {rank} is no longer in memory")
-        seg, h, manifest = await asyncio.to_thread(to_persist, engine, slot, rank)
+        # copied out first (a memory copy, well inside a save's interval), then sent from
+        # the copy: a large state takes longer to send than the workers take to save
+        # twice, and a newer save would tear a send straight from the slot
+        try:
+            manifest, raw = await asyncio.to_thread(copy_out, engine, slot, rank)
+        except SlotOverwritten as exc:
+            raise Overtaken(str(exc)) from exc
         offer = wire.Offer(
             job=self.facts.job,
             source=self.facts.node,
@@ -403,18 +408,15 @@ class ReplicaSender:
                 return  # the peer holds this rank of the step already
             if not go.ok:
                 raise CheckpointError(f"{peer.node} refused it: {go.error}")
-            for view in (seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)):
-                for at in range(0, len(view), CHUNK):
-                    writer.write(view[at : at + CHUNK])
-                    await asyncio.wait_for(writer.drain(), self.io_timeout_s)
+            view = memoryview(raw)
+            for at in range(0, len(view), CHUNK):
+                writer.write(view[at : at + CHUNK])
+                await asyncio.wait_for(writer.drain(), self.io_timeout_s)
             answer = await self._answer(reader)
         finally:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
-        after = seg.header()
-        if after is None or after.generation != h.generation:
-            raise Overtaken(f"step {step} of rank {rank} was overwritten while it was sent")
         if not answer.ok:
             raise CheckpointError(f"{peer.node} refused it: {answer.error}")
 

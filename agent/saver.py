@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import structlog
 
 from rove.checkpoint.engine import CheckpointError, FlashEngine, default_dir, namespace
-from rove.checkpoint.shm import HEADER_SIZE
-from rove.checkpoint.storage import Manifest, SlotOverwritten, to_persist
+from rove.checkpoint.storage import Manifest, SlotOverwritten, copy_out
 from rove.checkpoint.stores import open_storage
 
 log = structlog.get_logger("rove.saver")
@@ -148,7 +147,7 @@ class Saver:
         self.persisted_step = max(self.persisted_step, step)
         return Persisted(step, tuple(sorted(self.engines)), self.storage.location)
 
-    def raw(self, step: int, rank: int) -> tuple[Manifest, bytes] | None:
+    def raw(self, step: int, rank: int) -> tuple[Manifest, bytearray] | None:
         """`rank`'s `step` as storage would write it (its metadata then data, and its
         manifest), from this node's memory, whatever ranks it runs now; None if no slot
         holds it, or a save overwrote it meanwhile. Blocking: run it in a thread."""
@@ -157,14 +156,9 @@ class Saver:
         if slot is None:
             return None
         try:
-            seg, h, manifest = to_persist(engine, slot, rank)
+            return copy_out(engine, slot, rank)
         except CheckpointError:
             return None
-        raw = bytes(seg.view(HEADER_SIZE, h.meta_len)) + bytes(seg.view(h.data_offset, h.data_len))
-        after = seg.header()
-        if after is None or after.generation != h.generation:
-            return None
-        return manifest, raw
 
     def commit(self, step: int) -> None:
         if self.storage is not None:

@@ -157,7 +157,18 @@ def rove_case(root: Path, url: str, a: argparse.Namespace, storage: bool) -> dic
         return ck["committed_step"] is not None if storage else "nb" in ck["replicas"]
 
     try:
-        return measure(work, start, a, ready)
+        out = measure(work, start, a, ready)
+        status = subprocess.run(
+            [*ROVE, "status", "--job", job, "--nats", url, "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        ).stdout
+        # where the master said the round restores from (the workers load it from memory
+        # when it is peer: it was fetched there)
+        out["round_restored"] = json.loads(status)["checkpoints"]["restored"] if status else None
+        return out
     finally:
         master.terminate()
         master.wait(30)

@@ -65,6 +65,24 @@ def to_persist(engine: FlashEngine, slot: int, rank: int) -> tuple[Segment, Head
     return seg, h, manifest
 
 
+def copy_out(engine: FlashEngine, slot: int, rank: int) -> tuple[Manifest, bytearray]:
+    """The slot's complete checkpoint copied out of shared memory (its metadata then its
+    data, as storage holds them) with its manifest: a copy a newer save cannot tear.
+
+    Raises:
+        SlotOverwritten: a save took the slot while it was copied.
+        CheckpointError: the slot holds no complete checkpoint.
+    """
+    seg, h, manifest = to_persist(engine, slot, rank)
+    raw = bytearray(h.meta_len + h.data_len)
+    raw[: h.meta_len] = seg.view(HEADER_SIZE, h.meta_len)
+    raw[h.meta_len :] = seg.view(h.data_offset, h.data_len)
+    after = seg.header()
+    if after is None or after.generation != h.generation:
+        raise SlotOverwritten(f"slot {slot} was overwritten while it was copied")
+    return manifest, raw
+
+
 def rebuild_verified(raw: bytearray, manifest: Manifest, step: int, rank: int, what: str) -> Any:
     """The state in `raw` (a persisted rank's bytes, writable: tensors view it), once
     its size and checksum match `manifest`; `what` names it in the error ("file")."""
