@@ -47,8 +47,23 @@ BACKOFF_S = 2.0
 BACKOFF_MAX_S = 60.0
 #: One read or write of a replica transfer that takes longer fails it.
 IO_TIMEOUT_S = 30.0
-#: Bytes read from the socket at a time while a rank arrives.
+#: Bytes written to or read from the socket at a time while a rank travels.
 CHUNK = 4 << 20
+#: The most a connection's reader buffers before it pauses the socket.
+BUFFER = 4 * CHUNK
+
+
+async def receive(reader: asyncio.StreamReader, size: int) -> bytearray:
+    """`size` bytes from `reader`, in chunks into one buffer (never two copies of it)."""
+    data = bytearray(size)
+    got = 0
+    while got < size:
+        chunk = await asyncio.wait_for(reader.read(min(CHUNK, size - got)), IO_TIMEOUT_S)
+        if not chunk:
+            raise CheckpointError(f"the other side left after {got} of {size} bytes")
+        data[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    return data
 
 
 def choose_peers(members: Sequence[ev.RoundMember], me: str, k: int) -> list[ev.RoundMember]:
@@ -152,7 +167,9 @@ class ReplicaServer:
 
     async def start(self) -> int:
         """Listen on the agent's address; the port."""
-        self._server = await asyncio.start_server(self._serve, self.host, 0)
+        # (a reader buffer of 64 KiB, the default, paused the socket every 128 KiB: 1 GiB
+        # took 10 s to arrive beside training)
+        self._server = await asyncio.start_server(self._serve, self.host, 0, limit=BUFFER)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -193,14 +210,7 @@ class ReplicaServer:
         await writer.drain()
         if refusal:
             return
-        data = bytearray(offer.size)
-        got = 0
-        while got < offer.size:
-            chunk = await asyncio.wait_for(reader.read(min(CHUNK, offer.size - got)), IO_TIMEOUT_S)
-            if not chunk:
-                raise CheckpointError(f"the sender left after {got} of {offer.size} bytes")
-            data[got : got + len(chunk)] = chunk
-            got += len(chunk)
+        data = await receive(reader, offer.size)
         problem = await asyncio.to_thread(wire.verify, offer, data)
         if problem:
             self.log.warning(
@@ -398,7 +408,7 @@ class ReplicaSender:
             checksum=manifest.checksum,
         )
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(peer.addr, peer.replica_port), self.io_timeout_s
+            asyncio.open_connection(peer.addr, peer.replica_port, limit=BUFFER), self.io_timeout_s
         )
         try:
             writer.write(wire.frame(wire.PUT, offer))
@@ -427,7 +437,9 @@ class Overtaken(CheckpointError):
 
 async def fetch(addr: str, port: int, want: wire.Want) -> tuple[wire.Offer, bytearray]:
     """One rank of a peer's replica, verified. Raises CheckpointError (with why) or OSError."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), IO_TIMEOUT_S)
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(addr, port, limit=BUFFER), IO_TIMEOUT_S
+    )
     try:
         writer.write(wire.frame(wire.GET, want))
         await writer.drain()
@@ -438,7 +450,7 @@ async def fetch(addr: str, port: int, want: wire.Want) -> tuple[wire.Offer, byte
         if not answer.ok or answer.offer is None:
             raise CheckpointError(answer.error or "the peer sent no replica")
         offer = answer.offer
-        data = bytearray(await asyncio.wait_for(reader.readexactly(offer.size), IO_TIMEOUT_S))
+        data = await receive(reader, offer.size)
     finally:
         writer.close()
         with contextlib.suppress(Exception):
