@@ -1,23 +1,26 @@
 """Peer replicas, the agent's side: it sends its ranks' newest flash checkpoint to K
-peers, and keeps its peers' in memory (`rove.checkpoint.replica`).
+peers, keeps its peers' in memory (`rove.checkpoint.replica`), and fetches a round's
+ranks from them before a restore.
 
 - **Sending.** When every local rank holds a new step (the checkpoint duty reports it),
-  the `ReplicaSender` sends that step's bytes, rank by rank, straight from shared
-  memory, to the `replicas` peers `choose_peers` picks: nodes of the round in another
-  failure domain first, in a ring from this node so that every node is some node's
-  peer. One step is in flight at a time; a newer step saved meanwhile is sent next and
-  the ones between are skipped, so a slow network never queues work, and training
-  never waits (the agent's event loop sends; sealing the slot runs in a thread). A
-  peer that cannot be reached or refuses is left alone for a while (`BACKOFF_S`,
-  doubling), said once.
+  the `ReplicaSender` copies each rank out of shared memory (a memory copy, which a
+  newer save cannot tear) and sends it to the `replicas` peers `choose_peers` picks:
+  nodes of the round in another failure domain first, in a ring from this node so that
+  every node is some node's peer. A peer answers before any byte travels (go ahead,
+  refused with why, or held already). One step is in flight at a time; a newer step
+  saved meanwhile is sent next and the ones between are skipped, so a slow network never
+  queues work, and training never waits (copies run in a thread, sends on the agent's
+  event loop). A peer that cannot be reached or refuses is left alone for a while
+  (`BACKOFF_S`, doubling), said once; the step it missed is sent when the backoff ends.
 - **Holding.** The `ReplicaServer` listens on the agent's address; it verifies each
   rank's size and checksum before it keeps it (`ReplicaStore`, within `budget`
   bytes), and once it holds every rank a peer sent of a step it says so on the bus
   (`replica_stored`), so the master knows which steps are recoverable without
-  storage. It answers gets of what it holds, for a node that restores from it.
+  storage. It answers gets of what it holds, and of its own ranks' slots.
+- **Restoring.** `PeerReplicas.restore` fetches the ranks a round names in its
+  `fetches`, verified, into this node's own shared memory before its workers start.
 
-A torn or corrupted transfer fails its checksum and is refused; a slot overwritten
-while it was sent is refused the same way (its checksum was the step's).
+A torn or corrupted transfer fails its checksum and is refused.
 """
 
 from __future__ import annotations
