@@ -56,6 +56,12 @@ CHUNK = 4 << 20
 BUFFER = 4 * CHUNK
 
 
+async def read_body(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    """A header or an answer: its 4-byte length, then that many bytes."""
+    n = wire.length(await asyncio.wait_for(reader.readexactly(4), timeout_s))
+    return await asyncio.wait_for(reader.readexactly(n), timeout_s)
+
+
 async def receive(reader: asyncio.StreamReader, size: int) -> bytearray:
     """`size` bytes from `reader`, in chunks into one buffer (never two copies of it)."""
     data = bytearray(size)
@@ -184,8 +190,7 @@ class ReplicaServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             op = await asyncio.wait_for(reader.readexactly(4), IO_TIMEOUT_S)
-            n = wire.length(await asyncio.wait_for(reader.readexactly(4), IO_TIMEOUT_S))
-            body = await asyncio.wait_for(reader.readexactly(n), IO_TIMEOUT_S)
+            body = await read_body(reader, IO_TIMEOUT_S)
             if op == wire.PUT:
                 await self._put(msgspec_decode(body, wire.Offer), reader, writer)
             elif op == wire.GET:
@@ -377,9 +382,7 @@ class ReplicaSender:
         return True
 
     async def _answer(self, reader: asyncio.StreamReader) -> wire.Answer:
-        n = wire.length(await asyncio.wait_for(reader.readexactly(4), self.io_timeout_s))
-        body = await asyncio.wait_for(reader.readexactly(n), self.io_timeout_s)
-        return msgspec_decode(body, wire.Answer)
+        return msgspec_decode(await read_body(reader, self.io_timeout_s), wire.Answer)
 
     async def _send_rank(
         self,
@@ -389,7 +392,7 @@ class ReplicaSender:
         engine: FlashEngine,
         ranks: tuple[int, ...],
     ) -> None:
-        slot = next((s.slot for s in engine.slots() if s.step == step), None)
+        slot = engine.slot_of(step)
         if slot is None:
             raise Overtaken(f"step {step} of rank {rank} is no longer in memory")
         # copied out first (a memory copy, well inside a save's interval), then sent from
@@ -446,10 +449,7 @@ async def fetch(addr: str, port: int, want: wire.Want) -> tuple[wire.Offer, byte
     try:
         writer.write(wire.frame(wire.GET, want))
         await writer.drain()
-        n = wire.length(await asyncio.wait_for(reader.readexactly(4), IO_TIMEOUT_S))
-        answer = msgspec_decode(
-            await asyncio.wait_for(reader.readexactly(n), IO_TIMEOUT_S), wire.Answer
-        )
+        answer = msgspec_decode(await read_body(reader, IO_TIMEOUT_S), wire.Answer)
         if not answer.ok or answer.offer is None:
             raise CheckpointError(answer.error or "the peer sent no replica")
         offer = answer.offer

@@ -137,7 +137,7 @@ class Saver:
         """
         assert self.storage is not None
         for rank, engine in sorted(self.engines.items()):
-            slot = next((s.slot for s in engine.slots() if s.step == step), None)
+            slot = engine.slot_of(step)
             if slot is None:
                 raise SlotOverwritten(
                     f"step {step} of rank {rank} is no longer in memory (a newer save took "
@@ -152,7 +152,7 @@ class Saver:
         manifest), from this node's memory, whatever ranks it runs now; None if no slot
         holds it, or a save overwrote it meanwhile. Blocking: run it in a thread."""
         engine = self.engines.get(rank) or FlashEngine(self.name, rank)
-        slot = next((s.slot for s in engine.slots() if s.step == step), None)
+        slot = engine.slot_of(step)
         if slot is None:
             return None
         try:

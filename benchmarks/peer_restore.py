@@ -142,8 +142,8 @@ def rove_case(root: Path, url: str, a: argparse.Namespace, storage: bool) -> dic
             env={**env, "ROVE_SHM_DIR": str(shm)},
         )
 
-    def ready() -> bool:
-        # storage: a step is committed; peer: a step of nb reached na
+    def checkpoints() -> dict[str, Any] | None:
+        """The job's checkpoints as `rove status --json` says them (None: no answer)."""
         out = subprocess.run(
             [*ROVE, "status", "--job", job, "--nats", url, "--json"],
             capture_output=True,
@@ -151,23 +151,21 @@ def rove_case(root: Path, url: str, a: argparse.Namespace, storage: bool) -> dic
             env=env,
             check=False,
         ).stdout
-        if not out.strip():
+        return json.loads(out)["checkpoints"] if out.strip() else None
+
+    def ready() -> bool:
+        # storage: a step is committed; peer: a step of nb reached na
+        ck = checkpoints()
+        if ck is None:
             return False
-        ck = json.loads(out)["checkpoints"]
         return ck["committed_step"] is not None if storage else "nb" in ck["replicas"]
 
     try:
         out = measure(work, start, a, ready)
-        status = subprocess.run(
-            [*ROVE, "status", "--job", job, "--nats", url, "--json"],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        ).stdout
         # where the master said the round restores from (the workers load it from memory
         # when it is peer: it was fetched there)
-        out["round_restored"] = json.loads(status)["checkpoints"]["restored"] if status else None
+        ck = checkpoints()
+        out["round_restored"] = ck["restored"] if ck is not None else None
         return out
     finally:
         master.terminate()

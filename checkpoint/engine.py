@@ -86,22 +86,28 @@ class FlashEngine:
             return 0
         return (newest.slot + 1) % len(self.segments)
 
+    def _open_slot(self, step: int, meta_len: int, data_len: int) -> tuple[int, Segment, int, int]:
+        """The slot to write `step` into, sized and marked WRITING: (its index, its
+        segment, the generation written, where its data starts)."""
+        data_offset = layout.aligned(HEADER_SIZE + meta_len + 4096)
+        index = self._target()
+        seg = self.segments[index]
+        try:
+            seg.ensure(data_offset + data_len)
+        except ShmFullError as exc:
+            raise CheckpointError(exc.strerror) from exc
+        old = seg.header()
+        generation = (old.generation if old else 0) + 1
+        seg.write_header(Header(WRITING, generation, step, 0, 0, 0, 0, False))
+        return index, seg, generation, data_offset
+
     def save(self, step: int, state: Any) -> SaveStats:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"a checkpoint step is a non-negative int, not {step!r}")
         started = time.perf_counter()
         p = layout.plan(step, state)
         meta = layout.encode_meta(p.meta)
-        data_offset = layout.aligned(HEADER_SIZE + len(meta) + 4096)
-        index = self._target()
-        seg = self.segments[index]
-        try:
-            seg.ensure(data_offset + p.meta.data_len)
-        except ShmFullError as exc:
-            raise CheckpointError(exc.strerror) from exc
-        old = seg.header()
-        generation = (old.generation if old else 0) + 1
-        seg.write_header(Header(WRITING, generation, step, 0, 0, 0, 0, False))
+        index, seg, generation, data_offset = self._open_slot(step, len(meta), p.meta.data_len)
         seg.view(HEADER_SIZE, len(meta))[:] = meta
         data = seg.view(data_offset, p.meta.data_len)
         for entry, src in zip(p.meta.tensors, p.sources, strict=True):
@@ -126,15 +132,7 @@ class FlashEngine:
         if len(raw) < meta_len:
             raise CheckpointError(f"a replica of step {step} is shorter than its metadata")
         data_len = len(raw) - meta_len
-        data_offset = layout.aligned(HEADER_SIZE + meta_len + 4096)
-        seg = self.segments[self._target()]
-        try:
-            seg.ensure(data_offset + data_len)
-        except ShmFullError as exc:
-            raise CheckpointError(exc.strerror) from exc
-        old = seg.header()
-        generation = (old.generation if old else 0) + 1
-        seg.write_header(Header(WRITING, generation, step, 0, 0, 0, 0, False))
+        _, seg, generation, data_offset = self._open_slot(step, meta_len, data_len)
         view = memoryview(raw)
         seg.view(HEADER_SIZE, meta_len)[:] = view[:meta_len]
         seg.view(data_offset, data_len)[:] = view[meta_len:]
@@ -153,6 +151,10 @@ class FlashEngine:
             if h is not None and h.state == COMPLETE:
                 out.append(SlotInfo(i, h.step, h.sealed))
         return sorted(out, key=lambda s: -s.step)
+
+    def slot_of(self, step: int) -> int | None:
+        """The slot holding `step` complete (None: no slot does)."""
+        return next((s.slot for s in self.slots() if s.step == step), None)
 
     def newest(self) -> SlotInfo | None:
         slots = self.slots()
