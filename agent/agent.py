@@ -236,7 +236,7 @@ class Agent:
             asyncio.create_task(self._duties(), name="duties"),
             asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
             asyncio.create_task(self.leader_watch.run(), name="leader watch"),
-            asyncio.create_task(self.replicas.sender.run(), name="replica sender"),
+            *self.replicas.tasks(),  # its sender and its server's accept loop
         ]
         for task in [*loops, self.facts.outbox.task]:
             if task is not None:

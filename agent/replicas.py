@@ -12,13 +12,19 @@ ranks from them before a restore.
   queues work, and training never waits (copies run in a thread, sends on the agent's
   event loop). A peer that cannot be reached or refuses is left alone for a while
   (`BACKOFF_S`, doubling), said once; the step it missed is sent when the backoff ends.
+  Each rank's copy is kept (its buffer reused for the next step), so a step goes
+  through memory once whatever the number of peers.
 - **Holding.** The `ReplicaServer` listens on the agent's address; it verifies each
   rank's size and checksum before it keeps it (`ReplicaStore`, within `budget`
   bytes), and once it holds every rank a peer sent of a step it says so on the bus
   (`replica_stored`), so the master knows which steps are recoverable without
   storage. It answers gets of what it holds, and of its own ranks' slots.
 - **Restoring.** `PeerReplicas.restore` fetches the ranks a round names in its
-  `fetches`, verified, into this node's own shared memory before its workers start.
+  `fetches`, all at once, verified, straight into this node's own shared memory
+  before its workers start.
+
+Bytes travel on a `Channel` (the event loop's socket calls, into and out of the
+buffers themselves), not asyncio's streams, which copy every byte on the way.
 
 A torn or corrupted transfer fails its checksum and is refused.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -34,11 +41,13 @@ from typing import TypeVar
 import msgspec
 import structlog
 
+from rove.agent.channel import Channel
 from rove.agent.facts import NodeFacts
 from rove.checkpoint import replica as wire
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.storage import Manifest, SlotOverwritten, copy_out
 from rove.control.catalogue import events as ev
+from rove.control.process.aio import cancel_and_wait
 
 log = structlog.get_logger("rove.replicas")
 T = TypeVar("T")
@@ -48,31 +57,11 @@ Local = Callable[[int, int], "tuple[Manifest, bytearray] | None"]
 #: A peer that failed is not tried again for this long, doubling up to `BACKOFF_MAX_S`.
 BACKOFF_S = 2.0
 BACKOFF_MAX_S = 60.0
-#: One read or write of a replica transfer that takes longer fails it.
+#: One read or write of a replica transfer (of up to `channel.CHUNK`) that takes
+#: longer fails it.
 IO_TIMEOUT_S = 30.0
-#: Bytes written to or read from the socket at a time while a rank travels.
-CHUNK = 4 << 20
-#: The most a connection's reader buffers before it pauses the socket.
-BUFFER = 4 * CHUNK
-
-
-async def read_body(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
-    """A header or an answer: its 4-byte length, then that many bytes."""
-    n = wire.length(await asyncio.wait_for(reader.readexactly(4), timeout_s))
-    return await asyncio.wait_for(reader.readexactly(n), timeout_s)
-
-
-async def receive(reader: asyncio.StreamReader, size: int) -> bytearray:
-    """`size` bytes from `reader`, in chunks into one buffer (never two copies of it)."""
-    data = bytearray(size)
-    got = 0
-    while got < size:
-        chunk = await asyncio.wait_for(reader.read(min(CHUNK, size - got)), IO_TIMEOUT_S)
-        if not chunk:
-            raise CheckpointError(f"the other side left after {got} of {size} bytes")
-        data[got : got + len(chunk)] = chunk
-        got += len(chunk)
-    return data
+#: What ends a transfer early (said, and the peer or source tried again later).
+TRANSFER_ERRORS = (OSError, TimeoutError, CheckpointError)
 
 
 def choose_peers(members: Sequence[ev.RoundMember], me: str, k: int) -> list[ev.RoundMember]:
@@ -102,8 +91,16 @@ class PeerReplicas:
     ) -> None:
         """`local(step, rank)`: that rank's step from this node's own memory (`Saver.raw`)."""
         self.facts = facts
-        self.server = ReplicaServer(facts, addr, budget, local) if replicas > 0 else None
         self.sender = ReplicaSender(facts, replicas)
+
+        def own(step: int, rank: int) -> tuple[Manifest, bytearray] | None:
+            # its slots, else the copy its sender keeps of the step its peers took
+            return local(step, rank) or self.sender.kept(step, rank)
+
+        self.own = own
+        self.server = ReplicaServer(facts, addr, budget, own) if replicas > 0 else None
+        if self.server is not None:
+            self.sender.lent = self.server.store.serving
         #: where peers send to (0: nowhere)
         self.port = 0
 
@@ -120,45 +117,83 @@ class PeerReplicas:
             )
             self.server = None
 
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """Its long-lived tasks, for the agent to keep: the sender, and the server's
+        accept loop (started by `start`)."""
+        sending = asyncio.create_task(self.sender.run(), name="replica sender")
+        serving = self.server.task if self.server is not None else None
+        return [sending] if serving is None else [sending, serving]
+
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
 
     async def restore(self, r: ev.RoundCompleted, engines: dict[int, FlashEngine]) -> None:
         """Round `r` restores some ranks from peers: fetch those this node runs (its
-        `engines`), verified, into its own memory before its workers start. A rank that
-        cannot be fetched is said and left out: the workers then find the step missing
-        and every rank falls back to storage together (`rove.checkpoint.restore`)."""
+        `engines`), all at once, verified, straight into its own memory before its
+        workers start. A rank that cannot be fetched is said and left out (its slot
+        unsealed): the workers then find the step missing and every rank falls back to
+        storage together (`rove.checkpoint.restore`)."""
         step = r.restore_step
         members = {m.node: m for m in r.members}
         say = log.bind(job=self.facts.job, node=self.facts.node)
-        for f in r.fetches:
-            holder = members.get(f.node)
-            if step is None or f.rank not in engines or holder is None:
-                continue
+
+        async def one(f: ev.RestoreFetch, step: int, holder: ev.RoundMember) -> None:
             began = time.monotonic()
             want = wire.Want(job=self.facts.job, source=f.source, step=step, rank=f.rank)
+            seals: list[Callable[[int], None]] = []
+
+            def land(offer: wire.Offer) -> list[memoryview]:
+                meta, data, seal = engines[f.rank].receive(step, offer.meta_len, offer.data_len)
+                seals.append(seal)
+                return [meta, data]
+
             try:
-                offer, raw = await fetch(holder.addr, holder.replica_port, want)
-                await asyncio.to_thread(
-                    engines[f.rank].install, step, raw, offer.meta_len, offer.checksum
-                )
-            except (OSError, TimeoutError, asyncio.IncompleteReadError, CheckpointError) as exc:
+                if f.node == self.facts.node:  # held here: no socket on the way
+                    offer = await asyncio.to_thread(self._install_own, want, engines[f.rank])
+                else:
+                    offer = await fetch_into(holder.addr, holder.replica_port, want, land)
+                    seals[0](offer.checksum)
+            except TRANSFER_ERRORS as exc:
                 say.warning(
                     f"could not fetch rank {f.rank} of step {step} from {f.node}: "
                     f"{exc or type(exc).__name__}; the ranks fall back to storage together"
                 )
-                continue
+                return
             whose = "its own memory" if f.source == f.node else f"its replica of {f.source}"
             say.info(
                 f"fetched rank {f.rank} of step {step} from {f.node} ({whose}) in "
                 f"{time.monotonic() - began:.2f} s",
-                bytes=len(raw),
+                bytes=offer.size,
             )
+
+        await asyncio.gather(
+            *(
+                one(f, step, members[f.node])
+                for f in r.fetches
+                if step is not None and f.rank in engines and f.node in members
+            )
+        )
+
+    def _install_own(self, want: wire.Want, engine: FlashEngine) -> wire.Offer:
+        """What this node holds of `want` (its own rank, or a peer's replica),
+        verified, into `engine`'s slot. Blocking: run it in a thread."""
+        store = self.server.store if self.server is not None else None
+        held = lookup(self.facts, want, self.own, store)
+        if held is None:
+            raise CheckpointError(
+                f"this node no longer holds step {want.step} rank {want.rank} of {want.source}"
+            )
+        offer, raw = held
+        problem = wire.verify(offer, raw)
+        if problem:
+            raise CheckpointError(f"its copy of step {want.step} rank {want.rank}: {problem}")
+        engine.install(want.step, raw, offer.meta_len, offer.checksum)
+        return offer
 
     def new_round(self, r: ev.RoundCompleted, engines: dict[int, FlashEngine]) -> None:
         """Round `r` starts a lineage at its restore step: nothing newer is sent or kept."""
-        self.sender.new_round(r.round, r.members, engines)
+        self.sender.new_round(r.round, r.members, engines, r.restore_step)
         if self.server is not None:
             self.server.store.drop_newer(-1 if r.restore_step is None else r.restore_step)
 
@@ -172,65 +207,88 @@ class ReplicaServer:
         self.local = local
         self.store = wire.ReplicaStore(facts.job, budget)
         self.log = log.bind(job=facts.job, node=facts.node)
-        self._server: asyncio.Server | None = None
+        self._sock: socket.socket | None = None
+        #: the accept loop, once started (a long-lived task the agent keeps)
+        self.task: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
 
     async def start(self) -> int:
-        """Listen on the agent's address; the port."""
-        # (a reader buffer of 64 KiB, the default, paused the socket every 128 KiB: 1 GiB
-        # took 10 s to arrive beside training)
-        self._server = await asyncio.start_server(self._serve, self.host, 0, limit=BUFFER)
-        return int(self._server.sockets[0].getsockname()[1])
+        """Listen on the agent's address and start taking connections; the port."""
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, where = (
+            await loop.getaddrinfo(self.host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(where)
+            sock.listen(64)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self.task = asyncio.create_task(self.serve(sock), name="replica server")
+        return int(sock.getsockname()[1])
+
+    async def serve(self, sock: socket.socket) -> None:
+        """Take peers' connections, each served on its own (a transfer's failure ends
+        that transfer only)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # out of file descriptors, say: tried again shortly
+                self.log.warning(f"cannot take a peer's connection: {exc}; trying again")
+                await asyncio.sleep(1.0)
+                continue
+            task = asyncio.create_task(self._serve(conn), name="replica transfer")
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+        await cancel_and_wait([t for t in (self.task, *self._conns) if t is not None])
+        if self._sock is not None:
+            self._sock.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, conn: socket.socket) -> None:
+        chan = Channel(conn, IO_TIMEOUT_S)
         try:
-            op = await asyncio.wait_for(reader.readexactly(4), IO_TIMEOUT_S)
-            body = await read_body(reader, IO_TIMEOUT_S)
+            op = await chan.exactly(4)
+            body = await chan.body(wire.MAX_HEADER)
             if op == wire.PUT:
-                await self._put(msgspec_decode(body, wire.Offer), reader, writer)
+                await self._put(msgspec_decode(body, wire.Offer), chan)
             elif op == wire.GET:
-                await self._get(msgspec_decode(body, wire.Want), writer)
+                await self._get(msgspec_decode(body, wire.Want), chan)
             else:
                 raise CheckpointError(f"unknown operation {op!r}: not a rove peer")
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, CheckpointError) as exc:
+        except TRANSFER_ERRORS as exc:
             self.log.debug("a replica transfer ended early", error=str(exc) or type(exc).__name__)
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            chan.close()
 
-    async def _put(
-        self, offer: wire.Offer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _put(self, offer: wire.Offer, chan: Channel) -> None:
         # the first answer, before any byte of the rank travels: held already, refused
         # (with why), or go ahead
         if self.store.holds(offer):
-            writer.write(wire.answer_frame(wire.Answer(ok=True, held=True)))
-            await writer.drain()
+            await chan.send(wire.answer_frame(wire.Answer(ok=True, held=True)))
             return
         refusal = self.store.refusal(offer)
-        writer.write(wire.answer_frame(wire.Answer(ok=not refusal, error=refusal)))
-        await writer.drain()
+        await chan.send(wire.answer_frame(wire.Answer(ok=not refusal, error=refusal)))
         if refusal:
             return
-        data = await receive(reader, offer.size)
+        data = self.store.buffer(offer)
+        await chan.fill(memoryview(data))
         problem = await asyncio.to_thread(wire.verify, offer, data)
         if problem:
             self.log.warning(
                 f"refused a replica of step {offer.step} rank {offer.rank} from "
                 f"{offer.source}: {problem}"
             )
-            writer.write(wire.answer_frame(wire.Answer(ok=False, error=problem)))
-            await writer.drain()
+            await chan.send(wire.answer_frame(wire.Answer(ok=False, error=problem)))
             return
-        complete = self.store.put(offer, data)
-        writer.write(wire.answer_frame(wire.Answer(ok=True)))
-        await writer.drain()
+        complete = self.store.put(offer, data, verified=True)
+        await chan.send(wire.answer_frame(wire.Answer(ok=True)))
         if complete:
             held = self.store.held(offer.source)
             assert held is not None
@@ -242,37 +300,52 @@ class ReplicaServer:
                     step=step,
                     round=offer.round,
                     ranks=tuple(ev.ReplicaRank(o.rank, o.size, o.checksum) for o in offers),
+                    source_incarnation=offer.incarnation,
                 )
             )
 
-    async def _get(self, want: wire.Want, writer: asyncio.StreamWriter) -> None:
-        held = None
-        if want.job == self.store.job and want.source == self.facts.node:
-            mine = await asyncio.to_thread(self.local, want.step, want.rank)
-            if mine is not None:
-                m, raw = mine
-                offer = wire.Offer(
-                    job=want.job,
-                    source=want.source,
-                    round=0,
-                    step=m.step,
-                    rank=m.rank,
-                    ranks=(m.rank,),
-                    meta_len=m.meta_len,
-                    data_len=m.data_len,
-                    checksum=m.checksum,
-                )
-                held = (offer, raw)
-        elif want.job == self.store.job:
-            held = self.store.get(want.source, want.step, want.rank)
+    async def _get(self, want: wire.Want, chan: Channel) -> None:
+        held = await asyncio.to_thread(lookup, self.facts, want, self.local, self.store)
         if held is None:
             error = f"no replica of step {want.step} rank {want.rank} of {want.source} here"
-            writer.write(wire.answer_frame(wire.Answer(ok=False, error=error)))
-        else:
-            offer, data = held
-            writer.write(wire.answer_frame(wire.Answer(ok=True, offer=offer)))
-            writer.write(data)
-        await writer.drain()
+            await chan.send(wire.answer_frame(wire.Answer(ok=False, error=error)))
+            return
+        offer, data = held
+        self.store.serving.add(id(data))  # not reused for an arriving replica meanwhile
+        try:
+            await chan.send(wire.answer_frame(wire.Answer(ok=True, offer=offer)))
+            await chan.send(data)
+        finally:
+            self.store.serving.discard(id(data))
+
+
+def lookup(
+    facts: NodeFacts, want: wire.Want, local: Local, store: wire.ReplicaStore | None
+) -> tuple[wire.Offer, bytearray] | None:
+    """What this node holds of `want`: its own rank's step (`local`: its slots, or the
+    copy its sender kept), or a peer's replica in `store`. Blocking (a copy out of
+    shared memory): run it in a thread."""
+    if want.job != facts.job:
+        return None
+    if want.source != facts.node:
+        return None if store is None else store.get(want.source, want.step, want.rank)
+    mine = local(want.step, want.rank)
+    if mine is None:
+        return None
+    m, raw = mine
+    offer = wire.Offer(
+        job=want.job,
+        source=want.source,
+        round=0,
+        step=m.step,
+        rank=m.rank,
+        ranks=(m.rank,),
+        meta_len=m.meta_len,
+        data_len=m.data_len,
+        checksum=m.checksum,
+        incarnation=facts.incarnation,
+    )
+    return offer, raw
 
 
 def msgspec_decode(body: bytes, kind: type[T]) -> T:
@@ -299,16 +372,45 @@ class ReplicaSender:
         self._backoff: dict[str, tuple[float, float]] = {}
         #: the newest step each peer took whole
         self.sent: dict[str, int] = {}
+        #: rank -> (step, manifest, bytes): each rank's copy out of shared memory, sent
+        #: to every peer; its buffer is reused for the rank's next step
+        self._copies: dict[int, tuple[int, Manifest | None, bytearray]] = {}
+        #: the same, of the newest step a peer took whole: kept (until a peer takes a
+        #: newer one) so that this node can give its own ranks of that step back after
+        #: its slots moved on, to pair with its peers' replicas of the same step
+        self._kept: dict[int, tuple[int, Manifest | None, bytearray]] = {}
+        #: the ids of buffers being sent back to a peer now: never copied into meanwhile
+        self.lent: set[int] = set()
 
     def new_round(
-        self, round_: int, members: Sequence[ev.RoundMember], engines: dict[int, FlashEngine]
+        self,
+        round_: int,
+        members: Sequence[ev.RoundMember],
+        engines: dict[int, FlashEngine],
+        restore_step: int | None = None,
     ) -> None:
-        """Round `round_`'s peers and this node's ranks' engines; nothing older is sent."""
+        """Round `round_`'s peers and this node's ranks' engines, its lineage going on
+        from `restore_step` (None: afresh); nothing older is sent."""
         self._round = round_
         self._peers = choose_peers(members, self.facts.node, self.replicas)
         self._engines = dict(engines)
         self._due = None
         self.sent = {}
+        # the new lineage may reach the same step numbers again: a copy of a step past
+        # where it starts is not that step (it stays a buffer to reuse)
+        keep = -1 if restore_step is None else restore_step
+        for copies in (self._copies, self._kept):
+            for r, (step, _m, buf) in list(copies.items()):
+                if step > keep:
+                    copies[r] = (-1, None, buf)
+
+    def kept(self, step: int, rank: int) -> tuple[Manifest, bytearray] | None:
+        """`rank`'s `step` as this node copied and sent it, if it still has that copy."""
+        for copies in (self._kept, self._copies):
+            held, m, buf = copies.get(rank, (-1, None, None))
+            if held == step and m is not None and buf is not None:
+                return m, buf
+        return None
 
     def offer(self, step: int) -> None:
         """Every local rank holds `step`: send it when the one in flight is done."""
@@ -365,7 +467,7 @@ class ReplicaSender:
         try:
             for rank, engine in sorted(engines.items()):
                 await self._send_rank(peer, step, rank, engine, tuple(sorted(engines)))
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, CheckpointError) as exc:
+        except TRANSFER_ERRORS as exc:
             if isinstance(exc, Overtaken):
                 return False
             if peer.node not in self._backoff:
@@ -379,10 +481,42 @@ class ReplicaSender:
             self.log.info(f"replicas reach {peer.node} again")
             del self._backoff[peer.node]
         self.sent[peer.node] = step
+        self._keep(step)
         return True
 
-    async def _answer(self, reader: asyncio.StreamReader) -> wire.Answer:
-        return msgspec_decode(await read_body(reader, self.io_timeout_s), wire.Answer)
+    def _keep(self, step: int) -> None:
+        """A peer took `step` whole: keep this node's copy of it (the kept copy of an
+        older step becomes the buffer its next step is copied into)."""
+        for rank, (held, m, buf) in list(self._copies.items()):
+            if held != step or self._kept.get(rank, (-1,))[0] >= step:
+                continue
+            old = self._kept.get(rank)
+            self._kept[rank] = (held, m, buf)
+            if old is None or id(old[2]) in self.lent:
+                del self._copies[rank]  # (a buffer being sent back is never reused)
+            else:
+                self._copies[rank] = (-1, None, old[2])
+
+    async def _copy(self, step: int, rank: int, engine: FlashEngine) -> tuple[Manifest, bytearray]:
+        """`rank`'s `step` copied out of shared memory (a memory copy, well inside a
+        save's interval, that a newer save cannot tear: a large state takes longer to
+        send than the workers take to save twice), once for all peers."""
+        have = self.kept(step, rank)
+        if have is not None:
+            return have
+        buf = self._copies.get(rank, (-1, None, None))[2]
+        if buf is not None and id(buf) in self.lent:
+            buf = None  # being sent back to a peer: a fresh one
+        slot = engine.slot_of(step)
+        if slot is None:
+            raise Overtaken(f"step {step} of rank {rank} is no longer in memory")
+        self._copies.pop(rank, None)  # torn while it is copied into
+        try:
+            copied, raw = await asyncio.to_thread(copy_out, engine, slot, rank, buf)
+        except SlotOverwritten as exc:
+            raise Overtaken(str(exc)) from exc
+        self._copies[rank] = (step, copied, raw)
+        return copied, raw
 
     async def _send_rank(
         self,
@@ -392,16 +526,7 @@ class ReplicaSender:
         engine: FlashEngine,
         ranks: tuple[int, ...],
     ) -> None:
-        slot = engine.slot_of(step)
-        if slot is None:
-            raise Overtaken(f"step {step} of rank {rank} is no longer in memory")
-        # copied out first (a memory copy, well inside a save's interval), then sent from
-        # the copy: a large state takes longer to send than the workers take to save
-        # twice, and a newer save would tear a send straight from the slot
-        try:
-            manifest, raw = await asyncio.to_thread(copy_out, engine, slot, rank)
-        except SlotOverwritten as exc:
-            raise Overtaken(str(exc)) from exc
+        manifest, raw = await self._copy(step, rank, engine)
         offer = wire.Offer(
             job=self.facts.job,
             source=self.facts.node,
@@ -412,27 +537,20 @@ class ReplicaSender:
             meta_len=manifest.meta_len,
             data_len=manifest.data_len,
             checksum=manifest.checksum,
+            incarnation=self.facts.incarnation,
         )
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(peer.addr, peer.replica_port, limit=BUFFER), self.io_timeout_s
-        )
+        chan = await Channel.connect(peer.addr, peer.replica_port, self.io_timeout_s)
         try:
-            writer.write(wire.frame(wire.PUT, offer))
-            await asyncio.wait_for(writer.drain(), self.io_timeout_s)
-            go = await self._answer(reader)
+            await chan.send(wire.frame(wire.PUT, offer))
+            go = msgspec_decode(await chan.body(wire.MAX_HEADER), wire.Answer)
             if go.held:
                 return  # the peer holds this rank of the step already
             if not go.ok:
                 raise CheckpointError(f"{peer.node} refused it: {go.error}")
-            view = memoryview(raw)
-            for at in range(0, len(view), CHUNK):
-                writer.write(view[at : at + CHUNK])
-                await asyncio.wait_for(writer.drain(), self.io_timeout_s)
-            answer = await self._answer(reader)
+            await chan.send(raw)
+            answer = msgspec_decode(await chan.body(wire.MAX_HEADER), wire.Answer)
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            chan.close()
         if not answer.ok:
             raise CheckpointError(f"{peer.node} refused it: {answer.error}")
 
@@ -441,24 +559,48 @@ class Overtaken(CheckpointError):
     """The step being sent left memory (a newer save took its slot)."""
 
 
-async def fetch(addr: str, port: int, want: wire.Want) -> tuple[wire.Offer, bytearray]:
-    """One rank of a peer's replica, verified. Raises CheckpointError (with why) or OSError."""
-    reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(addr, port, limit=BUFFER), IO_TIMEOUT_S
-    )
+async def fetch_into(
+    addr: str, port: int, want: wire.Want, land: Callable[[wire.Offer], list[memoryview]]
+) -> wire.Offer:
+    """One rank of a peer's replica (or of its own memory), received straight into the
+    buffers `land(offer)` gives (their lengths adding up to its size), then verified.
+    Raises CheckpointError (with why), TimeoutError or OSError; the buffers' contents
+    are then undefined."""
+    chan = await Channel.connect(addr, port, IO_TIMEOUT_S)
+    parts: list[memoryview] = []
     try:
-        writer.write(wire.frame(wire.GET, want))
-        await writer.drain()
-        answer = msgspec_decode(await read_body(reader, IO_TIMEOUT_S), wire.Answer)
+        await chan.send(wire.frame(wire.GET, want))
+        answer = msgspec_decode(await chan.body(wire.MAX_HEADER), wire.Answer)
         if not answer.ok or answer.offer is None:
             raise CheckpointError(answer.error or "the peer sent no replica")
         offer = answer.offer
-        data = await receive(reader, offer.size)
+        if (offer.source, offer.step, offer.rank) != (want.source, want.step, want.rank):
+            raise CheckpointError(
+                f"asked for step {want.step} rank {want.rank} of {want.source}, "
+                f"was sent step {offer.step} rank {offer.rank} of {offer.source}"
+            )
+        parts = land(offer)
+        if sum(len(p) for p in parts) != offer.size:
+            raise CheckpointError(f"no room for the {offer.size} bytes of the replica")
+        for part in parts:
+            await chan.fill(part)
+        problem = await asyncio.to_thread(wire.verify, offer, *parts)
     finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
-    problem = await asyncio.to_thread(wire.verify, offer, data)
+        chan.close()
+        for part in parts:
+            part.release()
     if problem:
         raise CheckpointError(f"step {offer.step} rank {offer.rank} from {addr}: {problem}")
-    return offer, data
+    return offer
+
+
+async def fetch(addr: str, port: int, want: wire.Want) -> tuple[wire.Offer, bytearray]:
+    """One rank of a peer's replica, verified, in a buffer of its own."""
+    got: list[bytearray] = []
+
+    def land(offer: wire.Offer) -> list[memoryview]:
+        got.append(bytearray(offer.size))
+        return [memoryview(got[0])]
+
+    offer = await fetch_into(addr, port, want, land)
+    return offer, got[0]

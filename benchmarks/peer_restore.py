@@ -3,9 +3,10 @@ and torchrun's `torch.save`/`torch.load`, side by side in one run.
 
 Two nodes of one worker each train `benchmarks/peer_restore_train.py` (a state of
 --size-mb per rank, the ranks in lockstep, a checkpoint every --ckpt-every steps). Once
-training is steady, the whole of node nb (its launcher, agent, servers and worker) is
-killed with SIGKILL and its shared memory deleted; a replacement nb is started at once
-(as a pool's standby would be). Measured from the kill:
+training is steady (--kill-after steps past a save), the whole of node nb (its
+launcher, agent, servers and worker) is killed with SIGKILL and its shared memory
+deleted; a replacement nb is started at once (as a pool's standby would be). Measured
+from the kill:
 
 - `back_s`: until both ranks trained a step again;
 - `lost_steps`: the newest step trained before the kill minus the step restored;
@@ -68,7 +69,7 @@ def measure(
     na, nb = start("na", 0), start("nb", 0)
     procs = [na, nb]
     try:
-        steady = 3 * a.ckpt_every + 1
+        steady = 3 * a.ckpt_every + a.kill_after
 
         def trained(at: int) -> bool:
             rows = trace_rows(trace)
@@ -220,6 +221,13 @@ def main() -> None:
     p.add_argument("--size-mb", type=int, default=1024, help="the state of each rank")
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--step-s", type=float, default=0.2, help="each step's own time")
+    p.add_argument(
+        "--kill-after",
+        type=int,
+        default=1,
+        help="kill the node this many steps after a save (1: no asynchronous copy, to "
+        "storage or a peer, of that save can have finished)",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--work", type=Path, help="keep logs and traces here")
     a = p.parse_args()
@@ -238,6 +246,7 @@ def main() -> None:
         "size_mb": a.size_mb,
         "ckpt_every": a.ckpt_every,
         "step_s": a.step_s,
+        "kill_after": a.kill_after,
         "rove_peer": peer,
         "rove_storage": storage,
         "torchrun": torchrun,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,22 +124,39 @@ class FlashEngine:
         )
         return SaveStats(step, index, p.meta.data_len, time.perf_counter() - started)
 
+    def receive(
+        self, step: int, meta_len: int, data_len: int
+    ) -> tuple[memoryview, memoryview, Callable[[int], None]]:
+        """A slot opened for `step` arriving from elsewhere (a peer's replica of this
+        rank, its metadata then its data as storage holds them): the memory of its
+        metadata and of its data to fill, and `seal(checksum)` to call once they are
+        verified. Until sealed the slot holds no checkpoint: a restore never sees it."""
+        _, seg, generation, data_offset = self._open_slot(step, meta_len, data_len)
+
+        def seal(checksum: int) -> None:
+            seg.write_header(
+                Header(
+                    COMPLETE, generation + 1, step, meta_len, data_offset, data_len, checksum, True
+                )
+            )
+
+        return seg.view(HEADER_SIZE, meta_len), seg.view(data_offset, data_len), seal
+
     def install(
         self, step: int, raw: bytes | bytearray | memoryview, meta_len: int, checksum: int
     ) -> None:
-        """Put a step another node held (a peer replica: this rank's metadata then data,
-        as storage holds them, verified by the caller) in a slot, as a save would have,
-        sealed with its checksum: a restore from memory loads it, and checks it again."""
+        """Put a step another node held (verified by the caller) in a slot, as a save
+        would have, sealed with its checksum: a restore from memory loads it, and checks
+        it again."""
         if len(raw) < meta_len:
             raise CheckpointError(f"a replica of step {step} is shorter than its metadata")
-        data_len = len(raw) - meta_len
-        _, seg, generation, data_offset = self._open_slot(step, meta_len, data_len)
         view = memoryview(raw)
-        seg.view(HEADER_SIZE, meta_len)[:] = view[:meta_len]
-        seg.view(data_offset, data_len)[:] = view[meta_len:]
-        seg.write_header(
-            Header(COMPLETE, generation + 1, step, meta_len, data_offset, data_len, checksum, True)
-        )
+        meta, data, seal = self.receive(step, meta_len, len(raw) - meta_len)
+        meta[:] = view[:meta_len]
+        data[:] = view[meta_len:]
+        meta.release()
+        data.release()
+        seal(checksum)
 
     # ------------------------------------------------------------------ inspect
 

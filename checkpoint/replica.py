@@ -49,6 +49,8 @@ class Offer(msgspec.Struct, frozen=True, kw_only=True):
     meta_len: int
     data_len: int
     checksum: int
+    #: the incarnation of `source`'s agent that sent it (it keeps its own copy)
+    incarnation: str = ""
 
     @property
     def size(self) -> int:
@@ -88,11 +90,19 @@ def length(raw: bytes) -> int:
     return int(n)
 
 
-def verify(offer: Offer, data: bytes | bytearray | memoryview) -> str:
-    """'' when `data` is the rank `offer` describes, else what is wrong with it."""
-    if len(data) != offer.size:
-        return f"{len(data)} bytes arrived of {offer.size}"
-    if xxhash.xxh3_64_intdigest(data) != offer.checksum:
+Buffer = bytes | bytearray | memoryview
+
+
+def verify(offer: Offer, *parts: Buffer) -> str:
+    """'' when `parts`, one after the other, are the rank `offer` describes, else what
+    is wrong with them (a rank may arrive in two places: a slot's metadata and data)."""
+    size = sum(len(p) for p in parts)
+    if size != offer.size:
+        return f"{size} bytes arrived of {offer.size}"
+    digest = xxhash.xxh3_64()
+    for p in parts:
+        digest.update(p)
+    if digest.intdigest() != offer.checksum:
         return "the bytes failed their checksum (torn or corrupted in transit)"
     return ""
 
@@ -113,6 +123,27 @@ class ReplicaStore:
         self.job = job
         self.budget = budget
         self._sources: dict[str, _Source] = {}
+        #: buffers of replicas dropped, kept for the next one of their size (a fresh
+        #: 1 GiB buffer costs about a second of page faults here); within the budget
+        self._spare: list[bytearray] = []
+        #: the ids of buffers being sent back to a peer now: never reused meanwhile
+        self.serving: set[int] = set()
+
+    def buffer(self, offer: Offer) -> bytearray:
+        """Where `offer`'s bytes are received: a spare buffer of its size, else a new one
+        (the spares of other sizes are let go first)."""
+        for i, buf in enumerate(self._spare):
+            if len(buf) == offer.size:
+                return self._spare.pop(i)
+        self._spare.clear()
+        return bytearray(offer.size)
+
+    def _retire(self, held: dict[int, tuple[Offer, bytearray]]) -> None:
+        """Replicas dropped: their buffers become spares while the budget allows."""
+        self._spare.extend(data for _, data in held.values() if id(data) not in self.serving)
+        used = self.used
+        while self._spare and used + sum(len(b) for b in self._spare) > self.budget:
+            self._spare.pop(0)
 
     @property
     def used(self) -> int:
@@ -140,7 +171,7 @@ class ReplicaStore:
         if offer.step <= src.complete:
             return f"step {offer.step} of {offer.source} is not newer than step {src.complete} held"
         for step in [s for s in src.steps if src.complete < s < offer.step]:
-            del src.steps[step]  # an arriving step a newer one overtook
+            self._retire(src.steps.pop(step))  # an arriving step a newer one overtook
         held = src.steps.get(offer.step, {}).get(offer.rank)
         again = held[0].size if held is not None else 0
         if self.used - again + offer.size > self.budget:
@@ -150,10 +181,11 @@ class ReplicaStore:
             )
         return ""
 
-    def put(self, offer: Offer, data: bytearray) -> bool:
-        """Keep a verified rank; True when its step is now complete (older steps of its
-        source are then dropped). Raises CheckpointError if it was not verified."""
-        problem = verify(offer, data)
+    def put(self, offer: Offer, data: bytearray, *, verified: bool = False) -> bool:
+        """Keep a rank (checked here unless the caller `verified` it); True when its step
+        is now complete (older steps of its source are then dropped). Raises
+        CheckpointError if it fails its check."""
+        problem = "" if verified else verify(offer, data)
         if problem:
             raise CheckpointError(
                 f"step {offer.step} rank {offer.rank} of {offer.source}: {problem}"
@@ -165,7 +197,7 @@ class ReplicaStore:
             return False
         src.complete = offer.step
         for step in [s for s in src.steps if s < offer.step]:
-            del src.steps[step]
+            self._retire(src.steps.pop(step))
         return True
 
     def get(self, source: str, step: int, rank: int) -> tuple[Offer, bytearray] | None:
@@ -188,6 +220,6 @@ class ReplicaStore:
         """A new lineage starts at `step`: no replica of a newer step may be restored."""
         for src in self._sources.values():
             for s in [s for s in src.steps if s > step]:
-                del src.steps[s]
+                self._retire(src.steps.pop(s))
             if src.complete > step:
                 src.complete = -1

@@ -337,6 +337,7 @@ def replica(
     ranks: tuple[int, ...] = (0, 1),
     round: int = 1,
     inc: str = "i1",
+    source_inc: str = "",
     job: str = JOB,
 ) -> ev.ReplicaStored:
     return ev.ReplicaStored(
@@ -345,6 +346,7 @@ def replica(
         step=step,
         round=round,
         ranks=tuple(ev.ReplicaRank(r, 1 << 20, 0xABC + r) for r in ranks),
+        source_incarnation=source_inc,
     )
 
 

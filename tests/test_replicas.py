@@ -414,6 +414,97 @@ def test_a_lost_nodes_ranks_come_from_the_peer_that_holds_them_at_a_step_every_r
     )
 
 
+def test_a_survivor_whose_slots_moved_on_gives_its_own_ranks_from_the_copy_it_kept() -> None:
+    """na and nb took each other's step 20 (each sender keeps its own copy of a step a
+    peer took: `source_incarnation`); both saved 25 and 30 since, so na's slots hold 20
+    no more, and nb is lost. The round restores 20 from peers: nb's ranks from na's
+    replica of nb, na's own from the copy its agent kept (a fetch from itself)."""
+    c = _fold(
+        factories.in_memory("na", 20, (0, 1)),
+        factories.in_memory("nb", 20, (2, 3)),
+        factories.replica("na", "nb", 20, ranks=(2, 3), source_inc="i1"),
+        factories.replica("nb", "na", 20, ranks=(0, 1), source_inc="i1"),
+        factories.in_memory("na", 25, (0, 1)),
+        factories.in_memory("nb", 25, (2, 3)),
+        factories.in_memory("na", 30, (0, 1)),
+    )
+    assert c.kept["na"] == (20, (0, 1), "i1")
+    members = [("na", (0, 1)), ("nb", (2, 3))]
+    got = ckpt.restore_point(c, members, {"na": "i1", "nb": "i2"})
+    assert (got.step, got.source) == (20, ev.RestoreSource.PEER)
+    assert got.fetches == (
+        ev.RestoreFetch(0, "na", "na"),
+        ev.RestoreFetch(1, "na", "na"),
+        ev.RestoreFetch(2, "na", "nb"),
+        ev.RestoreFetch(3, "na", "nb"),
+    )
+    # without the kept copies (agents of before this field), no step pairs up
+    old = msgspec.structs.replace(c, kept=type(c.kept)())
+    assert ckpt.restore_point(old, members, {"na": "i1", "nb": "i2"}).source is (
+        ev.RestoreSource.NONE
+    )
+    # na's agent restarted meanwhile: its copy went with it
+    assert ckpt.restore_point(c, members, {"na": "i2", "nb": "i2"}).source is (
+        ev.RestoreSource.NONE
+    )
+    # a newer step taken replaces the kept one; a new lineage from 10 forgets it
+    newer = ckpt.on_replica(c, factories.replica("nb", "na", 25, source_inc="i1"))
+    assert newer.kept["na"][0] == 25
+    cut = ckpt.on_round(
+        c, msgspec.structs.replace(factories.round_completed(2, 1, "na"), restore_step=10)
+    )
+    assert "na" not in cut.kept
+
+
+async def test_a_sender_keeps_the_step_a_peer_took_and_restores_it_after_its_slots_moved_on(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """na's step 1 reaches its peer, then na saves 2 and 3 (its two slots hold them) and
+    the peer dies before 3 arrives. na still gives rank 0 of step 1 back from the copy
+    its sender kept: a restore of step 1 installs it into na's memory, bitwise."""
+    from rove.agent.replicas import PeerReplicas
+    from rove.agent.saver import Saver
+
+    outbox = Outbox(bus, what="test facts")
+    outbox.start()
+    engines = {0: FlashEngine(f"{JOB}-k", 0, directory=tmp_path)}
+    saver = Saver(f"{JOB}-k", None)
+    saver.engines = engines
+    na = PeerReplicas(NodeFacts(outbox, job=JOB, node="na"), "127.0.0.1", 1, 1 << 26, saver.raw)
+    await na.start()
+    holder = ReplicaServer(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 1 << 26, _nothing)
+    port = await holder.start()
+    tasks = na.tasks()
+    states = {step: {"w": torch.randn(200, 100)} for step in (1, 2, 3)}
+    try:
+        na.sender.new_round(1, [_member("na", port=na.port), _member("nb", port=port)], engines)
+        engines[0].save(1, states[1])
+        na.sender.offer(1)
+        await eventually(lambda: na.sender.sent.get("nb") == 1, timeout=30)
+        await holder.stop()  # the peer is lost: step 3 never reaches it
+        engines[0].save(2, states[2])
+        engines[0].save(3, states[3])
+        na.sender.offer(3)
+        await eventually(lambda: "nb" in na.sender._backoff, timeout=30)
+        assert engines[0].slot_of(1) is None
+        r = msgspec.structs.replace(
+            factories.round_completed(2, 1, "na"),
+            members=(_member("na", port=na.port),),
+            restore_step=1,
+            restore_source=ev.RestoreSource.PEER,
+            fetches=(ev.RestoreFetch(0, "na", "na"),),
+        )
+        na.new_round(r, engines)
+        await na.restore(r, engines)
+        step, state = engines[0].load(1)
+        assert step == 1 and torch.equal(state["w"], states[1]["w"])
+    finally:
+        for t in tasks:
+            t.cancel()
+        await na.stop()
+        await outbox.stop()
+
+
 def test_an_engine_takes_a_replica_and_loads_it_verified(tmp_path: Path) -> None:
     from rove.agent.saver import Saver
 

@@ -56,6 +56,9 @@ class ReplicaStored(NodeFact, tag="replica_stored", frozen=True, kw_only=True):
     step: int
     round: int
     ranks: tuple[ReplicaRank, ...]
+    #: the incarnation of `source`'s agent that sent it: while that agent lives it keeps
+    #: its own copy of the step too, for its ranks, after its slots moved on
+    source_incarnation: str = ""
 
 
 class CkptFailed(NodeFact, tag="ckpt_failed", frozen=True, kw_only=True):

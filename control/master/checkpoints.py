@@ -55,6 +55,12 @@ class CkptState(msgspec.Struct, frozen=True, kw_only=True):
     replicas: immutables.Map[str, tuple[int, tuple[int, ...], tuple[tuple[str, str], ...]]] = (
         msgspec.field(default_factory=immutables.Map)
     )
+    #: source node -> (the newest step a peer took whole of it, its ranks, the
+    #: incarnation of its agent that sent it): that agent keeps its own copy of the
+    #: step (`ReplicaStored.source_incarnation`) after its slots moved on
+    kept: immutables.Map[str, tuple[int, tuple[int, ...], str]] = msgspec.field(
+        default_factory=immutables.Map
+    )
     #: the newest round's restore: (step, source, ranks fetched from peers); None: afresh
     restored: tuple[int, str, int] | None = None
     #: (round, step it restored, -1 for a fresh start) of the recent rounds: where
@@ -86,6 +92,9 @@ def on_round(c: CkptState, e: ev.RoundCompleted) -> CkptState:
     replicas = c.replicas
     for node in [n for n, (step, _, _) in replicas.items() if step > keep]:
         replicas = replicas.delete(node)
+    kept = c.kept
+    for node in [n for n, (step, _, _) in kept.items() if step > keep]:
+        kept = kept.delete(node)
     previous = c.previous
     for node in [n for n, step in previous.items() if step > keep or n not in memory]:
         previous = previous.delete(node)
@@ -99,6 +108,7 @@ def on_round(c: CkptState, e: ev.RoundCompleted) -> CkptState:
         memory=memory,
         previous=previous,
         replicas=replicas,
+        kept=kept,
         cuts=cuts,
         restored=restored,
     )
@@ -128,6 +138,11 @@ def on_replica(c: CkptState, e: ev.ReplicaStored) -> CkptState:
     if _stale(c, e.step, e.round):
         return c
     ranks = tuple(sorted(r.rank for r in e.ranks))
+    mine = c.kept.get(e.source)
+    if e.source_incarnation and (
+        mine is None or mine[2] != e.source_incarnation or mine[0] < e.step
+    ):
+        c = replace(c, kept=c.kept.set(e.source, (e.step, ranks, e.source_incarnation)))
     known = c.replicas.get(e.source)
     if known is not None and (known[0] > e.step or (known[0] == e.step and known[1] != ranks)):
         return c
@@ -235,11 +250,13 @@ def peer_plan(
     c: CkptState, members: list[tuple[str, tuple[int, ...]]], incarnations: Mapping[str, str]
 ) -> tuple[int, tuple[ev.RestoreFetch, ...]] | None:
     """The newest step every rank of the new round can get from the members' memory
-    (their own flash slots, or the peer replicas they hold), and where each rank its
-    runner does not hold comes from; None when some rank has no such step.
+    (their own flash slots, the peer replicas they hold, or the copy a node keeps of
+    its own step a peer took), and where each rank its runner does not hold in its
+    slots comes from; None when some rank has no such step.
 
     Only members serve (they are alive: they just joined). A rank's runner that holds
-    it loads it itself; another one fetches it, from a replica first (held for that)."""
+    it in its slots loads it itself; another one fetches it, from a replica first (held
+    for that), then another member's slots, then a kept copy (its own, maybe)."""
     runner = {r: node for node, ranks in members for r in ranks}
     here = set(runner.values())
     offers: dict[int, dict[int, list[tuple[int, str, str]]]] = {}  # step -> rank -> offers
@@ -260,13 +277,17 @@ def peer_plan(
             if holder in here and incarnations.get(holder, incarnation) == incarnation:
                 for r in ranks:
                     offer(step, r, 1, holder, source)
+    for source, (step, ranks, incarnation) in c.kept.items():
+        if source in here and incarnations.get(source) == incarnation:
+            for r in ranks:
+                offer(step, r, 3, source, source)
     for step in sorted(offers, reverse=True):
         by_rank = offers[step]
         if len(by_rank) < len(runner):
             continue
         fetches = []
         for r in sorted(runner):
-            if any(node == runner[r] and source == node for _, node, source in by_rank[r]):
+            if any(k == 2 and node == runner[r] for k, node, _ in by_rank[r]):
                 continue  # its runner holds it in its own slots
             _, node, source = min(by_rank[r])
             fetches.append(ev.RestoreFetch(r, node, source))
