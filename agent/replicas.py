@@ -60,6 +60,8 @@ BACKOFF_MAX_S = 60.0
 #: One read or write of a replica transfer (of up to `channel.CHUNK`) that takes
 #: longer fails it.
 IO_TIMEOUT_S = 30.0
+#: How long a peer waits for its `replica_stored` to reach the bus before it answers.
+SAY_S = 5.0
 #: What ends a transfer early (said, and the peer or source tried again later).
 TRANSFER_ERRORS = (OSError, TimeoutError, CheckpointError)
 
@@ -287,9 +289,7 @@ class ReplicaServer:
             )
             await chan.send(wire.answer_frame(wire.Answer(ok=False, error=problem)))
             return
-        complete = self.store.put(offer, data, verified=True)
-        await chan.send(wire.answer_frame(wire.Answer(ok=True)))
-        if complete:
+        if self.store.put(offer, data, verified=True):
             held = self.store.held(offer.source)
             assert held is not None
             step, offers = held
@@ -303,6 +303,11 @@ class ReplicaServer:
                     source_incarnation=offer.incarnation,
                 )
             )
+            # said on the bus before the sender hears it was taken: the master's newest
+            # step of the source is never older than the one the sender keeps a copy of
+            # (bounded: a bus that is down does not stop replication)
+            await self.facts.outbox.flush(SAY_S)
+        await chan.send(wire.answer_frame(wire.Answer(ok=True)))
 
     async def _get(self, want: wire.Want, chan: Channel) -> None:
         held = await asyncio.to_thread(lookup, self.facts, want, self.local, self.store)
@@ -379,6 +384,11 @@ class ReplicaSender:
         #: newer one) so that this node can give its own ranks of that step back after
         #: its slots moved on, to pair with its peers' replicas of the same step
         self._kept: dict[int, tuple[int, Manifest | None, bytearray]] = {}
+        #: the same, of a step whose last rank went whole but whose answer never came
+        #: (the peer may have taken it and said so): kept too, until a newer step is taken
+        self._maybe: dict[int, tuple[int, Manifest | None, bytearray]] = {}
+        #: the step whose last payload went out, its answer awaited
+        self._unanswered: int | None = None
         #: the ids of buffers being sent back to a peer now: never copied into meanwhile
         self.lent: set[int] = set()
 
@@ -399,14 +409,14 @@ class ReplicaSender:
         # the new lineage may reach the same step numbers again: a copy of a step past
         # where it starts is not that step (it stays a buffer to reuse)
         keep = -1 if restore_step is None else restore_step
-        for copies in (self._copies, self._kept):
+        for copies in (self._copies, self._kept, self._maybe):
             for r, (step, _m, buf) in list(copies.items()):
                 if step > keep:
                     copies[r] = (-1, None, buf)
 
     def kept(self, step: int, rank: int) -> tuple[Manifest, bytearray] | None:
         """`rank`'s `step` as this node copied and sent it, if it still has that copy."""
-        for copies in (self._kept, self._copies):
+        for copies in (self._kept, self._maybe, self._copies):
             held, m, buf = copies.get(rank, (-1, None, None))
             if held == step and m is not None and buf is not None:
                 return m, buf
@@ -464,12 +474,15 @@ class ReplicaSender:
         if now < until or self.sent.get(peer.node, -1) >= step:
             return True
         engines = dict(self._engines)
+        self._unanswered = None
         try:
             for rank, engine in sorted(engines.items()):
                 await self._send_rank(peer, step, rank, engine, tuple(sorted(engines)))
         except TRANSFER_ERRORS as exc:
             if isinstance(exc, Overtaken):
                 return False
+            if self._unanswered == step:
+                self._pin(step)
             if peer.node not in self._backoff:
                 self.log.warning(
                     f"could not send the replica of step {step} to {peer.node}: "
@@ -486,16 +499,29 @@ class ReplicaSender:
 
     def _keep(self, step: int) -> None:
         """A peer took `step` whole: keep this node's copy of it (the kept copy of an
-        older step becomes the buffer its next step is copied into)."""
-        for rank, (held, m, buf) in list(self._copies.items()):
-            if held != step or self._kept.get(rank, (-1,))[0] >= step:
+        older step, and one only maybe taken, become buffers to copy the next into)."""
+        for rank in sorted({*self._copies, *self._maybe}):
+            if self._kept.get(rank, (-1,))[0] >= step:
                 continue
-            old = self._kept.get(rank)
-            self._kept[rank] = (held, m, buf)
-            if old is None or id(old[2]) in self.lent:
-                del self._copies[rank]  # (a buffer being sent back is never reused)
-            else:
-                self._copies[rank] = (-1, None, old[2])
+            pool = next(
+                (p for p in (self._maybe, self._copies) if p.get(rank, (-1,))[0] == step), None
+            )
+            if pool is None:
+                continue
+            spare = [e for e in (self._kept.get(rank),) if e is not None]
+            self._kept[rank] = pool.pop(rank)
+            if self._maybe.get(rank, (step,))[0] < step:
+                spare.append(self._maybe.pop(rank))
+            for _, _, buf in spare:
+                if rank not in self._copies and id(buf) not in self.lent:
+                    self._copies[rank] = (-1, None, buf)  # (one being sent back is not)
+
+    def _pin(self, step: int) -> None:
+        """`step` went whole but its answer never came: the peer may have taken it, and
+        said so, so the copy is kept (not copied into) until a newer step is taken."""
+        for rank, entry in list(self._copies.items()):
+            if entry[0] == step:
+                self._maybe[rank] = self._copies.pop(rank)
 
     async def _copy(self, step: int, rank: int, engine: FlashEngine) -> tuple[Manifest, bytearray]:
         """`rank`'s `step` copied out of shared memory (a memory copy, well inside a
@@ -548,7 +574,9 @@ class ReplicaSender:
             if not go.ok:
                 raise CheckpointError(f"{peer.node} refused it: {go.error}")
             await chan.send(raw)
+            self._unanswered = step
             answer = msgspec_decode(await chan.body(wire.MAX_HEADER), wire.Answer)
+            self._unanswered = None
         finally:
             chan.close()
         if not answer.ok:

@@ -52,6 +52,9 @@ class Dropped:
     def put(self, event: ev.Event) -> None:
         pass
 
+    async def flush(self, _timeout_s: float | None) -> bool:
+        return True
+
 
 # ---------------------------------------------------------------- the holders
 

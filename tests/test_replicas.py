@@ -505,6 +505,56 @@ async def test_a_sender_keeps_the_step_a_peer_took_and_restores_it_after_its_slo
         await outbox.stop()
 
 
+async def test_a_step_whose_answer_never_came_is_kept_until_a_newer_one_is_taken(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """A peer takes the whole of step 1 and vanishes before it answers: it may have
+    said `replica_stored`, so the sender keeps that copy (it never copies step 2 into
+    it); once a peer takes step 2, step 2 is what it keeps."""
+
+    async def take_and_vanish(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readexactly(4)
+        offer = msgspec.json.decode(
+            await r.readexactly(wire.length(await r.readexactly(4))), type=wire.Offer
+        )
+        w.write(wire.answer_frame(wire.Answer(ok=True)))
+        await w.drain()
+        await r.readexactly(offer.size)
+        w.close()
+
+    vanishing = await asyncio.start_server(take_and_vanish, "127.0.0.1", 0)
+    gone = int(vanishing.sockets[0].getsockname()[1])
+    outbox = Outbox(bus, what="test facts")
+    outbox.start()
+    holder = ReplicaServer(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 1 << 26, _nothing)
+    port = await holder.start()
+    engines = {0: FlashEngine(f"{JOB}-m", 0, directory=tmp_path)}
+    sender = ReplicaSender(NodeFacts(_Facts(), job=JOB, node="na"), replicas=1)  # type: ignore[arg-type]
+    sending = asyncio.create_task(sender.run())
+    try:
+        sender.new_round(1, [_member("na", port=0), _member("nb", port=gone)], engines)
+        engines[0].save(1, {"w": torch.randn(200, 100)})
+        sender.offer(1)
+        await eventually(lambda: "nb" in sender._backoff, timeout=30)
+        one = sender.kept(1, 0)
+        assert one is not None and "nb" not in sender.sent
+        assert xxhash.xxh3_64_intdigest(one[1]) == one[0].checksum
+        # a new round (going on from step 1) makes a live holder na's peer
+        sender.new_round(2, [_member("na", port=0), _member("nb", port=port)], engines, 1)
+        assert sender.kept(1, 0) == one
+        engines[0].save(2, {"w": torch.randn(200, 100)})
+        sender.offer(2)
+        await eventually(lambda: sender.sent.get("nb") == 2, timeout=30)
+        two = sender.kept(2, 0)
+        assert two is not None and two[1] is not one[1]  # step 2 went into another buffer
+        assert sender.kept(1, 0) is None and sender._maybe == {}
+    finally:
+        sending.cancel()
+        vanishing.close()
+        await holder.stop()
+        await outbox.stop()
+
+
 def test_an_engine_takes_a_replica_and_loads_it_verified(tmp_path: Path) -> None:
     from rove.agent.saver import Saver
 
