@@ -27,6 +27,7 @@ import xxhash
 
 from rove.checkpoint import layout
 from rove.checkpoint.durable import CheckpointError as CheckpointError
+from rove.checkpoint.memcopy import copy_into
 from rove.checkpoint.shm import (
     COMPLETE,
     EMPTY,
@@ -152,8 +153,8 @@ class FlashEngine:
             raise CheckpointError(f"a replica of step {step} is shorter than its metadata")
         view = memoryview(raw)
         meta, data, seal = self.receive(step, meta_len, len(raw) - meta_len)
-        meta[:] = view[:meta_len]
-        data[:] = view[meta_len:]
+        copy_into(meta, view[:meta_len])
+        copy_into(data, view[meta_len:])
         meta.release()
         data.release()
         seal(checksum)

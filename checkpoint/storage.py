@@ -31,6 +31,7 @@ import xxhash
 
 from rove.checkpoint import durable, layout
 from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.memcopy import copy_into
 from rove.checkpoint.shm import COMPLETE, HEADER_SIZE, Header, Segment
 
 
@@ -80,8 +81,10 @@ def copy_out(
     seg, h, manifest = to_persist(engine, slot, rank)
     size = h.meta_len + h.data_len
     raw = into if into is not None and len(into) == size else bytearray(size)
-    raw[: h.meta_len] = seg.view(HEADER_SIZE, h.meta_len)
-    raw[h.meta_len :] = seg.view(h.data_offset, h.data_len)
+    out = memoryview(raw)
+    copy_into(out[: h.meta_len], seg.view(HEADER_SIZE, h.meta_len))
+    copy_into(out[h.meta_len :], seg.view(h.data_offset, h.data_len))
+    out.release()
     after = seg.header()
     if after is None or after.generation != h.generation:
         raise SlotOverwritten(f"slot {slot} was overwritten while it was copied")

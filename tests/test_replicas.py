@@ -317,25 +317,66 @@ async def test_in_a_real_job_each_nodes_steps_land_on_its_peer_as_they_reach_sto
 ) -> None:
     """Two `rove run` nodes in two failure domains: each one's flash checkpoints reach
     the other's agent while they train (`replica_stored`, as the job goes), with the
-    checksum of the very file the node persisted of that step; `rove status` says so."""
-    from tests.support import MasterProc, RunProc, finished, rove_cli
+    checksum of the very file the node persisted of that step; `rove status` says so.
+
+    Midway, na's agent is stopped (SIGSTOP: its replica server accepts and answers
+    nothing, its workers go on), so nb's sends stall: meanwhile nb's agent goes on
+    reporting its new flash checkpoints and both ranks keep training; once na's agent
+    runs again, nb's newer steps reach it."""
+    import os
+    import signal
+
+    from tests.support import MasterProc, RunProc, finished, rove_cli, trace_rows
     from tests.test_runtime import TRAIN
 
     job = "rj"
-    master = MasterProc(bus.url, job, "m1", tmp_path)
+    master = MasterProc(bus.url, job, "m1", tmp_path, "--node-timeout", "60")
+    trace = tmp_path / "trace.jsonl"
     nodes = {
         n: RunProc(
             tmp_path,
             n,
             *("--nats", bus.url, "--job", job, "--node-id", n, "--local-addr", "127.0.0.1"),
             *("--nnodes", "2", "--nproc-per-node", "1", "--failure-domain", f"rack-{n}"),
-            *("--checkpoint-dir", str(tmp_path / "store")),
-            *(str(TRAIN), "--steps", "60", "--step-sleep", "0.05", "--ckpt-every", "5"),
-            *("--ckpt-dir", str(tmp_path / "ckpt"), "--log-every", "100"),
+            *("--checkpoint-dir", str(tmp_path / "store"), "--heartbeat-interval", "0.5"),
+            *(str(TRAIN), "--steps", "150", "--step-sleep", "0.1", "--ckpt-every", "5"),
+            *("--ckpt-dir", str(tmp_path / "ckpt"), "--log-every", "100", "--trace", str(trace)),
         )
         for n in ("na", "nb")
     }
+
+    async def newest(kind: type[ev.Event], node: str, source: str = "") -> int:
+        return max(
+            (
+                r.event.step  # type: ignore[attr-defined]
+                for r in await stored_events(bus, job)
+                if isinstance(r.event, kind)
+                and r.event.node == node
+                and getattr(r.event, "source", "") == source
+            ),
+            default=-1,
+        )
+
+    na = nodes["na"].proc.pid
+    stopped = False
     try:
+        await eventually(lambda: _at_least(newest(ev.ReplicaStored, "na", "nb"), 10), timeout=120)
+        os.kill(na, signal.SIGSTOP)  # na's agent only: its workers go on
+        stopped = True
+        held = await newest(ev.ReplicaStored, "na", "nb")
+        reported = await newest(ev.CkptInMemory, "nb")
+        trained = max(r["step"] for r in trace_rows(trace))
+        # nb's agent reports three more saves while its peer takes nothing
+        await eventually(
+            lambda: _at_least(newest(ev.CkptInMemory, "nb"), reported + 15), timeout=60
+        )
+        assert max(r["step"] for r in trace_rows(trace)) >= trained + 10
+        assert await newest(ev.ReplicaStored, "na", "nb") == held
+        os.kill(na, signal.SIGCONT)
+        stopped = False
+        await eventually(
+            lambda: _at_least(newest(ev.ReplicaStored, "na", "nb"), reported + 15), timeout=60
+        )
         codes = await finished(bus, job, nodes, [master, *nodes.values()])
         assert codes == {"na": 0, "nb": 0}, {n: p.log()[-3000:] for n, p in nodes.items()}
         records = await stored_events(bus, job)
@@ -359,6 +400,8 @@ async def test_in_a_real_job_each_nodes_steps_land_on_its_peer_as_they_reach_sto
         out = rove_cli("status", "--job", job, "--nats", bus.url)
         assert "on peers: na step" in out.stdout and "on nb" in out.stdout, out.stdout
     finally:
+        if stopped:
+            os.kill(na, signal.SIGCONT)
         for p in (master, *nodes.values()):
             p.stop()
 
@@ -736,3 +779,113 @@ async def test_a_restore_fetch_corrupted_in_transit_is_refused_and_storage_is_ne
     finally:
         await holder.stop()
         await outbox.stop()
+
+
+@pytest.mark.slow
+async def test_a_lost_node_whose_peer_is_lost_too_resumes_from_storage(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Three nodes, each persisting every 10th step. Once a step of nb reached its peer
+    and a step is committed, the whole of nb and the whole of the peer holding its
+    replica are killed with SIGKILL, their shared memory deleted; new agents of both
+    join. No member holds nb's ranks in memory: the round restores the committed step
+    from storage, every rank resumes right after it, and the job finishes."""
+    import contextlib
+    import os
+    import shutil
+    import signal
+
+    import psutil
+
+    from tests.support import MasterProc, RunProc, patience, pid_alive, trace_rows
+    from tests.test_runtime import TRAIN
+
+    job = "rp3"
+    master = MasterProc(bus.url, job, "m1", tmp_path, "--node-timeout", "3")
+    trace = tmp_path / "trace.jsonl"
+
+    def node(name: str, log: str) -> RunProc:
+        shm = tmp_path / f"shm-{log}"
+        shm.mkdir()
+        return RunProc(
+            tmp_path,
+            log,
+            *("--nats", bus.url, "--job", job, "--node-id", name, "--local-addr", "127.0.0.1"),
+            *("--nnodes", "3", "--nproc-per-node", "1", "--max-restarts", "5"),
+            *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
+            *("--checkpoint-dir", str(tmp_path / "store"), "--persist-every", "10"),
+            *(str(TRAIN), "--steps", "60", "--step-sleep", "0.2", "--ckpt-every", "5"),
+            *("--ckpt-dir", str(tmp_path / "ckpt"), "--trace", str(trace), "--log-every", "50"),
+            env={"ROVE_SHM_DIR": str(shm)},
+        )
+
+    async def events(kind: type[ev.Event]) -> list[ev.Event]:
+        return [r.event for r in await stored_events(bus, job) if isinstance(r.event, kind)]
+
+    async def holder_of_nb() -> str | None:
+        held = [e for e in await events(ev.ReplicaStored) if e.source == "nb"]  # type: ignore[attr-defined]
+        committed = await events(ev.CkptCommitted)
+        return held[0].node if held and committed else None
+
+    procs = {n: node(n, n) for n in ("na", "nb", "nc")}
+    again: list[RunProc] = []
+    try:
+        peer = await eventually(holder_of_nb, timeout=120)
+        lost = ["nb", peer]
+        (survivor,) = {"na", "nb", "nc"} - set(lost)
+        first = next(e for e in await events(ev.RoundCompleted) if isinstance(e, ev.RoundCompleted))
+        whole = [
+            pid
+            for n in lost
+            for pid in (
+                procs[n].proc.pid,
+                *(c.pid for c in psutil.Process(procs[n].proc.pid).children(recursive=True)),
+            )
+        ]
+        for pid in whole:  # both nodes at once: agents, warm servers, workers
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await eventually(lambda: not any(pid_alive(p) for p in whole), timeout=30)
+        for n in lost:
+            procs[n].proc.wait()
+            shutil.rmtree(tmp_path / f"shm-{n}")
+        again = [node(n, f"{n}-again") for n in lost]
+        old = {m.node: m.incarnation for m in first.members}
+
+        async def resumed() -> ev.RoundCompleted | None:
+            return next(  # the first round with both new agents
+                (
+                    r
+                    for r in await events(ev.RoundCompleted)
+                    if isinstance(r, ev.RoundCompleted)
+                    and all(
+                        any(m.node == n and m.incarnation != old[n] for m in r.members)
+                        for n in lost
+                    )
+                ),
+                None,
+            )
+
+        r2 = await eventually(resumed, timeout=120)
+        committed = [e.step for e in await events(ev.CkptCommitted)]  # type: ignore[attr-defined]
+        logs = "\n".join(p.log()[-1500:] for p in [*procs.values(), *again])
+        assert r2.restore_source is ev.RestoreSource.STORAGE, (r2, logs)
+        assert r2.restore_step is not None and r2.restore_step in committed, (r2, committed)
+        assert r2.fetches == ()
+        step = r2.restore_step
+        for p in (procs[survivor], *again):
+            assert p.proc.wait(patience(120)) == 0, p.log()[-3000:]
+        resumed_rows = [r for r in trace_rows(trace) if r["source"] != "none" and r["step"] > 0]
+        firsts: dict[int, int] = {}
+        for row in resumed_rows:
+            firsts[row["rank"]] = min(firsts.get(row["rank"], 10**9), row["step"])
+        assert firsts == {0: step + 1, 1: step + 1, 2: step + 1}, firsts
+        assert "storage" in {r["source"] for r in resumed_rows}
+    finally:
+        for p in [*procs.values(), *again]:
+            p.stop()
+        master.stop()
+
+
+async def _at_least(value: Any, floor: int) -> bool:
+    return bool(await value >= floor)
