@@ -69,7 +69,9 @@ def measure(
     na, nb = start("na", 0), start("nb", 0)
     procs = [na, nb]
     try:
-        steady = 3 * a.ckpt_every + a.kill_after
+        # the kill: --kill-after steps past a save, after at least --min-steps
+        saves = max(3, -(-a.min_steps // a.ckpt_every))
+        steady = saves * a.ckpt_every + a.kill_after
 
         def trained(at: int) -> bool:
             rows = trace_rows(trace)
@@ -81,7 +83,7 @@ def measure(
         old = {r["pid"] for r in before}
         killed = time.time()
         kill_whole(nb)
-        shutil.rmtree(work / "shm-nb", ignore_errors=True)  # its memory went with it
+        shutil.rmtree(shm_dir(a, work, "nb"), ignore_errors=True)  # its memory went with it
         newest = max(newest, *(r["step"] for r in trace_rows(trace)))
         procs.append(start("nb", 1))
 
@@ -128,8 +130,8 @@ def rove_case(root: Path, url: str, a: argparse.Namespace, storage: bool) -> dic
     extra = ["--checkpoint-dir", str(work / "store"), "--peer-replicas", "0"] if storage else []
 
     def start(node: str, n: int) -> subprocess.Popen[bytes]:
-        shm = work / f"shm-{node}"
-        shm.mkdir(exist_ok=True)
+        shm = shm_dir(a, work, node)
+        shm.mkdir(parents=True, exist_ok=True)
         return subprocess.Popen(
             [
                 *ROVE,
@@ -200,6 +202,12 @@ def torchrun_case(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     return measure(work, first, a, lambda: (work / "ckpt" / "ckpt.pt").exists())
 
 
+def shm_dir(a: argparse.Namespace, work: Path, node: str) -> Path:
+    """A node's shared memory (`ROVE_SHM_DIR`): in /dev/shm, as a real node's is (a
+    folder on disk would page its flash saves out to the disk)."""
+    return Path(a.shm_root) / work.name / f"shm-{node}"
+
+
 def ratio(slow: dict[str, Any], fast: dict[str, Any]) -> float | None:
     """How many times faster `fast` was back (None: one of them never came back)."""
     if not slow.get("back_s") or not fast.get("back_s"):
@@ -228,10 +236,21 @@ def main() -> None:
         help="kill the node this many steps after a save (1: no asynchronous copy, to "
         "storage or a peer, of that save can have finished)",
     )
+    p.add_argument(
+        "--min-steps",
+        type=int,
+        default=0,
+        help="train at least this many steps before the kill (default: 3 saves' worth)",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--work", type=Path, help="keep logs and traces here")
     a = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="rove-peer-restore-") as tmp:
+    memory = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with (
+        tempfile.TemporaryDirectory(prefix="rove-peer-restore-") as tmp,
+        tempfile.TemporaryDirectory(prefix="rove-peer-restore-", dir=memory) as shm,
+    ):
+        a.shm_root = shm
         root = a.work or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         server = EmbeddedServer(root / "nats")
@@ -247,6 +266,7 @@ def main() -> None:
         "ckpt_every": a.ckpt_every,
         "step_s": a.step_s,
         "kill_after": a.kill_after,
+        "min_steps": a.min_steps,
         "rove_peer": peer,
         "rove_storage": storage,
         "torchrun": torchrun,

@@ -9,10 +9,12 @@ comes back into a slot of a fresh engine (a replacement node's restore). Timed:
 - `fetch_s`: asking the holder for it, until it is verified in the slot.
 
 Cases: `rove` (`rove.agent.replicas`: the event loop's socket calls, straight out of and
-into the buffers, reused), `streams` (the baseline, what rove did before: asyncio
-streams, a 16 MiB reader buffer, 4 MiB writes, a fresh buffer each time, the fetch
-installed into the slot after it arrived). --beside CPU-bound processes run meanwhile
-(default 2: two trainers on this 2-core machine).
+into the buffers, reused), `streams` (the baseline, the transport rove had before:
+asyncio streams, a 16 MiB reader buffer, 4 MiB writes, a fresh buffer each time, the
+fetch installed into the slot after it arrived; its copies out of and into shared
+memory are today's, `rove.checkpoint.memcopy`, so the two differ by their transport
+only). The slots live in /dev/shm, as a node's do. --beside CPU-bound processes run
+meanwhile (default 2: two trainers on this 2-core machine).
 
     python benchmarks/replica_channel.py [--size-mb 1024] [--beside 2]
 
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -241,7 +244,8 @@ def main() -> None:
         subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.beside)
     ]
     try:
-        with tempfile.TemporaryDirectory(prefix="rove-replica-channel-") as shm:
+        memory = "/dev/shm" if Path("/dev/shm").is_dir() else None  # as a node's is
+        with tempfile.TemporaryDirectory(prefix="rove-replica-channel-", dir=memory) as shm:
             os.environ["ROVE_SHM_DIR"] = shm
             streams = case("streams", a)
             rove = case("rove", a)
