@@ -18,6 +18,10 @@ from rove.checkpoint.durable import CheckpointError
 
 #: Bytes handed to the socket at a time while a payload travels (each under the timeout).
 CHUNK = 4 << 20
+#: One send or read of a replica transfer (of up to `CHUNK`) that takes longer fails it.
+IO_TIMEOUT_S = 30.0
+#: What ends a transfer early (said, and the peer or source tried again later).
+TRANSFER_ERRORS = (OSError, TimeoutError, CheckpointError)
 _LEN = struct.Struct(">I")
 
 

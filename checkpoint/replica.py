@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 import xxhash
 
 from rove.checkpoint.durable import CheckpointError
 
+T = TypeVar("T")
 PUT = b"PUT1"
 GET = b"GET1"
 #: A header larger than this is not one of ours.
@@ -70,6 +72,14 @@ class Answer(msgspec.Struct, frozen=True, kw_only=True):
     offer: Offer | None = None
     #: to a put: the peer holds that rank of that step already (nothing more is sent)
     held: bool = False
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    """A header or an answer; CheckpointError if it is not one."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as exc:
+        raise CheckpointError(f"an unreadable replica header: {exc}") from exc
 
 
 def frame(op: bytes, header: msgspec.Struct) -> bytes:
