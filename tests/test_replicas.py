@@ -339,7 +339,7 @@ async def test_in_a_real_job_each_nodes_steps_land_on_its_peer_as_they_reach_sto
             *("--nats", bus.url, "--job", job, "--node-id", n, "--local-addr", "127.0.0.1"),
             *("--nnodes", "2", "--nproc-per-node", "1", "--failure-domain", f"rack-{n}"),
             *("--checkpoint-dir", str(tmp_path / "store"), "--heartbeat-interval", "0.5"),
-            *(str(TRAIN), "--steps", "150", "--step-sleep", "0.1", "--ckpt-every", "5"),
+            *(str(TRAIN), "--steps", "100", "--step-sleep", "0.1", "--ckpt-every", "5"),
             *("--ckpt-dir", str(tmp_path / "ckpt"), "--log-every", "100", "--trace", str(trace)),
         )
         for n in ("na", "nb")
@@ -622,14 +622,13 @@ def test_an_engine_takes_a_replica_and_loads_it_verified(tmp_path: Path) -> None
 
 @pytest.mark.slow
 async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_storage(
-    any_bus: Bus, tmp_path: Path
+    bus: Bus, tmp_path: Path
 ) -> None:
     """Two nodes that persist every 50th step. After a step N < 50 of nb reached na, the
     whole of nb (agent, warm servers, worker) is killed with SIGKILL and its shared
     memory deleted; a new nb (empty memory) joins: the round restores step N from peers
     (nb's rank fetched from na's replica), not from storage (which has nothing yet),
     both ranks resume right after it, and the job finishes."""
-    bus = any_bus  # on one server and on a 3-node cluster (R3 streams)
     import contextlib
     import os
     import shutil
@@ -783,13 +782,15 @@ async def test_a_restore_fetch_corrupted_in_transit_is_refused_and_storage_is_ne
 
 @pytest.mark.slow
 async def test_a_lost_node_whose_peer_is_lost_too_resumes_from_storage(
-    bus: Bus, tmp_path: Path
+    cluster_bus: Bus, tmp_path: Path
 ) -> None:
     """Three nodes, each persisting every 10th step. Once a step of nb reached its peer
     and a step is committed, the whole of nb and the whole of the peer holding its
     replica are killed with SIGKILL, their shared memory deleted; new agents of both
     join. No member holds nb's ranks in memory: the round restores the committed step
-    from storage, every rank resumes right after it, and the job finishes."""
+    from storage, every rank resumes right after it, and the job finishes. On a 3-node
+    NATS cluster (R3 streams); the single-node restore from a peer runs on one server."""
+    bus = cluster_bus
     import contextlib
     import os
     import shutil
