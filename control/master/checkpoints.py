@@ -19,7 +19,7 @@ oldest step its members found (every one of them must have found one).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import immutables
 import msgspec
@@ -86,15 +86,7 @@ def on_round(c: CkptState, e: ev.RoundCompleted) -> CkptState:
     persisted = c.persisted
     for step in [s for s in persisted if s > keep]:
         persisted = persisted.delete(step)
-    memory = c.memory
-    for node in [n for n, (step, _) in memory.items() if step > keep]:
-        memory = memory.delete(node)
-    replicas = c.replicas
-    for node in [n for n, (step, _, _) in replicas.items() if step > keep]:
-        replicas = replicas.delete(node)
-    kept = c.kept
-    for node in [n for n, (step, _, _) in kept.items() if step > keep]:
-        kept = kept.delete(node)
+    memory, replicas, kept = (_past(m, keep) for m in (c.memory, c.replicas, c.kept))
     previous = c.previous
     for node in [n for n, step in previous.items() if step > keep or n not in memory]:
         previous = previous.delete(node)
@@ -112,6 +104,18 @@ def on_round(c: CkptState, e: ev.RoundCompleted) -> CkptState:
         cuts=cuts,
         restored=restored,
     )
+
+
+Stepped = TypeVar("Stepped", bound=tuple[Any, ...])
+
+
+def _past(by_node: immutables.Map[str, Stepped], keep: int) -> immutables.Map[str, Stepped]:
+    """`by_node` without the entries (step first) of a step newer than `keep`."""
+    with by_node.mutate() as m:
+        for node in [n for n, held in by_node.items() if held[0] > keep]:
+            del m[node]
+        left = m.finish()
+    return left
 
 
 def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
