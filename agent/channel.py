@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 
+from rove.checkpoint import replica as wire
 from rove.checkpoint.durable import CheckpointError
 
 #: Bytes handed to the socket at a time while a payload travels (each under the timeout).
@@ -22,7 +22,6 @@ CHUNK = 4 << 20
 IO_TIMEOUT_S = 30.0
 #: What ends a transfer early (said, and the peer or source tried again later).
 TRANSFER_ERRORS = (OSError, TimeoutError, CheckpointError)
-_LEN = struct.Struct(">I")
 
 
 class Channel:
@@ -73,12 +72,9 @@ class Channel:
         await self.fill(memoryview(buf))
         return bytes(buf)
 
-    async def body(self, limit: int) -> bytes:
-        """A header or an answer: its 4-byte length (at most `limit`), then its bytes."""
-        (n,) = _LEN.unpack(await self.exactly(4))
-        if n > limit:
-            raise CheckpointError(f"a header of {n} bytes: not a rove peer")
-        return await self.exactly(n)
+    async def body(self) -> bytes:
+        """A header or an answer: its 4-byte length (`replica.length`), then its bytes."""
+        return await self.exactly(wire.length(await self.exactly(4)))
 
     def close(self) -> None:
         self.sock.close()

@@ -252,14 +252,14 @@ class ReplicaSender:
         chan = await Channel.connect(peer.addr, peer.replica_port, self.io_timeout_s)
         try:
             await chan.send(wire.frame(wire.PUT, offer))
-            go = wire.decode(await chan.body(wire.MAX_HEADER), wire.Answer)
+            go = wire.decode(await chan.body(), wire.Answer)
             if go.held:
                 return  # the peer holds this rank of the step already
             if not go.ok:
                 raise CheckpointError(f"{peer.node} refused it: {go.error}")
             await chan.send(raw)
             self._unanswered = step
-            answer = wire.decode(await chan.body(wire.MAX_HEADER), wire.Answer)
+            answer = wire.decode(await chan.body(), wire.Answer)
             self._unanswered = None
         finally:
             chan.close()

@@ -229,7 +229,7 @@ class ReplicaServer:
         chan = Channel(conn, IO_TIMEOUT_S)
         try:
             op = await chan.exactly(4)
-            body = await chan.body(wire.MAX_HEADER)
+            body = await chan.body()
             if op == wire.PUT:
                 await self._put(wire.decode(body, wire.Offer), chan)
             elif op == wire.GET:
@@ -336,7 +336,7 @@ async def fetch_into(
     parts: list[memoryview] = []
     try:
         await chan.send(wire.frame(wire.GET, want))
-        answer = wire.decode(await chan.body(wire.MAX_HEADER), wire.Answer)
+        answer = wire.decode(await chan.body(), wire.Answer)
         if not answer.ok or answer.offer is None:
             raise CheckpointError(answer.error or "the peer sent no replica")
         offer = answer.offer
