@@ -218,7 +218,14 @@ class ReplicaServer:
                 continue
             task = asyncio.create_task(self._serve(conn), name="replica transfer")
             self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            task.add_done_callback(self._served)
+
+    def _served(self, task: asyncio.Task[None]) -> None:
+        """A transfer ended: one that failed unexpectedly (a bug, not the network) is said
+        with its traceback; it ends that transfer only."""
+        self._conns.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.log.error("a replica transfer failed", exc_info=exc)
 
     async def stop(self) -> None:
         await cancel_and_wait([t for t in (self.task, *self._conns) if t is not None])

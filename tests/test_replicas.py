@@ -890,3 +890,28 @@ async def test_a_lost_node_whose_peer_is_lost_too_resumes_from_storage(
 
 async def _at_least(value: Any, floor: int) -> bool:
     return bool(await value >= floor)
+
+
+async def test_a_transfer_that_fails_on_a_bug_is_said_and_the_server_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A get whose own-memory lookup raises something no network explains: the server
+    logs it with its traceback, ends that transfer only, and answers the next one."""
+    from structlog.testing import capture_logs
+
+    def broken(_step: int, _rank: int) -> None:
+        raise RuntimeError("a bug in the lookup")
+
+    holder = ReplicaServer(NodeFacts(_Facts(), job=JOB, node="nb"), "127.0.0.1", 1 << 20, broken)  # type: ignore[arg-type]
+    port = await holder.start()
+    try:
+        with capture_logs() as logs:
+            with pytest.raises(CheckpointError, match="left after 0 of 4 bytes"):
+                await fetch("127.0.0.1", port, wire.Want(job=JOB, source="nb", step=1, rank=0))
+            await eventually(lambda: any(e["event"] == "a replica transfer failed" for e in logs))
+        failed = next(e for e in logs if e["event"] == "a replica transfer failed")
+        assert failed["log_level"] == "error" and "a bug in the lookup" in str(failed["exc_info"])
+        with pytest.raises(CheckpointError, match="no replica of step 1 rank 0 of na here"):
+            await fetch("127.0.0.1", port, wire.Want(job=JOB, source="na", step=1, rank=0))
+    finally:
+        await holder.stop()
