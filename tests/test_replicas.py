@@ -27,7 +27,7 @@ from rove.control.catalogue import events as ev
 from rove.control.cli import status_cmd
 from rove.control.master import checkpoints as ckpt
 from tests import factories
-from tests.support import eventually, stored_events
+from tests.support import RunProc, eventually, stored_events
 from tests.test_checkpoint_commit import running
 
 JOB = "rj"
@@ -629,36 +629,17 @@ async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_st
     memory deleted; a new nb (empty memory) joins: the round restores step N from peers
     (nb's rank fetched from na's replica), not from storage (which has nothing yet),
     both ranks resume right after it, and the job finishes."""
-    import contextlib
-    import os
     import shutil
-    import signal
 
-    import psutil
-
-    from tests.support import MasterProc, RunProc, patience, pid_alive, rove_cli, trace_rows
-    from tests.test_runtime import TRAIN
+    from tests.support import MasterProc, patience, rove_cli, trace_rows
 
     job = "rp"
     master = MasterProc(bus.url, job, "m1", tmp_path, "--node-timeout", "3")
     trace = tmp_path / "trace.jsonl"
 
     def node(name: str, log: str) -> RunProc:
-        shm = tmp_path / f"shm-{log}"
-        shm.mkdir()
-        return RunProc(
-            tmp_path,
-            log,
-            *("--nats", bus.url, "--job", job, "--node-id", name, "--local-addr", "127.0.0.1"),
-            *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "5"),
-            *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
-            # storage there, but nothing persisted yet when the node is lost
-            *("--checkpoint-dir", str(tmp_path / "store"), "--persist-every", "50"),
-            # a save every second: a step's replica reaches the peer before the next save
-            *(str(TRAIN), "--steps", "60", "--step-sleep", "0.2", "--ckpt-every", "5"),
-            *("--ckpt-dir", str(tmp_path / "ckpt"), "--trace", str(trace), "--log-every", "50"),
-            env={"ROVE_SHM_DIR": str(shm)},
-        )
+        # storage there, but nothing persisted yet when the node is lost
+        return _node(tmp_path, bus.url, job, name, log, nnodes=2, persist_every=50)
 
     async def events(kind: type[ev.Event]) -> list[ev.Event]:
         return [r.event for r in await stored_events(bus, job) if isinstance(r.event, kind)]
@@ -668,12 +649,7 @@ async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_st
     try:
         await eventually(lambda: _replica_of(events, "nb", at_least=15), timeout=120)
         # the whole node at once: its agent, its warm servers and its worker, with -9
-        whole = [b.proc.pid, *(c.pid for c in psutil.Process(b.proc.pid).children(recursive=True))]
-        for pid in whole:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        b.proc.wait()
-        await eventually(lambda: not any(pid_alive(p) for p in whole), timeout=30)
+        await _kill_whole([b])
         shutil.rmtree(tmp_path / "shm-nb")  # its memory is gone with it
         b2 = node("nb", "nb-again")
         first = (await events(ev.RoundCompleted))[0]
@@ -791,34 +767,16 @@ async def test_a_lost_node_whose_peer_is_lost_too_resumes_from_storage(
     from storage, every rank resumes right after it, and the job finishes. On a 3-node
     NATS cluster (R3 streams); the single-node restore from a peer runs on one server."""
     bus = cluster_bus
-    import contextlib
-    import os
     import shutil
-    import signal
 
-    import psutil
-
-    from tests.support import MasterProc, RunProc, patience, pid_alive, trace_rows
-    from tests.test_runtime import TRAIN
+    from tests.support import MasterProc, patience, trace_rows
 
     job = "rp3"
     master = MasterProc(bus.url, job, "m1", tmp_path, "--node-timeout", "3")
     trace = tmp_path / "trace.jsonl"
 
     def node(name: str, log: str) -> RunProc:
-        shm = tmp_path / f"shm-{log}"
-        shm.mkdir()
-        return RunProc(
-            tmp_path,
-            log,
-            *("--nats", bus.url, "--job", job, "--node-id", name, "--local-addr", "127.0.0.1"),
-            *("--nnodes", "3", "--nproc-per-node", "1", "--max-restarts", "5"),
-            *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
-            *("--checkpoint-dir", str(tmp_path / "store"), "--persist-every", "10"),
-            *(str(TRAIN), "--steps", "60", "--step-sleep", "0.2", "--ckpt-every", "5"),
-            *("--ckpt-dir", str(tmp_path / "ckpt"), "--trace", str(trace), "--log-every", "50"),
-            env={"ROVE_SHM_DIR": str(shm)},
-        )
+        return _node(tmp_path, bus.url, job, name, log, nnodes=3, persist_every=10)
 
     async def events(kind: type[ev.Event]) -> list[ev.Event]:
         return [r.event for r in await stored_events(bus, job) if isinstance(r.event, kind)]
@@ -835,20 +793,8 @@ async def test_a_lost_node_whose_peer_is_lost_too_resumes_from_storage(
         lost = ["nb", peer]
         (survivor,) = {"na", "nb", "nc"} - set(lost)
         first = next(e for e in await events(ev.RoundCompleted) if isinstance(e, ev.RoundCompleted))
-        whole = [
-            pid
-            for n in lost
-            for pid in (
-                procs[n].proc.pid,
-                *(c.pid for c in psutil.Process(procs[n].proc.pid).children(recursive=True)),
-            )
-        ]
-        for pid in whole:  # both nodes at once: agents, warm servers, workers
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        await eventually(lambda: not any(pid_alive(p) for p in whole), timeout=30)
+        await _kill_whole([procs[n] for n in lost])  # both at once, with -9
         for n in lost:
-            procs[n].proc.wait()
             shutil.rmtree(tmp_path / f"shm-{n}")
         again = [node(n, f"{n}-again") for n in lost]
         old = {m.node: m.incarnation for m in first.members}
@@ -915,3 +861,54 @@ async def test_a_transfer_that_fails_on_a_bug_is_said_and_the_server_goes_on(
             await fetch("127.0.0.1", port, wire.Want(job=JOB, source="na", step=1, rank=0))
     finally:
         await holder.stop()
+
+
+def _node(
+    tmp_path: Path, url: str, job: str, name: str, log: str, *, nnodes: int, persist_every: int
+) -> RunProc:
+    """A `rove run` node of a replica job (one worker, its own shared memory in
+    `shm-{log}`): a save every second, so a step's replica reaches its peer before the
+    next save, persisted every `persist_every` steps."""
+    from tests.test_runtime import TRAIN
+
+    shm = tmp_path / f"shm-{log}"
+    shm.mkdir()
+    return RunProc(
+        tmp_path,
+        log,
+        *("--nats", url, "--job", job, "--node-id", name, "--local-addr", "127.0.0.1"),
+        *("--nnodes", str(nnodes), "--nproc-per-node", "1", "--max-restarts", "5"),
+        *("--heartbeat-interval", "0.5", "--last-call-timeout", "1"),
+        *("--checkpoint-dir", str(tmp_path / "store"), "--persist-every", str(persist_every)),
+        *(str(TRAIN), "--steps", "60", "--step-sleep", "0.2", "--ckpt-every", "5"),
+        *("--ckpt-dir", str(tmp_path / "ckpt"), "--trace", str(tmp_path / "trace.jsonl")),
+        *("--log-every", "50"),
+        env={"ROVE_SHM_DIR": str(shm)},
+    )
+
+
+async def _kill_whole(nodes: list[RunProc]) -> None:
+    """SIGKILL the whole of each node at once (its agent, warm servers and workers), and
+    wait until every one of those processes is gone."""
+    import contextlib
+    import os
+    import signal
+
+    import psutil
+
+    from tests.support import pid_alive
+
+    pids = [
+        pid
+        for n in nodes
+        for pid in (
+            n.proc.pid,
+            *(c.pid for c in psutil.Process(n.proc.pid).children(recursive=True)),
+        )
+    ]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for n in nodes:
+        n.proc.wait()
+    await eventually(lambda: not any(pid_alive(p) for p in pids), timeout=30)
