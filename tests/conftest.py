@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +18,14 @@ from tests.s3server import S3Server
 from tests.support import Cluster
 
 logs.configure("warning")
+
+#: One OpenMP thread per process the tests start, unless a test asks for more. The suite
+#: simulates several nodes, each with its own workers, agent and servers, on one small
+#: machine: a worker that takes every core's thread (torch's default, and torchrun's
+#: too with one process per node) spins in OpenMP's barriers while the others hold the
+#: cores, and a 30-s job burned 18 CPU-seconds per worker instead of 3. Tests that
+#: compare launchers' own defaults take it out of their launchers' environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 #: Lease TTL used by the tests' buses and masters (short, so failovers are quick).
 TEST_LEASE_TTL = 2.0

@@ -133,6 +133,12 @@ def patience(seconds: float) -> float:
     return seconds * max(1.0, load) * scale
 
 
+def launcher_env() -> dict[str, str]:
+    """This environment without the suite's `OMP_NUM_THREADS` (conftest): what a user's
+    shell gives a launcher, for tests that compare what launchers set themselves."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
 async def eventually(
     check: Callable[[], Awaitable[Any] | Any], *, timeout: float = 20.0, every: float = 0.05
 ) -> Any:

@@ -25,6 +25,7 @@ from tests.support import (
     RunProc,
     eventually,
     free_port,
+    launcher_env,
     pid_alive,
     rove_cli,
     scrape,
@@ -425,9 +426,12 @@ def test_workers_get_the_same_environment_as_under_torchrun(tmp_path: Path) -> N
             text=True,
             timeout=120,
             check=False,
+            env=launcher_env(),
         )
         assert out.returncode == 0, out.stderr[-3000:]
     t, r = _envs(tmp_path / "torchrun"), _envs(tmp_path / "rove")
+    # each launcher's own default for 2 processes per node, as torchrun sets it
+    assert t["0"]["OMP_NUM_THREADS"] == r["0"]["OMP_NUM_THREADS"] == "1"
     assert sorted(t) == sorted(r) == ["0", "1"]
     # Where the store lives and what the run is called differ by design.
     differ = {

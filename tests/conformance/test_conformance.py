@@ -6,7 +6,6 @@ must match, but for the differences docs/runtime.md lists ("Differences from tor
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import patience
+from tests.support import launcher_env, patience
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +57,7 @@ def launch(
             text=True,
             timeout=patience(180),
             cwd=HERE,
-            env={**os.environ, "ROVE_HOME": str(tmp / "home")},
+            env={**launcher_env(), "ROVE_HOME": str(tmp / "home")},
             preexec_fn=preexec,
         )
         if not (launcher == "torchrun" and TORCH_TEARDOWN_ABORT in out.stderr):
