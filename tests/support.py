@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -64,9 +65,32 @@ def leave_process_group() -> NoReturn:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nobody holds, below the kernel's ephemeral range.
+
+    A port the kernel hands out (`bind(("", 0))`) is free only until it hands it out
+    again: to another test's outgoing connection, between this test's pick and the
+    server's bind (a 3-node cluster's route port was taken that way). Ports below the
+    ephemeral range are never handed out, so only another pick like this one can take
+    it, and each pick is random among several thousand."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (a crowded range: the kernel's choice)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class Cluster:
