@@ -207,13 +207,23 @@ class CheckpointDuty:
         round_ = self._round  # the lineage this step belongs to
         self._attempted = max(self._attempted, step)
         began = time.monotonic()
+        copying = self.saver.copying
         try:
             done = await asyncio.to_thread(self.saver.persist, step)
         except CheckpointError as exc:
             superseded = isinstance(exc, SlotOverwritten)
+            if self.saver.copying and not copying:
+                self.log.warning(
+                    f"checkpoint step {step} was overwritten by a newer save while it was "
+                    "persisted: storage is slower than the workers save; from now on each "
+                    "step is copied out of shared memory first (one copy of this node's "
+                    "state in the agent's memory) and persisted from the copy"
+                )
             self._overwritten = self._overwritten + 1 if superseded else 0
             if not superseded:
                 self.log.warning(f"could not persist checkpoint step {step}: {exc}")
+            elif not copying:
+                pass  # said above
             elif self._overwritten == OVERWRITTEN_SAY:
                 self.log.warning(
                     f"the last {OVERWRITTEN_SAY} checkpoint steps were overwritten by newer "

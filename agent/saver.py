@@ -38,6 +38,10 @@ class Saver:
         self.engines: dict[int, FlashEngine] = {}
         self.reported_step = -1
         self.persisted_step = -1
+        #: persist from a copy of each rank (set once a step was overwritten while it was
+        #: persisted straight from shared memory: storage is slower than the saves)
+        self.copying = False
+        self._copies: dict[int, bytearray] = {}  # a rank's copy buffer, reused
 
     def ranks(self, ranks: tuple[int, ...], run: str = "") -> None:
         """The global ranks this node runs now (a new round may change them), in `run`
@@ -48,6 +52,7 @@ class Saver:
             self.name = name
             self.forget_other_runs()
         self.engines = {r: self.engines.get(r) or FlashEngine(name, r) for r in ranks}
+        self._copies = {r: b for r, b in self._copies.items() if r in self.engines}
 
     def forget_other_runs(self) -> None:
         """Remove the slots an earlier, killed run of a job by this name left behind."""
@@ -136,16 +141,43 @@ class Saver:
             StorageError / CheckpointError: with the reason; nothing is committed.
         """
         assert self.storage is not None
-        for rank, engine in sorted(self.engines.items()):
-            slot = engine.slot_of(step)
-            if slot is None:
-                raise SlotOverwritten(
-                    f"step {step} of rank {rank} is no longer in memory (a newer save took "
-                    "its slot)"
-                )
-            self.storage.persist(engine, slot, rank)
+        if self.copying:
+            # every rank copied out first (a fraction of a second per GiB), then written
+            # at storage's pace: no save can tear a copy, so slow storage still gets steps
+            copies = [
+                self._copy(engine, step, rank) for rank, engine in sorted(self.engines.items())
+            ]
+            for manifest, raw in copies:
+                self.storage.persist_copy(manifest, raw)
+        else:
+            try:
+                for rank, engine in sorted(self.engines.items()):
+                    self.storage.persist(engine, self._slot(engine, step, rank), rank)
+            except SlotOverwritten:
+                self.copying = True
+                raise
         self.persisted_step = max(self.persisted_step, step)
         return Persisted(step, tuple(sorted(self.engines)), self.storage.location)
+
+    @staticmethod
+    def _slot(engine: FlashEngine, step: int, rank: int) -> int:
+        slot = engine.slot_of(step)
+        if slot is None:
+            raise SlotOverwritten(
+                f"step {step} of rank {rank} is no longer in memory (a newer save took its slot)"
+            )
+        return slot
+
+    def _copy(self, engine: FlashEngine, step: int, rank: int) -> tuple[Manifest, bytearray]:
+        manifest, raw = copy_out(
+            engine, self._slot(engine, step, rank), rank, self._copies.get(rank)
+        )
+        self._copies[rank] = raw
+        return manifest, raw
+
+    def copy_bytes(self) -> int:
+        """The memory the copies take now (0 until the saver persists from copies)."""
+        return sum(len(b) for b in self._copies.values())
 
     def raw(self, step: int, rank: int) -> tuple[Manifest, bytearray] | None:
         """`rank`'s `step` as storage would write it (its metadata then data, and its

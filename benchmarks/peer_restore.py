@@ -14,8 +14,9 @@ from the kill:
 
 Cases: `rove_peer` (`rove run`, flash checkpoints, no storage: the lost node's step
 comes from its peer's replica), `rove_storage` (`rove run --checkpoint-dir`, files,
-`--peer-replicas 0`: the committed step), `torchrun` (`torchrun` on a c10d rendezvous,
-rank 0 saves with `torch.save` to a file, every rank loads it after the restart).
+`--peer-replicas 0`: the committed step; with `--object-store`, also
+`rove_object_store`: the same, persisted to an S3 endpoint), `torchrun` (`torchrun` on
+a c10d rendezvous, rank 0 saves with `torch.save` to a file, every rank loads it after the restart).
 
     python benchmarks/peer_restore.py [--size-mb 1024]
 
@@ -115,19 +116,28 @@ def measure(
                 kill_whole(p)
 
 
-def rove_case(root: Path, url: str, a: argparse.Namespace, storage: bool) -> dict[str, Any]:
-    name = "storage" if storage else "peer"
+def rove_case(
+    root: Path,
+    url: str,
+    a: argparse.Namespace,
+    storage: bool,
+    store: str | None = None,
+    store_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """`store`: where the storage case persists (a URL; default: a local folder)."""
+    name = ("object-store" if store else "storage") if storage else "peer"
     work = root / name
     work.mkdir()
     job = f"pr-{name}"
-    env = {**os.environ, "ROVE_HOME": str(work / "home")}
+    env = {**os.environ, **(store_env or {}), "ROVE_HOME": str(work / "home")}
     master = subprocess.Popen(
         [*ROVE, "master", "--job", job, "--nats", url, "--node-timeout", "10"],
         stdout=(work / "master.log").open("wb"),
         stderr=subprocess.STDOUT,
         env=env,
     )
-    extra = ["--checkpoint-dir", str(work / "store"), "--peer-replicas", "0"] if storage else []
+    where = store or str(work / "store")
+    extra = ["--checkpoint-dir", where, "--peer-replicas", "0"] if storage else []
 
     def start(node: str, n: int) -> subprocess.Popen[bytes]:
         shm = shm_dir(a, work, node)
@@ -202,6 +212,16 @@ def torchrun_case(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     return measure(work, first, a, lambda: (work / "ckpt" / "ckpt.pt").exists())
 
 
+def object_store(root: Path) -> Any:
+    """moto's S3 server on loopback, as the object-store checkpoint tests run it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.s3server import S3Server
+
+    server = S3Server(root / "moto.log")
+    server.start()
+    return server
+
+
 def shm_dir(a: argparse.Namespace, work: Path, node: str) -> Path:
     """A node's shared memory (`ROVE_SHM_DIR`): in /dev/shm, as a real node's is (a
     folder on disk would page its flash saves out to the disk)."""
@@ -242,6 +262,12 @@ def main() -> None:
         default=0,
         help="train at least this many steps before the kill (default: 3 saves' worth)",
     )
+    p.add_argument(
+        "--object-store",
+        action="store_true",
+        help="a third rove case persisting to an S3 object store (moto's emulator on "
+        "loopback, from `make test`'s .venv-s3) instead of a local folder",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--work", type=Path, help="keep logs and traces here")
     a = p.parse_args()
@@ -255,11 +281,19 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         server = EmbeddedServer(root / "nats")
         url = server.start()
+        s3 = None
         try:
             peer = rove_case(root, url, a, storage=False)
             storage = rove_case(root, url, a, storage=True)
+            if a.object_store:
+                s3 = object_store(root)
+                remote = rove_case(
+                    root, url, a, True, f"s3://{s3.bucket()}/ckpt", store_env=s3.env()
+                )
         finally:
             server.stop()
+            if s3 is not None:
+                s3.stop()
         torchrun = torchrun_case(root, a)
     result = {
         "size_mb": a.size_mb,
@@ -271,6 +305,11 @@ def main() -> None:
         "rove_storage": storage,
         "torchrun": torchrun,
         "peer_vs_storage": ratio(storage, peer),
+        **(
+            {"rove_object_store": remote, "peer_vs_object_store": ratio(remote, peer)}
+            if a.object_store
+            else {}
+        ),
         "peer_vs_torchrun": ratio(torchrun, peer),
         "targets": {"peer_vs_storage": 3.0, "peer_lost_steps_beyond_last_save": 0},
     }

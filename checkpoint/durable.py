@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 #: A location with a scheme (`s3://`, `gs://`, `az://`, ...) names an object store; a
@@ -46,7 +47,7 @@ def fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def write_atomic(path: Path, chunks: list[memoryview | bytes]) -> None:
+def write_atomic(path: Path, chunks: Sequence[memoryview | bytes]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:

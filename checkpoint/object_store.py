@@ -27,21 +27,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from rove.checkpoint.engine import CheckpointError, FlashEngine
-from rove.checkpoint.shm import HEADER_SIZE
+from rove.checkpoint.engine import CheckpointError
 from rove.checkpoint.storage import (
     Manifest,
     SlotOverwritten,
     Storage,
     StorageError,
+    overwritten,
     rebuild_verified,
-    to_persist,
 )
 
 if TYPE_CHECKING:
@@ -146,30 +145,26 @@ class ObjectStorage(Storage):
 
     # -- the port ----------------------------------------------------------------------
 
-    def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
+    def write(self, manifest: Manifest, parts: list[memoryview], torn: Callable[[], bool]) -> None:
         import obstore
 
-        seg, h, manifest = to_persist(engine, slot, rank)
-        data = f"{_step_dir(h.step)}/rank-{rank:05d}.ckpt"
+        step, rank = manifest.step, manifest.rank
+        data = f"{_step_dir(step)}/rank-{rank:05d}.ckpt"
         try:
-            self._put(
-                data, [seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)]
-            )
+            self._put(data, list(parts))
         except Exception as exc:
-            raise self._fail(f"persist step {h.step} of rank {rank}", exc) from exc
-        after = seg.header()
-        if after is None or after.generation != h.generation:
+            raise self._fail(f"persist step {step} of rank {rank}", exc) from exc
+        if torn():
             # the upload may hold a mix of two steps: no manifest names it, and it goes
             try:
                 obstore.delete(self.store, data)
             except Exception:  # noqa: BLE001 - unnamed by any manifest, it is never loaded
                 pass
-            raise SlotOverwritten(f"slot {slot} was overwritten while it was persisted")
+            raise SlotOverwritten(overwritten(step, rank))
         try:
-            self._put(f"{_step_dir(h.step)}/rank-{rank:05d}.json", [msgspec.json.encode(manifest)])
+            self._put(f"{_step_dir(step)}/rank-{rank:05d}.json", [msgspec.json.encode(manifest)])
         except Exception as exc:
-            raise self._fail(f"persist the manifest of step {h.step} rank {rank}", exc) from exc
-        return manifest
+            raise self._fail(f"persist the manifest of step {step} rank {rank}", exc) from exc
 
     def persisted_ranks(self, step: int) -> set[int]:
         try:

@@ -23,6 +23,7 @@ import abc
 import contextlib
 import errno
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,10 @@ class StorageError(CheckpointError):
 class SlotOverwritten(CheckpointError):
     """The workers saved a newer step into the slot while it was being persisted (they
     save faster than storage takes it): that step is not persisted, a newer one will be."""
+
+
+def overwritten(step: int, rank: int) -> str:
+    return f"step {step} of rank {rank} was overwritten while it was persisted"
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,14 +121,39 @@ class Storage(abc.ABC):
     def location(self) -> str:
         """Where the checkpoints are, as the user gave it (a path or a URL)."""
 
-    @abc.abstractmethod
     def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
-        """Persist a complete slot.
+        """Persist a complete slot, straight from shared memory.
 
         Raises:
             StorageError: the write failed; nothing of it is left behind.
-            CheckpointError: the slot changed or is not complete.
+            SlotOverwritten: a newer save took the slot meanwhile; nothing is left.
+            CheckpointError: the slot is not complete.
         """
+        seg, h, manifest = to_persist(engine, slot, rank)
+
+        def torn() -> bool:
+            after = seg.header()
+            return after is None or after.generation != h.generation
+
+        parts = [seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)]
+        self.write(manifest, parts, torn)
+        return manifest
+
+    def persist_copy(self, manifest: Manifest, raw: bytearray) -> Manifest:
+        """Persist a rank's bytes copied out of shared memory (`copy_out`): no save can
+        tear them, however long storage takes.
+
+        Raises:
+            StorageError: the write failed; nothing of it is left behind.
+        """
+        self.write(manifest, [memoryview(raw)], lambda: False)
+        return manifest
+
+    @abc.abstractmethod
+    def write(self, manifest: Manifest, parts: list[memoryview], torn: Callable[[], bool]) -> None:
+        """Write a rank's bytes (`parts`, its metadata then data), then its manifest. If
+        `torn()` says, once the bytes are written, that their source changed meanwhile,
+        delete them and raise `SlotOverwritten`: no manifest ever names a torn file."""
 
     @abc.abstractmethod
     def persisted_ranks(self, step: int) -> set[int]: ...
@@ -163,20 +193,17 @@ class FileStorage(Storage):
     def _step_dir(self, step: int) -> Path:
         return durable.step_dir(self.root, step)
 
-    def persist(self, engine: FlashEngine, slot: int, rank: int) -> Manifest:
-        seg, h, manifest = to_persist(engine, slot, rank)
-        directory = self._step_dir(h.step)
+    def write(self, manifest: Manifest, parts: list[memoryview], torn: Callable[[], bool]) -> None:
+        step, rank = manifest.step, manifest.rank
+        directory = self._step_dir(step)
         data = self.root / directory.name / f"rank-{rank:05d}.ckpt"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            durable.write_atomic(
-                data, [seg.view(HEADER_SIZE, h.meta_len), seg.view(h.data_offset, h.data_len)]
-            )
-            after = seg.header()
-            if after is None or after.generation != h.generation:
+            durable.write_atomic(data, parts)
+            if torn():
                 # the file may hold a mix of two steps: no manifest names it, and it goes
                 data.unlink(missing_ok=True)
-                raise SlotOverwritten(f"slot {slot} was overwritten while it was persisted")
+                raise SlotOverwritten(overwritten(step, rank))
             durable.write_atomic(
                 directory / f"rank-{rank:05d}.json", [msgspec.json.encode(manifest)]
             )
@@ -191,10 +218,9 @@ class FileStorage(Storage):
                 errno.EACCES: "permission denied",
             }.get(exc.errno or 0, str(exc))
             raise StorageError(
-                f"could not persist step {h.step} of rank {rank} to {self.root}: {reason}; "
+                f"could not persist step {step} of rank {rank} to {self.root}: {reason}; "
                 "training goes on with in-memory checkpoints; free space or fix the path"
             ) from exc
-        return manifest
 
     def persisted_ranks(self, step: int) -> set[int]:
         directory = self._step_dir(step)

@@ -98,20 +98,23 @@ class _Outbox:
 
 
 class _Saver:
-    """Persists nothing: each call raises the next error given."""
+    """Persists nothing: each call raises the next error given. It persists from copies
+    already (what a step overwritten while it was persisted switches a real saver to)."""
 
     def __init__(self, errors: list[Exception]) -> None:
         self.errors = errors
         self.storage = object()
+        self.copying = True
 
     def persist(self, step: int) -> None:
         raise self.errors.pop(0)
 
 
 async def test_a_step_a_newer_save_overwrote_is_quiet_until_it_keeps_happening() -> None:
-    """The workers saving faster than storage takes it loses a step now and then (a
-    newer one is persisted next): the job's log says so; the console (a warning) only
-    once OVERWRITTEN_SAY in a row went, or for any other reason a persist failed."""
+    """A saver persisting from copies loses a step only when the workers save faster
+    than it copies (a newer one is persisted next): the job's log says so; the console
+    (a warning) only once OVERWRITTEN_SAY in a row went, or for any other reason a
+    persist failed."""
     from structlog.testing import capture_logs
 
     from rove.agent import ckpt_duty
@@ -189,6 +192,7 @@ class Steps:
     storage = object()
     engines = {0: None}
     aligned_step = Saver.aligned_step
+    copying = False
 
     def __init__(self, failing: set[int]) -> None:
         self.failing, self.newest, self.reported_step = failing, 0, -1
@@ -211,3 +215,72 @@ class Steps:
         self.persisted.append(step)
         self.persisted_step = step
         return type("Done", (), {"ranks": (0,), "location": "x"})()
+
+
+class _SlowDisk:
+    """A real `FileStorage` on a disk slower than the workers save: each rank's bytes
+    are written only after `during()` ran (the workers' next saves)."""
+
+    def __init__(self, root: Path, during: Any) -> None:
+        from rove.checkpoint.storage import FileStorage
+
+        class Slow(FileStorage):
+            def write(self, manifest: Any, parts: Any, torn: Any) -> None:
+                during()
+                super().write(manifest, parts, torn)
+
+        self.storage = Slow(root)
+
+
+async def test_storage_slower_than_the_saves_still_gets_steps_persisted_from_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks on a node; while storage writes a step, the workers save two newer ones
+    (both slots turn over). Straight from shared memory the step is torn: nothing of it is
+    kept, the console says why and what rove does, and from then on each step is copied
+    out first: the next step is persisted whole, though the slots turned over again while
+    it was written, and loads back as it was saved."""
+    from structlog.testing import capture_logs
+
+    from rove.agent import ckpt_duty
+    from rove.agent.facts import NodeFacts
+    from rove.control.catalogue import events as ev
+
+    monkeypatch.setenv("ROVE_SHM_DIR", str(tmp_path / "shm"))
+    name = namespace("j1", "run1")
+    engines = {r: FlashEngine(name, r) for r in (0, 1)}
+    saved = {"step": 0}
+
+    def save_all() -> None:
+        saved["step"] += 1
+        for r, e in engines.items():
+            e.save(saved["step"], {"w": torch.full((1000,), float(saved["step"] * 10 + r))})
+
+    def two_newer() -> None:
+        save_all()
+        save_all()
+
+    save_all()
+    outbox = _Outbox()
+    duty = ckpt_duty.CheckpointDuty(NodeFacts(outbox, job="j1", node="n"), None)  # type: ignore[arg-type]
+    duty.saver = Saver("j1", None)
+    duty.saver.storage = _SlowDisk(tmp_path / "ckpt", two_newer).storage
+    duty.saver.ranks((0, 1), "run1")
+    with capture_logs() as logs:
+        await duty._persist(1)
+        assert duty.saver.copying
+        assert not (tmp_path / "ckpt" / "step-00000001").exists() or not list(
+            (tmp_path / "ckpt" / "step-00000001").glob("*.json")
+        ), "no manifest names a torn file"
+        newest = saved["step"]
+        await duty._persist(newest)
+    warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert len(warned) == 1 and "storage is slower than the workers save" in warned[0], warned
+    assert "persisted from the copy" in warned[0]
+    assert saved["step"] >= newest + 4, "the slots turned over while each step was written"
+    assert [type(e) for e in outbox.events] == [ev.CkptFailed, ev.CkptPersisted]
+    assert outbox.events[1].step == newest  # type: ignore[attr-defined]
+    for r in (0, 1):
+        state = duty.saver.storage.load(newest, r)
+        assert torch.equal(state["w"], torch.full((1000,), float(newest * 10 + r)))
+    assert duty.saver.copy_bytes() > 2 * 4000, "one copy per rank, kept for the next step"
