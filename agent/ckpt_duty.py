@@ -217,7 +217,9 @@ class CheckpointDuty:
                     f"checkpoint step {step} was overwritten by a newer save while it was "
                     "persisted: storage is slower than the workers save; from now on each "
                     "step is copied out of shared memory first (one copy of this node's "
-                    "state in the agent's memory) and persisted from the copy"
+                    "state in the agent's memory) and persisted from the copy; with several "
+                    "nodes, give --persist-every N with a persist shorter than N steps, so "
+                    "that every node persists the same steps and they can be committed"
                 )
             self._overwritten = self._overwritten + 1 if superseded else 0
             if not superseded:

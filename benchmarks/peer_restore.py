@@ -138,6 +138,8 @@ def rove_case(
     )
     where = store or str(work / "store")
     extra = ["--checkpoint-dir", where, "--peer-replicas", "0"] if storage else []
+    if store and a.store_persist_every:
+        extra += ["--persist-every", str(a.store_persist_every)]
 
     def start(node: str, n: int) -> subprocess.Popen[bytes]:
         shm = shm_dir(a, work, node)
@@ -268,6 +270,14 @@ def main() -> None:
         help="a third rove case persisting to an S3 object store (moto's emulator on "
         "loopback, from `make test`'s .venv-s3) instead of a local folder",
     )
+    p.add_argument(
+        "--store-persist-every",
+        type=int,
+        default=0,
+        help="the object-store case persists every Nth step only (0: every save): what a "
+        "job whose uploads take longer than a save interval needs, so that every node "
+        "persists the same steps",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--work", type=Path, help="keep logs and traces here")
     a = p.parse_args()
@@ -301,6 +311,7 @@ def main() -> None:
         "step_s": a.step_s,
         "kill_after": a.kill_after,
         "min_steps": a.min_steps,
+        "store_persist_every": a.store_persist_every,
         "rove_peer": peer,
         "rove_storage": storage,
         "torchrun": torchrun,
