@@ -37,6 +37,22 @@ FOUND_READ_S = 15.0
 OVERWRITTEN_SAY = 5
 
 
+def persist_stride(advanced: int, every: int, most: int = 1 << 12) -> int:
+    """How many of the `every`-step points apart a node persists while its storage is
+    slower than the saves (it persists from copies): the smallest power of two whose
+    spacing is at least 1.5 times the steps its last persist lasted (`advanced`).
+
+    Nodes measure their own persists, so they may choose different strides; powers of
+    two nest (every 16th point is an 8th point too), so a node persisting every 8th
+    point also persists the 16th ones of a slower node, and those steps are on every
+    rank and can be committed. Without it each node persisted the newest step due when
+    it was free again, and two nodes uploading to S3 never persisted the same step."""
+    stride = 1
+    while stride < most and 2 * stride * every < 3 * advanced:
+        stride *= 2
+    return stride
+
+
 class CheckpointDuty:
     def __init__(
         self,
@@ -63,6 +79,8 @@ class CheckpointDuty:
         #: same steps as its peers next, and those steps can be committed
         self._attempted = -1
         self._base = -1  # steps persisted are this plus multiples of persist_every (0: -1)
+        #: persist every `_stride`-th of those (`persist_stride`: storage slower than saves)
+        self._stride = 1
         #: told each new step every local rank holds (the peer replicas' sender)
         self.on_in_memory: Callable[[int], None] = lambda _step: None
 
@@ -136,7 +154,8 @@ class CheckpointDuty:
         if busy or self.saver.storage is None:
             return
         since = max(0, self.saver.persisted_step, self._attempted)
-        step = self.saver.aligned_step(self.persist_every, max(0, self._base), since)
+        every = self.persist_every * self._stride
+        step = self.saver.aligned_step(every, max(0, self._base), since)
         if step is not None:
             self._persisting = asyncio.create_task(self._persist(step))
 
@@ -217,9 +236,8 @@ class CheckpointDuty:
                     f"checkpoint step {step} was overwritten by a newer save while it was "
                     "persisted: storage is slower than the workers save; from now on each "
                     "step is copied out of shared memory first (one copy of this node's "
-                    "state in the agent's memory) and persisted from the copy; with several "
-                    "nodes, give --persist-every N with a persist shorter than N steps, so "
-                    "that every node persists the same steps and they can be committed"
+                    "state in the agent's memory) and persisted from the copy, at most "
+                    "every so many steps that a persist fits between two"
                 )
             self._overwritten = self._overwritten + 1 if superseded else 0
             if not superseded:
@@ -239,6 +257,14 @@ class CheckpointDuty:
             )
             return
         self._overwritten = 0
+        if self.saver.copying:
+            stride = persist_stride(self.saver.reported_step - step, self.persist_every)
+            if stride != self._stride:
+                self.log.info(
+                    f"persisting every {stride * self.persist_every}th step: a persist lasts "
+                    f"{self.saver.reported_step - step} steps here"
+                )
+                self._stride = stride
         metrics.CKPT_PERSIST.labels(self.facts.job).observe(time.monotonic() - began)
         self.facts.emit(
             ev.CkptPersisted(

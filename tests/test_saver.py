@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -284,3 +285,65 @@ async def test_storage_slower_than_the_saves_still_gets_steps_persisted_from_a_c
         state = duty.saver.storage.load(newest, r)
         assert torch.equal(state["w"], torch.full((1000,), float(newest * 10 + r)))
     assert duty.saver.copy_bytes() > 2 * 4000, "one copy per rank, kept for the next step"
+
+
+def test_a_persist_stride_covers_one_and_a_half_persists_in_powers_of_two() -> None:
+    from rove.agent.ckpt_duty import persist_stride
+
+    assert persist_stride(0, 5) == 1  # storage keeps up: every due step
+    assert persist_stride(3, 5) == 1  # 5 >= 4.5
+    assert persist_stride(4, 5) == 2  # 5 < 6 <= 10
+    assert persist_stride(100, 5) == 32  # 160 >= 150 > 80
+    assert persist_stride(10**9, 1) == 1 << 12  # bounded
+    # nested: a node's points include those of any node with a larger stride
+    for a, b in ((7, 50), (12, 13), (3, 400)):
+        fine, coarse = sorted((persist_stride(a, 5), persist_stride(b, 5)))
+        assert coarse % fine == 0
+
+
+async def test_nodes_whose_uploads_last_different_steps_persist_common_steps() -> None:
+    """Two nodes persisting from copies (storage slower than the saves): na's uploads
+    last 7 steps, nb's 19. Each persisting the newest due step when free again, they
+    persisted different steps and nothing could be committed (two nodes on S3: 700, 785,
+    880 and 740, 830, 920). Each now persists on a grid of its own stride, powers of
+    two that nest: the steps nb persists are persisted by na too."""
+    import threading
+
+    duties = {n: _duty(n, Steps(set())) for n in ("na", "nb")}
+    lasts = {"na": 7, "nb": 19}
+    for d in duties.values():
+        d.persist_every = 1
+        d.saver.copying = True
+        d.saver.gates = {}
+        real = Steps.persist
+
+        def gated(step: int, d: Any = d, real: Any = real) -> object:
+            gate = d.saver.gates[step] = threading.Event()
+            gate.wait(10)
+            return real(d.saver, step)
+
+        d.saver.persist = gated
+    ends: dict[str, int] = {}
+    for step in range(1, 400):
+        for n, d in duties.items():
+            d.saver.newest = step
+            if ends.get(n) == step:  # the upload started `lasts[n]` steps ago ends now
+                d.tick()  # (what it saw meanwhile is reported first)
+                for gate in d.saver.gates.values():
+                    gate.set()
+                await d._persisting
+                del ends[n]
+            d.tick()
+            if d._persisting is not None and not d._persisting.done() and n not in ends:
+                ends[n] = step + lasts[n]
+                await asyncio.sleep(0.01)  # the task starts its upload
+    for d in duties.values():  # the uploads still running end
+        for gate in d.saver.gates.values():
+            gate.set()
+        if d._persisting is not None:
+            await d._persisting
+    persisted = {n: d.saver.persisted for n, d in duties.items()}
+    common = set(persisted["na"]) & set(persisted["nb"])
+    assert len(common) >= 5, persisted
+    assert set(persisted["nb"][2:]) <= set(persisted["na"]), persisted
+    assert duties["na"]._stride < duties["nb"]._stride
