@@ -231,7 +231,10 @@ class CheckpointDuty:
             done = await asyncio.to_thread(self.saver.persist, step)
         except CheckpointError as exc:
             superseded = isinstance(exc, SlotOverwritten)
-            if self.saver.copying and not copying:
+            self._overwritten = self._overwritten + 1 if superseded else 0
+            if not superseded:
+                self.log.warning(f"could not persist checkpoint step {step}: {exc}")
+            elif self.saver.copying and not copying:  # this overwrite switched it
                 self.log.warning(
                     f"checkpoint step {step} was overwritten by a newer save while it was "
                     "persisted: storage is slower than the workers save; from now on each "
@@ -239,11 +242,6 @@ class CheckpointDuty:
                     "state in the agent's memory) and persisted from the copy, at most "
                     "every so many steps that a persist fits between two"
                 )
-            self._overwritten = self._overwritten + 1 if superseded else 0
-            if not superseded:
-                self.log.warning(f"could not persist checkpoint step {step}: {exc}")
-            elif not copying:
-                pass  # said above
             elif self._overwritten == OVERWRITTEN_SAY:
                 self.log.warning(
                     f"the last {OVERWRITTEN_SAY} checkpoint steps were overwritten by newer "
@@ -258,11 +256,12 @@ class CheckpointDuty:
             return
         self._overwritten = 0
         if self.saver.copying:
-            stride = persist_stride(self.saver.reported_step - step, self.persist_every)
+            lasted = self.saver.reported_step - step  # steps saved while it was persisted
+            stride = persist_stride(lasted, self.persist_every)
             if stride != self._stride:
                 self.log.info(
                     f"persisting every {stride * self.persist_every}th step: a persist lasts "
-                    f"{self.saver.reported_step - step} steps here"
+                    f"{lasted} steps here"
                 )
                 self._stride = stride
         metrics.CKPT_PERSIST.labels(self.facts.job).observe(time.monotonic() - began)
