@@ -1,10 +1,13 @@
 """Shard lease throughput and latency against one master, and the sampler's overhead.
 
 1. Leases: 1, 4 and 16 concurrent clients each loop for `--seconds`:
-   request one shard, wait for the lease, acknowledge it. Latency is from
+   request one shard, wait for the lease, acknowledge it in the next request
+   (as the sampler does: one stored event per lease). Latency is from
    publishing the request to receiving the lease. A real `rove master`
    process and a real nats-server do the work; the clients share one
-   connection in this process.
+   connection in this process. `runs_acks_apart` is the same with each
+   acknowledgement a stored event of its own (`shard_done`, as a DataLoader
+   worker's shards are acknowledged), in the same run.
 2. Sampler overhead: the same small training loop over generated data, one
    epoch fed by a `DistributedSampler`, one fed by `ShardSampler` (leases
    from the master, acknowledgements, position tracking), alternating, the
@@ -16,7 +19,7 @@
 The leases are measured beside one CPU-bound process (a busy loop: a machine
 whose training keeps a core busy), unless `--quiet-machine`.
 
-Prints one JSON line: `runs` (clients, leases_per_s, p50_ms, p99_ms),
+Prints one JSON line: `runs` and `runs_acks_apart` (clients, leases_per_s, p50_ms, p99_ms),
 `leases_beside`, `sampler_overhead_ratio`, and the times it came from.
 
     python benchmarks/shards.py [--seconds 5] [--repeats 7] [--only leases|sampler]
@@ -47,7 +50,9 @@ from rove.control.process.aio import run as run_async
 JOB = "bench"
 
 
-async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dict[str, float]:
+async def lease_run(
+    bus: Bus, clients: int, seconds: float, dataset: str, acks_apart: bool = False
+) -> dict[str, float]:
     spec = ev.DatasetSpec(size=5_000_000, shard_size=1)
     latencies: list[float] = []
     answers: dict[str, asyncio.Queue[ev.ShardLeased]] = {}
@@ -62,8 +67,8 @@ async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dic
 
         feeds.append(
             await bus.subscribe(
-                subjects.EVENTS_STREAM,
-                subjects.data_answer(JOB, dataset, name),
+                subjects.ANSWER_STREAM,
+                subjects.lease_answer(JOB, dataset, name),
                 on,
                 lambda rej: None,
             )
@@ -79,11 +84,15 @@ async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dic
     sent: dict[str, int] = {}
     acks: list[asyncio.Future[int]] = []
 
+    trained: dict[str, tuple[ev.ShardRef, ...]] = {}
+    answered: dict[str, int] = {}
+
     async def client(name: str, stop: float) -> int:
         done = 0
         while True:
             n = sent[name] = sent.get(name, 0) + 2
             t = time.perf_counter()
+            # as the sampler does: the shards trained since ride in the next request
             await bus.publish(
                 ev.ShardRequested(
                     **env(name, n),  # type: ignore[arg-type]
@@ -92,23 +101,28 @@ async def lease_run(bus: Bus, clients: int, seconds: float, dataset: str) -> dic
                     request=n,
                     count=1,
                     node="bench",
+                    done=trained.pop(name, ()),
+                    answered=answered.get(name, 0),
                 )
             )
             lease = await asyncio.wait_for(answers[name].get(), 30)
             latencies.append(time.perf_counter() - t)
-            # as the sampler does: the acknowledgement goes out while training goes on
-            acks.append(
-                asyncio.ensure_future(
-                    bus.publish(
-                        ev.ShardDone(
-                            **env(name, n + 1),  # type: ignore[arg-type]
-                            dataset=dataset,
-                            client=name,
-                            shard=lease.shards[0],
+            answered[name] = lease.request
+            if not acks_apart:
+                trained[name] = lease.shards
+            else:  # one stored event each, while training goes on (a DataLoader worker's)
+                acks.append(
+                    asyncio.ensure_future(
+                        bus.publish(
+                            ev.ShardDone(
+                                **env(name, n + 1),  # type: ignore[arg-type]
+                                dataset=dataset,
+                                client=name,
+                                shard=lease.shards[0],
+                            )
                         )
                     )
                 )
-            )
             done += 1
             if time.perf_counter() >= stop:
                 return done
@@ -204,10 +218,11 @@ def sampler_overhead(url: str, repeats: int, others: tuple[int, ...]) -> dict[st
     }
 
 
-async def leases(url: str, seconds: float) -> list[dict[str, float]]:
+async def leases(url: str, seconds: float, acks_apart: bool) -> list[dict[str, float]]:
     bus = await Bus.connect(BusOptions(url=url))
+    tag = "apart" if acks_apart else ""
     try:
-        return [await lease_run(bus, c, seconds, f"leases{c}") for c in (1, 4, 16)]
+        return [await lease_run(bus, c, seconds, f"leases{tag}{c}", acks_apart) for c in (1, 4, 16)]
     finally:
         await bus.close()
 
@@ -243,12 +258,14 @@ def main() -> None:
         overhead = None
         if args.only != "leases":
             overhead = sampler_overhead(url, args.repeats, tuple(pids))
-        runs, beside = [], "nothing"
+        runs, apart, beside = [], [], "nothing"
         if args.only != "sampler":
             with cpu_bound_beside(not args.quiet_machine) as beside:
-                runs = run_async(leases(url, args.seconds))
+                runs = run_async(leases(url, args.seconds, acks_apart=False))
+                apart = run_async(leases(url, args.seconds, acks_apart=True))
     result: dict[str, object] = {
         "runs": runs,
+        "runs_acks_apart": apart,
         "leases_beside": beside,
         "nats_sync": args.nats_sync,
         "targets": {"leases_per_s": 2000, "p99_ms": 20, "sampler_overhead_ratio": 1.03},

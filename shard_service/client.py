@@ -6,9 +6,14 @@ workers). The training process calls it from its main thread (the sampler runs t
 also with a multi-process DataLoader). Outgoing facts (registration, shard
 requests, acknowledgements) go through an `Outbox`: published in order, each
 retried until the bus takes it, so a NATS blip or a master failover delays them
-but loses nothing: the stream keeps a request until a master answers it. Answers
-(`shard_leased`, `data_rejected`) arrive on this client's own subject and are
-queued for the sampler.
+but loses nothing: the stream keeps a request until a master answers it.
+
+A lease is one stored event: the client's acknowledgements of the shards it trained
+ride in its next request (`ShardRequested.done`), or after `ACK_DELAY_S` in a request
+for nothing, and so does the newest request whose shards reached it (`answered`).
+Answers arrive on this client's own subjects and are queued for the sampler: leases
+(`shard_leased`, stream ROVE_ANSWERS; one announced twice, after a master failover,
+is queued once) and refusals (`data_rejected`, stored with the facts).
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ from rove.control.errors import RoveError
 log = structlog.get_logger("rove.data")
 
 Answer = ev.ShardLeased | ev.DataRejected
+
+#: Seconds an acknowledgement waits to ride in a request before it is sent on its own.
+ACK_DELAY_S = 1.0
+#: Requests whose leases a client remembers, to keep a lease announced twice once.
+REMEMBERED_LEASES = 1024
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,13 @@ class DataClient:
         self.client = subjects.check_name("client", client or client_name(node, rank))
         self.answers: queue.Queue[Answer] = queue.Queue()
         self._seq = 0
+        #: numbering events and queueing them, from the training thread or the bus's
+        self._lock = threading.Lock()
+        self._acks: list[ev.ShardRef] = []  # trained, not yet acknowledged
+        self._ack_timer: asyncio.TimerHandle | None = None
+        #: the newest request whose shards reached this client, and the latest of those
+        self.answered = 0
+        self._leased: dict[int, None] = {}
         self._loop = asyncio.new_event_loop()
         self._outbox: Outbox | None = None
         self._closing: asyncio.Event | None = None
@@ -178,12 +195,18 @@ class DataClient:
         )
 
     def request(self, count: int, held: tuple[int, ...], **first: Any) -> int:
-        """Ask for `count` more shards, renewing `held`; returns the request's number.
+        """Ask for `count` more shards, renewing `held` and acknowledging the shards
+        trained since the last request; returns the request's number.
 
         `first`: the restore fields of the client's first request in its round
         (`first_request()`).
         """
+        with self._lock:
+            return self._request(count, held, **first)
+
+    def _request(self, count: int, held: tuple[int, ...], **first: Any) -> int:
         envelope = self.envelope()
+        acks, self._acks = tuple(self._acks), []
         self.send(
             ev.ShardRequested(
                 **envelope,
@@ -195,28 +218,54 @@ class DataClient:
                 rank=self.rank,
                 round=self.round,
                 held=held,
+                done=acks,
+                answered=self.answered,
                 **first,
             )
         )
         return self._seq
 
     def done(self, shard: ev.ShardRef, owner: str | None = None) -> None:
-        """`shard` was trained; `owner`: the client holding its lease, if not this one."""
-        self.send(
-            ev.ShardDone(
-                **self.envelope(),
-                dataset=self.dataset,
-                client=owner or self.client,
-                shard=shard,
-                node=self.node,
-                rank=self.rank,
-                round=self.round,
+        """`shard` was trained; `owner`: the client holding its lease, if not this one.
+
+        This client's own shards are acknowledged with its next request, or within
+        `ACK_DELAY_S`; another's at once, on its behalf (`shard_done`)."""
+        if owner is not None and owner != self.client:
+            self.send(
+                ev.ShardDone(
+                    **self.envelope(),
+                    dataset=self.dataset,
+                    client=owner,
+                    shard=shard,
+                    node=self.node,
+                    rank=self.rank,
+                    round=self.round,
+                )
             )
-        )
+            return
+        with self._lock:
+            self._acks.append(shard)
+            first = len(self._acks) == 1
+        if first:
+            self._loop.call_soon_threadsafe(self._arm_acks)
+
+    def _arm_acks(self) -> None:
+        if self._ack_timer is None:
+            self._ack_timer = self._loop.call_later(ACK_DELAY_S, self._send_acks)
+
+    def _send_acks(self) -> None:
+        """Acknowledge what no request took along, in a request for nothing."""
+        self._ack_timer = None
+        with self._lock:
+            if self._acks:
+                self._request(0, ())
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Flush what is queued (up to `timeout_s`), then disconnect."""
+        """Acknowledge what is trained, flush what is queued (up to `timeout_s`), then
+        disconnect."""
         if self._thread.is_alive():
+            # in this order: the acknowledgement is queued before the close is seen
+            self._loop.call_soon_threadsafe(self._send_acks)
             self._loop.call_soon_threadsafe(self._put, None)
             self._thread.join(timeout_s)
 
@@ -243,12 +292,21 @@ class DataClient:
             bus = await Bus.connect(
                 options_from_env(self.url, name=f"rove-data-{self.client}", reconnect_forever=True)
             )
-            feed = await bus.subscribe(
-                subjects.EVENTS_STREAM,
-                subjects.data_answer(self.job, self.dataset, self.client),
-                self._answered,
-                lambda rej: log.error("unreadable answer from the master", error=rej.error),
-            )
+            unreadable = lambda rej: log.error("unreadable answer from the master", error=rej.error)  # noqa: E731
+            feeds = [
+                await bus.subscribe(
+                    subjects.ANSWER_STREAM,
+                    subjects.lease_answer(self.job, self.dataset, self.client),
+                    self._answered,
+                    unreadable,
+                ),
+                await bus.subscribe(
+                    subjects.EVENTS_STREAM,
+                    subjects.data_answer(self.job, self.dataset, self.client),
+                    self._answered,
+                    unreadable,
+                ),
+            ]
         except (RoveError, OSError) as exc:
             self._failed = exc
             self._ready.set()
@@ -262,12 +320,21 @@ class DataClient:
             await self._outbox.flush(timeout_s=None)
         finally:
             await self._outbox.stop()
-            await feed.stop()
+            for feed in feeds:
+                await feed.stop()
             await bus.close()
 
     def _answered(self, rec: records.Recorded) -> None:
-        if isinstance(rec.event, ev.ShardLeased | ev.DataRejected):
-            self.answers.put(rec.event)
+        answer = rec.event
+        if isinstance(answer, ev.ShardLeased) and (answer.shards or answer.exhausted):
+            if answer.request in self._leased:
+                return  # announced again by a new master: these shards are here already
+            self._leased[answer.request] = None
+            if len(self._leased) > REMEMBERED_LEASES:
+                del self._leased[next(iter(self._leased))]
+            self.answered = max(self.answered, answer.request)
+        if isinstance(answer, ev.ShardLeased | ev.DataRejected):
+            self.answers.put(answer)
 
 
 def first_request(dataset: str, position: ev.DataPosition | None) -> dict[str, Any]:

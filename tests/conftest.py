@@ -110,6 +110,7 @@ async def _cluster_bus(cluster: Cluster) -> Bus:
     for stream in (  # (connect waited for JetStream to have a leader, creating them)
         subjects.EVENTS_STREAM,
         subjects.HEARTBEAT_STREAM,
+        subjects.ANSWER_STREAM,
         subjects.SNAPSHOT_STREAM,
         f"KV_{subjects.LEASE_BUCKET}",
     ):

@@ -412,6 +412,8 @@ def data_events(job: str = JOB) -> list[ev.Event]:
             round=1,
             restore=ev.DataPosition(done=((0, 3),), partial=(ev.ShardRef(4, 17),)),
             restore_step=40,
+            done=(ev.ShardRef(3),),
+            answered=1,
         ),
         ev.ShardDone(**fact, id="c1:3", dataset="ds", client="c1", shard=ev.ShardRef(4, 17)),
         ev.ShardLeased(

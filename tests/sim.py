@@ -1,7 +1,9 @@
 """A simulated cluster for pure master logic: fold events, decide with an injected clock.
 
 Decisions are folded back as if they had come through the stream, exactly as
-the runner does, so whole scenarios run in microseconds without any I/O.
+the runner does, so whole scenarios run in microseconds without any I/O. Leases
+(`shard_leased`) are not: the runner announces each once to the answers stream,
+which no master folds.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Sim:
         self.seq = 0
         self.params = params
         self.decisions: list[ev.Decision] = []
+        self.announced: set[str] = set()
         self.liveness: dict[str, ev.Heartbeat] = {}
         #: why the rendezvous waits, and why no scale plan is made, after the last tick
         self.waiting: Wait | None = None
@@ -41,10 +44,14 @@ class Sim:
         out: list[ev.Decision] = []
         for _ in range(10):
             ds, self.waiting, self.scale_waiting = decide(self.state, self.liveness, self.now)
+            ds = [d for d in ds if not (isinstance(d, ev.ShardLeased) and d.id in self.announced)]
             if not ds:
                 break
             for d in ds:
-                self.apply(d)
+                if isinstance(d, ev.ShardLeased):
+                    self.announced.add(d.id)  # to the answers stream: never folded
+                else:
+                    self.apply(d)
             out.extend(ds)
         self.decisions.extend(out)
         return out

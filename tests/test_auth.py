@@ -119,9 +119,20 @@ async def test_a_trainer_asks_for_shards_but_cannot_forge_the_masters_answer(
         request = next(e for e in factories.data_events() if isinstance(e, ev.ShardRequested))
         await trainer.publish(request)
         leased = next(e for e in factories.data_events() if isinstance(e, ev.ShardLeased))
-        await denied(trainer, leased)  # rove.ev.j1.data.<dataset>.<client>
+        await denied(trainer, leased)  # rove.ans.j1.<dataset>.<client>
+        refused = next(e for e in factories.data_events() if isinstance(e, ev.DataRejected))
+        await denied(trainer, refused)  # rove.ev.j1.data.<dataset>.<client>
     finally:
         await trainer.close()
+    master = await secured.bus("master", create_streams=False)
+    try:
+        await master.publish(leased)  # the answers stream is the master's to write
+        stored = await master.js.get_last_msg(
+            subjects.ANSWER_STREAM, subjects.lease_answer(JOB, leased.dataset, leased.client)
+        )
+        assert ev.decode(stored.data).id == leased.id
+    finally:
+        await master.close()
 
 
 async def test_the_scaler_publishes_a_large_fact_in_parts_but_no_master_part(

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from nats.js.api import DiscardPolicy
+from nats.js.api import DiscardPolicy, StorageType
 
-from rove.control.bus import records
+from rove.control.bus import records, streams
 from rove.control.bus.client import Bus, BusOptions, Fence
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.bus.feed import stalled
@@ -40,7 +40,12 @@ async def test_streams_and_lease_bucket_are_created_idempotently(bus: Bus) -> No
     await bus.ensure_streams()
     await bus.ensure_streams()
     names = {s.config.name for s in await bus.js.streams_info()}
-    assert {subjects.EVENTS_STREAM, subjects.HEARTBEAT_STREAM, subjects.SNAPSHOT_STREAM} <= names
+    assert {
+        subjects.EVENTS_STREAM,
+        subjects.HEARTBEAT_STREAM,
+        subjects.ANSWER_STREAM,
+        subjects.SNAPSHOT_STREAM,
+    } <= names
     _kv, ttl = await bus.lease_bucket()
     assert ttl == pytest.approx(2.0)
 
@@ -382,8 +387,11 @@ async def test_every_stream_is_bounded_and_old_events_are_retired(tmp_path: Path
         events = (await bus.js.stream_info(subjects.EVENTS_STREAM)).config
         assert events.max_age == 7 * 86400 and events.max_bytes == 2 * 2**30
         assert events.discard in ("old", DiscardPolicy.OLD)
-        for name in (subjects.HEARTBEAT_STREAM, subjects.SNAPSHOT_STREAM):
+        for name in (subjects.HEARTBEAT_STREAM, subjects.ANSWER_STREAM, subjects.SNAPSHOT_STREAM):
             assert (await bus.js.stream_info(name)).config.max_age > 0, name
+        answers = (await bus.js.stream_info(subjects.ANSWER_STREAM)).config
+        assert answers.storage in ("memory", StorageType.MEMORY), "leases spend no fsync"
+        assert answers.max_bytes == streams.ANSWER_MAX_BYTES
     finally:
         await bus.close()
         server.stop()

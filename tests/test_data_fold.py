@@ -13,7 +13,6 @@ from msgspec.structs import replace
 from rove.control.catalogue import events as ev
 from rove.control.domain import shards
 from rove.control.master import data as data_fold
-from rove.control.master.decide import decide
 from rove.control.master.state import JobState
 from shard_service.tracker import Tracker
 from tests import factories
@@ -108,7 +107,14 @@ def test_requests_get_distinct_shards_and_exhaustion_is_said(data: Data) -> None
     assert not b.exhausted
     last = data.request("c2", 1, node="nb")
     assert isinstance(last, ev.ShardLeased) and last.shards == () and last.exhausted
-    assert len(data.state.data.datasets["d"].grants) == 0, "every grant was announced and folded"
+    # announced, not folded: each grant is kept until its client says it arrived
+    assert sorted(data.state.data.datasets["d"].grants) == ["c1/2", "c2/4", "c2/5"]
+    assert data.ask("c2", 0, node="nb", answered=last.request) == []
+    assert data.ask("c1", 0, answered=a.request - 1) == []
+    assert sorted(data.state.data.datasets["d"].grants) == ["c1/2"], "c1's is not yet answered"
+    data.ask("c1", 0, answered=a.request)
+    assert len(data.state.data.datasets["d"].grants) == 0
+    assert len(data.state.data.datasets["d"].granted) == 0
 
 
 def test_done_counts_per_node_and_bad_acknowledgements_are_refused(data: Data) -> None:
@@ -489,7 +495,7 @@ def test_parked_stream_requests_get_shards_oldest_first_and_only_as_many_as_cut(
     ds = data.state.data.datasets["d"]
     assert ds.leases[2].client == "c2" and ds.leases[2].node == "nb"
     assert ds.leases[2].deadline == data.sim.now + STREAM.lease_s
-    assert not ds.parked and not ds.grants
+    assert not ds.parked and sorted(ds.grants) == [f"c1/{first.request}", f"c2/{second.request}"]
     assert "waiting for records" not in _status_line(data)
 
 
@@ -507,25 +513,27 @@ def test_a_request_parked_too_long_is_answered_empty_and_shards_cut_meanwhile_st
     data.register("c1", STREAM)
     assert data.ask("c1", 2) == []
     assert data.answers("c1", data.sim.tick(data_fold.PARK_S / 2)) == [], "still waiting"
-    # the leader decides the empty answer; before it is folded, shards are cut
-    data.sim.now += data_fold.PARK_S
-    decisions, _, _ = decide(data.state, data.sim.liveness, data.sim.now)
-    (empty,) = data.answers("c1", decisions)
-    assert isinstance(empty, ev.ShardLeased) and empty.shards == ()
+    (empty,) = data.answers("c1", data.sim.tick(data_fold.PARK_S))
+    assert isinstance(empty, ev.ShardLeased) and empty.shards == () and not empty.exhausted
+    assert data.answers("c1", data.sim.tick()) == [], "announced once"
+    # shards cut before the client asks again still go to the request it made
     _cut(data, (0, 0, 10))
-    data.sim.apply(empty)
     (got,) = data.answers("c1", data.sim.tick())
     assert isinstance(got, ev.ShardLeased) and [r.key for r in got.shards] == [0]
+    assert got.request == empty.request
     assert got.id != empty.id, "two answers to one request, neither lost as a duplicate"
     ds = data.state.data.datasets["d"]
-    assert not ds.parked and not ds.grants and ds.leases[0].client == "c1"
-    # a request answered empty and then nothing cut: no shards go to it later
+    assert not ds.parked and ds.leases[0].client == "c1"
+    # a client asking again voids its request answered empty: no shards go to that one
     assert data.ask("c1", 1) == []
     (again,) = data.answers("c1", data.sim.tick(data_fold.PARK_S))
     assert isinstance(again, ev.ShardLeased) and again.shards == ()
-    _cut(data, (0, 10, 20))
-    assert data.answers("c1", data.sim.tick()) == []
-    assert data.state.data.datasets["d"].cursor == 1, "shard 1 waits for the next request"
+    assert data.ask("c1", 1) == []
+    assert [w.request for w in data.state.data.datasets["d"].parked.values()] == [data.n]
+    _cut(data, (0, 10, 20), (0, 20, 30))
+    (last,) = data.answers("c1", data.sim.tick())
+    assert last.request == data.n - 1 and [r.key for r in last.shards] == [1]
+    assert data.state.data.datasets["d"].cursor == 2, "shard 2 waits for the next request"
 
 
 def test_a_new_round_drops_the_requests_parked_by_the_round_before() -> None:
@@ -540,3 +548,54 @@ def test_a_new_round_drops_the_requests_parked_by_the_round_before() -> None:
     assert data.answers("c1", decisions) == []
     (got,) = data.answers("c2", decisions)
     assert isinstance(got, ev.ShardLeased) and [r.key for r in got.shards] == [0]
+
+
+def test_a_request_acknowledges_the_shards_trained_since_the_last_one(data: Data) -> None:
+    a = data.request("c1", 3)
+    assert isinstance(a, ev.ShardLeased)
+    b = data.request("c1", 1, done=a.shards[:2], answered=a.request)
+    assert isinstance(b, ev.ShardLeased) and [r.key for r in b.shards] == [3]
+    ds = data.state.data.datasets["d"]
+    assert sorted(ds.done) == [0, 1] and sorted(ds.leases) == [2, 3]
+    assert ds.nodes["na"].shards == 2 and ds.nodes["na"].samples == 20
+    assert sorted(ds.grants) == [f"c1/{b.request}"], "the first grant reached the client"
+    # acknowledging only (count 0): nothing more is leased, nothing is answered
+    assert data.ask("c1", 0, done=(a.shards[2],)) == []
+    assert sorted(data.state.data.datasets["d"].done) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("acks", "reason"),
+    [
+        ((ev.ShardRef(3),), "not leased to anyone"),
+        ((ev.ShardRef(0), ev.ShardRef(0)), "duplicate acknowledgement of shard 0"),
+        ((ev.ShardRef(999),), "out of range"),
+        (tuple(ev.ShardRef(0) for _ in range(data_fold.MAX_REQUEST + 1)), "at most 1024"),
+    ],
+)
+def test_a_request_with_a_bad_acknowledgement_is_refused_whole(
+    data: Data, acks: tuple[ev.ShardRef, ...], reason: str
+) -> None:
+    a = data.request("c1", 2)
+    assert isinstance(a, ev.ShardLeased)
+    before = data.state.data.datasets["d"]
+    refused = data.request("c1", 5, done=acks, answered=a.request)
+    assert isinstance(refused, ev.DataRejected) and reason in refused.reason
+    after = data.state.data.datasets["d"]
+    assert after.leases == before.leases and after.done == before.done
+    assert after.cursor == before.cursor and after.grants == before.grants, "nothing changed"
+
+
+def test_a_lease_announced_again_is_the_same_and_confirmed_ones_are_not() -> None:
+    """A new leader announces every grant not yet confirmed by its client, and only
+    those: the same events (ids) the old leader announced."""
+    sim = Sim(ev.RdzvParams(min_nodes=1, max_nodes=2))
+    data = Data(sim)
+    data.register("c1")
+    data.register("c2")
+    a = data.request("c1", 2)
+    b = data.request("c2", 1, node="nb")
+    data.ask("c1", 0, answered=a.request)
+    sim.announced.clear()  # a new leader: it knows only what the stream folded
+    again = [d for d in sim.tick() if isinstance(d, ev.ShardLeased)]
+    assert again == [b], "c2's lease is announced again, unchanged; c1's reached it"

@@ -5,7 +5,8 @@ consumers, direct gets) and writes only its own subjects of one job `J`:
 
     role       publishes                                    used by
     admin      everything                                   operators (`rove auth init` prints it)
-    master     rove.ev.J.>  rove.snap.J  its lease key,     `rove master`
+    master     rove.ev.J.>  rove.ans.J.>  rove.snap.J,      `rove master`
+               its lease key,
                snapshots, stream and bucket creation
     launcher   master's (and agent N's)                     `rove run --standalone` (all in one)
     agent N    rove.ev.J.node.N  rove.hb.J.N                `rove run --node-id N`
@@ -16,8 +17,9 @@ consumers, direct gets) and writes only its own subjects of one job `J`:
     cli        nothing                                      `rove status`, `rove events`
 
 So an agent's credentials cannot forge a master decision, another node's facts,
-a snapshot or a stop, and a trainer cannot forge the master's answers (those go
-to `rove.ev.J.data.<dataset>.<client>`, one token deeper than it may write).
+a snapshot or a stop, and a trainer cannot forge the master's answers (leases go
+to `rove.ans.J.<dataset>.<client>`, refusals to `rove.ev.J.data.<dataset>.<client>`,
+one token deeper than it may write).
 No role but admin may delete or purge a stream. Each role has its own inbox
 prefix and may subscribe only to it, so no role reads another's replies.
 
@@ -153,6 +155,7 @@ def permissions(creds: Credentials) -> dict[str, Any]:
     if role in ("master", "launcher"):
         writes += [
             f"{subjects.EVENTS_ROOT}.{job}.>",
+            f"{subjects.ANSWER_ROOT}.{job}.>",
             subjects.snapshot(job),
             f"$KV.{subjects.LEASE_BUCKET}.{subjects.lease_key(job)}",
             f"$O.{subjects.SNAPSHOT_OBJECTS}.>",

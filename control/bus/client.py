@@ -32,16 +32,14 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
-    DiscardPolicy,
     Header,
     KeyValueConfig,
-    RetentionPolicy,
     StorageType,
     StreamConfig,
 )
 from nats.js.kv import KeyValue
 
-from rove.control.bus import catchup, connection, records, retry, stored
+from rove.control.bus import catchup, connection, records, retry, stored, streams
 from rove.control.bus import options as bus_options
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.bus.feed import STALL_CHECK_S, Feed, RejectionLog, nothing_since
@@ -62,8 +60,6 @@ log = structlog.get_logger("rove.bus")
 
 EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 WRONG_LAST_SEQUENCE = 10071
-#: Heartbeats older than this are dropped (a node's newest is all that matters).
-HEARTBEAT_MAX_AGE_S = 86400.0
 
 
 class Busy(Exception):
@@ -191,46 +187,7 @@ class Bus:
     # ------------------------------------------------------------------ streams
 
     def stream_configs(self) -> list[StreamConfig]:
-        o = self.options
-        return [
-            StreamConfig(
-                name=subjects.EVENTS_STREAM,
-                subjects=[f"{subjects.EVENTS_ROOT}.>"],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                num_replicas=o.replicas,
-                duplicate_window=o.duplicate_window_s,
-                allow_direct=True,
-                # bounded (docs/operations.md, "Storage"): old events are retired
-                max_age=o.events_max_age_s,
-                max_bytes=o.events_max_bytes,
-                discard=DiscardPolicy.OLD,
-            ),
-            StreamConfig(
-                name=subjects.HEARTBEAT_STREAM,
-                subjects=[f"{subjects.HEARTBEAT_ROOT}.>"],
-                retention=RetentionPolicy.LIMITS,
-                # the newest per node, worth nothing after a restart: kept in memory,
-                # out of the fsync budget of the facts that matter
-                storage=StorageType.MEMORY,
-                num_replicas=o.replicas,
-                max_msgs_per_subject=1,
-                duplicate_window=o.duplicate_window_s,
-                allow_direct=True,
-                max_age=HEARTBEAT_MAX_AGE_S,  # an ended job's nodes leave nothing behind
-            ),
-            StreamConfig(
-                name=subjects.SNAPSHOT_STREAM,
-                subjects=[f"{subjects.SNAPSHOT_ROOT}.>"],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                num_replicas=o.replicas,
-                max_msgs_per_subject=1,
-                allow_rollup_hdrs=True,
-                allow_direct=True,
-                max_age=o.events_max_age_s,  # no use once the job's events are retired
-            ),
-        ]
+        return streams.configs(self.options)
 
     async def ensure_streams(self) -> None:
         """Create rove's streams and lease bucket, or leave them as they are."""

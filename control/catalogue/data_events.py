@@ -78,6 +78,11 @@ class DatasetRegistered(Event, tag="dataset_registered", frozen=True, kw_only=Tr
 class ShardRequested(Event, tag="shard_requested", frozen=True, kw_only=True):
     """`client` asks for `count` more shards and renews the leases it `held`.
 
+    It also acknowledges the shards it trained since its last request (`done`, as
+    `shard_done` would, one by one: a lease is one stored event, not three), and
+    says the newest of its requests whose shards reached it (`answered`): the master
+    stops announcing those. `count` 0 with `done` only acknowledges.
+
     Its first request in a round carries where the restored checkpoint stood
     (`restore`, None for a fresh start): the dataset is rolled back to it.
     """
@@ -92,10 +97,14 @@ class ShardRequested(Event, tag="shard_requested", frozen=True, kw_only=True):
     held: tuple[int, ...] = ()
     restore: DataPosition | None = None
     restore_step: int | None = None
+    done: tuple[ShardRef, ...] = ()
+    answered: int = 0
 
 
 class ShardDone(Event, tag="shard_done", frozen=True, kw_only=True):
-    """`client` trained every sample of `shard` (from its offset)."""
+    """`client` trained every sample of `shard` (from its offset). Sent on behalf of
+    another client (a DataLoader worker's lease); a client acknowledges its own
+    shards inside its requests (`ShardRequested.done`)."""
 
     dataset: str
     client: str
@@ -107,6 +116,10 @@ class ShardDone(Event, tag="shard_done", frozen=True, kw_only=True):
 
 class ShardLeased(Decision, tag="shard_leased", frozen=True, kw_only=True):
     """Answer to `client`'s `request`: `shards` are its until `deadline` (renewed by requests).
+
+    Published to stream ROVE_ANSWERS (memory), not stored with the facts: the fold of
+    the request already allocated these shards, so any master announces the same.
+    A client may receive one twice (after a failover) and keeps the first.
 
     No shards and `exhausted`: every shard of every epoch is done or leased (a stream
     is never exhausted). For a stream dataset, `ranges[i]` is the offset range of

@@ -77,7 +77,14 @@ def _subject(cls: type[ev.Event]) -> str:
         subject = subject.replace(placeholder, f"<{placeholder.lower()}>")
     if cls is ev.EventPart:
         subject = subject.replace(".part.0", ".part.<index>")
-    stream = subjects.HEARTBEAT_STREAM if subject.startswith("rove.hb") else subjects.EVENTS_STREAM
+    roots = {
+        subjects.HEARTBEAT_ROOT: subjects.HEARTBEAT_STREAM,
+        subjects.ANSWER_ROOT: subjects.ANSWER_STREAM,
+    }
+    stream = next(
+        (name for root, name in roots.items() if subject.startswith(f"{root}.")),
+        subjects.EVENTS_STREAM,
+    )
     return f"`{subject}` (stream {stream})"
 
 

@@ -8,11 +8,13 @@ which also validate the names that become subject tokens.
     rove.ev.<job>.master.<kind>      master decisions, one subject per kind
     rove.ev.<job>.master.<kind>.part.<i>  part i of a decision too large for one message
     rove.ev.<job>.data.<dataset>     shard requests / acknowledgements
-    rove.ev.<job>.data.<dataset>.<client>   the master's answers to one data client
+    rove.ev.<job>.data.<dataset>.<client>   the master's refusals to one data client
     rove.ev.<job>.plan               scale plans
     rove.ev.<job>.scaler             plan outcomes
     rove.ev.<job>.cmd                operator commands
     rove.hb.<job>.<node>             heartbeats (stream ROVE_HB, last per subject kept)
+    rove.ans.<job>.<dataset>.<client>  the master's leases to one data client (stream
+                                     ROVE_ANSWERS, memory: rebuilt from the requests)
     rove.snap.<job>                  master snapshots (stream ROVE_SNAP, rollup)
 """
 
@@ -28,12 +30,14 @@ from rove.control.errors import ConfigError, InvalidEventError
 
 EVENTS_STREAM: Final = "ROVE_EVENTS"
 HEARTBEAT_STREAM: Final = "ROVE_HB"
+ANSWER_STREAM: Final = "ROVE_ANSWERS"
 SNAPSHOT_STREAM: Final = "ROVE_SNAP"
 LEASE_BUCKET: Final = "rove_leases"
 SNAPSHOT_OBJECTS: Final = "rove_snapshots"
 
 EVENTS_ROOT: Final = "rove.ev"
 HEARTBEAT_ROOT: Final = "rove.hb"
+ANSWER_ROOT: Final = "rove.ans"
 SNAPSHOT_ROOT: Final = "rove.snap"
 
 #: The stream every fenced master write is scoped to.
@@ -81,8 +85,16 @@ def data(job: str, dataset: str) -> str:
 
 
 def data_answer(job: str, dataset: str, client: str) -> str:
-    """Where the master answers one data client (leases, rejections): only it listens."""
+    """Where the master refuses one data client's requests (stored): only it listens."""
     return f"{data(job, dataset)}.{check_name('client', client)}"
+
+
+def lease_answer(job: str, dataset: str, client: str) -> str:
+    """Where the master leases shards to one data client (stream ROVE_ANSWERS)."""
+    return (
+        f"{ANSWER_ROOT}.{check_name('job', job)}.{check_name('dataset', dataset)}."
+        f"{check_name('client', client)}"
+    )
 
 
 def plan(job: str) -> str:
@@ -163,7 +175,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.RecordsUndecodable: lambda e: data(e.job, e.dataset),
     ev.ShardRequested: lambda e: data(e.job, e.dataset),
     ev.ShardDone: lambda e: data(e.job, e.dataset),
-    ev.ShardLeased: lambda e: data_answer(e.job, e.dataset, e.client),
+    ev.ShardLeased: lambda e: lease_answer(e.job, e.dataset, e.client),
     ev.DataRejected: lambda e: data_answer(e.job, e.dataset, e.client),
 }
 

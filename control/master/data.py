@@ -4,8 +4,12 @@ Each registered dataset holds todo / leased / done shards. A request is
 allocated the moment it is folded: the oldest requeued shards first, then
 the next untouched keys (`cursor`). Because allocation is a function of the
 folded events, every master that replays the stream allocates the same
-shards, and the leader's `shard_leased` only announces what the fold decided
-(re-announcing is deduplicated by its id).
+shards, and the leader's `shard_leased` only announces what the fold decided.
+So the announcement is not stored with the facts (stream ROVE_ANSWERS, memory):
+a grant stays in the state until its client's next request says it arrived
+(`answered`), and a new leader announces again what is still pending. A request
+also acknowledges the shards its client trained since the last (`done`): a lease
+costs one stored event, the request.
 
 Rollback: the first request of a new round carries where the checkpoint that
 round restored stood (`DataPosition`, None for a fresh start). The dataset is
@@ -109,6 +113,8 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     leases: immutables.Map[int, Lease] = msgspec.field(default_factory=immutables.Map)
     done: immutables.Map[int, bool] = msgspec.field(default_factory=immutables.Map)
     grants: immutables.Map[str, Grant] = msgspec.field(default_factory=immutables.Map)
+    #: per client, the requests of its grants (what its `answered` prunes)
+    granted: immutables.Map[str, tuple[int, ...]] = msgspec.field(default_factory=immutables.Map)
     parked: immutables.Map[str, Parked] = msgspec.field(default_factory=immutables.Map)
     bad_clients: frozenset[str] = frozenset()
     nodes: immutables.Map[str, NodeData] = msgspec.field(default_factory=immutables.Map)
@@ -189,6 +195,9 @@ def on_requested(d: DataState, e: ev.ShardRequested) -> DataState:
     if not 0 <= e.count <= MAX_REQUEST:
         reason = f"count must be between 0 and {MAX_REQUEST}, not {e.count}"
         return _reject(d, e.dataset, e.client, e.id, reason)
+    if len(e.done) > MAX_REQUEST:
+        reason = f"at most {MAX_REQUEST} shards may be acknowledged at once, not {len(e.done)}"
+        return _reject(d, e.dataset, e.client, e.id, reason)
     if e.round < ds.round:
         reason = (
             f"request from round {e.round}, but dataset {e.dataset} follows round {ds.round}: "
@@ -203,6 +212,13 @@ def on_requested(d: DataState, e: ev.ShardRequested) -> DataState:
         if problem is not None:
             return _reject(d, e.dataset, e.client, e.id, problem)
         ds = restore(ds, e.round, e.restore_step, e.restore, end, floor)
+    for ref in e.done:
+        ds, problem = _acked(d, ds, e.client, e.round, ref, e.ts)
+        if problem is not None:  # nothing of the request counts: the client stops
+            return _reject(d, e.dataset, e.client, e.id, problem)
+    ds = _answered(ds, e.client, e.answered)
+    if e.count > 0:  # a client awaits one request at a time: older parked ones are void
+        ds = _unpark(ds, e.client, e.request)
     deadline = e.ts + ds.spec.lease_s
     leases = ds.leases
     for key in e.held:
@@ -237,12 +253,44 @@ def _grant(d: DataState, ds: Dataset, want: Parked, end: int, now: float) -> Dat
         want.client, want.request, want.node, want.rank, granted, deadline, exhausted, ranges
     )
     key = f"{want.client}/{want.request}"
+    requests = ds.granted.get(want.client, ())
+    if want.request not in requests:
+        requests = (*requests, want.request)
     return replace(
         ds,
         leases=leases,
         grants=ds.grants.set(key, grant),
+        granted=ds.granted.set(want.client, requests),
         parked=ds.parked.delete(key) if key in ds.parked else ds.parked,
     )
+
+
+def _answered(ds: Dataset, client: str, answered: int) -> Dataset:
+    """`ds` without the grants of `client`'s requests up to `answered`: they reached it."""
+    requests = ds.granted.get(client, ())
+    if not requests or requests[0] > answered:
+        return ds
+    grants = ds.grants
+    for request in requests:
+        if request <= answered:
+            key = f"{client}/{request}"
+            grants = grants.delete(key) if key in grants else grants
+    left = tuple(r for r in requests if r > answered)
+    granted = ds.granted.set(client, left) if left else ds.granted.delete(client)
+    return replace(ds, grants=grants, granted=granted)
+
+
+def _unpark(ds: Dataset, client: str, request: int) -> Dataset:
+    """`ds` without `client`'s parked requests older than `request` (answered empty)."""
+    if not ds.parked:
+        return ds
+    stale = [k for k, w in ds.parked.items() if w.client == client and w.request < request]
+    if not stale:
+        return ds
+    parked = ds.parked
+    for key in stale:
+        parked = parked.delete(key)
+    return replace(ds, parked=parked)
 
 
 def _nothing_to_lease(ds: Dataset, end: int) -> bool:
@@ -289,6 +337,7 @@ def restore(
         leases=immutables.Map(),
         done=done,
         grants=immutables.Map(),
+        granted=immutables.Map(),
         parked=immutables.Map(),  # requests of the round before: their clients are gone
         restores=ds.restores + 1,
     )
@@ -344,7 +393,7 @@ def on_leased(d: DataState, e: ev.ShardLeased) -> DataState:
     key = f"{e.client}/{e.request}"
     grant = ds.grants.get(key)
     if grant is not None and grant.shards == e.shards:
-        ds = replace(ds, grants=ds.grants.delete(key))
+        ds = _answered(ds, e.client, e.request)
     if key in ds.parked:
         ds = replace(ds, parked=ds.parked.delete(key))
     return _put(d, ds)
@@ -354,24 +403,35 @@ def on_done(d: DataState, e: ev.ShardDone) -> DataState:
     ds = d.datasets.get(e.dataset)
     if ds is None:
         return _reject(d, e.dataset, e.client, e.id, f"unknown dataset {e.dataset}")
-    key = e.shard.key
+    ds, problem = _acked(d, ds, e.client, e.round, e.shard, e.ts)
+    if problem is not None:
+        return _reject(d, e.dataset, e.client, e.id, problem)
+    return _put(d, ds)
+
+
+def _acked(
+    d: DataState, ds: Dataset, client: str, round_: int, shard: ev.ShardRef, ts: float
+) -> tuple[Dataset, str | None]:
+    """`ds` with `shard` trained by `client` (in round `round_`, at `ts`), or `ds` as it
+    is and why the acknowledgement is refused."""
+    key = shard.key
     end = total(d, ds)
     lease = ds.leases.get(key)
     problem = None
     if not 0 <= key < end:
-        problem = f"shard {key} is out of range: dataset {e.dataset} has shards 0..{end - 1}"
-    elif e.round < ds.round:
-        problem = f"acknowledgement from round {e.round}; the dataset follows round {ds.round}"
+        problem = f"shard {key} is out of range: dataset {ds.name} has shards 0..{end - 1}"
+    elif round_ < ds.round:
+        problem = f"acknowledgement from round {round_}; the dataset follows round {ds.round}"
     elif lease is None:
         problem = (
             f"duplicate acknowledgement of shard {key}"
             if key in ds.done
             else f"shard {key} is not leased to anyone"
         )
-    elif lease.client != e.client:
-        problem = f"shard {key} is leased to {lease.client}, not to {e.client}"
+    elif lease.client != client:
+        problem = f"shard {key} is leased to {lease.client}, not to {client}"
     if problem is not None:
-        return _reject(d, e.dataset, e.client, e.id, problem)
+        return ds, problem
     assert lease is not None
     # for the status only: the master never computes an epoch's shard order (a
     # shuffle of every shard id), so the one short shard of an epoch counts as full
@@ -381,16 +441,16 @@ def on_done(d: DataState, e: ev.ShardDone) -> DataState:
         samples = max(0, min(ds.spec.shard_size, ds.spec.size) - lease.offset)
     node = ds.nodes.get(lease.node, NodeData())
     node = NodeData(
-        node.shards + 1, node.samples + samples, node.first_ts or e.ts, max(node.last_ts, e.ts)
+        node.shards + 1, node.samples + samples, node.first_ts or ts, max(node.last_ts, ts)
     )
-    return _put(
-        d,
+    return (
         replace(
             ds,
             leases=ds.leases.delete(key),
             done=ds.done.set(key, True),
             nodes=ds.nodes.set(lease.node, node),
         ),
+        None,
     )
 
 

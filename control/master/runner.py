@@ -38,6 +38,9 @@ log = structlog.get_logger("rove.master")
 
 #: How long a published decision is not re-published while we wait to see it folded.
 INFLIGHT_S = 5.0
+#: A lease its client has not confirmed (`ShardRequested.answered`) is announced again
+#: after this: the answers stream is memory, and its message may be gone.
+REANNOUNCE_S = 30.0
 #: Facts someone waits on: the leader decides as soon as it folds one, not at the next
 #: tick. Data clients wait for their leases (a stream's parked requests for the shards a
 #: bridge cuts); a failed or finished round, a node that joins or leaves, a
@@ -100,6 +103,8 @@ class MasterRunner(JobService):
         self.fence: Fence | None = None
         self.lease: Lease | None = None
         self._inflight: dict[str, float] = {}
+        #: leases announced by this leader, and when (monotonic)
+        self._announced: dict[str, float] = {}
         #: the active nodes by when they were last heard from (while leading)
         self.silence = Silence()
         #: (stream, subject: who sent them) -> rejections no dead letter covers yet
@@ -262,6 +267,7 @@ class MasterRunner(JobService):
         )
         seq = await self.bus.publish(elected, fence=previous)
         self.fence = Fence(subjects.master_elected(self.job), seq)
+        self._announced = {}  # a new leader announces every pending lease again
         await self.replica.wait_applied(seq, timeout_s=self.lease.ttl_s)
         await self.replica.follow_heartbeats()  # the newest of every node, then live
         self.silence.start(self.state)
@@ -363,7 +369,8 @@ class MasterRunner(JobService):
         # clustered stream refuses as busy (a fenced write checked while another is
         # being proposed) go one at a time after them: one server takes them all at
         # once, a cluster in turn (benchmarks/fenced.py).
-        answers = [d for d in decisions if isinstance(d, _ANSWERS)]
+        answers = [d for d in decisions if isinstance(d, ev.DataRejected)]
+        leases = [d for d in decisions if isinstance(d, ev.ShardLeased)]
         lost: list[ev.Decision] = []
         for decision in decisions:
             if isinstance(decision, ev.NodeLost):
@@ -374,6 +381,7 @@ class MasterRunner(JobService):
                 await self._publish(decision)
         await self._publish_together(lost)
         await self._publish_together(answers)
+        await self._announce(leases)
         # Dead letters after the decisions, a burst per sender in one, a few per tick: a
         # flood of garbage never delays a decision (each dead letter was once a fenced,
         # fsynced write of its own, ahead of them). A rejection is forgotten only when its
@@ -427,6 +435,18 @@ class MasterRunner(JobService):
                     f"decided {len(decisions)} {' and '.join(kinds)}",
                     nodes=logs.some(nodes, 10) or None,
                 )
+
+    async def _announce(self, leases: Sequence[ev.ShardLeased]) -> None:
+        """Announce the grants of the fold not yet announced (or not for `REANNOUNCE_S`),
+        all at once, to the answers stream. Not fenced: any master that folded a request
+        announces the very same grant (same id, deduplicated), so a deposed one's
+        announcement is no different from the leader's."""
+        mono = time.monotonic()
+        due = [e for e in leases if self._announced.get(e.id, -REANNOUNCE_S) + REANNOUNCE_S <= mono]
+        await asyncio.gather(*(self.bus.publish(e) for e in due))
+        sent = {e.id for e in due}
+        # what the fold no longer holds is forgotten: its client confirmed it
+        self._announced = {e.id: mono if e.id in sent else self._announced[e.id] for e in leases}
 
     async def _publish(
         self, decision: ev.Decision, *, busy_retried: bool = True, quiet: bool = False
