@@ -132,6 +132,7 @@ class DataClient:
         self._ack_timer: asyncio.TimerHandle | None = None
         #: the newest request whose shards reached this client, and the latest of those
         self.answered = 0
+        self._confirmed = 0  # the `answered` last sent
         self._leased: dict[int, None] = {}
         self._loop = asyncio.new_event_loop()
         self._outbox: Outbox | None = None
@@ -207,6 +208,7 @@ class DataClient:
     def _request(self, count: int, held: tuple[int, ...], **first: Any) -> int:
         envelope = self.envelope()
         acks, self._acks = tuple(self._acks), []
+        self._confirmed = self.answered
         self.send(
             ev.ShardRequested(
                 **envelope,
@@ -253,11 +255,13 @@ class DataClient:
         if self._ack_timer is None:
             self._ack_timer = self._loop.call_later(ACK_DELAY_S, self._send_acks)
 
-    def _send_acks(self) -> None:
-        """Acknowledge what no request took along, in a request for nothing."""
+    def _send_acks(self, last: bool = False) -> None:
+        """Acknowledge what no request took along, in a request for nothing; the `last`
+        one also confirms the leases that reached this client (the master stops
+        announcing them)."""
         self._ack_timer = None
         with self._lock:
-            if self._acks:
+            if self._acks or (last and self.answered > self._confirmed):
                 self._request(0, ())
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -265,7 +269,7 @@ class DataClient:
         disconnect."""
         if self._thread.is_alive():
             # in this order: the acknowledgement is queued before the close is seen
-            self._loop.call_soon_threadsafe(self._send_acks)
+            self._loop.call_soon_threadsafe(self._send_acks, True)
             self._loop.call_soon_threadsafe(self._put, None)
             self._thread.join(timeout_s)
 

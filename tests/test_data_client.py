@@ -188,3 +188,60 @@ async def test_the_iterable_dataset_with_worker_processes_resumes_exactly_once(
         r.event for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DataRestored)
     ]
     assert [(e.dataset, e.round) for e in restored][-1] == ("it", 2)
+
+
+async def test_a_lease_costs_one_stored_event_and_one_announced_twice_is_taken_once(
+    bus: Bus, master: Any
+) -> None:
+    """The client's acknowledgements ride in its next request, or alone after
+    ACK_DELAY_S; the lease itself is on the memory stream, not with the facts; and a
+    lease announced again (a new leader, past the deduplication window) reaches the
+    sampler once."""
+    from rove.control.catalogue import subjects
+    from rove.shard_service.client import ACK_DELAY_S, DataClient
+
+    client = await asyncio.to_thread(
+        DataClient, job=JOB, dataset="one", url=bus.url, node="na", client="c1"
+    )
+    try:
+        client.register(ev.DatasetSpec(size=100, shard_size=10))
+        first = client.request(2, ())
+        lease = await asyncio.to_thread(client.answers.get, True, 30)
+        assert isinstance(lease, ev.ShardLeased) and lease.request == first
+        assert [r.key for r in lease.shards] == [0, 1]
+        # the same lease, announced again under another message id: not queued twice
+        await bus.publish_raw(subjects.subject_for(lease), ev.encode(lease), {"Nats-Msg-Id": "x"})
+        client.done(lease.shards[0])
+        second = client.request(1, (1,))
+        nxt = await asyncio.to_thread(client.answers.get, True, 30)
+        assert isinstance(nxt, ev.ShardLeased) and nxt.request == second, "no repeat of the first"
+        client.done(lease.shards[1])  # no request follows: it goes alone
+        await asyncio.sleep(ACK_DELAY_S)
+
+        async def requests() -> list[ev.ShardRequested]:
+            stored = await stored_events(bus, JOB)
+            return [r.event for r in stored if isinstance(r.event, ev.ShardRequested)]
+
+        deadline = time.monotonic() + 30
+        while len(await requests()) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        one, two, alone = await requests()
+        assert one.done == () and two.done == (lease.shards[0],) and two.answered == first
+        assert alone.count == 0 and alone.done == (lease.shards[1],)
+        stored = await stored_events(bus, JOB)
+        assert not [r for r in stored if isinstance(r.event, ev.ShardLeased | ev.ShardDone)]
+        answers = await bus.js.stream_info(subjects.ANSWER_STREAM)
+        assert answers.state.messages == 3, "two leases, and the one announced again"
+        assert alone.answered == second
+        # closing confirms a lease that came after the last request: no master announces
+        # it again
+        third = client.request(1, ())
+        await asyncio.to_thread(client.answers.get, True, 30)
+        await asyncio.to_thread(client.close)
+        deadline = time.monotonic() + 30
+        while len(await requests()) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        last = (await requests())[-1]
+        assert last.count == 0 and last.done == () and last.answered == third
+    finally:
+        await asyncio.to_thread(client.close)

@@ -599,3 +599,19 @@ def test_a_lease_announced_again_is_the_same_and_confirmed_ones_are_not() -> Non
     sim.announced.clear()  # a new leader: it knows only what the stream folded
     again = [d for d in sim.tick() if isinstance(d, ev.ShardLeased)]
     assert again == [b], "c2's lease is announced again, unchanged; c1's reached it"
+
+
+def test_a_grant_unconfirmed_past_its_lease_is_no_longer_announced() -> None:
+    """A client gone without saying its lease arrived: a new leader announces it while
+    the lease could still be alive, and not after."""
+    sim = Sim(ev.RdzvParams(min_nodes=1, max_nodes=2))
+    data = Data(sim)
+    data.register("c1")
+    a = data.request("c1", 1)
+    assert isinstance(a, ev.ShardLeased)
+    sim.announced.clear()
+    assert [d.id for d in sim.tick(SPEC.lease_s / 2) if isinstance(d, ev.ShardLeased)] == [a.id]
+    sim.announced.clear()
+    later = sim.tick(SPEC.lease_s)
+    assert not [d for d in later if isinstance(d, ev.ShardLeased)]
+    assert any(isinstance(d, ev.ShardRequeued) for d in later), "and its lease expired"

@@ -543,7 +543,11 @@ def due(
                     partial_shards=ds.restored_partial,
                 )
             )
-        out.extend(Announce(dataset=ds.name, grant=g) for g in ds.grants.values())
+        # a grant unconfirmed past its lease's first deadline: its client is gone (a live
+        # one asks at least every lease_s / 3, saying what reached it)
+        out.extend(
+            Announce(dataset=ds.name, grant=g) for g in ds.grants.values() if g.deadline >= now
+        )
         out.extend(
             Announce(dataset=ds.name, grant=_empty(w, ds.spec.lease_s, now), unparked=True)
             for w in ds.parked.values()
