@@ -384,15 +384,26 @@ class Bus:
 
     async def last_seq(self, stream: str, subject_filter: str) -> int:
         """Stream sequence of the newest message matching `subject_filter` (0 if none)."""
+        seq, _ = await self.last_message(stream, subject_filter, direct=True)
+        return seq
 
-        async def get() -> int:
+    async def last_message(
+        self, stream: str, subject_filter: str, *, direct: bool = False
+    ) -> tuple[int, bytes]:
+        """(sequence, body) of the newest message matching `subject_filter`, ((0, b"")
+        if none), retried. From the stream's leader unless `direct`: a direct get may be
+        served by a replica that lags, which may not yet hold a message another replica
+        has just named."""
+
+        async def get() -> tuple[int, bytes]:
             try:
-                msg = await self.js.get_last_msg(stream, subject_filter, direct=True)
+                msg = await self.js.get_last_msg(stream, subject_filter, direct=direct)
             except nats.js.errors.NotFoundError:
-                return 0
-            return int(msg.seq or 0)
+                return 0, b""
+            return int(msg.seq or 0), msg.data or b""
 
-        return int(await self._retry(get, deadline_s=15.0))
+        found: tuple[int, bytes] = await self._retry(get, deadline_s=15.0)
+        return found
 
     async def stream_bounds(self, stream: str) -> tuple[int, int]:
         """(first, last) sequence the stream holds now (last is 0 when it is empty)."""

@@ -20,7 +20,7 @@ import nats.js.errors
 import stamina
 import structlog
 
-from rove.control.bus import records, retry
+from rove.control.bus import records
 from rove.control.bus.client import Bus, Fence
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
@@ -323,19 +323,10 @@ class MasterRunner(JobService):
             FencedError: that message is a newer master's election.
         """
         subject = subjects.master_elected(self.job)
-
-        async def last() -> tuple[int, bytes]:
-            # From the stream's leader, sequence and body in one answer: a direct get
-            # may be served by a replica that lags, which may not yet hold the message
-            # another replica just named (seen on a 3-node cluster that lost its quorum:
-            # the master died of that "not found").
-            try:
-                msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject)
-            except nats.js.errors.NotFoundError:
-                return 0, b""
-            return int(msg.seq or 0), msg.data or b""
-
-        seq, data = await retry.call(lambda _t: last(), what="the last election", deadline_s=15.0)
+        # from the stream's leader, sequence and body in one answer (two direct gets, seen
+        # on a 3-node cluster that lost its quorum, were answered by replicas that did
+        # not agree, and the master died of that "not found")
+        seq, data = await self.bus.last_message(subjects.EVENTS_STREAM, subject)
         if seq:
             item = records.read(subjects.EVENTS_STREAM, seq, subject, data)
             newer = (
