@@ -199,6 +199,11 @@ class ReplicaSender:
             for _, _, buf in spare:
                 if rank not in self._copies and id(buf) not in self.lent:
                     self._copies[rank] = (-1, None, buf)  # (one being sent back is not)
+        # ranks this node no longer runs (renumbered in a new round): their copies were
+        # kept for that round's restore; a newer step taken whole supersedes them
+        for rank in {*self._copies, *self._kept, *self._maybe} - set(self._engines):
+            for copies in (self._copies, self._kept, self._maybe):
+                copies.pop(rank, None)
 
     def _pin(self, step: int) -> None:
         """`step` went whole but its answer never came: the peer may have taken it, and

@@ -912,3 +912,39 @@ async def _kill_whole(nodes: list[RunProc]) -> None:
     for n in nodes:
         n.proc.wait()
     await eventually(lambda: not any(pid_alive(p) for p in pids), timeout=30)
+
+
+async def test_the_copies_of_ranks_a_node_no_longer_runs_go_once_a_newer_step_is_taken(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """na ran ranks 0 and 1 and its peer took step 1 of both; the next round renumbers
+    na to rank 0 alone. Rank 1's copy of step 1 stays for that round's restore, and goes
+    (with its memory) once the peer takes step 2: nothing of a rank na no longer runs is
+    kept for good."""
+    outbox = Outbox(bus, what="test facts")
+    outbox.start()
+    holder = ReplicaServer(NodeFacts(outbox, job=JOB, node="nb"), "127.0.0.1", 1 << 26, _nothing)
+    port = await holder.start()
+    engines = {r: FlashEngine(f"{JOB}-s{r}", r, directory=tmp_path) for r in (0, 1)}
+    sender = ReplicaSender(NodeFacts(_Facts(), job=JOB, node="na"), replicas=1)  # type: ignore[arg-type]
+    sending = asyncio.create_task(sender.run())
+    try:
+        sender.new_round(1, [_member("na", port=0), _member("nb", port=port)], engines)
+        for engine in engines.values():
+            engine.save(1, {"w": torch.randn(200, 100)})
+        sender.offer(1)
+        await eventually(lambda: sender.sent.get("nb") == 1, timeout=30)
+        assert sender.kept(1, 0) is not None and sender.kept(1, 1) is not None
+        mine = {0: engines[0]}
+        sender.new_round(2, [_member("na", port=0), _member("nb", port=port)], mine, 1)
+        assert sender.kept(1, 1) is not None, "kept for the new round's restore"
+        engines[0].save(2, {"w": torch.randn(200, 100)})
+        sender.offer(2)
+        await eventually(lambda: sender.sent.get("nb") == 2, timeout=30)
+        assert sender.kept(2, 0) is not None and sender.kept(1, 1) is None
+        held = {*sender._copies, *sender._kept, *sender._maybe}
+        assert held == {0}, "no buffer of rank 1 is left"
+    finally:
+        sending.cancel()
+        await holder.stop()
+        await outbox.stop()
