@@ -245,3 +245,41 @@ async def test_a_lease_costs_one_stored_event_and_one_announced_twice_is_taken_o
         assert last.count == 0 and last.done == () and last.answered == third
     finally:
         await asyncio.to_thread(client.close)
+
+
+@pytest.mark.slow
+async def test_a_lease_lost_from_the_memory_stream_is_announced_again(
+    bus: Bus, master: Any
+) -> None:
+    """The answers stream is memory: a lease it lost before its client read it (here:
+    purged) is announced again by the leader until the client confirms it, under an id
+    of its own (the stream still remembers the first one's)."""
+    from rove.control.catalogue import subjects
+    from rove.control.master.runner import REANNOUNCE_S
+
+    def env(n: int) -> dict[str, Any]:
+        return {"job": JOB, "id": f"ghost:{n}", "producer": "ghost", "ts": time.time()}
+
+    spec = ev.DatasetSpec(size=100, shard_size=10)
+    await bus.publish(ev.DatasetRegistered(**env(1), dataset="lost", spec=spec, client="ghost"))
+    await bus.publish(
+        ev.ShardRequested(**env(2), dataset="lost", client="ghost", request=2, count=3)
+    )
+    deadline = time.monotonic() + 30
+    while (await bus.js.stream_info(subjects.ANSWER_STREAM)).state.messages < 1:
+        assert time.monotonic() < deadline, "the lease was never announced"
+        await asyncio.sleep(0.05)
+    await bus.js.purge_stream(subjects.ANSWER_STREAM)
+    got: asyncio.Queue[ev.ShardLeased] = asyncio.Queue()
+    feed = await bus.subscribe(
+        subjects.ANSWER_STREAM,
+        subjects.lease_answer(JOB, "lost", "ghost"),
+        lambda rec: got.put_nowait(rec.event),
+        lambda rej: None,
+    )
+    try:
+        lease = await asyncio.wait_for(got.get(), REANNOUNCE_S * 3)
+        assert lease.request == 2 and [r.key for r in lease.shards] == [0, 1, 2]
+        assert ":again:" in lease.id
+    finally:
+        await feed.stop()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import nats.js.errors
 import stamina
 import structlog
+from msgspec.structs import replace
 
 from rove.control.bus import records
 from rove.control.bus.client import Bus, Fence
@@ -40,7 +41,7 @@ log = structlog.get_logger("rove.master")
 INFLIGHT_S = 5.0
 #: A lease its client has not confirmed (`ShardRequested.answered`) is announced again
 #: after this: the answers stream is memory, and its message may be gone.
-REANNOUNCE_S = 30.0
+REANNOUNCE_S = 10.0
 #: Facts someone waits on: the leader decides as soon as it folds one, not at the next
 #: tick. Data clients wait for their leases (a stream's parked requests for the shards a
 #: bridge cuts); a failed or finished round, a node that joins or leaves, a
@@ -431,10 +432,16 @@ class MasterRunner(JobService):
         """Announce the grants of the fold not yet announced (or not for `REANNOUNCE_S`),
         all at once, to the answers stream. Not fenced: any master that folded a request
         announces the very same grant (same id, deduplicated), so a deposed one's
-        announcement is no different from the leader's."""
+        announcement is no different from the leader's. Announced again, a grant has an
+        id of its own, so that the stream stores it even if it still remembers the
+        first one's id (its client keeps one of the two)."""
         mono = time.monotonic()
         due = [e for e in leases if self._announced.get(e.id, -REANNOUNCE_S) + REANNOUNCE_S <= mono]
-        await asyncio.gather(*(self.bus.publish(e) for e in due))
+        again = [
+            e if e.id not in self._announced else replace(e, id=f"{e.id}:again:{mono:.0f}")
+            for e in due
+        ]
+        await asyncio.gather(*(self.bus.publish(e) for e in again))
         sent = {e.id for e in due}
         # what the fold no longer holds is forgotten: its client confirmed it
         self._announced = {e.id: mono if e.id in sent else self._announced[e.id] for e in leases}
