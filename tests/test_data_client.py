@@ -190,18 +190,33 @@ async def test_the_iterable_dataset_with_worker_processes_resumes_exactly_once(
     assert [(e.dataset, e.round) for e in restored][-1] == ("it", 2)
 
 
+@pytest.fixture(params=["one server", "3-node cluster"])
+def shaped(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """(bus, URL) with a `rove master` on one server (R1) or on the 3-node cluster (R3)."""
+    if request.param == "one server":
+        bus = request.getfixturevalue("bus")
+        url = bus.url
+    else:
+        bus = request.getfixturevalue("cluster_bus")
+        url = request.getfixturevalue("shared_cluster").url
+    m = MasterProc(url, JOB, "m1", tmp_path)
+    yield bus, url
+    m.stop()
+
+
 async def test_a_lease_costs_one_stored_event_and_one_announced_twice_is_taken_once(
-    bus: Bus, master: Any
+    shaped: tuple[Bus, str],
 ) -> None:
     """The client's acknowledgements ride in its next request, or alone after
     ACK_DELAY_S; the lease itself is on the memory stream, not with the facts; and a
     lease announced again (a new leader, past the deduplication window) reaches the
-    sampler once."""
+    sampler once. On one server and on a 3-node cluster."""
     from rove.control.catalogue import subjects
     from rove.shard_service.client import ACK_DELAY_S, DataClient
 
+    bus, url = shaped
     client = await asyncio.to_thread(
-        DataClient, job=JOB, dataset="one", url=bus.url, node="na", client="c1"
+        DataClient, job=JOB, dataset="one", url=url, node="na", client="c1"
     )
     try:
         client.register(ev.DatasetSpec(size=100, shard_size=10))
@@ -249,13 +264,15 @@ async def test_a_lease_costs_one_stored_event_and_one_announced_twice_is_taken_o
 
 @pytest.mark.slow
 async def test_a_lease_lost_from_the_memory_stream_is_announced_again(
-    bus: Bus, master: Any
+    shaped: tuple[Bus, str],
 ) -> None:
     """The answers stream is memory: a lease it lost before its client read it (here:
     purged) is announced again by the leader until the client confirms it, under an id
     of its own (the stream still remembers the first one's)."""
     from rove.control.catalogue import subjects
     from rove.control.master.runner import REANNOUNCE_S
+
+    bus, _ = shaped
 
     def env(n: int) -> dict[str, Any]:
         return {"job": JOB, "id": f"ghost:{n}", "producer": "ghost", "ts": time.time()}
