@@ -130,9 +130,10 @@ class DataClient:
         self._lock = threading.Lock()
         self._acks: list[ev.ShardRef] = []  # trained, not yet acknowledged
         self._ack_timer: asyncio.TimerHandle | None = None
-        #: the newest request whose shards reached this client, and the latest of those
+        #: the newest request whose lease reached this client, and the `answered` last
+        #: sent; the requests whose leases did (the latest `REMEMBERED_LEASES`)
         self.answered = 0
-        self._confirmed = 0  # the `answered` last sent
+        self._confirmed = 0
         self._leased: dict[int, None] = {}
         self._loop = asyncio.new_event_loop()
         self._outbox: Outbox | None = None
@@ -259,7 +260,9 @@ class DataClient:
         """Acknowledge what no request took along, in a request for nothing; the `last`
         one also confirms the leases that reached this client (the master stops
         announcing them)."""
-        self._ack_timer = None
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
         with self._lock:
             if self._acks or (last and self.answered > self._confirmed):
                 self._request(0, ())
@@ -296,7 +299,10 @@ class DataClient:
             bus = await Bus.connect(
                 options_from_env(self.url, name=f"rove-data-{self.client}", reconnect_forever=True)
             )
-            unreadable = lambda rej: log.error("unreadable answer from the master", error=rej.error)  # noqa: E731
+
+            def unreadable(rej: records.Rejection) -> None:
+                log.error("unreadable answer from the master", error=rej.error)
+
             feeds = [
                 await bus.subscribe(
                     subjects.ANSWER_STREAM,
