@@ -6,8 +6,8 @@
    publishing the request to receiving the lease. A real `rove master`
    process and a real nats-server do the work; the clients share one
    connection in this process. `runs_acks_apart` is the same with each
-   acknowledgement a stored event of its own (`shard_done`, as a DataLoader
-   worker's shards are acknowledged), in the same run.
+   acknowledgement a stored event of its own (`shard_done`: two stored events
+   per lease), in the same run.
 2. Sampler overhead: the same small training loop over generated data, one
    epoch fed by a `DistributedSampler`, one fed by `ShardSampler` (leases
    from the master, acknowledgements, position tracking), alternating, the
@@ -110,7 +110,7 @@ async def lease_run(
             answered[name] = lease.request
             if not acks_apart:
                 trained[name] = lease.shards
-            else:  # one stored event each, while training goes on (a DataLoader worker's)
+            else:  # one stored event each, while training goes on
                 acks.append(
                     asyncio.ensure_future(
                         bus.publish(

@@ -10,7 +10,9 @@ but loses nothing: the stream keeps a request until a master answers it.
 
 A lease is one stored event: the client's acknowledgements of the shards it trained
 ride in its next request (`ShardRequested.done`), or after `ACK_DELAY_S` in a request
-for nothing, and so does the newest request whose shards reached it (`answered`).
+for nothing, and so does the newest request whose shards reached it (`answered`). A
+main process acknowledging its DataLoader workers' shards sends a request for nothing
+per worker client every `ACK_DELAY_S` at most.
 Answers arrive on this client's own subjects and are queued for the sampler: leases
 (`shard_leased`, stream ROVE_ANSWERS; one announced twice, after a master failover,
 is queued once) and refusals (`data_rejected`, stored with the facts).
@@ -128,7 +130,8 @@ class DataClient:
         self._seq = 0
         #: numbering events and queueing them, from the training thread or the bus's
         self._lock = threading.Lock()
-        self._acks: list[ev.ShardRef] = []  # trained, not yet acknowledged
+        #: shards trained and not yet acknowledged, by the client holding their lease
+        self._acks: dict[str, list[ev.ShardRef]] = {}
         self._ack_timer: asyncio.TimerHandle | None = None
         #: the newest request whose lease reached this client, and the `answered` last
         #: sent; the requests whose leases did (the latest `REMEMBERED_LEASES`)
@@ -206,15 +209,22 @@ class DataClient:
         with self._lock:
             return self._request(count, held, **first)
 
-    def _request(self, count: int, held: tuple[int, ...], **first: Any) -> int:
+    def _request(
+        self, count: int, held: tuple[int, ...], owner: str | None = None, **first: Any
+    ) -> int:
+        """(Under the lock.) With `owner`, a request for nothing on behalf of the client
+        holding the leases it acknowledges (a DataLoader worker's)."""
         envelope = self.envelope()
-        acks, self._acks = tuple(self._acks), []
-        self._confirmed = self.answered
+        mine = owner is None or owner == self.client
+        client = self.client if mine else str(owner)
+        acks = tuple(self._acks.pop(client, ()))
+        if mine:
+            self._confirmed = self.answered
         self.send(
             ev.ShardRequested(
                 **envelope,
                 dataset=self.dataset,
-                client=self.client,
+                client=client,
                 request=self._seq,
                 count=count,
                 node=self.node,
@@ -222,7 +232,7 @@ class DataClient:
                 round=self.round,
                 held=held,
                 done=acks,
-                answered=self.answered,
+                answered=self.answered if mine else 0,
                 **first,
             )
         )
@@ -231,25 +241,13 @@ class DataClient:
     def done(self, shard: ev.ShardRef, owner: str | None = None) -> None:
         """`shard` was trained; `owner`: the client holding its lease, if not this one.
 
-        This client's own shards are acknowledged with its next request, or within
-        `ACK_DELAY_S`; another's at once, on its behalf (`shard_done`)."""
-        if owner is not None and owner != self.client:
-            self.send(
-                ev.ShardDone(
-                    **self.envelope(),
-                    dataset=self.dataset,
-                    client=owner,
-                    shard=shard,
-                    node=self.node,
-                    rank=self.rank,
-                    round=self.round,
-                )
-            )
-            return
+        This client's own shards are acknowledged with its next request; any not taken
+        along within `ACK_DELAY_S`, and another client's, in a request for nothing (one
+        per client whose leases they are)."""
         with self._lock:
-            self._acks.append(shard)
-            first = len(self._acks) == 1
-        if first:
+            waiting = any(self._acks.values())
+            self._acks.setdefault(owner or self.client, []).append(shard)
+        if not waiting:
             self._loop.call_soon_threadsafe(self._arm_acks)
 
     def _arm_acks(self) -> None:
@@ -264,7 +262,9 @@ class DataClient:
             self._ack_timer.cancel()
             self._ack_timer = None
         with self._lock:
-            if self._acks or (last and self.answered > self._confirmed):
+            for owner in [o for o, acks in self._acks.items() if acks]:
+                self._request(0, (), owner)
+            if last and self.answered > self._confirmed:
                 self._request(0, ())
 
     def close(self, timeout_s: float = 10.0) -> None:

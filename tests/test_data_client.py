@@ -258,6 +258,21 @@ async def test_a_lease_costs_one_stored_event_and_one_announced_twice_is_taken_o
             await asyncio.sleep(0.1)
         last = (await requests())[-1]
         assert last.count == 0 and last.done == () and last.answered == third
+        # a main process acknowledges a DataLoader worker's shard on its behalf: a
+        # request for nothing in the worker's name, not an event per shard
+        main = await asyncio.to_thread(
+            DataClient, job=JOB, dataset="one", url=url, node="na", client="c1-main"
+        )
+        main.done(ev.ShardRef(3), owner="c1")
+        await asyncio.to_thread(main.close)
+        deadline = time.monotonic() + 30
+        while len(await requests()) < 6 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        behalf = (await requests())[-1]
+        assert behalf.client == "c1" and behalf.producer == "data:c1-main"
+        assert behalf.count == 0 and behalf.done == (ev.ShardRef(3),)
+        stored = await stored_events(bus, JOB)
+        assert not [r for r in stored if isinstance(r.event, ev.ShardDone | ev.DataRejected)]
     finally:
         await asyncio.to_thread(client.close)
 

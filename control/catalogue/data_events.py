@@ -81,7 +81,8 @@ class ShardRequested(Event, tag="shard_requested", frozen=True, kw_only=True):
     It also acknowledges the shards it trained since its last request (`done`, as
     `shard_done` would, one by one: a lease is one stored event, not three), and
     says the newest of its requests whose shards reached it (`answered`): the master
-    stops announcing those. `count` 0 with `done` only acknowledges.
+    stops announcing those. `count` 0 with `done` only acknowledges: a main process
+    sends such a request on behalf of the DataLoader worker holding the leases.
 
     Its first request in a round carries where the restored checkpoint stood
     (`restore`, None for a fresh start): the dataset is rolled back to it.
@@ -102,9 +103,9 @@ class ShardRequested(Event, tag="shard_requested", frozen=True, kw_only=True):
 
 
 class ShardDone(Event, tag="shard_done", frozen=True, kw_only=True):
-    """`client` trained every sample of `shard` (from its offset). Sent on behalf of
-    another client (a DataLoader worker's lease); a client acknowledges its own
-    shards inside its requests (`ShardRequested.done`)."""
+    """`client` trained every sample of `shard` (from its offset). rove's clients
+    acknowledge inside requests instead (`ShardRequested.done`, a stored event for many
+    shards); this one is still folded, one shard per event."""
 
     dataset: str
     client: str
