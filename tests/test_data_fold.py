@@ -407,6 +407,27 @@ def test_a_commit_prunes_the_stream_below_its_position_and_older_restores_are_re
     assert isinstance(fresh, ev.DataRejected) and "a fresh start" in fresh.reason
 
 
+def test_an_acknowledgement_that_comes_after_a_commit_pruned_its_shard_is_taken() -> None:
+    """Acknowledgements ride in the next request, so a checkpoint that trained a shard can
+    be committed (and prune it) first: the lease goes, nothing fails, nothing is counted
+    twice. (The fold raised KeyError here, and every master skipped the request.)"""
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    data.register("c1", STREAM)
+    _cut(data, (0, 0, 10), (1, 0, 4), (0, 10, 20))  # keys 0..2
+    a = data.request("c1", 3)
+    assert isinstance(a, ev.ShardLeased) and [r.key for r in a.shards] == [0, 1, 2]
+    position = ev.DataPosition(done=((0, 1),))
+    _saved(data, 5, position)
+    _committed(data, 5)
+    assert data.state.data.streams.streams["d"].floor == 2
+    _cut(data, (1, 4, 8))
+    b = data.request("c1", 1, done=a.shards[:2], answered=a.request, held=(2,))
+    assert isinstance(b, ev.ShardLeased) and [r.key for r in b.shards] == [3]
+    ds = data.state.data.datasets["d"]
+    assert sorted(ds.leases) == [2, 3] and set(ds.done) == set()
+    assert data_fold.done_count(data.state.data, ds) == 2, "the floor's, once"
+
+
 def _leased(
     answers: list[ev.ShardLeased | ev.DataRejected],
 ) -> list[tuple[int, int, ev.StreamShard]]:

@@ -10,6 +10,7 @@ import immutables
 import msgspec
 import nats.js.errors
 import pytest
+import structlog.testing
 
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
@@ -198,3 +199,31 @@ async def test_each_large_snapshot_deletes_the_one_before_and_no_message_is_larg
     assert 0 < largest <= snapshots.INLINE_LIMIT
     pointer = await bus.js.get_last_msg(subjects.SNAPSHOT_STREAM, subjects.snapshot("j1"))
     assert len(pointer.data or b"") < 1024
+
+
+async def test_an_event_the_fold_fails_on_is_said_and_skipped_and_the_replica_goes_on(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in a pure fold (it once raised KeyError on a late acknowledgement) must not
+    stop a master's replica: the event is named in an error, skipped, and the events
+    after it are folded."""
+    from rove.control.master import replica as replica_module
+
+    real = replica_module.evolve
+
+    def failing(state: JobState, event: ev.Event, seq: int) -> JobState:
+        if isinstance(event, ev.NodeJoined) and event.node == "n1":
+            raise KeyError(4)
+        return real(state, event, seq)
+
+    monkeypatch.setattr(replica_module, "evolve", failing)
+    for node in ("n0", "n1", "n2"):
+        await bus.publish(factories.joined(node))
+    replica = Replica(bus, "j1", use_snapshot=False)
+    with structlog.testing.capture_logs() as logged:
+        await replica.start()
+        await replica.stop()
+    assert set(replica.state.nodes) == {"n0", "n2"}
+    assert replica.seen_seq == 3
+    (said,) = [e for e in logged if "the fold failed on an event" in e["event"]]
+    assert said["kind"] == "node_joined" and said["seq"] == 2 and said["log_level"] == "error"

@@ -67,6 +67,12 @@ def test_a_partition_behind_retention_resumes_at_its_low_watermark_and_the_gap_i
     st_ = s.streams["clicks"]
     assert st_.gaps == (streams.Gap(0, 100, 150),) and st_.gap_records == 50
     assert st_.next[0] == 200 and st_.count == 2
+    # and `rove status` says it (its view of the gaps raised TypeError)
+    from rove.control.cli.status_cmd import _stream_line, _stream_view
+
+    view = _stream_view(st_, now=10.0, committed=None)
+    assert view["gaps"] == [[0, 100, 150]]
+    assert "50 records lost to retention before a shard covered them" in _stream_line(view)
 
 
 def test_a_repeat_from_a_restarted_bridge_is_ignored_and_keys_follow_fold_order() -> None:

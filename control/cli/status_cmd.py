@@ -376,7 +376,7 @@ def _stream_view(st: Any, now: float, committed: int | None) -> dict[str, Any]:
             [g.partition, g.start, g.end]
             for g in streams.expired(st, vector or (st.saved[-1] if st.saved else None))
         ],
-        "gaps": [list(g) for g in st.gaps],
+        "gaps": [[g.partition, g.start, g.end] for g in st.gaps],
         "gap_records": st.gap_records,
         "last_cut_age_s": round(now - st.last_ts, 1) if st.last_ts else None,
         "pruned_shards": st.floor,

@@ -180,9 +180,22 @@ class Replica:
         if rec.seq <= self.seen_seq:
             return  # already handled (an ordered consumer may redeliver after a reset)
         if not isinstance(rec.event, ev.Heartbeat):
-            self.state = evolve(self.state, rec.event, rec.seq)
-            if self._on_applied is not None:
-                self._on_applied(rec)
+            try:
+                self.state = evolve(self.state, rec.event, rec.seq)
+            except Exception:
+                # a bug of the fold, not bad input (that is refused inside it): said
+                # loudly, and the event skipped by every replica alike, so the job goes on
+                log.exception(
+                    "the fold failed on an event (a bug in rove; please report it): "
+                    "the event is skipped",
+                    job=self.job,
+                    seq=rec.seq,
+                    kind=ev.kind(rec.event),
+                    event_id=rec.event.id,
+                )
+            else:
+                if self._on_applied is not None:
+                    self._on_applied(rec)
         self.seen_seq = rec.seq
         if self._waiters:
             self._seen(rec.seq)
