@@ -436,12 +436,12 @@ def _acked(
     # for the status only: the master never computes an epoch's shard order (a
     # shuffle of every shard id), so the one short shard of an epoch counts as full
     if ds.spec.stream:
-        shard = d.streams.streams[ds.name].shards.get(key)
-        if shard is None:
+        cut = d.streams.streams[ds.name].shards.get(key)
+        if cut is None:
             # pruned: a committed checkpoint trained it before this acknowledgement came
             # (it rides in the next request); the floor counts it done already
             return replace(ds, leases=ds.leases.delete(key)), None
-        samples = max(0, shard.records - lease.offset)
+        samples = max(0, cut.records - lease.offset)
     else:
         samples = max(0, min(ds.spec.shard_size, ds.spec.size) - lease.offset)
     node = ds.nodes.get(lease.node, NodeData())
