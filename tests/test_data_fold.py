@@ -650,3 +650,23 @@ def test_a_grant_unconfirmed_past_its_lease_is_no_longer_announced() -> None:
     later = sim.tick(SPEC.lease_s)
     assert not [d for d in later if isinstance(d, ev.ShardLeased)]
     assert any(isinstance(d, ev.ShardRequeued) for d in later), "and its lease expired"
+
+
+def test_a_pruned_shard_whose_lease_is_requeued_is_not_leased_again() -> None:
+    """A shard a committed checkpoint trained (pruned) whose acknowledgement never came:
+    its lease expiring gives it back to no one (the fold raised KeyError leasing it)."""
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    data.register("c1", STREAM)
+    _cut(data, (0, 0, 10), (1, 0, 4), (0, 10, 20))  # keys 0..2
+    a = data.request("c1", 3)
+    assert isinstance(a, ev.ShardLeased) and [r.key for r in a.shards] == [0, 1, 2]
+    _saved(data, 5, ev.DataPosition(done=((0, 1),)))
+    _committed(data, 5)
+    expired = data.sim.tick(STREAM.lease_s + 1)
+    (requeue,) = [d for d in expired if isinstance(d, ev.ShardRequeued)]
+    assert [r.key for r in requeue.shards] == [0, 1, 2]
+    ds = data.state.data.datasets["d"]
+    assert not ds.leases and [r.key for r in ds.requeued] == [2], "0 and 1 are pruned: done"
+    _cut(data, (1, 4, 8))
+    b = data.request("c1", 3)
+    assert isinstance(b, ev.ShardLeased) and [r.key for r in b.shards] == [2, 3]

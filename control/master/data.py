@@ -463,15 +463,20 @@ def on_requeued(d: DataState, e: ev.ShardRequeued) -> DataState:
     ds = d.datasets.get(e.dataset)
     if ds is None:
         return d
+    # a stream's shards below the floor were pruned: a committed checkpoint trained them
+    # (their acknowledgement, riding in a request, had not come yet); not to train again
+    stream = d.streams.streams.get(ds.name) if ds.spec.stream else None
+    floor = stream.floor if stream is not None else 0
     leases = ds.leases
     back = []
     for ref in e.shards:
         lease = leases.get(ref.key)
         if lease is not None and (not e.client or lease.client == e.client):
             leases = leases.delete(ref.key)
-            back.append(ev.ShardRef(ref.key, lease.offset))
+            if ref.key >= floor:
+                back.append(ev.ShardRef(ref.key, lease.offset))
     if not back:
-        return d
+        return _put(d, replace(ds, leases=leases)) if leases is not ds.leases else d
     requeued = tuple(sorted((*ds.requeued, *back), key=lambda r: r.key))
     return _put(
         d,
