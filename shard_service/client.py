@@ -15,7 +15,9 @@ main process acknowledging its DataLoader workers' shards sends a request for no
 per worker client every `ACK_DELAY_S` at most.
 Answers arrive on this client's own subjects and are queued for the sampler: leases
 (`shard_leased`, stream ROVE_ANSWERS; one announced twice, after a master failover,
-is queued once) and refusals (`data_rejected`, stored with the facts).
+is queued once; one announced as `lapsed`, its leases expired before it came, is
+queued empty and the grant itself ignored should it still come) and refusals
+(`data_rejected`, stored with the facts).
 """
 
 from __future__ import annotations
@@ -336,9 +338,21 @@ class DataClient:
 
     def _answered(self, rec: records.Recorded) -> None:
         answer = rec.event
-        if isinstance(answer, ev.ShardLeased) and (answer.shards or answer.exhausted):
+        if isinstance(answer, ev.ShardLeased) and (
+            answer.shards or answer.exhausted or answer.lapsed
+        ):
             if answer.request in self._leased:
-                return  # announced again by a new master: these shards are here already
+                # announced again by a new master: these shards are here already; or
+                # the grant of a request already answered as lapsed (its leases expired)
+                return
+            if answer.lapsed:
+                log.warning(
+                    "a lease expired before it reached this client (the master took longer"
+                    " than the lease to answer); asking again",
+                    dataset=self.dataset,
+                    client=self.client,
+                    request=answer.request,
+                )
             self._leased[answer.request] = None
             if len(self._leased) > REMEMBERED_LEASES:
                 del self._leased[next(iter(self._leased))]

@@ -277,6 +277,58 @@ async def test_a_lease_costs_one_stored_event_and_one_announced_twice_is_taken_o
         await asyncio.to_thread(client.close)
 
 
+async def test_a_request_folded_after_its_lease_expired_is_answered_lapsed(
+    bus: Bus, master: Any
+) -> None:
+    """A request that waited out an outage longer than `lease_s` in the client's outbox
+    is folded with its own time, and its leases expire at once: the master answers it
+    `lapsed` (the client stops waiting and asks again) rather than not at all, and the
+    grant itself, should a late master still announce it, is not taken."""
+    from msgspec.structs import replace
+
+    from rove.control.catalogue import subjects
+    from rove.shard_service.client import DataClient
+
+    client = await asyncio.to_thread(
+        DataClient, job=JOB, dataset="late", url=bus.url, node="na", client="c1"
+    )
+    try:
+        client.register(ev.DatasetSpec(size=100, shard_size=10, lease_s=30.0))
+        deadline = time.monotonic() + 30
+        while not [
+            r for r in await stored_events(bus, JOB) if isinstance(r.event, ev.DatasetRegistered)
+        ]:
+            assert time.monotonic() < deadline, "the registration was never stored"
+            await asyncio.sleep(0.05)
+        old = time.time() - 40
+        await bus.publish(
+            ev.ShardRequested(
+                job=JOB,
+                id="c1:old",
+                producer="data:c1",
+                ts=old,
+                dataset="late",
+                client="c1",
+                request=500,
+                count=2,
+                node="na",
+            )
+        )
+        lapsed = await asyncio.to_thread(client.answers.get, True, 30)
+        assert isinstance(lapsed, ev.ShardLeased) and lapsed.lapsed, lapsed
+        assert lapsed.request == 500 and lapsed.shards == ()
+        assert client.answered == 500, "the lapsed answer is confirmed with the next request"
+        grant = replace(lapsed, id="late-master", lapsed=False, shards=(ev.ShardRef(0),))
+        await bus.publish_raw(subjects.subject_for(grant), ev.encode(grant), {})
+        again = client.request(2, ())
+        lease = await asyncio.to_thread(client.answers.get, True, 30)
+        assert isinstance(lease, ev.ShardLeased) and lease.request == again, lease
+        assert [r.key for r in lease.shards] == [0, 1], "the expired leases, requeued"
+        assert client.answers.empty()
+    finally:
+        await asyncio.to_thread(client.close)
+
+
 @pytest.mark.slow
 async def test_a_lease_lost_from_the_memory_stream_is_announced_again(
     shaped: tuple[Bus, str],

@@ -636,20 +636,59 @@ def test_a_lease_announced_again_is_the_same_and_confirmed_ones_are_not() -> Non
     assert again == [b], "c2's lease is announced again, unchanged; c1's reached it"
 
 
-def test_a_grant_unconfirmed_past_its_lease_is_no_longer_announced() -> None:
-    """A client gone without saying its lease arrived: a new leader announces it while
-    the lease could still be alive, and not after."""
+def test_a_grant_unconfirmed_past_its_lease_is_announced_lapsed_then_not_at_all() -> None:
+    """A grant unconfirmed: announced again while its leases could be alive; once they
+    expired (its shards requeued), announced as lapsed, with no shards, so that a live
+    client stops waiting and asks again; after one more lease, its client is gone and
+    nothing is announced. The lapsed answer, confirmed, ends it."""
     sim = Sim(ev.RdzvParams(min_nodes=1, max_nodes=2))
     data = Data(sim)
     data.register("c1")
     a = data.request("c1", 1)
-    assert isinstance(a, ev.ShardLeased)
+    assert isinstance(a, ev.ShardLeased) and not a.lapsed
     sim.announced.clear()
     assert [d.id for d in sim.tick(SPEC.lease_s / 2) if isinstance(d, ev.ShardLeased)] == [a.id]
     sim.announced.clear()
     later = sim.tick(SPEC.lease_s)
-    assert not [d for d in later if isinstance(d, ev.ShardLeased)]
-    assert any(isinstance(d, ev.ShardRequeued) for d in later), "and its lease expired"
+    (lapsed,) = [d for d in later if isinstance(d, ev.ShardLeased)]
+    assert lapsed.lapsed and lapsed.request == a.request and lapsed.shards == ()
+    assert lapsed.id != a.id and not lapsed.exhausted
+    (requeue,) = [d for d in later if isinstance(d, ev.ShardRequeued)]
+    assert requeue.shards == a.shards, "and its lease expired"
+    sim.announced.clear()
+    assert not [d for d in sim.tick(SPEC.lease_s * 2.5) if isinstance(d, ev.ShardLeased)]
+    # a client that got the lapsed answer confirms it, and asks again: the requeued
+    # shard is its, and the lapsed grant is gone
+    again = data.request("c1", 1, answered=a.request)
+    assert isinstance(again, ev.ShardLeased) and again.shards == a.shards
+    assert list(data.state.data.datasets["d"].grants) == [f"c1/{again.request}"]
+
+
+def test_a_request_folded_after_its_lease_would_have_expired_is_answered_lapsed() -> None:
+    """A request held in a client's outbox through an outage longer than `lease_s`
+    is folded with its own time: its grant's leases expire at once. The client hears
+    so (rather than waiting for an answer that never comes) and asks again."""
+    sim = Sim(ev.RdzvParams(min_nodes=1, max_nodes=2))
+    data = Data(sim)
+    data.register("c1")
+    sim.now += SPEC.lease_s + 5  # the request below was made before the outage
+    req = ev.ShardRequested(
+        job="j1",
+        id="c1:old",
+        producer="c1",
+        ts=sim.now - SPEC.lease_s - 5,
+        dataset="d",
+        client="c1",
+        request=7,
+        count=2,
+        node="na",
+    )
+    sim.apply(req)
+    answers = data.answers("c1", sim.tick())
+    (lapsed,) = [d for d in answers if isinstance(d, ev.ShardLeased)]
+    assert lapsed.lapsed and lapsed.request == 7 and lapsed.shards == ()
+    again = data.request("c1", 2, answered=7)
+    assert isinstance(again, ev.ShardLeased) and [r.key for r in again.shards] == [0, 1]
 
 
 def test_a_pruned_shard_whose_lease_is_requeued_is_not_leased_again() -> None:

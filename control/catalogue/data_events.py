@@ -125,6 +125,11 @@ class ShardLeased(Decision, tag="shard_leased", frozen=True, kw_only=True):
     No shards and `exhausted`: every shard of every epoch is done or leased (a stream
     is never exhausted). For a stream dataset, `ranges[i]` is the offset range of
     `shards[i]` (whose `offset` then counts records from the range's start).
+
+    `lapsed`: the grant's leases expired before its client confirmed it (the request
+    was folded more than `lease_s` after it was made, or no master could announce it
+    in time); its shards went back to the queue, none are given here, and the client
+    asks again (and ignores the grant itself, should it still come).
     """
 
     dataset: str
@@ -136,6 +141,7 @@ class ShardLeased(Decision, tag="shard_leased", frozen=True, kw_only=True):
     rank: int = 0
     exhausted: bool = False
     ranges: tuple[StreamShard, ...] = ()
+    lapsed: bool = False
 
 
 class ShardRequeued(Decision, tag="shard_requeued", frozen=True, kw_only=True):

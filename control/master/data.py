@@ -21,7 +21,7 @@ refused, so nothing trained outside the lineage counts.
 A stream's request that finds nothing cut yet is *parked*, not answered: the
 fold of the next `stream_shards` allocates to parked requests, oldest first,
 so a waiting trainer gets new records as soon as the bridge publishes them
-(no polling). A request parked for `PARK_S` is answered empty (`due`), and the
+(no polling). A request parked for `PARK_S` is answered empty (`data_due`), and the
 client asks again; that answer has an id of its own, so shards allocated to
 the request meanwhile are still announced.
 
@@ -31,8 +31,6 @@ nothing but a pending `data_rejected` answer.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import immutables
 import msgspec
@@ -494,105 +492,3 @@ def on_restored(d: DataState, e: ev.DataRestored) -> DataState:
 def on_rejected(d: DataState, e: ev.DataRejected) -> DataState:
     left = tuple(r for r in d.rejections if (r.event_id, r.client) != (e.event_id, e.client))
     return replace(d, rejections=left)
-
-
-# --------------------------------------------------------------------------- decisions
-
-
-class Announce(msgspec.Struct, frozen=True, kw_only=True):
-    """Announce `grant`, an allocation the fold already made, to its client; `unparked`:
-    the empty answer to a request parked for `PARK_S`."""
-
-    dataset: str
-    grant: Grant
-    unparked: bool = False
-
-
-class AnnounceRestore(msgspec.Struct, frozen=True, kw_only=True):
-    """`dataset` was rolled back to the lineage of `round` (restored from `step`)."""
-
-    dataset: str
-    round: int
-    step: int | None
-    done_shards: int
-    partial_shards: int
-
-
-class Requeue(msgspec.Struct, frozen=True, kw_only=True):
-    """Give `shards` leased to `client` back to todo; `digest` names these very leases."""
-
-    dataset: str
-    client: str
-    reason: ev.RequeueReason
-    shards: tuple[ev.ShardRef, ...]
-    digest: str
-
-
-class Reject(msgspec.Struct, frozen=True, kw_only=True):
-    """Tell a client its request or acknowledgement was refused, and why."""
-
-    rejection: Rejection
-
-
-DataIntent = Announce | AnnounceRestore | Requeue | Reject
-
-
-def due(
-    d: DataState, current_round: int, lost_nodes: frozenset[str], now: float
-) -> list[DataIntent]:
-    """What to announce now, for `decide` to wrap into decisions."""
-    out: list[DataIntent] = [Reject(rejection=r) for r in d.rejections]
-    for ds in d.datasets.values():
-        if ds.announce_restore:
-            out.append(
-                AnnounceRestore(
-                    dataset=ds.name,
-                    round=ds.round,
-                    step=ds.step,
-                    done_shards=ds.restored_done,
-                    partial_shards=ds.restored_partial,
-                )
-            )
-        # a grant unconfirmed past its lease's first deadline: its client is gone (a live
-        # one asks at least every lease_s / 3, saying what reached it)
-        out.extend(
-            Announce(dataset=ds.name, grant=g) for g in ds.grants.values() if g.deadline >= now
-        )
-        out.extend(
-            Announce(dataset=ds.name, grant=_empty(w, ds.spec.lease_s, now), unparked=True)
-            for w in ds.parked.values()
-            if now - w.since >= PARK_S
-        )
-        out.extend(_requeues(ds, current_round, lost_nodes, now))
-    return out
-
-
-def _empty(want: Parked, lease_s: float, now: float) -> Grant:
-    return Grant(want.client, want.request, want.node, want.rank, (), now + lease_s, False)
-
-
-def _requeues(
-    ds: Dataset, current_round: int, lost_nodes: frozenset[str], now: float
-) -> list[Requeue]:
-    groups: dict[tuple[str, ev.RequeueReason], list[tuple[int, Lease]]] = {}
-    for key, lease in ds.leases.items():
-        if lease.node in lost_nodes:
-            reason = ev.RequeueReason.NODE_LOST
-        elif 0 < lease.round < current_round:
-            reason = ev.RequeueReason.ROUND_RESTARTED
-        elif lease.deadline < now:
-            reason = ev.RequeueReason.LEASE_EXPIRED
-        else:
-            continue
-        groups.setdefault((lease.client, reason), []).append((key, lease))
-    out = []
-    for (client, reason), leases in sorted(groups.items()):
-        leases.sort(key=lambda kl: kl[0])
-        # the id names these very leases (a shard leased again later is a new requeue)
-        text = ",".join(f"{k}/{lease.offset}/{lease.deadline}" for k, lease in leases)
-        digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-        refs = tuple(ev.ShardRef(k, lease.offset) for k, lease in leases)
-        out.append(
-            Requeue(dataset=ds.name, client=client, reason=reason, shards=refs, digest=digest)
-        )
-    return out

@@ -27,7 +27,7 @@ from msgspec.structs import replace
 
 from rove.control.catalogue import events as ev
 from rove.control.master import checkpoints as ckpt
-from rove.control.master import data, netcheck, optimizer
+from rove.control.master import data_due, netcheck, optimizer
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.silence import last_heard
 from rove.control.master.state import JobState, NodeRecord, NodeStatus
@@ -197,13 +197,13 @@ def _data(state: JobState, now: float) -> list[ev.Decision]:
     lost = frozenset(n.node for n in state.nodes.values() if n.status is not NodeStatus.ACTIVE)
     return [
         _data_decision(state, intent, now)
-        for intent in data.due(state.data, state.rdzv.round, lost, now)
+        for intent in data_due.due(state.data, state.rdzv.round, lost, now)
     ]
 
 
-def _data_decision(state: JobState, intent: data.DataIntent, now: float) -> ev.Decision:
+def _data_decision(state: JobState, intent: data_due.DataIntent, now: float) -> ev.Decision:
     match intent:
-        case data.Reject(rejection=r):
+        case data_due.Reject(rejection=r):
             return ev.DataRejected(
                 **_envelope(state, now, "data_rejected", r.event_id, r.client),
                 dataset=r.dataset,
@@ -211,7 +211,7 @@ def _data_decision(state: JobState, intent: data.DataIntent, now: float) -> ev.D
                 event_id=r.event_id,
                 reason=r.reason,
             )
-        case data.AnnounceRestore():
+        case data_due.AnnounceRestore():
             return ev.DataRestored(
                 **_envelope(state, now, "data_restored", intent.dataset, intent.round),
                 dataset=intent.dataset,
@@ -220,10 +220,10 @@ def _data_decision(state: JobState, intent: data.DataIntent, now: float) -> ev.D
                 done_shards=intent.done_shards,
                 partial_shards=intent.partial_shards,
             )
-        case data.Announce(grant=g):
+        case data_due.Announce(grant=g):
             # the empty answer to a parked request is an answer of its own: shards granted
             # to the request meanwhile are announced too (not deduplicated by the id)
-            idle = ("parked",) if intent.unparked else ()
+            idle = ("parked",) if intent.unparked else ("lapsed",) if intent.lapsed else ()
             return ev.ShardLeased(
                 **_envelope(state, now, "shard_leased", intent.dataset, g.client, g.request, *idle),
                 dataset=intent.dataset,
@@ -235,8 +235,9 @@ def _data_decision(state: JobState, intent: data.DataIntent, now: float) -> ev.D
                 deadline=g.deadline,
                 exhausted=g.exhausted,
                 ranges=g.ranges,
+                lapsed=intent.lapsed,
             )
-        case data.Requeue():
+        case data_due.Requeue():
             return ev.ShardRequeued(
                 **_envelope(
                     state,
