@@ -230,11 +230,12 @@ def shm_dir(a: argparse.Namespace, work: Path, node: str) -> Path:
     return Path(a.shm_root) / work.name / f"shm-{node}"
 
 
-def ratio(slow: dict[str, Any], fast: dict[str, Any]) -> float | None:
-    """How many times faster `fast` was back (None: one of them never came back)."""
-    if not slow.get("back_s") or not fast.get("back_s"):
+def ratio(slow: dict[str, Any] | None, fast: dict[str, Any] | None) -> float | None:
+    """How many times faster `fast` was back (None: one of them never came back, or
+    was not run)."""
+    if not slow or not fast or not slow.get("back_s") or not fast.get("back_s"):
         return None
-    return round(slow["back_s"] / fast["back_s"], 2)
+    return round(float(slow["back_s"]) / float(fast["back_s"]), 2)
 
 
 def trainer_args(work: Path, a: argparse.Namespace, checkpoint: str) -> list[str]:
@@ -280,7 +281,13 @@ def main() -> None:
     )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--work", type=Path, help="keep logs and traces here")
+    p.add_argument(
+        "--cases",
+        default="peer,storage,torchrun",
+        help="which cases to run, comma-separated (a ratio needs both of its cases)",
+    )
     a = p.parse_args()
+    cases = set(a.cases.split(","))
     memory = "/dev/shm" if Path("/dev/shm").is_dir() else None
     with (
         tempfile.TemporaryDirectory(prefix="rove-peer-restore-") as tmp,
@@ -293,8 +300,8 @@ def main() -> None:
         url = server.start()
         s3 = None
         try:
-            peer = rove_case(root, url, a, storage=False)
-            storage = rove_case(root, url, a, storage=True)
+            peer = rove_case(root, url, a, storage=False) if "peer" in cases else None
+            storage = rove_case(root, url, a, storage=True) if "storage" in cases else None
             if a.object_store:
                 s3 = object_store(root)
                 remote = rove_case(
@@ -304,7 +311,7 @@ def main() -> None:
             server.stop()
             if s3 is not None:
                 s3.stop()
-        torchrun = torchrun_case(root, a)
+        torchrun = torchrun_case(root, a) if "torchrun" in cases else None
     result = {
         "size_mb": a.size_mb,
         "ckpt_every": a.ckpt_every,
