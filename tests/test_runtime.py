@@ -7,6 +7,7 @@ multi-node job against one NATS server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -367,6 +368,43 @@ async def test_sigterm_to_rove_run_stops_every_worker_and_leaves_no_orphans(
         left = await events_of(bus, ev.NodeLeft)
         assert left and "SIGTERM" in left[-1].reason  # type: ignore[attr-defined]
     finally:
+        node.stop()
+        master.stop()
+
+
+async def test_rove_run_killed_with_sigkill_leaves_no_worker_training(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """`rove run` killed with SIGKILL can stop nothing itself: its warm server ends as
+    the pipe from its agent closes, and the kernel kills the workers forked from it.
+    (multiprocessing handed each worker that pipe's write end: the server never saw it
+    close, and the workers trained on, unsupervised, for ever.)"""
+    # a quiet script: one that prints dies of the closed pipe to its agent as it prints
+    ticks = tmp_path / "ticks"
+    script = tmp_path / "quiet.py"
+    script.write_text(
+        "import time\n"
+        "while True:\n"
+        f"    open({str(ticks)!r}, 'a').write('tick\\n')\n"
+        "    time.sleep(0.05)\n"
+    )
+    master = MasterProc(bus.url, JOB, "m1", tmp_path)
+    node = RunProc(tmp_path, "na", *node_args(bus, "na", "--nproc-per-node", "2"), str(script))
+    pids: tuple[int, ...] = ()
+    try:
+        pids = await eventually(lambda: worker_pids(bus, "na", 1), timeout=120)
+        await eventually(lambda: ticks.exists() and ticks.stat().st_size > 20, timeout=120)
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait(30)
+
+        async def gone() -> bool:
+            return not any(pid_alive(p) for p in pids)
+
+        assert await eventually(gone, timeout=30), "orphan workers train on"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         node.stop()
         master.stop()
 
