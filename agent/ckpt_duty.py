@@ -149,6 +149,7 @@ class CheckpointDuty:
         newest held of the steps every node persists (`Saver.aligned_step`: the round's
         restored step plus multiples of `persist_every`), so that all nodes persist the
         same steps whenever each looks."""
+        self.saver.touch()
         self._report_in_memory()
         busy = self._persisting is not None and not self._persisting.done()
         if busy or self.saver.storage is None:

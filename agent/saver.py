@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from rove.checkpoint import shm_owner
 from rove.checkpoint.engine import CheckpointError, FlashEngine, default_dir, namespace
 from rove.checkpoint.storage import Manifest, SlotOverwritten, copy_out
 from rove.checkpoint.stores import open_storage
@@ -42,24 +43,61 @@ class Saver:
         #: persisted straight from shared memory: storage is slower than the saves)
         self.copying = False
         self._copies: dict[int, bytearray] = {}  # a rank's copy buffer, reused
+        #: this agent holds its run's slots (`rove.checkpoint.shm_owner`)
+        self._holder: shm_owner.Holder | None = None
 
     def ranks(self, ranks: tuple[int, ...], run: str = "") -> None:
         """The global ranks this node runs now (a new round may change them), in `run`
         of the job (see `rove.checkpoint.engine.namespace`)."""
         name = namespace(self.job, run)
-        if name != self.name:
-            self.engines = {}
-            self.name = name
-            self.forget_other_runs()
+        if name != self.name or self._holder is None:
+            if name != self.name:
+                self.engines = {}
+                self.name = name
+                self.forget_other_runs()
+            self._hold()
         self.engines = {r: self.engines.get(r) or FlashEngine(name, r) for r in ranks}
         self._copies = {r: b for r, b in self._copies.items() if r in self.engines}
 
     def forget_other_runs(self) -> None:
         """Remove the slots an earlier, killed run of a job by this name left behind."""
         for path in default_dir().glob(f"rove-ckpt-{self.job}.*"):
-            if not path.name.startswith(f"rove-ckpt-{self.name}-"):
+            mine = path.name.startswith(f"rove-ckpt-{self.name}-")
+            if not mine and path.name != shm_owner.lock_path(path.parent, self.name).name:
                 log.info("removing shared memory of an earlier run of the job", path=str(path))
                 path.unlink(missing_ok=True)
+
+    def _hold(self) -> None:
+        """Hold this run's slots, and reclaim the slots of dead runs of other jobs
+        (`rove.checkpoint.shm_owner`). Never in the job's way: a failure is said."""
+        if self._holder is not None:
+            self._holder.release()
+            self._holder = None
+        directory = default_dir()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._holder = shm_owner.Holder(directory, self.name)
+            grace = shm_owner.grace_s()
+            for run, freed in shm_owner.reclaim(directory, grace, frozenset({self.name})):
+                log.info(
+                    f"freed {freed / (1 << 20):.1f} MiB of shared memory a killed run left "
+                    f"in {directory} ({run}: no agent held it for {grace:.0f} s, "
+                    "ROVE_SHM_GRACE_S)",
+                    say=True,
+                )
+        except OSError as exc:
+            log.warning(
+                f"cannot look after the shared memory in {directory}: {exc}; dead runs' "
+                "slots there are not reclaimed"
+            )
+
+    def touch(self) -> None:
+        """This run is alive (its slots are kept a grace period after it dies)."""
+        if self._holder is not None:
+            try:
+                self._holder.touch()
+            except OSError:
+                pass  # the next touch tries again; the lock still says it is held
 
     def cut(self, step: int | None) -> tuple[list[int], list[int]]:
         """The job goes on from `step` (None: from scratch) on a new lineage: drop every
@@ -199,3 +237,6 @@ class Saver:
     def unlink(self) -> None:
         for engine in self.engines.values():
             engine.unlink()
+        if self._holder is not None:
+            self._holder.release(remove=True)
+            self._holder = None

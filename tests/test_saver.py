@@ -28,6 +28,13 @@ def test_slots_of_an_earlier_run_of_the_job_are_neither_seen_nor_kept(
     assert list(tmp_path.glob("rove-ckpt-j10.cccc-*")), "another job's slots are left alone"
     FlashEngine(namespace("j1", "bbbb"), 0).save(3, {"w": torch.ones(4)})
     assert saver.new_in_memory() == 3
+    # a second agent of the run on this machine leaves the first one's lock be
+    lock = tmp_path / "rove-ckpt-j1.bbbb.lock"
+    held = lock.stat().st_ino  # the run is held
+    other = Saver("j1", None)
+    other.ranks((1,), "bbbb")
+    assert lock.stat().st_ino == held, "the lock both agents hold, not a new one"
+    assert list(tmp_path.glob("rove-ckpt-j1.bbbb-r0-*")), "nor its slots"
 
 
 def test_workers_name_their_slots_by_the_run_the_agent_gives(
@@ -201,6 +208,9 @@ class Steps:
 
     def common_steps(self) -> set[int]:
         return {s for s in (self.newest - 1, self.newest) if s > 0}
+
+    def touch(self) -> None:
+        pass  # (its memory is nobody's to reclaim)
 
     def new_in_memory(self) -> int | None:
         if self.newest <= self.reported_step:

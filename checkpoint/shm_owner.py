@@ -1,0 +1,129 @@
+"""Shared memory nobody holds any more, reclaimed.
+
+A run's flash slots outlive an agent killed with SIGKILL, on purpose: an agent of the
+same run started again restores from them (a warm restore). But a job named afresh at
+each start (`rove run --standalone` names it `<script>-<random>`) never comes back for
+them, and they stayed in /dev/shm, twice the state of every rank, until the machine
+restarted.
+
+So every agent holding a run's slots holds a shared `flock` on `rove-ckpt-<run>.lock`
+beside them (`Holder`) and touches the file while it runs (`Holder.touch`, at most
+every `TOUCH_S`). As an agent takes up a run, it reclaims the slots of every other run
+whose lock no process holds and that nobody touched for `grace_s()` (`reclaim`):
+`ROVE_SHM_GRACE_S`, default 600 s, long enough for a restarted agent of that run to
+find its memory, short enough that dead runs do not pile up. Slots of a run that has
+no lock file (written by rove before this) are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import os
+import re
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("rove.checkpoint")
+
+PREFIX = "rove-ckpt-"
+#: Seconds a dead run's slots are kept for an agent of it started again (env
+#: ROVE_SHM_GRACE_S).
+GRACE_S = 600.0
+#: A holder touches its lock file at most this often.
+TOUCH_S = 30.0
+
+
+def grace_s() -> float:
+    raw = os.environ.get("ROVE_SHM_GRACE_S", "")
+    try:
+        value = float(raw) if raw else GRACE_S
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        log.warning(
+            f"ROVE_SHM_GRACE_S={raw!r} is not a number of seconds (0 or more); "
+            f"keeping dead runs' shared memory for {GRACE_S:.0f} s"
+        )
+        return GRACE_S
+    return value
+
+
+def lock_path(directory: Path, run: str) -> Path:
+    return directory / f"{PREFIX}{run}.lock"
+
+
+class Holder:
+    """This process holds `run`'s slots in `directory` while it lives: a shared lock on
+    the run's lock file (several agents of one run on a machine share it)."""
+
+    def __init__(self, directory: Path, run: str) -> None:
+        self.path = lock_path(directory, run)
+        self._fd = -1
+        self._touched = 0.0
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a reclaim removes the run
+            try:
+                same = os.fstat(fd).st_ino == self.path.stat().st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the file was reclaimed as it was opened: a new one
+        self._fd = fd
+        self.touch(force=True)
+
+    def touch(self, *, force: bool = False) -> None:
+        """The run is alive: its slots are kept `grace_s()` from now should it die."""
+        now = time.monotonic()
+        if self._fd >= 0 and (force or now - self._touched >= TOUCH_S):
+            os.utime(self._fd)
+            self._touched = now
+
+    def release(self, *, remove: bool = False) -> None:
+        """Let go (`remove`: the run's slots are freed too, so is its lock file)."""
+        if self._fd < 0:
+            return
+        if remove:
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def reclaim(
+    directory: Path, grace: float, keep: frozenset[str], now: float | None = None
+) -> list[tuple[str, int]]:
+    """Remove the slots (and lock files) of the runs in `directory`, other than `keep`,
+    whose lock nobody holds and that nobody touched for `grace` seconds: each run, and
+    the bytes of its slots."""
+    now = time.time() if now is None else now
+    gone = []
+    for lock in sorted(directory.glob(f"{PREFIX}*.lock")):
+        run = lock.name[len(PREFIX) : -len(".lock")]
+        try:
+            if run in keep or now - lock.stat().st_mtime < grace:
+                continue
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # an agent of the run holds it
+            slot = re.compile(rf"{re.escape(PREFIX + run)}-r\d+-s\d+")
+            freed = 0
+            for path in directory.glob(f"{glob.escape(PREFIX + run)}-r*"):
+                if slot.fullmatch(path.name):
+                    with contextlib.suppress(FileNotFoundError):
+                        freed += path.stat().st_size
+                    path.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
+            gone.append((run, freed))
+        finally:
+            os.close(fd)
+    return gone
