@@ -151,10 +151,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         # torchrun's one-node command lines (no rendezvous flags, a static --master-addr,
         # a c10d endpoint): one machine, so rove's embedded default serves it
         standalone = args.standalone = True
-        log.info(
-            "one node and no --nats: running as --standalone, with its own NATS server and "
-            "master (the rendezvous flags given, if any, are not needed)"
-        )
+        args.standalone_implied = True  # said once the whole command line is checked
     if args.auto_scale and not standalone:
         raise ConfigError(
             "--auto-scale runs a master and a scaler in this process, with --standalone; on a "
@@ -571,6 +568,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg, standalone = agent_config(args)
         except ValueError as exc:  # torch's config_from_args: bad --nnodes / --nproc-per-node
             raise ConfigError(str(exc)) from exc
+        if getattr(args, "standalone_implied", False):
+            say(
+                "one node and no --nats: running as --standalone, with its own NATS server "
+                "and master (the rendezvous flags given, if any, are not needed)"
+            )
         log_path = logs.to_job_log(
             joblogs.agent_log(cfg.job, cfg.node), everything=args.verbose or logs.verbose()
         )

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-import structlog
 from torch.distributed.run import get_args_parser
 
 from rove.control.flags import options as common
-
-log = structlog.get_logger("rove.run")
 
 DESCRIPTION = "a drop-in for `torchrun` whose jobs survive failures."
 
@@ -67,7 +65,8 @@ def warn_ignored(args: argparse.Namespace, parser: argparse.ArgumentParser) -> l
     for dest, why in IGNORED.items():
         if getattr(args, dest, None) not in (None, parser.get_default(dest)):
             flag = "--" + dest.replace("_", "-")
-            log.warning(f"{flag} is ignored: {why}")
+            # (before the job's log opens: a sentence for the console, as later ones are)
+            print(f"rove: {flag} is ignored: {why}", file=sys.stderr, flush=True)
             named.append(flag)
     return named
 

@@ -251,7 +251,7 @@ def test_torchruns_one_node_command_lines_run_on_the_embedded_default(
     )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
-    assert "running as --standalone" in log
+    assert "rove: one node and no --nats: running as --standalone" in log, "one human line"
     assert sorted(_reports(tmp_path)) == ["0", "1"]
 
 
