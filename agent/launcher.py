@@ -177,6 +177,11 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     except ValueError as exc:
         if "nproc_per_node" in str(exc):
             raise nproc_error from exc
+        if "Cuda is not available" in str(exc):
+            raise ConfigError(
+                f"--nproc-per-node {args.nproc_per_node}: torch sees no CUDA GPU on this "
+                "machine; give a number of workers, or cpu"
+            ) from exc
         raise
     if launch.nproc_per_node < 1:
         raise nproc_error

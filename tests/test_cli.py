@@ -198,6 +198,11 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
             "did you mean: --nproc-per-nodes → --nproc-per-node?",
         ),
         (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
+        (
+            ["run", "--nproc-per-node", "gpu", "examples/train.py"],
+            common.EXIT_USAGE,
+            "--nproc-per-node gpu: torch sees no CUDA GPU on this machine",
+        ),
         (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
         (
             ["run", "--standalone", "--checkpoint-dir", "ftp://host/x", "examples/train.py"],
@@ -236,7 +241,8 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
 def test_user_mistakes_get_one_clear_line_and_an_exit_code(
     args: list[str], code: int, message: str, tmp_path: Path
 ) -> None:
-    out = rove_cli(*args, env={"ROVE_HOME": str(tmp_path)})
+    # (no GPU, whatever the machine: one case asks for a worker per GPU)
+    out = rove_cli(*args, env={"ROVE_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == code
     assert message in out.stderr
     assert "Traceback" not in out.stderr
