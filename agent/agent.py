@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import signal
 import socket
@@ -35,7 +34,7 @@ from typing import Any
 import structlog
 
 from rove.agent import checkrun, child, progress, warm
-from rove.agent.ckpt_duty import CheckpointDuty
+from rove.agent.ckpt_duty import CheckpointDuty, run_name
 from rove.agent.config import AgentConfig
 from rove.agent.endings import Endings
 from rove.agent.exit_watch import ExitWatch, Verdict
@@ -215,6 +214,7 @@ class Agent:
         if self._warm:
             warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
         await self.checkpoints.announce_found()  # before it joins: the round restores it
+        await self.checkpoints.announce_memory(self.bus)  # (an earlier agent's, killed)
         await self.replicas.start()  # before it joins: its peers send to its port
         self._register()
         feed = await retry.wait_out(  # started while JetStream has no quorum: it waits
@@ -330,11 +330,9 @@ class Agent:
                 self._check_reported(item)
             case ev.MasterElected(epoch=epoch):
                 self.status.max_epoch = max(self.status.max_epoch, epoch)
-            case ev.JobConfigured(ts=ts):
+            case ev.JobConfigured():
                 # which run of the job this is: names its shared-memory slots
-                self.job_run = hashlib.blake2b(
-                    f"{item.id}:{ts}".encode(), digest_size=4
-                ).hexdigest()
+                self.job_run = run_name(item)
             case ev.Decision(epoch=epoch) if epoch < self.status.max_epoch:
                 self.log.info("ignoring a decision of a deposed master", epoch=epoch)
             case ev.RoundCompleted():

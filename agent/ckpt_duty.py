@@ -13,16 +13,22 @@ records a commit when the master decides `ckpt_committed`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable
 
+import nats.errors
 import structlog
 
 from rove.agent.facts import NodeFacts
 from rove.agent.saver import Saver
 from rove.checkpoint.engine import CheckpointError
 from rove.checkpoint.storage import SlotOverwritten
+from rove.control.bus import records
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
+from rove.control.errors import RoveError
 from rove.control.process import metrics
 
 log = structlog.get_logger("rove.agent")
@@ -35,6 +41,25 @@ FOUND_READ_S = 15.0
 #: one now and then is the workers saving faster than storage takes it (a newer step is
 #: persisted next); many in a row mean nothing reaches storage.
 OVERWRITTEN_SAY = 5
+
+
+def run_name(configured: ev.JobConfigured) -> str:
+    """Which run of the job `configured` started: it names the run's shared memory."""
+    return hashlib.blake2b(f"{configured.id}:{configured.ts}".encode(), digest_size=4).hexdigest()
+
+
+async def current_run(bus: Bus, job: str) -> str | None:
+    """The run of `job` going on now, from its stored events (None: none is, it ended)."""
+    configured = subjects.master(job, "job_configured")
+    seq, data = await bus.last_message(subjects.EVENTS_STREAM, configured)
+    if not seq:
+        return None
+    ended, _ = await bus.last_message(subjects.EVENTS_STREAM, subjects.master(job, "job_ended"))
+    item = records.read(subjects.EVENTS_STREAM, seq, configured, data)
+    if ended > seq or not isinstance(item, records.Recorded):
+        return None
+    event = item.event
+    return run_name(event) if isinstance(event, ev.JobConfigured) else None
 
 
 def persist_stride(advanced: int, every: int, most: int = 1 << 12) -> int:
@@ -108,6 +133,33 @@ class CheckpointDuty:
             say=True,
         )
         self.facts.emit(ev.CkptFound(**self.facts.envelope(), step=step, location=storage.location))
+
+    async def announce_memory(self, bus: Bus) -> None:
+        """Before the node joins: the steps an earlier agent of this node left in the
+        shared memory of the run going on (it was killed; this one took its place), each
+        said as `ckpt_in_memory` with `recovered`, newest first. The master takes the
+        newest it knew the node held, and the round restores it from memory rather than
+        from storage, or afresh."""
+        try:
+            run = await asyncio.wait_for(current_run(bus, self.facts.job), FOUND_READ_S)
+        except (TimeoutError, RoveError, nats.errors.Error) as exc:
+            self.log.info("could not tell which run goes on", error=str(exc) or type(exc).__name__)
+            return
+        if run is None:
+            return
+        steps, ranks = await asyncio.to_thread(self.saver.left_in_memory, run)
+        if not steps:
+            return
+        self.log.info(
+            f"found step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} of ranks "
+            f"{list(ranks)} in this node's shared memory, left by its earlier agent: offered "
+            "to the next round's restore",
+            say=True,
+        )
+        for step in steps:
+            self.facts.emit(
+                ev.CkptInMemory(**self.facts.envelope(), step=step, ranks=ranks, recovered=True)
+            )
 
     async def new_round(
         self,

@@ -10,6 +10,8 @@ writes the commit tracker when the master decides `ckpt_committed`.
 
 from __future__ import annotations
 
+import glob
+import re
 from dataclasses import dataclass
 
 import structlog
@@ -142,6 +144,25 @@ class Saver:
             "(a round decided while it was away)"
         )
         return committed
+
+    def left_in_memory(self, run: str) -> tuple[list[int], tuple[int, ...]]:
+        """(the steps every rank has, newest first; the ranks) of the slots of `run` of
+        this job in shared memory, left by an earlier agent of this node. Blocking: run
+        it in a thread."""
+        name = namespace(self.job, run)
+        slot = re.compile(rf"{re.escape(f'rove-ckpt-{name}')}-r(\d+)-s\d+")
+        ranks = sorted(
+            {
+                int(m[1])
+                for p in default_dir().glob(f"rove-ckpt-{glob.escape(name)}-r*")
+                if (m := slot.fullmatch(p.name))
+            }
+        )
+        if not ranks:
+            return [], ()
+        engines = [FlashEngine(name, r) for r in ranks]
+        steps = set.intersection(*({s.step for s in e.slots()} for e in engines))
+        return sorted(steps, reverse=True), tuple(ranks)
 
     def common_steps(self) -> set[int]:
         """The steps every local rank holds complete in memory."""

@@ -13,11 +13,17 @@ from rove.control.catalogue.event_base import Decision, NodeFact
 
 
 class CkptInMemory(NodeFact, tag="ckpt_in_memory", frozen=True, kw_only=True):
-    """Every local rank of `node` holds `step` in shared memory (saved in `round`)."""
+    """Every local rank of `node` holds `step` in shared memory (saved in `round`).
+
+    `recovered`: a new agent of `node` found `step` in the slots its earlier agent left
+    (killed, it took its place; the round it was saved in is not known): the master
+    takes it only if it knew `node` held that very step, of those ranks, in the lineage
+    going on."""
 
     step: int
     ranks: tuple[int, ...]
     round: int = 0
+    recovered: bool = False
 
 
 class CkptPersisted(NodeFact, tag="ckpt_persisted", frozen=True, kw_only=True):

@@ -119,6 +119,8 @@ def _past(by_node: immutables.Map[str, Stepped], keep: int) -> immutables.Map[st
 
 
 def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
+    if e.recovered:
+        return _recovered(c, e)
     if _stale(c, e.step, e.round):
         return c  # a late report of a step a newer round abandoned
     known = c.memory.get(e.node)
@@ -133,6 +135,28 @@ def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
         previous=previous,
         reporter=c.reporter.set(e.node, e.incarnation),
     )
+
+
+def _recovered(c: CkptState, e: ev.CkptInMemory) -> CkptState:
+    """A new agent of `e.node` holds the step its earlier agent reported (and no round
+    since abandoned: `on_round` forgets newer steps): its memory is the new agent's. A
+    step the master did not know the node held (another lineage's, maybe, or one saved
+    as the agent was killed, before it was reported) is ignored. The agent says each
+    step it holds, newest first: the first one known is taken."""
+    known = c.memory.get(e.node)
+    if known is None or tuple(known[1]) != tuple(e.ranks):
+        return c
+    if known[0] == e.step:
+        return replace(c, reporter=c.reporter.set(e.node, e.incarnation))
+    taken = c.reporter.get(e.node) == e.incarnation
+    if not taken and c.previous.get(e.node) == e.step:  # the newest slot was lost
+        return replace(
+            c,
+            memory=c.memory.set(e.node, (e.step, known[1])),
+            previous=c.previous.delete(e.node),
+            reporter=c.reporter.set(e.node, e.incarnation),
+        )
+    return c
 
 
 def on_replica(c: CkptState, e: ev.ReplicaStored) -> CkptState:

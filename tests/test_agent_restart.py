@@ -1,0 +1,104 @@
+"""An agent killed and started again on its node finds the step its earlier agent left
+in shared memory, and the round restores it from there: the pure rule, and a real
+`rove run --standalone` killed with SIGKILL and run again."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rove.control.catalogue import events as ev
+from rove.control.master import checkpoints as ckpt
+from tests import factories
+from tests.support import patience
+
+TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+
+
+def _recovered(node: str, step: int, ranks: tuple[int, ...], inc: str) -> ev.CkptInMemory:
+    return msgspec.structs.replace(
+        factories.in_memory(node, step, ranks, inc=inc, rnd=0), recovered=True
+    )
+
+
+def test_a_new_agent_inherits_the_memory_its_node_was_known_to_hold_and_nothing_else() -> None:
+    c = ckpt.CkptState()
+    for e in (factories.in_memory("na", 20, (0, 1)), factories.in_memory("na", 25, (0, 1))):
+        c = ckpt.on_in_memory(c, e)
+    members = [("na", (0, 1))]
+    # the agent i1 was killed; i2 runs the node now: what i1 reported is not counted
+    assert ckpt.restore_point(c, members, {"na": "i2"}).source is ev.RestoreSource.NONE
+    took = ckpt.on_in_memory(c, _recovered("na", 25, (0, 1), "i2"))
+    got = ckpt.restore_point(took, members, {"na": "i2"})
+    assert (got.step, got.source) == (25, ev.RestoreSource.MEMORY)
+    # the agent says every step it holds, newest first: a newer one the master never
+    # heard of (saved as i1 was killed) is passed over, the one it knew is taken
+    both = took = c
+    for step in (30, 25, 20):
+        both = ckpt.on_in_memory(both, _recovered("na", step, (0, 1), "i2"))
+    assert both.memory["na"] == (25, (0, 1)) and both.previous["na"] == 20
+    assert ckpt.restore_point(both, members, {"na": "i2"}).step == 25
+    # the older slot only (the newest was lost mid-save): that step
+    older = ckpt.on_in_memory(c, _recovered("na", 20, (0, 1), "i2"))
+    assert ckpt.restore_point(older, members, {"na": "i2"}).step == 20
+    # a step the master never knew the node held, or other ranks: ignored
+    for odd in (_recovered("na", 30, (0, 1), "i2"), _recovered("na", 25, (0,), "i2")):
+        assert ckpt.on_in_memory(c, odd) == c
+    # a round since went on from step 10 (a new lineage): step 25 of the old one is never
+    # taken back
+    cut = ckpt.on_round(
+        c, msgspec.structs.replace(factories.round_completed(2, 1, "nb"), restore_step=10)
+    )
+    assert ckpt.on_in_memory(cut, _recovered("na", 25, (0, 1), "i2")) == cut
+
+
+@pytest.mark.slow
+def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(tmp_path: Path) -> None:
+    """`rove run --standalone` killed with SIGKILL (the launcher, its agent and master;
+    the workers follow), then the same command again: its agent finds the step the
+    killed one left in shared memory, and the job goes on from it, not from step 0."""
+    env = {
+        **os.environ,
+        "ROVE_HOME": str(tmp_path / "home"),
+        "ROVE_SHM_DIR": str(tmp_path / "shm"),
+    }
+    cmd = [
+        *(sys.executable, "-m", "rove.control.cli.main", "run", "--standalone"),
+        *("--job", "again", "--nproc-per-node", "2", str(TRAIN)),
+        *("--steps", "60", "--ckpt-every", "5", "--step-sleep", "0.05"),
+        *("--log-every", "5"),
+    ]
+    first = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen = []
+    try:
+        assert first.stdout is not None
+        deadline = time.monotonic() + patience(180)
+        while time.monotonic() < deadline:
+            line = first.stdout.readline()
+            seen.append(line)
+            if re.match(r"step (1[5-9]|[2-9]\d)/60", line):
+                break
+        else:
+            raise AssertionError("".join(seen)[-3000:])
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=patience(300))
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    found = re.search(r"found steps? ([\d, ]+) of ranks \[0, 1\] in this node's shared memory", out)
+    assert found, out[-3000:]
+    held = [int(s) for s in found[1].split(", ")]
+    restored = re.search(r"they restore step (\d+) from memory", out)
+    assert restored and int(restored[1]) in held and int(restored[1]) >= 5, out[-3000:]
+    assert f"training from step {restored[1]} to 60" in out, out[-3000:]
