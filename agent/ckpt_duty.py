@@ -140,6 +140,8 @@ class CheckpointDuty:
         said as `ckpt_in_memory` with `recovered`, newest first. The master takes the
         newest it knew the node held, and the round restores it from memory rather than
         from storage, or afresh."""
+        if not self.saver.any_left_in_memory():
+            return  # (the common case: nothing to ask the bus about)
         try:
             run = await asyncio.wait_for(current_run(bus, self.facts.job), FOUND_READ_S)
         except (TimeoutError, RoveError, nats.errors.Error) as exc:

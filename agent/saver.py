@@ -145,6 +145,10 @@ class Saver:
         )
         return committed
 
+    def any_left_in_memory(self) -> bool:
+        """Whether any run of this job left slots in this machine's shared memory."""
+        return any(default_dir().glob(f"rove-ckpt-{glob.escape(self.job)}.*-r*"))
+
     def left_in_memory(self, run: str) -> tuple[list[int], tuple[int, ...]]:
         """(the steps every rank has, newest first; the ranks) of the slots of `run` of
         this job in shared memory, left by an earlier agent of this node. Blocking: run
