@@ -49,9 +49,12 @@ def test_a_new_agent_inherits_the_memory_its_node_was_known_to_hold_and_nothing_
     # the older slot only (the newest was lost mid-save): that step
     older = ckpt.on_in_memory(c, _recovered("na", 20, (0, 1), "i2"))
     assert ckpt.restore_point(older, members, {"na": "i2"}).step == 20
-    # a step the master never knew the node held, or other ranks: ignored
+    # a step the master never knew the node held, or not all of its ranks: ignored
     for odd in (_recovered("na", 30, (0, 1), "i2"), _recovered("na", 25, (0,), "i2")):
         assert ckpt.on_in_memory(c, odd) == c
+    # more ranks (another node's slots in the same memory): its own are among them
+    shared = ckpt.on_in_memory(c, _recovered("na", 25, (0, 1, 2, 3), "i2"))
+    assert shared.reporter["na"] == "i2" and shared.memory["na"] == (25, (0, 1))
     # a round since went on from step 10 (a new lineage): step 25 of the old one is never
     # taken back
     cut = ckpt.on_round(

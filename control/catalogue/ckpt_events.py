@@ -17,8 +17,8 @@ class CkptInMemory(NodeFact, tag="ckpt_in_memory", frozen=True, kw_only=True):
 
     `recovered`: a new agent of `node` found `step` in the slots its earlier agent left
     (killed, it took its place; the round it was saved in is not known): the master
-    takes it only if it knew `node` held that very step, of those ranks, in the lineage
-    going on."""
+    takes it only if it knew `node` held that very step, of ranks all among these, in
+    the lineage going on (nodes sharing a machine's memory see each other's slots)."""
 
     step: int
     ranks: tuple[int, ...]

@@ -144,7 +144,9 @@ def _recovered(c: CkptState, e: ev.CkptInMemory) -> CkptState:
     as the agent was killed, before it was reported) is ignored. The agent says each
     step it holds, newest first: the first one known is taken."""
     known = c.memory.get(e.node)
-    if known is None or tuple(known[1]) != tuple(e.ranks):
+    # (more ranks than the node ran: nodes sharing a machine's memory, each agent sees
+    # every one's slots; those of this node are among them)
+    if known is None or not set(known[1]) <= set(e.ranks):
         return c
     if known[0] == e.step:
         return replace(c, reporter=c.reporter.set(e.node, e.incarnation))
