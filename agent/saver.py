@@ -11,7 +11,6 @@ writes the commit tracker when the master decides `ckpt_committed`.
 from __future__ import annotations
 
 import glob
-import re
 from dataclasses import dataclass
 
 import structlog
@@ -110,12 +109,7 @@ class Saver:
         """
         keep = -1 if step is None else step
         dropped: set[int] = set()
-        prefix = f"rove-ckpt-{self.name}-r"
-        ranks = {
-            int(path.name[len(prefix) :].split("-", 1)[0])
-            for path in default_dir().glob(f"{prefix}*-s*")
-            if path.name[len(prefix) :].split("-", 1)[0].isdigit()
-        }
+        ranks = {rank for rank, _ in shm_owner.slot_files(default_dir(), self.name)}
         for rank in ranks | set(self.engines):
             engine = self.engines.get(rank) or FlashEngine(self.name, rank)
             dropped.update(engine.discard_newer(keep))
@@ -154,14 +148,7 @@ class Saver:
         this job in shared memory, left by an earlier agent of this node. Blocking: run
         it in a thread."""
         name = namespace(self.job, run)
-        slot = re.compile(rf"{re.escape(f'rove-ckpt-{name}')}-r(\d+)-s\d+")
-        ranks = sorted(
-            {
-                int(m[1])
-                for p in default_dir().glob(f"rove-ckpt-{glob.escape(name)}-r*")
-                if (m := slot.fullmatch(p.name))
-            }
-        )
+        ranks = sorted({rank for rank, _ in shm_owner.slot_files(default_dir(), name)})
         if not ranks:
             return [], ()
         engines = [FlashEngine(name, r) for r in ranks]

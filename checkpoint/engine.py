@@ -37,6 +37,7 @@ from rove.checkpoint.shm import (
     Segment,
     ShmFullError,
 )
+from rove.checkpoint.shm_owner import slot_path
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,7 @@ class FlashEngine:
     ) -> None:
         self.directory = directory or default_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.segments = [
-            Segment(self.directory / f"rove-ckpt-{job}-r{rank}-s{i}") for i in range(slots)
-        ]
+        self.segments = [Segment(slot_path(self.directory, job, rank, i)) for i in range(slots)]
 
     # ------------------------------------------------------------------ save
 

@@ -1,4 +1,5 @@
-"""Shared memory nobody holds any more, reclaimed.
+"""A run's slot files in shared memory (their names), and those nobody holds any more,
+reclaimed.
 
 A run's flash slots outlive an agent killed with SIGKILL, on purpose: an agent of the
 same run started again restores from them (a warm restore). But a job named afresh at
@@ -54,6 +55,21 @@ def grace_s() -> float:
 
 def lock_path(directory: Path, run: str) -> Path:
     return directory / f"{PREFIX}{run}.lock"
+
+
+def slot_path(directory: Path, run: str, rank: int, slot: int) -> Path:
+    """The file of `rank`'s `slot` of `run` (`rove.checkpoint.engine.namespace`)."""
+    return directory / f"{PREFIX}{run}-r{rank}-s{slot}"
+
+
+def slot_files(directory: Path, run: str) -> list[tuple[int, Path]]:
+    """The slot files of `run` in `directory`, each with its rank."""
+    slot = re.compile(rf"{re.escape(PREFIX + run)}-r(\d+)-s\d+")
+    return [
+        (int(m[1]), path)
+        for path in directory.glob(f"{glob.escape(PREFIX + run)}-r*")
+        if (m := slot.fullmatch(path.name))
+    ]
 
 
 class Holder:
@@ -115,13 +131,11 @@ def reclaim(
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # an agent of the run holds it
-            slot = re.compile(rf"{re.escape(PREFIX + run)}-r\d+-s\d+")
             freed = 0
-            for path in directory.glob(f"{glob.escape(PREFIX + run)}-r*"):
-                if slot.fullmatch(path.name):
-                    with contextlib.suppress(FileNotFoundError):
-                        freed += path.stat().st_size
-                    path.unlink(missing_ok=True)
+            for _, path in slot_files(directory, run):
+                with contextlib.suppress(FileNotFoundError):
+                    freed += path.stat().st_size
+                path.unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
             gone.append((run, freed))
         finally:
