@@ -20,7 +20,10 @@ The leases are measured beside one CPU-bound process (a busy loop: a machine
 whose training keeps a core busy), unless `--quiet-machine`.
 
 Prints one JSON line: `runs` and `runs_acks_apart` (clients, leases_per_s, p50_ms, p99_ms),
-`leases_beside`, `sampler_overhead_ratio`, and the times it came from.
+`leases_beside`, `master_state` (the master's newest snapshot after the lease runs: the
+shards done and how many it keeps one by one, its bytes and the time to pack and load
+it, beside the same state with every done shard kept one by one, as before the done
+floor), `sampler_overhead_ratio`, and the times it came from.
 
     python benchmarks/shards.py [--seconds 5] [--repeats 7] [--only leases|sampler]
 """
@@ -34,11 +37,14 @@ import os
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
+import immutables
 import psutil
 import torch
 from common import cpu_bound_beside, job_master
+from msgspec.structs import replace
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from rove.control.bus.client import Bus, BusOptions
@@ -227,6 +233,57 @@ async def leases(url: str, seconds: float, acks_apart: bool) -> list[dict[str, f
         await bus.close()
 
 
+async def master_state(url: str) -> dict[str, float]:
+    """The master's newest snapshot after the lease runs: its size and the time to pack
+    (encode, compress) and load (decompress, decode) it, beside the same state with every
+    done shard kept one by one (as before the done floor: `*_one_by_one`)."""
+    from rove.control.master import data, snapshots
+    from rove.control.master.state import decode_state
+
+    bus = await Bus.connect(BusOptions(url=url))
+    try:
+        state = await snapshots.load(bus, JOB)
+    finally:
+        await bus.close()
+    assert state is not None, "the master wrote no snapshot"
+    sets = {
+        name: replace(
+            ds,
+            done_floor=0,
+            done=immutables.Map(
+                {k: True for k in range(ds.done_floor)} | {k: True for k in ds.done}
+            ),
+        )
+        for name, ds in state.data.datasets.items()
+    }
+    one_by_one = replace(state, data=replace(state.data, datasets=immutables.Map(sets)))
+
+    def measure(s: object) -> tuple[int, float, float]:
+        packs, loads = [], []
+        for _ in range(5):
+            t = time.perf_counter()
+            size, packed = snapshots._pack(s)  # type: ignore[arg-type]
+            packs.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            decode_state(zlib.decompress(packed))
+            loads.append(time.perf_counter() - t)
+        return size, statistics.median(packs), statistics.median(loads)
+
+    size, pack_s, load_s = measure(state)
+    size_before, pack_before, load_before = measure(one_by_one)
+    return {
+        "done_shards": sum(data.done_count(state.data, ds) for ds in state.data.datasets.values()),
+        "done_kept_one_by_one": sum(len(ds.done) for ds in state.data.datasets.values()),
+        "snapshot_bytes": size,
+        "snapshot_bytes_one_by_one": size_before,
+        "snapshot_bytes_ratio": round(size / size_before, 4),
+        "pack_ms": round(pack_s * 1000, 2),
+        "pack_ms_one_by_one": round(pack_before * 1000, 2),
+        "load_ms": round(load_s * 1000, 2),
+        "load_ms_one_by_one": round(load_before * 1000, 2),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=5.0)
@@ -258,15 +315,17 @@ def main() -> None:
         overhead = None
         if args.only != "leases":
             overhead = sampler_overhead(url, args.repeats, tuple(pids))
-        runs, apart, beside = [], [], "nothing"
+        runs, apart, beside, master = [], [], "nothing", {}
         if args.only != "sampler":
             with cpu_bound_beside(not args.quiet_machine) as beside:
                 runs = run_async(leases(url, args.seconds, acks_apart=False))
                 apart = run_async(leases(url, args.seconds, acks_apart=True))
+            master = run_async(master_state(url))
     result: dict[str, object] = {
         "runs": runs,
         "runs_acks_apart": apart,
         "leases_beside": beside,
+        "master_state": master,
         "nats_sync": args.nats_sync,
         "targets": {"leases_per_s": 2000, "p99_ms": 20, "sampler_overhead_ratio": 1.03},
     }

@@ -338,7 +338,8 @@ def test_a_stream_dataset_leases_the_shards_a_bridge_cut_with_their_offset_range
     assert not data.state.data.datasets["d"].parked
     data.done("c1", ev.ShardRef(0))
     ds = data.state.data.datasets["d"]
-    assert dict(ds.done) == {0: True} and ds.nodes["na"].samples == 10
+    assert data_fold.is_done(ds, 0) and not data_fold.is_done(ds, 1)
+    assert data_fold.done_count(data.state.data, ds) == 1 and ds.nodes["na"].samples == 10
     # a new round restores a checkpoint that had trained shard 0 and 3 records of shard 1
     pos = ev.DataPosition(done=((0, 0),), partial=(ev.ShardRef(1, 3),))
     again = data.request("c1", 3, round=1, restore=pos, restore_step=7)
@@ -591,12 +592,16 @@ def test_a_request_acknowledges_the_shards_trained_since_the_last_one(data: Data
     b = data.request("c1", 1, done=a.shards[:2], answered=a.request)
     assert isinstance(b, ev.ShardLeased) and [r.key for r in b.shards] == [3]
     ds = data.state.data.datasets["d"]
-    assert sorted(ds.done) == [0, 1] and sorted(ds.leases) == [2, 3]
+    assert _done_keys(ds) == [0, 1] and sorted(ds.leases) == [2, 3]
     assert ds.nodes["na"].shards == 2 and ds.nodes["na"].samples == 20
     assert sorted(ds.grants) == [f"c1/{b.request}"], "the first grant reached the client"
     # acknowledging only (count 0): nothing more is leased, nothing is answered
     assert data.ask("c1", 0, done=(a.shards[2],)) == []
-    assert sorted(data.state.data.datasets["d"].done) == [0, 1, 2]
+    assert _done_keys(data.state.data.datasets["d"]) == [0, 1, 2]
+
+
+def _done_keys(ds: data_fold.Dataset) -> list[int]:
+    return [*range(ds.done_floor), *sorted(ds.done)]
 
 
 @pytest.mark.parametrize(

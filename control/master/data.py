@@ -109,6 +109,10 @@ class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     cursor: int = 0
     requeued: tuple[ev.ShardRef, ...] = ()
     leases: immutables.Map[int, Lease] = msgspec.field(default_factory=immutables.Map)
+    #: every shard key below it is done; `done` holds the done keys above it (those
+    #: past a shard still in flight), so the state is the size of what is in flight,
+    #: not of how far the dataset got
+    done_floor: int = 0
     done: immutables.Map[int, bool] = msgspec.field(default_factory=immutables.Map)
     grants: immutables.Map[str, Grant] = msgspec.field(default_factory=immutables.Map)
     #: per client, the requests of its grants (what its `answered` prunes)
@@ -139,7 +143,35 @@ def total(d: DataState, ds: Dataset) -> int:
 def done_count(d: DataState, ds: Dataset) -> int:
     """Shards of `ds` done in the current lineage (a stream's pruned ones included)."""
     stream = d.streams.streams.get(ds.name) if ds.spec.stream else None
-    return len(ds.done) + (stream.floor if stream is not None else 0)
+    return len(ds.done) + max(ds.done_floor, stream.floor if stream is not None else 0)
+
+
+def is_done(ds: Dataset, key: int) -> bool:
+    return key < ds.done_floor or key in ds.done
+
+
+def _done(ds: Dataset, key: int) -> Dataset:
+    """`ds` with shard `key` done."""
+    if key < ds.done_floor:
+        return ds
+    ds = replace(ds, done=ds.done.set(key, True))
+    # (a state of an earlier version holds every done key, its floor 0: it rises now)
+    return _raise_floor(ds, ds.done_floor) if ds.done_floor in ds.done else ds
+
+
+def _raise_floor(ds: Dataset, floor: int) -> Dataset:
+    """`ds` with every key below `floor` done, and the floor over the done keys above."""
+    if floor < ds.done_floor:
+        return ds
+    below = range(ds.done_floor, floor)
+    with ds.done.mutate() as done:
+        for key in below if len(below) <= len(ds.done) else [k for k in ds.done if k < floor]:
+            done.pop(key, None)
+        while floor in done:
+            del done[floor]
+            floor += 1
+        kept = done.finish()
+    return replace(ds, done_floor=floor, done=kept)
 
 
 def _reject(d: DataState, dataset: str, client: str, event_id: str, reason: str) -> DataState:
@@ -316,23 +348,27 @@ def restore(
 ) -> Dataset:
     """`ds` (of `end` shards) rolled back to the lineage of a checkpoint (or to nothing
     trained). Shards below `floor` (a stream's pruned ones) are done in it."""
-    done_keys = (
-        list(shards.from_ranges(shards.clip(shards.union(pos.done), floor, end))) if pos else []
-    )
+    ranges = shards.clip(shards.union(pos.done), floor, end) if pos else ()
     partial = {r.key: r.offset for r in pos.partial if floor <= r.key < end} if pos else {}
-    top = max([*done_keys, *partial, floor - 1]) + 1
-    done = immutables.Map({k: True for k in done_keys})
-    requeued = tuple(ev.ShardRef(k, partial.get(k, 0)) for k in range(floor, top) if k not in done)
+    top = max([*(last for _, last in ranges), *partial, floor - 1]) + 1
+    done_floor = floor
+    if ranges and ranges[0][0] <= done_floor:  # (merged: the others start past a hole)
+        done_floor, ranges = ranges[0][1] + 1, ranges[1:]
+    done = immutables.Map({k: True for k in shards.from_ranges(ranges)})
+    requeued = tuple(
+        ev.ShardRef(k, partial.get(k, 0)) for k in range(done_floor, top) if k not in done
+    )
     return replace(
         ds,
         round=round_,
         step=step,
         announce_restore=True,
-        restored_done=len(done),
+        restored_done=done_floor - floor + len(done),
         restored_partial=sum(1 for o in partial.values() if o),
         cursor=top,
         requeued=requeued,
         leases=immutables.Map(),
+        done_floor=done_floor,
         done=done,
         grants=immutables.Map(),
         granted=immutables.Map(),
@@ -374,10 +410,7 @@ def on_committed(d: DataState, e: ev.CkptCommitted) -> DataState:
         tables = tables.set(name, pruned)
         ds = d.datasets.get(name)
         if ds is not None:
-            with ds.done.mutate() as done:
-                for key in range(stream.floor, pruned.floor):
-                    done.pop(key, None)
-                d = _put(d, replace(ds, done=done.finish()))
+            d = _put(d, _raise_floor(ds, pruned.floor))
     return replace(d, streams=replace(d.streams, streams=tables))
 
 
@@ -423,7 +456,7 @@ def _acked(
     elif lease is None:
         problem = (
             f"duplicate acknowledgement of shard {key}"
-            if key in ds.done
+            if is_done(ds, key)
             else f"shard {key} is not leased to anyone"
         )
     elif lease.client != client:
@@ -446,15 +479,9 @@ def _acked(
     node = NodeData(
         node.shards + 1, node.samples + samples, node.first_ts or ts, max(node.last_ts, ts)
     )
-    return (
-        replace(
-            ds,
-            leases=ds.leases.delete(key),
-            done=ds.done.set(key, True),
-            nodes=ds.nodes.set(lease.node, node),
-        ),
-        None,
-    )
+    return _done(
+        replace(ds, leases=ds.leases.delete(key), nodes=ds.nodes.set(lease.node, node)), key
+    ), None
 
 
 def on_requeued(d: DataState, e: ev.ShardRequeued) -> DataState:
