@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import structlog
-from torch.distributed.run import config_from_args, parse_min_max_nnodes
+from torch.distributed.run import parse_min_max_nnodes
 
 from rove.agent import child, endings, faults, forkservers, managed, warm
 from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.heartbeat import HEARTBEATS_PER_S, interval_for
-from rove.agent.run_args import build_parser, warn_ignored
+from rove.agent.run_args import build_parser, launch_config, warn_ignored
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
@@ -168,27 +168,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         raise ConfigError("--run-path runs a script file: it cannot go with -m or --no-python")
     if not (args.module or args.no_python) and not script.is_file():
         raise ConfigError(f"training script {args.training_script} not found")
-    nproc_error = ConfigError(
-        f"--nproc-per-node must be a number of at least 1, or auto, cpu or gpu; "
-        f"got {args.nproc_per_node}"
-    )
-    try:
-        launch, cmd, cmd_args = config_from_args(args)
-    except ValueError as exc:
-        if "nproc_per_node" in str(exc):
-            raise nproc_error from exc
-        if "Cuda is not available" in str(exc):
-            raise ConfigError(
-                f"--nproc-per-node {args.nproc_per_node}: torch sees no CUDA GPU on this "
-                "machine; give a number of workers, or cpu"
-            ) from exc
-        raise
-    if launch.nproc_per_node < 1:
-        raise nproc_error
-    if launch.min_nodes > launch.max_nodes:
-        raise ConfigError(f"--nnodes {args.nnodes}: MIN is larger than MAX")
-    if launch.max_nodes < args.node_unit:
-        raise ConfigError(f"--nnodes max {launch.max_nodes} is smaller than --node-unit")
+    launch, cmd, cmd_args = launch_config(args)
     job = _job_name(args)
     node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])
     logs_specs = launch.logs_specs

@@ -4,11 +4,16 @@ does with the torchrun flags it takes but ignores or reads differently."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from torch.distributed.run import get_args_parser
+from torch.distributed.launcher.api import LaunchConfig
+from torch.distributed.run import config_from_args, get_args_parser
 
+from rove.control.errors import ConfigError
 from rove.control.flags import options as common
 
 DESCRIPTION = "a drop-in for `torchrun` whose jobs survive failures."
@@ -329,3 +334,52 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_node_resource_args(a)
     common.add_nats_args(p)
     return p
+
+
+def launch_config(
+    args: argparse.Namespace,
+) -> tuple[LaunchConfig, Callable[..., Any] | str, list[str]]:
+    """torchrun's launch configuration of `args` (its `config_from_args`), its errors
+    said in rove's words, and torch's console warnings as rove lines.
+
+    Raises:
+        ConfigError: a bad --nproc-per-node or --nnodes, or `gpu` without CUDA.
+    """
+    nproc_error = ConfigError(
+        f"--nproc-per-node must be a number of at least 1, or auto, cpu or gpu; "
+        f"got {args.nproc_per_node}"
+    )
+    threads_set = "OMP_NUM_THREADS" in os.environ
+    try:
+        # (torch's warnings here are torchrun's console, in its own format: the one that
+        # matters is said below as a rove line)
+        torch_run = logging.getLogger("torch.distributed.run")
+        quiet, torch_run.disabled = torch_run.disabled, True
+        try:
+            launch, cmd, cmd_args = config_from_args(args)
+        finally:
+            torch_run.disabled = quiet
+    except ValueError as exc:
+        if "nproc_per_node" in str(exc):
+            raise nproc_error from exc
+        if "Cuda is not available" in str(exc):
+            raise ConfigError(
+                f"--nproc-per-node {args.nproc_per_node}: torch sees no CUDA GPU on this "
+                "machine; give a number of workers, or cpu"
+            ) from exc
+        raise
+    if launch.nproc_per_node < 1:
+        raise nproc_error
+    if not threads_set and "OMP_NUM_THREADS" in os.environ:
+        print(
+            f"rove: each worker runs with OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+            "as under torchrun with more than one worker a node; set OMP_NUM_THREADS to "
+            "give it more threads",
+            file=sys.stderr,
+            flush=True,
+        )
+    if launch.min_nodes > launch.max_nodes:
+        raise ConfigError(f"--nnodes {args.nnodes}: MIN is larger than MAX")
+    if launch.max_nodes < args.node_unit:
+        raise ConfigError(f"--nnodes max {launch.max_nodes} is smaller than --node-unit")
+    return launch, cmd, cmd_args

@@ -80,8 +80,12 @@ class Saver:
             self._holder = shm_owner.Holder(directory, self.name)
             grace = shm_owner.grace_s()
             for run, freed in shm_owner.reclaim(directory, grace, frozenset({self.name})):
+                if not freed:  # a lock file alone: the run saved nothing
+                    log.debug("removed what a killed run left in shared memory", run=run)
+                    continue
+                size = f"{freed / (1 << 20):.1f} MiB" if freed >= 1 << 20 else f"{freed >> 10} KiB"
                 log.info(
-                    f"freed {freed / (1 << 20):.1f} MiB of shared memory a killed run left "
+                    f"freed {size} of shared memory a killed run left "
                     f"in {directory} ({run}: no agent held it for {grace:.0f} s, "
                     "ROVE_SHM_GRACE_S)",
                     say=True,

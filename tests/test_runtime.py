@@ -467,6 +467,9 @@ def test_workers_get_the_same_environment_as_under_torchrun(tmp_path: Path) -> N
             env=launcher_env(),
         )
         assert out.returncode == 0, out.stderr[-3000:]
+        if name == "rove":  # said as a rove line, not in torch's logging format
+            assert "rove: each worker runs with OMP_NUM_THREADS=1" in out.stderr, out.stderr
+            assert "Setting OMP_NUM_THREADS" not in out.stderr, out.stderr
     t, r = _envs(tmp_path / "torchrun"), _envs(tmp_path / "rove")
     # each launcher's own default for 2 processes per node, as torchrun sets it
     assert t["0"]["OMP_NUM_THREADS"] == r["0"]["OMP_NUM_THREADS"] == "1"
