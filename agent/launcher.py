@@ -553,6 +553,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg, standalone = agent_config(args)
         except ValueError as exc:  # torch's config_from_args: bad --nnodes / --nproc-per-node
             raise ConfigError(str(exc)) from exc
+        store = embedded.job_dir(cfg.job) / "nats"
+        if standalone and not args.nats and (pid := embedded.store_user(store)):
+            raise ConfigError(
+                f"job {cfg.job} is already running on this machine (rove pid {pid}): "
+                f"watch it with rove status --job {cfg.job}; stop it before running it "
+                "again, or give this one another --job"
+            )
         if getattr(args, "standalone_implied", False):
             say(
                 "one node and no --nats: running as --standalone, with its own NATS server "

@@ -105,3 +105,48 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(tmp_path:
     restored = re.search(r"they restore step (\d+) from memory", out)
     assert restored and int(restored[1]) in held and int(restored[1]) >= 5, out[-3000:]
     assert f"training from step {restored[1]} to 60" in out, out[-3000:]
+
+
+def test_a_job_name_run_again_while_it_runs_is_refused_and_the_first_goes_on(
+    tmp_path: Path,
+) -> None:
+    """The same `rove run --standalone --job J` twice at once on one machine: the second
+    is refused with the reason (it used to start a second nats-server on the first's
+    store and take the first's shared memory for its own), and the first finishes."""
+    env = {
+        **os.environ,
+        "ROVE_HOME": str(tmp_path / "home"),
+        "ROVE_SHM_DIR": str(tmp_path / "shm"),
+    }
+    cmd = [
+        *(sys.executable, "-m", "rove.control.cli.main", "run", "--standalone"),
+        *("--job", "twice", "--nproc-per-node", "1", str(TRAIN)),
+        *("--steps", "40", "--ckpt-every", "5", "--log-every", "5"),
+    ]
+    first = subprocess.Popen(
+        [*cmd, "--step-sleep", "0.2"],  # 8 s of training: the second comes in it
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    try:
+        assert first.stdout is not None
+        for line in first.stdout:
+            seen.append(line)
+            if line.startswith("step "):
+                break
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=patience(120))
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"job twice is already running on this machine (rove pid {first.pid})" in (
+            second.stderr
+        ), second.stderr
+        rest, _ = first.communicate(timeout=patience(180))
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(30)
+    out = "".join(seen) + rest
+    assert first.returncode == 0, out[-3000:]
+    assert "training from step 0 to 40" in out and "job twice finished" in out, out[-3000:]

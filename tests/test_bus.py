@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -395,3 +398,63 @@ async def test_every_stream_is_bounded_and_old_events_are_retired(tmp_path: Path
     finally:
         await bus.close()
         server.stop()
+
+
+def test_one_store_takes_one_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second server on a store another one uses is refused, saying who holds it (two
+    servers on one store would write the same files); a restart of the same server, and a
+    server once the first has stopped, are not."""
+    from rove.control.bus import embedded
+    from rove.control.errors import ConfigError
+
+    monkeypatch.setattr(embedded, "STORE_WAIT_S", 0.5)
+    first = EmbeddedServer(tmp_path / "nats")
+    first.start()
+    second = EmbeddedServer(tmp_path / "nats")
+    try:
+        assert embedded.store_user(tmp_path / "nats") == os.getpid()
+        with pytest.raises(ConfigError, match=r"another nats-server uses the store") as refused:
+            second.start()
+        assert f"pid {first.pid}" in str(refused.value), "it names the holders"
+        assert second.proc is None, "no second server was started"
+        first.kill()
+        first.start()  # the same server again: it holds the store already
+        assert first.alive()
+    finally:
+        first.stop()
+    assert embedded.store_user(tmp_path / "nats") is None
+    second.start()
+    second.stop()
+
+
+def test_a_server_whose_starter_died_holds_the_store_until_it_stops(tmp_path: Path) -> None:
+    """The server holds the store's lock too: its starter killed with SIGKILL, the store is
+    not free until the server (stopped by its parent-death signal) is gone, and then it is."""
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from rove.control.bus.embedded import EmbeddedServer\n"
+        "s = EmbeddedServer(Path(sys.argv[1]))\n"
+        "s.start()\n"
+        "print('pid', s.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "nats")], stdout=subprocess.PIPE, text=True
+    )
+    assert starter.stdout is not None
+    server_pid = int(next(line for line in starter.stdout if line.startswith("pid ")).split()[1])
+    from rove.control.bus import embedded
+
+    assert embedded.store_user(tmp_path / "nats") == starter.pid
+    starter.kill()
+    starter.wait(30)
+    assert embedded.store_user(tmp_path / "nats") is None, "its starter is gone: stopping"
+    again = EmbeddedServer(tmp_path / "nats")
+    again.start()  # waits for the dying server to let go of the store
+    try:
+        stat = Path(f"/proc/{server_pid}/stat")
+        # gone, or dead and not yet reaped by whoever adopted it
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:
+        again.stop()

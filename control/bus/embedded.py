@@ -5,14 +5,20 @@ With no NATS URL, rove starts the `nats-server` binary that the
 JetStream store under the job's state directory, and stops it on exit. The
 server is started with a parent-death signal, so it never outlives the
 process that started it, even after kill -9.
+
+One store takes one server: the server and the process that started it hold an
+exclusive `flock` on `server.lock` beside the store, so a second server on it (the same
+job run twice at once on one machine) is refused, not left to corrupt the first's files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +35,11 @@ from rove.control.errors import BusUnavailableError, ConfigError
 log = structlog.get_logger("rove.embedded")
 
 _PR_SET_PDEATHSIG = 1
+
+#: beside the store: held by its one server (and the process that started it)
+STORE_LOCK = "server.lock"
+#: how long a start waits for a store's earlier server to let go (one stopping)
+STORE_WAIT_S = 5.0
 
 
 def nats_server_binary() -> str:
@@ -95,10 +106,12 @@ class EmbeddedServer:
         self.preexec = preexec
         self.proc: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
+        self._store_lock: int | None = None
 
     def start(self, timeout_s: float = 20.0) -> str:
         binary = nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._hold_store()
         ports_dir = self.store_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
@@ -121,6 +134,7 @@ class EmbeddedServer:
         if self.server_name:
             args += ["-n", self.server_name]
         out = self.log_file.open("ab")
+        assert self._store_lock is not None
         try:
             self.proc = subprocess.Popen(
                 args,
@@ -131,12 +145,63 @@ class EmbeddedServer:
                 # before rove has written its last events; rove stops it after.
                 start_new_session=True,
                 preexec_fn=self._in_child,
+                # the server holds the store's lock too, until it has stopped
+                pass_fds=(self._store_lock,),
             )
+        except BaseException:
+            self._let_go_of_store()
+            raise
         finally:
             out.close()
+        self._say_holders()
         self.url = self._wait_for_port(ports_dir, timeout_s)
         log.debug("embedded NATS server started", url=self.url, pid=self.proc.pid)
         return self.url
+
+    def _hold_store(self) -> None:
+        """Take the store's lock (once per server object: a restart keeps it).
+
+        Raises:
+            ConfigError: another server still holds it after `STORE_WAIT_S`.
+        """
+        if self._store_lock is not None:
+            return
+        path = self.store_dir / STORE_LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + STORE_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                holders = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise ConfigError(
+                    f"another nats-server uses the store {self.store_dir} "
+                    f"({holders or 'its holder unknown'}); one store takes one server. A "
+                    "job of this name still runs on this machine (or its server is still "
+                    "stopping): wait for it, stop it, or give this one another name"
+                ) from None
+        self._store_lock = fd
+        self._say_holders()
+
+    def _say_holders(self) -> None:
+        """Write who holds the store into its lock file (for the error above)."""
+        if self._store_lock is None:
+            return
+        text = f"held by pid {os.getpid()}"
+        if self.proc is not None:
+            text += f" and its nats-server, pid {self.proc.pid}"
+        os.ftruncate(self._store_lock, 0)
+        os.pwrite(self._store_lock, text.encode(), 0)
+
+    def _let_go_of_store(self) -> None:
+        if self._store_lock is not None:
+            os.close(self._store_lock)
+            self._store_lock = None
 
     def _in_child(self) -> None:
         die_with_parent()
@@ -224,14 +289,14 @@ class EmbeddedServer:
         )
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._let_go_of_store()
 
     def __enter__(self) -> EmbeddedServer:
         self.start()
@@ -239,6 +304,34 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def store_user(store_dir: Path) -> int | None:
+    """The pid of the live process whose server holds the store in `store_dir`, or
+    None: no server holds it, or the one that does is stopping (its starter died)."""
+    try:
+        fd = os.open(store_dir / STORE_LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # free
+        except BlockingIOError:
+            text = os.pread(fd, 200, 0).decode(errors="replace")
+    finally:
+        os.close(fd)
+    holder = re.match(r"held by pid (\d+)", text)
+    if holder is None:
+        return None
+    pid = int(holder[1])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, another user's
+    return pid
 
 
 def rove_home() -> Path:
