@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import Callable
 
@@ -41,6 +42,8 @@ FOUND_READ_S = 15.0
 #: one now and then is the workers saving faster than storage takes it (a newer step is
 #: persisted next); many in a row mean nothing reaches storage.
 OVERWRITTEN_SAY = 5
+#: A persist failing the same way again is said on the console at most this often.
+FAILING_SAY_S = 300.0
 
 
 def run_name(configured: ev.JobConfigured) -> str:
@@ -103,6 +106,8 @@ class CheckpointDuty:
         #: counts from it, so that a node whose persist failed (a full disk) persists the
         #: same steps as its peers next, and those steps can be committed
         self._attempted = -1
+        self._failed = 0  # persists in a row that failed (not overwritten)
+        self._failure_said = ("", 0.0)  # the last failure said on the console: its shape, when
         self._base = -1  # steps persisted are this plus multiples of persist_every (0: -1)
         #: persist every `_stride`-th of those (`persist_stride`: storage slower than saves)
         self._stride = 1
@@ -277,6 +282,23 @@ class CheckpointDuty:
             self.on_in_memory(step)
         return step
 
+    def _say_failed(self, step: int, exc: Exception) -> None:
+        """A failed persist, on the console once per kind of failure, then again every
+        `FAILING_SAY_S` while it lasts (a full disk fails every persist); always in the
+        job's log, and as a `ckpt_failed` event."""
+        self._failed += 1
+        said = f"could not persist checkpoint step {step}: {exc}"
+        shape, now = re.sub(r"\d+", "#", str(exc)), time.monotonic()
+        last, at = self._failure_said
+        if shape != last:
+            self.log.warning(said)
+        elif now - at >= FAILING_SAY_S:
+            self.log.warning(f"still cannot persist checkpoints ({self._failed} in a row): {said}")
+        else:
+            self.log.info(said)
+            return
+        self._failure_said = (shape, now)
+
     async def _persist(self, step: int) -> None:
         round_ = self._round  # the lineage this step belongs to
         self._attempted = max(self._attempted, step)
@@ -288,7 +310,7 @@ class CheckpointDuty:
             superseded = isinstance(exc, SlotOverwritten)
             self._overwritten = self._overwritten + 1 if superseded else 0
             if not superseded:
-                self.log.warning(f"could not persist checkpoint step {step}: {exc}")
+                self._say_failed(step, exc)
             elif self.saver.copying and not copying:  # this overwrite switched it
                 self.log.warning(
                     f"checkpoint step {step} was overwritten by a newer save while it was "
@@ -310,6 +332,12 @@ class CheckpointDuty:
             )
             return
         self._overwritten = 0
+        if self._failed:
+            self.log.warning(
+                f"checkpoints persist again: step {step} reached storage, after "
+                f"{self._failed} failed in a row"
+            )
+            self._failed, self._failure_said = 0, ("", 0.0)
         if self.saver.copying:
             lasted = self.saver.reported_step - step  # steps saved while it was persisted
             stride = persist_stride(lasted, self.persist_every)

@@ -120,16 +120,29 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 
 def _check_storage(location: str) -> None:
-    """A checkpoint URL no store can serve is said before anything starts. (Nothing is
-    contacted here: an unreachable store fails each persist with its reason, and
-    training goes on from memory.)"""
-    from rove.checkpoint.storage import StorageError
+    """A checkpoint URL no store can serve, or a directory of this machine that this
+    user cannot create or write, is said before anything starts. (No object store is
+    contacted here: an unreachable one fails each persist with its reason, and training
+    goes on from memory.)"""
+    from rove.checkpoint.storage import FileStorage, StorageError
     from rove.checkpoint.stores import open_storage
 
     try:
-        open_storage(location)
+        storage = open_storage(location)
     except StorageError as exc:
         raise ConfigError(f"--checkpoint-dir: {exc}") from exc
+    if isinstance(storage, FileStorage):
+        root = storage.root
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if not os.access(root, os.W_OK | os.X_OK):
+                raise PermissionError(f"this user cannot write in {root}")
+        except OSError as exc:
+            raise ConfigError(
+                f"--checkpoint-dir {location}: {exc.strerror or exc}"
+                f"{f': {exc.filename}' if exc.filename else ''}; give a directory this user "
+                "can create and write (or an object store URL: s3://, gs://, az://)"
+            ) from exc
 
 
 def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:

@@ -298,6 +298,21 @@ def test_a_job_with_memory_checkpoints_only_says_none_is_durable() -> None:
     assert "step 40) was kept in memory only: no step is durable" in reason
 
 
+def test_a_job_whose_every_persist_failed_says_why_none_is_durable() -> None:
+    """Not "give --checkpoint-dir": it was given, and storage refused every step."""
+    s = running()
+    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+        s.apply(factories.in_memory(node, 40, ranks))
+    s.apply(factories.ckpt_failed("n2", 40))
+    for node in ("n1", "n2"):
+        s.apply(factories.succeeded(node, 1))
+    s.tick()
+    reason = ended(s)[0].reason
+    assert "step 40) was kept in memory only: no step reached storage" in reason
+    assert "step 40 on n2: " in reason and "disk is full" in reason
+    assert "give --checkpoint-dir" not in reason
+
+
 def test_a_job_without_flash_checkpoints_ends_with_its_plain_reason() -> None:
     s = running()
     s.apply(factories.succeeded("n1", 1))

@@ -210,6 +210,12 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
             "--checkpoint-dir: cannot use ftp://host/x for checkpoints",
         ),
         (
+            ["run", "--standalone", "--checkpoint-dir", "/proc/rove-ckpt", "examples/train.py"],
+            common.EXIT_USAGE,
+            "--checkpoint-dir /proc/rove-ckpt: No such file or directory: /proc/rove-ckpt; "
+            "give a directory this user can create and write",
+        ),
+        (
             ["run", "--standalone", "--tf-role", "ps", "examples/train.py"],
             common.EXIT_USAGE,
             "--tf-role is for a TensorFlow job: add --tf-ps",

@@ -700,6 +700,9 @@ async def test_a_full_disk_is_a_clear_event_training_goes_on_and_nothing_is_comm
         in_memory = [e.step for e in await events_of(bus, ev.CkptInMemory)]  # type: ignore[attr-defined]
         assert in_memory and max(in_memory) >= 20, "memory checkpoints kept coming"
         assert not await events_of(bus, ev.CkptPersisted)
+        said = re.findall(r"\[(\w+) *\] could not persist checkpoint step", node.log())
+        assert said.count("warning") == 1 < len(failed), "a failure that repeats is said once"
+        assert said.count("info") >= 1, "and logged each time"
         assert not await events_of(bus, ev.CkptCommitted)
         assert not (ckpt / "committed").exists()
         assert not list(ckpt.rglob("*.ckpt")) and not list(ckpt.rglob(".*tmp*")), (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import types
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,63 @@ async def test_a_step_a_newer_save_overwrote_is_quiet_until_it_keeps_happening()
     assert "storage is slower than the workers save" in warned[0]
     assert warned[1] == f"could not persist checkpoint step {n}: bad header"
     assert [type(e) for e in outbox.events] == [ev.CkptFailed] * (n + 1)
+
+
+async def test_a_persist_failing_again_the_same_way_is_said_once_then_now_and_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full disk fails every persist: the console (a warning) says it once, again only
+    every FAILING_SAY_S while it lasts, and when persisting works again; every failure is
+    in the job's log and an event."""
+    from structlog.testing import capture_logs
+
+    from rove.agent import ckpt_duty
+    from rove.agent.facts import NodeFacts
+    from rove.checkpoint.engine import CheckpointError
+
+    clock = [1000.0]
+    monkeypatch.setattr(ckpt_duty.time, "monotonic", lambda: clock[0])
+    outbox = _Outbox()
+    duty = ckpt_duty.CheckpointDuty(NodeFacts(outbox, job="j", node="n"), None)  # type: ignore[arg-type]
+    full = [CheckpointError(f"step {s}: no space left on device") for s in range(5)]
+    duty.saver = _Saver([*full[:3], CheckpointError("permission denied"), full[4]])  # type: ignore[assignment]
+    with capture_logs() as logs:
+        for step in range(3):
+            await duty._persist(step)
+            clock[0] += 60
+        clock[0] += ckpt_duty.FAILING_SAY_S
+        await duty._persist(3)  # another kind of failure: said at once
+        await duty._persist(4)  # the first kind again: said again (the kind changed)
+    warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert warned == [
+        "could not persist checkpoint step 0: step 0: no space left on device",
+        "could not persist checkpoint step 3: permission denied",
+        "could not persist checkpoint step 4: step 4: no space left on device",
+    ], warned
+    assert len(outbox.events) == 5
+    duty.saver = _Saver([CheckpointError("step 5: no space left on device")] * 2)  # type: ignore[assignment]
+    with capture_logs() as logs:
+        await duty._persist(5)  # the same kind, soon: the log only
+        clock[0] += ckpt_duty.FAILING_SAY_S
+        await duty._persist(6)
+    warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert warned == [
+        "still cannot persist checkpoints (7 in a row): could not persist checkpoint "
+        "step 6: step 5: no space left on device"
+    ], warned
+
+    class _Persists:
+        storage, copying = object(), False
+
+        def persist(self, step: int) -> object:
+            return types.SimpleNamespace(ranks=(0,), location="somewhere")
+
+    duty.saver = _Persists()  # type: ignore[assignment]
+    with capture_logs() as logs:
+        await duty._persist(7)
+        await duty._persist(8)
+    warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert warned == ["checkpoints persist again: step 7 reached storage, after 7 failed in a row"]
 
 
 async def test_a_node_whose_persist_failed_persists_the_same_steps_as_its_peer_next() -> None:

@@ -348,6 +348,11 @@ def at_end(c: CkptState, nodes: list[str], committing: int | None) -> str:
     newest = min(held) if held and len(held) == len(nodes) else None
     if durable is None and newest is None:
         return ""
+    if durable is None and c.last_error:
+        return (
+            f"; its newest checkpoint (step {newest}) was kept in memory only: no step "
+            f"reached storage ({c.last_error})"
+        )
     if durable is None:
         return (
             f"; its newest checkpoint (step {newest}) was kept in memory only: no step is "
