@@ -3,7 +3,8 @@
 The agent classifies every failed worker from its exit code or signal, the
 error file that torch's `@record` writes, and the tail of its log:
 
-    user_error     a Python exception in the training script (type and message kept)
+    user_error     a Python exception in the training script (type and message kept),
+                   or its command line refused (argparse's `error:` line, exit code 2)
     oom            host or CUDA out of memory
     killed         SIGKILL / SIGTERM from outside (OOM killer, an operator, a preemption)
     segfault       SIGSEGV, SIGBUS, SIGILL, SIGFPE, or SIGABRT without a known cause
@@ -45,6 +46,8 @@ _EXCEPTION_LINE = re.compile(
     r"^[A-Za-z_][\w.]*: .*$|^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)$"
 )
 _TRACEBACK = "Traceback (most recent call last):"
+#: argparse's last words, with exit code 2: `train.py: error: unrecognized arguments: ...`
+_USAGE_ERROR = re.compile(r"^(?:\[[\w.-]+\]:)?(\S+: error: .+)$", re.MULTILINE)
 
 _SEGFAULT_SIGNALS = {"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"}
 _KILL_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
@@ -165,6 +168,11 @@ def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") 
         return Diagnosis(FailureKind.SEGFAULT, f"crashed with {sig}")
     if exception:
         return Diagnosis(FailureKind.USER_ERROR, _clip(exception))
+    usage = _USAGE_ERROR.findall(log_tail) if exit_code == 2 else []
+    if usage:
+        return Diagnosis(
+            FailureKind.USER_ERROR, _clip(f"its command line was refused: {usage[-1]}")
+        )
     if sig is not None:
         return Diagnosis(FailureKind.KILLED, f"killed by {sig}")
     return Diagnosis(FailureKind.UNKNOWN, f"exited with code {exit_code}")

@@ -327,11 +327,23 @@ class PreformattedTraceback(logging.Filter):
         return True
 
 
+class TeardownSaid(logging.Filter):
+    """Drops torch's "Terminating process N via signal SIGTERM" (one line per survivor,
+    in torch's logging format on rove's console): the agent says the round's end."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith("Terminating process"))
+
+
 def quiet_torch_tracebacks() -> None:
-    """Install `PreformattedTraceback` on torch's process-context logger (idempotent)."""
+    """Install `PreformattedTraceback` on torch's process-context logger, and
+    `TeardownSaid` on its spawn logger (idempotent)."""
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     if not any(isinstance(f, PreformattedTraceback) for f in logger.filters):
         logger.addFilter(PreformattedTraceback())
+    spawn = logging.getLogger("torch.multiprocessing.spawn")
+    if not any(isinstance(f, TeardownSaid) for f in spawn.filters):
+        spawn.addFilter(TeardownSaid())
 
 
 def _symptom_rank(failure: ProcessFailure, diagnosis: Diagnosis) -> int:

@@ -71,6 +71,21 @@ TRACEBACK = """[default0]:Traceback (most recent call last):
         ),
         (-6, None, "", FailureKind.SEGFAULT, "SIGABRT"),
         (3, None, "", FailureKind.UNKNOWN, "exited with code 3"),
+        (  # argparse refused the script's arguments
+            2,
+            None,
+            "usage: train.py [-h] [--epochs EPOCHS]\n"
+            "train.py: error: unrecognized arguments: --steps 100\n",
+            FailureKind.USER_ERROR,
+            "its command line was refused: train.py: error: unrecognized arguments: --steps 100",
+        ),
+        (  # the same words with another exit code: not argparse's
+            3,
+            None,
+            "train.py: error: unrecognized arguments: --steps 100\n",
+            FailureKind.UNKNOWN,
+            "exited with code 3",
+        ),
     ],
 )
 def test_classify(

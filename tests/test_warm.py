@@ -35,6 +35,27 @@ def test_a_torch_traceback_is_formatted_before_torchs_formatter_sees_it() -> Non
     assert record.exc_text is not None and "RuntimeError: boom" in record.exc_text
 
 
+def test_torchs_teardown_lines_stay_off_the_console() -> None:
+    from rove.agent import workers
+
+    workers.quiet_torch_tracebacks()
+    spawn = logging.getLogger("torch.multiprocessing.spawn")
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    keep = Keep()
+    spawn.addHandler(keep)
+    try:
+        spawn.warning("Terminating process %s via signal %s", 123, "SIGTERM")
+        spawn.warning("something else")
+    finally:
+        spawn.removeHandler(keep)
+    assert said == ["something else"]
+
+
 def _run(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[int, str]:
     out = rove_cli(
         "run",
