@@ -117,6 +117,8 @@ async def test_status_shows_leader_nodes_and_heartbeats(bus: Bus) -> None:
     assert "active" in n1 and "42" in n1
     n2 = next(line for line in text.splitlines() if line.startswith("n2 "))
     assert "lost" in n2
+    # why a node is as it is: under the table, not in a column as wide as the reason
+    assert "lost*" in n2 and "* n2 lost: " in text, text
 
 
 async def test_status_json_is_one_object(bus: Bus) -> None:

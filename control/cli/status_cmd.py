@@ -219,6 +219,16 @@ def _tf_lines(tf: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _why_lines(nodes: list[dict[str, Any]]) -> list[str]:
+    """Why the nodes marked * in the table are as they are: one line per reason, the
+    nodes with the same one together (a table column would be as wide as the longest)."""
+    by_reason: dict[str, list[str]] = {}
+    for n in nodes:
+        if n["reason"]:
+            by_reason.setdefault(f"{n['status']}: {n['reason']}", []).append(n["node"])
+    return [f"* {', '.join(names)} {why}" for why, names in by_reason.items()]
+
+
 def _cell(v: Any) -> str:
     if v is None:
         return "-"
@@ -538,7 +548,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
     rows = [
         [
             n["node"],
-            n["status"] + (f" ({n['reason']})" if n["reason"] else ""),
+            n["status"] + ("*" if n["reason"] else ""),
             n["host"],
             str(n["pid"]),
             "-" if n["last_heartbeat_age_s"] is None else f"{n['last_heartbeat_age_s']:g}s ago",
@@ -558,6 +568,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
         lines.append("no nodes have joined")
     if len(rows) < len(view["nodes"]):
         lines.append(rest_line(view["nodes"], len(rows)))
+    lines.extend(_why_lines(first_nodes(view["nodes"], most)))
     if view["recent_rejections"]:
         lines.append("")
         lines.append("recently rejected messages:")
