@@ -13,7 +13,8 @@ every `TOUCH_S`). As an agent takes up a run, it reclaims the slots of every oth
 whose lock no process holds and that nobody touched for `grace_s()` (`reclaim`):
 `ROVE_SHM_GRACE_S`, default 600 s, long enough for a restarted agent of that run to
 find its memory, short enough that dead runs do not pile up. Slots of a run that has
-no lock file (written by rove before this) are left alone.
+no lock file (written by rove before this) are reclaimed once none of them was
+modified for the grace and no process maps any of them (`/proc/*/maps`).
 """
 
 from __future__ import annotations
@@ -140,4 +141,54 @@ def reclaim(
             gone.append((run, freed))
         finally:
             os.close(fd)
+    return gone + _reclaim_unlocked(directory, grace, keep, now)
+
+
+_ANY_SLOT = re.compile(rf"{re.escape(PREFIX)}(.+)-r\d+-s\d+")
+
+
+def _reclaim_unlocked(
+    directory: Path, grace: float, keep: frozenset[str], now: float
+) -> list[tuple[str, int]]:
+    """The runs whose slots have no lock file (rove before the locks): removed when none
+    of their slots was modified for `grace` and no process maps one."""
+    runs: dict[str, list[Path]] = {}
+    for path in directory.glob(f"{PREFIX}*-r*-s*"):
+        m = _ANY_SLOT.fullmatch(path.name)
+        if m and m[1] not in keep and not lock_path(directory, m[1]).exists():
+            runs.setdefault(m[1], []).append(path)
+    stale = {}
+    for run, paths in runs.items():
+        with contextlib.suppress(FileNotFoundError):
+            if all(now - p.stat().st_mtime >= grace for p in paths):
+                stale[run] = paths
+    if not stale:
+        return []
+    mapped = _mapped({str(p) for paths in stale.values() for p in paths})
+    gone = []
+    for run, paths in sorted(stale.items()):
+        if mapped & {str(p) for p in paths}:
+            continue  # a live process (an agent or a worker of that run) uses it
+        freed = 0
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+        gone.append((run, freed))
     return gone
+
+
+def _mapped(paths: set[str]) -> set[str]:
+    """Which of `paths` some process of this machine maps now (those whose maps this
+    user may read: another user's processes cannot map this user's slots anyway)."""
+    found: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            with maps.open(encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    name = line.rstrip("\n").split(maxsplit=5)[5:]
+                    if name and (path := name[0].removesuffix(" (deleted)")) in paths:
+                        found.add(path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found

@@ -36,7 +36,7 @@ def test_only_runs_nobody_holds_and_nobody_touched_for_the_grace_are_reclaimed(
     held = _slots(tmp_path, "held.1")
     dead = _slots(tmp_path, "dead.2")
     fresh = _slots(tmp_path, "fresh.3")
-    legacy = _slots(tmp_path, "legacy.4")  # no lock file: an older rove's, left alone
+    legacy = _slots(tmp_path, "legacy.4")  # no lock file: an older rove's (modified now)
     mine = _slots(tmp_path, "mine.5")
     other = tmp_path / "rove-ckpt-dead.2-results"  # not a slot
     other.write_text("keep")
@@ -70,12 +70,46 @@ def test_only_runs_nobody_holds_and_nobody_touched_for_the_grace_are_reclaimed(
             "held.1",
             "mine.5",
         ]
-        assert [r for r, _ in shm_owner.reclaim(tmp_path, 0, frozenset())] == ["fresh.3"]
-        assert not any(p.exists() for p in (*held, *fresh, *mine))
-        assert all(p.exists() for p in (*legacy, other))
+        assert [r for r, _ in shm_owner.reclaim(tmp_path, 0, frozenset())] == [
+            "fresh.3",
+            "legacy.4",
+        ]
+        assert not any(p.exists() for p in (*held, *fresh, *mine, *legacy))
+        assert other.exists()
     finally:
         holder.kill()
         holder.wait(30)
+
+
+def test_slots_without_a_lock_file_go_once_old_and_mapped_by_no_process(tmp_path: Path) -> None:
+    """An older rove's slots (no lock file): kept while modified within the grace or
+    mapped by a process (its workers), reclaimed once neither."""
+    recent = _slots(tmp_path, "recent.1")
+    mapped = _slots(tmp_path, "mapped.2")
+    old = _slots(tmp_path, "old.3")
+    for path in (*mapped, *old):
+        _aged(path, 700)
+    user = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import mmap, sys, time\n"
+            f"f = open({str(mapped[3])!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0)\n"
+            "print('mapped', flush=True); time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert user.stdout is not None and user.stdout.readline().strip() == "mapped"
+        gone = shm_owner.reclaim(tmp_path, 600, frozenset())
+        assert gone == [("old.3", 4 * 64)]
+        assert not any(p.exists() for p in old)
+        assert all(p.exists() for p in (*recent, *mapped)), "in use, or written lately"
+    finally:
+        user.kill()
+        user.wait(30)
+    assert [run for run, _ in shm_owner.reclaim(tmp_path, 600, frozenset())] == ["mapped.2"]
 
 
 def test_a_run_taken_up_again_after_its_slots_were_reclaimed_holds_a_new_lock(
