@@ -13,8 +13,9 @@ every `TOUCH_S`). As an agent takes up a run, it reclaims the slots of every oth
 whose lock no process holds and that nobody touched for `grace_s()` (`reclaim`):
 `ROVE_SHM_GRACE_S`, default 600 s, long enough for a restarted agent of that run to
 find its memory, short enough that dead runs do not pile up. Slots of a run that has
-no lock file (written by rove before this) are reclaimed once none of them was
-modified for the grace and no process maps any of them (`/proc/*/maps`).
+no lock file (written by rove before this) are reclaimed once no process maps any
+of them (`/proc/*/maps`) and none was created or resized within the grace (written
+through a mapping, a file keeps its time: the mapping tells a live one).
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ _ANY_SLOT = re.compile(rf"{re.escape(PREFIX)}(.+)-r\d+-s\d+")
 def _reclaim_unlocked(
     directory: Path, grace: float, keep: frozenset[str], now: float
 ) -> list[tuple[str, int]]:
-    """The runs whose slots have no lock file (rove before the locks): removed when none
-    of their slots was modified for `grace` and no process maps one."""
+    """The runs whose slots have no lock file (rove before the locks): removed when no
+    process maps one of their slots and none has a file time within `grace`."""
     runs: dict[str, list[Path]] = {}
     for path in directory.glob(f"{PREFIX}*-r*-s*"):
         m = _ANY_SLOT.fullmatch(path.name)
