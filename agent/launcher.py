@@ -566,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg, standalone = agent_config(args)
         except ValueError as exc:  # torch's config_from_args: bad --nnodes / --nproc-per-node
             raise ConfigError(str(exc)) from exc
-        store = embedded.job_dir(cfg.job) / "nats"
+        store = embedded.job_store(cfg.job)
         if standalone and not args.nats and (pid := embedded.store_user(store)):
             raise ConfigError(
                 f"job {cfg.job} is already running on this machine (rove pid {pid}): "

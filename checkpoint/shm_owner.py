@@ -64,13 +64,16 @@ def slot_path(directory: Path, run: str, rank: int, slot: int) -> Path:
     return directory / f"{PREFIX}{run}-r{rank}-s{slot}"
 
 
+#: a slot file's name (`slot_path`): its run and its rank
+_SLOT = re.compile(rf"{re.escape(PREFIX)}(.+)-r(\d+)-s\d+")
+
+
 def slot_files(directory: Path, run: str) -> list[tuple[int, Path]]:
     """The slot files of `run` in `directory`, each with its rank."""
-    slot = re.compile(rf"{re.escape(PREFIX + run)}-r(\d+)-s\d+")
     return [
-        (int(m[1]), path)
+        (int(m[2]), path)
         for path in directory.glob(f"{glob.escape(PREFIX + run)}-r*")
-        if (m := slot.fullmatch(path.name))
+        if (m := _SLOT.fullmatch(path.name)) and m[1] == run
     ]
 
 
@@ -133,19 +136,12 @@ def reclaim(
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # an agent of the run holds it
-            freed = 0
-            for _, path in slot_files(directory, run):
-                with contextlib.suppress(FileNotFoundError):
-                    freed += path.stat().st_size
-                path.unlink(missing_ok=True)
+            freed = _free([path for _, path in slot_files(directory, run)])
             lock.unlink(missing_ok=True)
             gone.append((run, freed))
         finally:
             os.close(fd)
     return gone + _reclaim_unlocked(directory, grace, keep, now)
-
-
-_ANY_SLOT = re.compile(rf"{re.escape(PREFIX)}(.+)-r\d+-s\d+")
 
 
 def _reclaim_unlocked(
@@ -155,7 +151,7 @@ def _reclaim_unlocked(
     process maps one of their slots and none has a file time within `grace`."""
     runs: dict[str, list[Path]] = {}
     for path in directory.glob(f"{PREFIX}*-r*-s*"):
-        m = _ANY_SLOT.fullmatch(path.name)
+        m = _SLOT.fullmatch(path.name)
         if m and m[1] not in keep and not lock_path(directory, m[1]).exists():
             runs.setdefault(m[1], []).append(path)
     stale = {}
@@ -170,13 +166,18 @@ def _reclaim_unlocked(
     for run, paths in sorted(stale.items()):
         if mapped & {str(p) for p in paths}:
             continue  # a live process (an agent or a worker of that run) uses it
-        freed = 0
-        for path in paths:
-            with contextlib.suppress(FileNotFoundError):
-                freed += path.stat().st_size
-            path.unlink(missing_ok=True)
-        gone.append((run, freed))
+        gone.append((run, _free(paths)))
     return gone
+
+
+def _free(paths: list[Path]) -> int:
+    """Remove `paths`; the bytes they held."""
+    freed = 0
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            freed += path.stat().st_size
+        path.unlink(missing_ok=True)
+    return freed
 
 
 def _mapped(paths: set[str]) -> set[str]:

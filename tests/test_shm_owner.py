@@ -30,6 +30,21 @@ def _aged(path: Path, seconds: float) -> None:
     os.utime(path, (then, then))
 
 
+def _alive(code: str, ready: str) -> subprocess.Popen[str]:
+    """A Python process running `code`, once it printed `ready`; then it sleeps."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"{code}\nprint({ready!r}, flush=True)\nimport time; time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == ready
+    return proc
+
+
 def test_only_runs_nobody_holds_and_nobody_touched_for_the_grace_are_reclaimed(
     tmp_path: Path,
 ) -> None:
@@ -40,20 +55,13 @@ def test_only_runs_nobody_holds_and_nobody_touched_for_the_grace_are_reclaimed(
     mine = _slots(tmp_path, "mine.5")
     other = tmp_path / "rove-ckpt-dead.2-results"  # not a slot
     other.write_text("keep")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from pathlib import Path\n"
-            "from rove.checkpoint.shm_owner import Holder\n"
-            f"h = Holder(Path({str(tmp_path)!r}), 'held.1'); print('held', flush=True)\n"
-            "time.sleep(600)\n",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    holder = _alive(
+        "from pathlib import Path\n"
+        "from rove.checkpoint.shm_owner import Holder\n"
+        f"h = Holder(Path({str(tmp_path)!r}), 'held.1')",
+        "held",
     )
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         for run in ("dead.2", "fresh.3", "mine.5"):
             shm_owner.Holder(tmp_path, run).release()  # its agent is gone
         for run in ("held.1", "dead.2", "mine.5"):
@@ -89,19 +97,11 @@ def test_slots_without_a_lock_file_go_once_old_and_mapped_by_no_process(tmp_path
     old = _slots(tmp_path, "old.3")
     for path in (*mapped, *old):
         _aged(path, 700)
-    user = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import mmap, sys, time\n"
-            f"f = open({str(mapped[3])!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0)\n"
-            "print('mapped', flush=True); time.sleep(600)\n",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    user = _alive(
+        f"import mmap\nf = open({str(mapped[3])!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0)",
+        "mapped",
     )
     try:
-        assert user.stdout is not None and user.stdout.readline().strip() == "mapped"
         gone = shm_owner.reclaim(tmp_path, 600, frozenset())
         assert gone == [("old.3", 4 * 64)]
         assert not any(p.exists() for p in old)

@@ -343,6 +343,11 @@ def job_dir(job: str) -> Path:
     return rove_home() / "jobs" / job
 
 
+def job_store(job: str) -> Path:
+    """Where a `--standalone` job's embedded server keeps its stream (`ROVE_HOME/jobs/J/nats`)."""
+    return job_dir(job) / "nats"
+
+
 def url_file(job: str) -> Path:
     """File in which a job's embedded server publishes its URL for the CLI."""
     return job_dir(job) / "nats.url"

@@ -61,7 +61,7 @@ class StoredJob:
 
     @classmethod
     def find(cls, job: str) -> StoredJob | None:
-        store = embedded.job_dir(job) / "nats"
+        store = embedded.job_store(job)
         return cls(job, store) if (store / "jetstream").is_dir() else None
 
     @property

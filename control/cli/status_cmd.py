@@ -64,7 +64,7 @@ async def _run(args: argparse.Namespace) -> int:
             state, liveness = replica.state, replica.liveness
         else:  # an earlier run: the fold up to the next run's start
             state, liveness, holder = await _fold_until(bus, args.job, until), {}, None
-        stored = str(embedded.job_dir(args.job) / "nats") if bus.stored_job else None
+        stored = str(embedded.job_store(args.job)) if bus.stored_job else None
     view = status_view(state, liveness, holder, time.time())
     view["stored"] = stored
     if args.json:
@@ -545,6 +545,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
         "CPU%",
         "MEM",
     ]
+    shown = first_nodes(view["nodes"], most)
     rows = [
         [
             n["node"],
@@ -558,7 +559,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
             _cell(n["cpu_percent"]),
             _mib(n["mem_used_bytes"]),
         ]
-        for n in first_nodes(view["nodes"], most)
+        for n in shown
     ]
     if rows:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -568,7 +569,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
         lines.append("no nodes have joined")
     if len(rows) < len(view["nodes"]):
         lines.append(rest_line(view["nodes"], len(rows)))
-    lines.extend(_why_lines(first_nodes(view["nodes"], most)))
+    lines.extend(_why_lines(shown))
     if view["recent_rejections"]:
         lines.append("")
         lines.append("recently rejected messages:")

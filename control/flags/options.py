@@ -202,7 +202,7 @@ def bus_options(
     stored_job = None
     if not url and job is not None:
         if allow_embedded:
-            embedded_dir = embedded.job_dir(job) / "nats"
+            embedded_dir = embedded.job_store(job)
         else:
             url = stored.running_url(job)
             found = embedded.job_dir(job) / "auth" / f"{role}.json"
