@@ -57,13 +57,20 @@ class Watched:
         deadline = time.monotonic() + patience(10)
         left: list[str] = []
         while time.monotonic() < deadline:
-            left = [
-                f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in self.seen.values() if _running(p)
-            ]
+            left = [_described(p) for p in self.seen.values() if _running(p)]
+            left = [d for d in left if d]
             if not left:
                 return code
             time.sleep(0.1)
         pytest.fail("processes left behind:\n" + "\n".join(left))
+
+
+def _described(proc: psutil.Process) -> str:
+    """`pid command...`, or '' when it ended meanwhile (a zombie has no command line)."""
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline()[:4])}"
+    except psutil.Error:
+        return ""
 
 
 def _running(proc: psutil.Process) -> bool:
