@@ -151,7 +151,9 @@ async def test_a_killed_node_is_replaced_and_the_job_returns_to_two_nodes(
 async def test_a_scaler_killed_while_applying_a_plan_creates_nothing_twice_and_forgets_nothing(
     bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
-    first = ScalerProc(url, "scaled", "s1", tmp_path, "--create-interval", "2")
+    # A long pause between creations, so the kill below lands between the first and the
+    # second even when `rove submit` takes seconds to exit on a busy machine.
+    first = ScalerProc(url, "scaled", "s1", tmp_path, "--create-interval", "60")
     submit(url, "scaled", tmp_path, *train_args(tmp_path, "--step-sleep", "0.05", nnodes="3"))
     await eventually(lambda: "n0-a0" in first.markers(), timeout=60)
     first.kill()  # plan 1 is half applied: n0-a0 started, n1-a0 and n2-a0 not yet
