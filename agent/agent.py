@@ -45,7 +45,7 @@ from rove.agent.leader_watch import LeaderWatch
 from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.replicas import PeerReplicas
 from rove.agent.reports import ProgressReports
-from rove.agent.resumption import Resumption
+from rove.agent.resumption import Resumption, restoring
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
 from rove.agent.worker_env import member_of, rove_env, worker_envs
@@ -133,6 +133,7 @@ class Agent:
             self._where,
             interval_s=cfg.heartbeat_s,
             ports=cfg.ports_offered,
+            on_stored=self.checkpoints.fence.heard,
         )
         self.reports = ProgressReports(self.facts, self.workers.progress)
         self.endings = Endings(self.facts)
@@ -291,7 +292,7 @@ class Agent:
             self._done.set_result(code)
 
     def _on_decision(self, rec: records.Recorded) -> None:
-        self._inbox.put_nowait(rec.event)
+        self._inbox.put_nowait(rec)  # (its sequence tells the storage fence how far it got)
 
     def _on_rejected(self, rej: records.Rejection) -> None:
         pass  # logged by the bus; the leading master records it
@@ -301,9 +302,11 @@ class Agent:
     async def _actor(self) -> None:
         while True:
             item = await self._inbox.get()
-            if self.status.phase is AgentPhase.STOPPING:
-                continue  # the agent is on its way out: nothing else is acted on
-            await self._handle(item)
+            rec = item if isinstance(item, records.Recorded) else None
+            if self.status.phase is not AgentPhase.STOPPING:  # (on its way out: nothing is)
+                await self._handle(item if rec is None else rec.event)
+            if rec is not None:
+                self.checkpoints.fence.handled(rec.seq)
 
     async def _handle(self, item: Any) -> None:
         match item:
@@ -330,9 +333,10 @@ class Agent:
                 self._check_reported(item)
             case ev.MasterElected(epoch=epoch):
                 self.status.max_epoch = max(self.status.max_epoch, epoch)
-            case ev.JobConfigured():
+            case ev.JobConfigured(spec=spec):
                 # which run of the job this is: names its shared-memory slots
                 self.job_run = run_name(item)
+                self.checkpoints.fence.set_node_timeout(spec.node_timeout_s)
             case ev.Decision(epoch=epoch) if epoch < self.status.max_epoch:
                 self.log.info("ignoring a decision of a deposed master", epoch=epoch)
             case ev.RoundCompleted():
@@ -429,11 +433,7 @@ class Agent:
                 round=r.round,
                 cluster=tf_cluster.cluster(r.tasks),
             )
-        restore = (
-            f"; they restore step {r.restore_step} from {r.restore_source.value}"
-            if r.restore_step is not None and r.restore_source is not ev.RestoreSource.NONE
-            else ""
-        )  # (rove.agent.resumption says when they train again)
+        restore = restoring(r)  # (rove.agent.resumption says when they train again)
         self.log.info(
             f"round {r.round}: started {len(pids)} workers as ranks "
             f"{ranks[0]}-{ranks[-1]} of {r.world_size} ({r.reason}){restore}",
@@ -569,6 +569,8 @@ class Agent:
             await asyncio.sleep(self.cfg.duty_s)
             if not self.workers.running or self.status.phase is not AgentPhase.RUNNING:
                 continue
+            if self.checkpoints.fence.needs_catch_up:
+                self.tasks.spawn(self.checkpoints.fence.probe(self.bus, self.cfg.job))
             self.checkpoints.tick()
             self.reports.tick()
             if self.faults.pending:  # --inject-fault

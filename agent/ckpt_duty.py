@@ -22,6 +22,7 @@ import nats.errors
 import structlog
 
 from rove.agent.facts import NodeFacts
+from rove.agent.fence import StorageFence
 from rove.agent.saver import Saver
 from rove.checkpoint.engine import CheckpointError
 from rove.checkpoint.storage import SlotOverwritten
@@ -113,6 +114,9 @@ class CheckpointDuty:
         self._stride = 1
         #: told each new step every local rank holds (the peer replicas' sender)
         self.on_in_memory: Callable[[int], None] = lambda _step: None
+        #: persisting only while the master cannot have gone on without this node
+        self.fence = StorageFence()
+        self._fenced = False  # the fence was found closed (said once, and when it opens)
 
     async def announce_found(self) -> None:
         """Before the node first joins: say the step an earlier run of the job left
@@ -211,7 +215,7 @@ class CheckpointDuty:
         self.saver.touch()
         self._report_in_memory()
         busy = self._persisting is not None and not self._persisting.done()
-        if busy or self.saver.storage is None:
+        if busy or self.saver.storage is None or not self._may_persist():
             return
         since = max(0, self.saver.persisted_step, self._attempted)
         every = self.persist_every * self._stride
@@ -230,6 +234,7 @@ class CheckpointDuty:
             and self.saver.storage is not None
             and step is not None
             and step > self.saver.persisted_step
+            and self._may_persist()
         ):
             self.log.info(f"saving at breakpoint: persisting step {step} from memory")
             await self._persist(step)
@@ -245,7 +250,12 @@ class CheckpointDuty:
         if self._persisting is not None:
             await asyncio.gather(self._persisting, return_exceptions=True)
         step = self.saver.common_step()
-        if step is not None and self.saver.storage is not None and step > self.saver.persisted_step:
+        if (
+            step is not None
+            and self.saver.storage is not None
+            and step > self.saver.persisted_step
+            and self._may_persist()
+        ):
             self.log.info(f"the workers finished: persisting their last step {step}")
             await self._persist(step)
         return step
@@ -263,6 +273,22 @@ class CheckpointDuty:
             self.log.debug(f"checkpoint step {step} committed")
         except CheckpointError as exc:
             self.log.warning(f"could not record the commit of step {step}: {exc}")
+
+    def _may_persist(self) -> bool:
+        """The fence is open (`rove.agent.fence`); said when it closes and opens again."""
+        why = self.fence.closed()
+        if why is not None:
+            if not self._fenced:
+                self.log.warning(
+                    f"not persisting checkpoints: {why}; they stay in memory until it is "
+                    "back in touch (a round without it may be saving the same steps)"
+                )
+                self._fenced = True
+            return False
+        if self._fenced:
+            self.log.warning("back in touch with the master: persisting checkpoints again")
+            self._fenced = False
+        return True
 
     def job_finished(self) -> None:
         """The job is done: free its shared memory."""

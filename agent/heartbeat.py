@@ -87,6 +87,7 @@ class Heartbeat:
         interval_s: float = 1.0,
         sampler: Sampler | None = None,
         ports: int = 2,
+        on_stored: Callable[[], None] = lambda: None,
     ) -> None:
         self.bus = bus
         self.ports = ports
@@ -96,6 +97,8 @@ class Heartbeat:
         self.where = where
         self.interval_s = interval_s
         self.sampler = sampler or Sampler()
+        #: told each heartbeat that reached the bus (the storage fence)
+        self.on_stored = on_stored
         self._seq = 0
         self._rates: dict[int, _RankRate] = {}
         self._rates_round = -1
@@ -104,6 +107,7 @@ class Heartbeat:
         while True:
             try:
                 await self.bus.publish(self.event(), deadline_s=2.0)
+                self.on_stored()
             except PublishDeadlineError:
                 log.debug("heartbeat not sent: bus unavailable", node=self.facts.node)
             await asyncio.sleep(self.interval_s)

@@ -53,15 +53,28 @@ class Resumption:
         since, r = self._waiting
         self._waiting = None
         step = min(p.step for p in reported.values())
+        first = min(p.first_step for p in reported.values())
         self.say(
             f"round {r.round}: training again {self.clock() - since:.1f}s after the "
-            f"interruption, at step {step} ({restored(r)})",
+            f"interruption, at step {step} ({restored(r, first)})",
             round=r.round,
         )
 
 
-def restored(r: ev.RoundCompleted) -> str:
-    """Where round `r`'s ranks restore from, as a clause."""
+def restored(r: ev.RoundCompleted, first: int | None = None) -> str:
+    """Where round `r`'s ranks restore from, as a clause; `first`: the first step they
+    trained (a first step older than the named one: they fell back to an older step,
+    the named one unreadable on some rank)."""
     if r.restore_step is not None and r.restore_source is not ev.RestoreSource.NONE:
-        return f"restored step {r.restore_step} from {r.restore_source.value}"
+        named = f"step {r.restore_step} from {r.restore_source.value}"
+        if first is not None and first < r.restore_step:
+            return f"{named} could not be read: the ranks went back to an older step"
+        return f"restored {named}"
     return "no checkpoint to restore: trained from the start"
+
+
+def restoring(r: ev.RoundCompleted) -> str:
+    """What round `r`'s workers restore, as the tail of the sentence that starts them."""
+    if r.restore_step is not None and r.restore_source is not ev.RestoreSource.NONE:
+        return f"; they restore step {r.restore_step} from {r.restore_source.value}"
+    return ""

@@ -112,3 +112,34 @@ def test_a_round_that_never_trained_hands_the_resumption_to_the_next_one() -> No
         "round 4: training again 20.0s after the interruption, at step 96 "
         "(restored step 95 from storage)"
     ]
+
+
+def test_a_round_whose_ranks_fell_back_to_an_older_step_does_not_claim_the_named_one() -> None:
+    """The round named step 30 from storage, a rank's file of it failed its checksum and
+    every rank went back to step 25 (their first step is 26): the sentence does not say
+    step 30 was restored. (The nemesis printed "at step 26 (restored step 30 from
+    storage)" beside the workers' "restored an older step ... step=25 wanted=30".)"""
+    from msgspec.structs import replace
+
+    from rove.agent.progress import Progress
+    from rove.agent.resumption import Resumption
+    from rove.control.catalogue import events as ev
+    from tests import factories
+
+    said: list[str] = []
+    resumption = Resumption(lambda text, **_: said.append(text), lambda: 100.0)
+    resumption.round_started(factories.round_completed(1, 1, "n1"))
+    resumption.interrupted()
+    resumption.round_started(
+        replace(
+            factories.round_completed(2, 1, "n1"),
+            cause=ev.RoundCause.RESTART,
+            restore_step=30,
+            restore_source=ev.RestoreSource.STORAGE,
+        )
+    )
+    resumption.progress({0: Progress(26, 1, 1, first_step=26)})
+    assert said == [
+        "round 2: training again 0.0s after the interruption, at step 26 (step 30 from "
+        "storage could not be read: the ranks went back to an older step)"
+    ]

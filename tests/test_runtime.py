@@ -546,6 +546,66 @@ async def test_workers_keep_training_while_nats_is_down_and_buffered_facts_arriv
 
 
 @pytest.mark.alone
+async def test_a_node_cut_off_from_the_bus_stops_persisting_before_the_master_can_go_on(
+    tmp_path: Path,
+) -> None:
+    """A node that cannot reach NATS trains on, but once half the node timeout passed
+    without a heartbeat stored it persists nothing more: by the node timeout the master
+    may have started a round without it, whose steps of the same numbers its files would
+    spoil on shared storage (`rove.agent.fence`). Memory saves go on; back in touch, it
+    persists again and the job finishes."""
+    import time
+
+    from rove.control.bus.client import BusOptions
+    from rove.control.bus.embedded import EmbeddedServer
+
+    timeout_s = 6.0
+    server = EmbeddedServer(tmp_path / "nats", port=free_port())
+    server.start()
+    url = server.url
+    assert url
+    master = MasterProc(url, JOB, "m1", tmp_path, "--node-timeout", str(timeout_s))
+    node = RunProc(
+        tmp_path,
+        "na",
+        *("--nats", url, "--job", JOB, "--node-id", "na", "--local-addr", "127.0.0.1"),
+        *("--nproc-per-node", "1", "--heartbeat-interval", "0.5"),
+        *("--checkpoint-dir", str(tmp_path / "store"), "--persist-every", "5"),
+        *train_args(tmp_path, steps=250, sleep=0.1),
+    )
+    try:
+        await eventually(lambda: steps_done(tmp_path) >= 20, timeout=120)
+        server.kill()
+        down = time.time()
+        down_at = steps_done(tmp_path)
+        await asyncio.sleep(2 * timeout_s)
+        assert steps_done(tmp_path) >= down_at + 20, "training went on without the bus"
+        server.start()
+        up = time.time()
+        assert await asyncio.to_thread(node.wait, 180) == 0, node.log()[-3000:]
+        bus = await Bus.connect(BusOptions(url=url))
+        try:
+            events = [r.event for r in await stored_events(bus, JOB)]
+        finally:
+            await bus.close()
+        persisted = [e.ts for e in events if isinstance(e, ev.CkptPersisted)]
+        in_memory = [e.ts for e in events if isinstance(e, ev.CkptInMemory)]
+        assert [t for t in in_memory if down + timeout_s < t < up], "saves went on in memory"
+        late = [t - down for t in persisted if down + timeout_s < t < up]
+        assert not late, f"persisted {late} s after the bus went away"
+        assert [t for t in persisted if t > up], "it persisted again once back"
+        ended = [e for e in events if isinstance(e, ev.JobEnded)]
+        assert ended and ended[-1].phase is ev.JobPhase.FINISHED, ended
+        said = node.log()
+        assert "not persisting checkpoints: this node has not reached the bus" in said, said
+        assert "back in touch with the master: persisting checkpoints again" in said, said
+    finally:
+        node.stop()
+        master.stop()
+        server.stop()
+
+
+@pytest.mark.alone
 async def test_the_network_check_finds_the_node_with_a_broken_network_and_excludes_it(
     bus: Bus, tmp_path: Path
 ) -> None:

@@ -267,6 +267,9 @@ class Steps:
     def common_steps(self) -> set[int]:
         return {s for s in (self.newest - 1, self.newest) if s > 0}
 
+    def common_step(self) -> int | None:
+        return self.newest or None
+
     def touch(self) -> None:
         pass  # (its memory is nobody's to reclaim)
 

@@ -201,6 +201,17 @@ async def node_partition(world: World, rnd: random.Random) -> Injected:
         ]
         if 2 not in worlds:
             problems.append(f"the job did not go on with na alone while nb was away: {worlds}")
+        # (by the node timeout the master may go on without nb: a step nb persisted after
+        # that would be an abandoned lineage's files under numbers the new one commits)
+        late = [
+            round(r.event.ts - began, 1)
+            for r in await world.records()
+            if isinstance(r.event, ev.CkptPersisted)
+            and r.event.node == "nb"
+            and began + NODE_TIMEOUT_S < r.event.ts < ended
+        ]
+        if late:
+            problems.append(f"nb, cut off, persisted steps {late} s after the cut")
     except AssertionError:
         problems.append("nb did not join the job again, or the job did not grow back to it")
     return Injected("node-partition", began, ended, f"nb cut off {hold:.1f}s", problems)
