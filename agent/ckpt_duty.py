@@ -268,6 +268,13 @@ class CheckpointDuty:
         if round_ < self._round and step > self._kept:
             self.log.info(f"not recording the commit of step {step}: its lineage was abandoned")
             return
+        if round_ > self._round:
+            # a round this node is not in (it was left out, cut off): that round's group
+            # rank 0 records it. (The nemesis saw a node back from a partition record
+            # commits of the round that went on without it, on the storage both share:
+            # an older one after a newer would move the committed step back.)
+            self.log.debug(f"not recording the commit of step {step}: round {round_} is not mine")
+            return
         try:
             await asyncio.to_thread(self.saver.commit, step)
             self.log.debug(f"checkpoint step {step} committed")

@@ -1,5 +1,7 @@
-"""The storage fence (`rove.agent.fence`): a node that may have been given up on
-persists nothing until it is back in touch and has acted on what was decided."""
+"""What a node cut off from the job writes to the storage it shares with the others:
+the storage fence (`rove.agent.fence`: a node that may have been given up on persists
+nothing until it is back in touch and has acted on what was decided), and the commits
+it records."""
 
 from __future__ import annotations
 
@@ -105,3 +107,18 @@ async def test_the_workers_last_step_is_not_persisted_behind_a_closed_fence() ->
     duty.fence.catch_up(0)
     assert await duty.final() == 7
     assert duty.saver.persisted == [7], "persisted once the fence is open"
+
+
+async def test_a_commit_is_recorded_only_by_group_rank_0_of_the_round_it_belongs_to() -> None:
+    """nb was group rank 0 of round 4 and was cut off; the job went on in round 5 without
+    it (na is group rank 0 there). Back, nb hears round 5's commits: it records none of
+    them (na does), or the committed step on the storage both share could move back."""
+    recorded: list[int] = []
+    duty = _duty("nb", Steps(set()))
+    duty.saver.commit = recorded.append
+    duty._group_rank, duty._round, duty._kept = 0, 4, 30
+    await duty.commit(35, 4)
+    await duty.commit(56, 5)  # round 5's, which nb is not in
+    await duty.commit(61, 5)
+    await duty.commit(45, 3)  # of the lineage round 4 abandoned (it went on from 30)
+    assert recorded == [35]
