@@ -559,7 +559,7 @@ async def test_a_node_cut_off_from_the_bus_stops_persisting_before_the_master_ca
     from rove.control.bus.client import BusOptions
     from rove.control.bus.embedded import EmbeddedServer
 
-    timeout_s = 6.0
+    timeout_s = 4.0
     server = EmbeddedServer(tmp_path / "nats", port=free_port())
     server.start()
     url = server.url
@@ -571,7 +571,7 @@ async def test_a_node_cut_off_from_the_bus_stops_persisting_before_the_master_ca
         *("--nats", url, "--job", JOB, "--node-id", "na", "--local-addr", "127.0.0.1"),
         *("--nproc-per-node", "1", "--heartbeat-interval", "0.5"),
         *("--checkpoint-dir", str(tmp_path / "store"), "--persist-every", "5"),
-        *train_args(tmp_path, steps=250, sleep=0.1),
+        *train_args(tmp_path, steps=200, sleep=0.1),
     )
     try:
         await eventually(lambda: steps_done(tmp_path) >= 20, timeout=120)

@@ -327,23 +327,6 @@ def test_auto_scale_on_one_machine_relaunches_an_oom_node_with_more_memory(
     assert {auth.read(p).node for p in made.values()} == {"n0-a0", "n0-a1"}
 
 
-def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script(tmp_path: Path) -> None:
-    done = rove_cli(
-        "submit",
-        *("--job", "j", "--nats", "nats://127.0.0.1:1"),
-        "--",
-        *("--node-id", "x", str(SCRIPT)),
-    )
-    assert done.returncode == 2
-    assert "--node-id does not belong after --" in done.stderr
-    done = rove_cli("submit", "--job", "j", "--nats", "nats://127.0.0.1:1", "--", "nope.py")
-    assert done.returncode == 2 and "training script nope.py not found" in done.stderr
-    done = rove_cli(
-        "submit", "--job", "j", "--policy", "grow=yes", "--", str(SCRIPT), "--nats", "x"
-    )
-    assert done.returncode == 2 and "--policy grow=yes: use KEY=VALUE" in done.stderr
-
-
 async def test_on_kubernetes_a_pod_that_cannot_be_placed_is_retried_smaller_and_the_job_trains(
     bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
@@ -394,19 +377,3 @@ async def test_on_kubernetes_a_pod_that_cannot_be_placed_is_retried_smaller_and_
     assert limits["memory"] == str(2 * ev.GIB)
     assert done["metadata"]["ownerReferences"][0]["name"] == "rove-scaled"
     assert_exactly_once(tmp_path)
-
-
-def test_nodes_of_an_auto_scaled_job_get_the_launchers_flags_but_its_own() -> None:
-    from rove.agent.managed import node_argv
-    from rove.agent.run_args import build_parser
-
-    argv = [
-        *("--standalone", "--auto-scale", "--job", "j", "--metrics-port", "9400"),
-        *("--nats-auth", "a.json", "--worker-nats-auth=t.json", "--nproc-per-node", "2"),
-        *("train.py", "--job", "user's own --job", "--lr", "1"),
-    ]
-    args = build_parser().parse_args(argv)
-    assert node_argv(argv, args) == (
-        *("--nproc-per-node", "2"),
-        *("train.py", "--job", "user's own --job", "--lr", "1"),
-    )

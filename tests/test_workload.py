@@ -1,5 +1,6 @@
-"""A managed job's workload from `rove run` / `rove submit` arguments (pure): a
-TensorFlow job's parameter servers on nodes of their own, sized apart."""
+"""A managed job's workload from `rove run` / `rove submit` arguments: a TensorFlow
+job's parameter servers on nodes of their own, sized apart; the flags a node gets; what
+`rove submit` refuses before it looks for a server."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from rove.agent.managed import workload
 from rove.agent.run_args import build_parser
 from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError
+from tests.support import ROOT, rove_cli
+
+SHARDED = ROOT / "examples" / "train_sharded.py"
 
 TF = ("--nnodes", "3:4", "--nproc-per-node", "2", "--tf-ps", "--num-ps", "1")
 SCRIPT = ("examples/tf_ps.py", "--nproc-per-node", "the script's own")
@@ -36,3 +40,37 @@ def test_without_their_own_size_every_node_runs_the_same_and_mistakes_are_said()
     too_few = ["--nnodes", "1", "--tf-ps", "--ps-node-memory", "8G", "examples/tf_ps.py"]
     with pytest.raises(ConfigError, match="give at least 2"):
         workload(too_few, build_parser().parse_args(too_few), "/")
+
+
+def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script() -> None:
+    """(`rove submit` refuses these before it looks for a server.)"""
+    done = rove_cli(
+        "submit",
+        *("--job", "j", "--nats", "nats://127.0.0.1:1"),
+        "--",
+        *("--node-id", "x", str(SHARDED)),
+    )
+    assert done.returncode == 2
+    assert "--node-id does not belong after --" in done.stderr
+    done = rove_cli("submit", "--job", "j", "--nats", "nats://127.0.0.1:1", "--", "nope.py")
+    assert done.returncode == 2 and "training script nope.py not found" in done.stderr
+    done = rove_cli(
+        "submit", "--job", "j", "--policy", "grow=yes", "--", str(SHARDED), "--nats", "x"
+    )
+    assert done.returncode == 2 and "--policy grow=yes: use KEY=VALUE" in done.stderr
+
+
+def test_nodes_of_an_auto_scaled_job_get_the_launchers_flags_but_its_own() -> None:
+    from rove.agent.managed import node_argv
+    from rove.agent.run_args import build_parser
+
+    argv = [
+        *("--standalone", "--auto-scale", "--job", "j", "--metrics-port", "9400"),
+        *("--nats-auth", "a.json", "--worker-nats-auth=t.json", "--nproc-per-node", "2"),
+        *("train.py", "--job", "user's own --job", "--lr", "1"),
+    ]
+    args = build_parser().parse_args(argv)
+    assert node_argv(argv, args) == (
+        *("--nproc-per-node", "2"),
+        *("train.py", "--job", "user's own --job", "--lr", "1"),
+    )
