@@ -42,6 +42,7 @@ class StorageFence:
         self.clock = clock
         self.lease_s = node_timeout_s / 2
         self._heard = clock()  # (the agent starts in touch: it joins a new round)
+        self._ever_heard = False
         self._out_of_touch = False
         #: the newest decision to act on before persisting again (None: none to wait for)
         self._target: int | None = None
@@ -55,10 +56,12 @@ class StorageFence:
     def heard(self) -> None:
         """A heartbeat of this node reached the bus."""
         now = self.clock()
-        if now - self._heard > self.lease_s:
+        # (its first heartbeat: before it the node was in no round to be given up on,
+        # however long it took to start)
+        if self._ever_heard and now - self._heard > self.lease_s:
             self._out_of_touch = True  # until it has caught up with what was decided
             self._target = None
-        self._heard = now
+        self._heard, self._ever_heard = now, True
 
     @property
     def needs_catch_up(self) -> bool:

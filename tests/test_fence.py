@@ -29,9 +29,18 @@ def test_the_fence_closes_half_a_node_timeout_after_the_last_heartbeat_that_reac
     assert fence.closed() is None
 
 
+def test_a_first_heartbeat_long_after_the_agent_was_made_opens_the_fence() -> None:
+    now = [0.0]
+    fence = StorageFence(node_timeout_s=10, clock=lambda: now[0])
+    now[0] = 30.0  # (an embedded server slow to start, a bus without quorum yet)
+    fence.heard()
+    assert fence.closed() is None and not fence.needs_catch_up
+
+
 def test_back_in_touch_it_stays_closed_until_it_acted_on_the_newest_decision() -> None:
     now = [0.0]
     fence = StorageFence(node_timeout_s=10, clock=lambda: now[0])
+    fence.heard()
     fence.handled(40)
     now[0] = 20.0  # cut off for 20 s: the master may have gone on without it
     assert not fence.needs_catch_up, "nothing to ask while it is not heard"
@@ -53,6 +62,7 @@ def test_back_in_touch_it_stays_closed_until_it_acted_on_the_newest_decision() -
 def test_a_fence_already_caught_up_opens_at_once() -> None:
     now = [0.0]
     fence = StorageFence(node_timeout_s=10, clock=lambda: now[0])
+    fence.heard()
     fence.handled(9)
     now[0] = 6.0
     fence.heard()
@@ -68,6 +78,7 @@ async def test_a_closed_fence_stops_persisting_memory_saves_go_on_and_persisting
     duty = _duty("na", Steps(set()))
     duty.fence = StorageFence(node_timeout_s=10, clock=lambda: now[0])
     fence = duty.fence
+    fence.heard()
 
     async def steps(first: int, last: int) -> None:
         for step in range(first, last + 1):
