@@ -14,7 +14,8 @@ signals. Only it starts and stops workers, so they never race. Around it:
 
 What a worker is, is the `WorkerRuntime`'s business (torch today). Facts go
 through the agent's `Outbox` (`NodeFacts`), so they are kept and sent later
-while the bus is unreachable; workers keep training meanwhile. Decisions from
+while the bus is unreachable; workers keep training meanwhile (persisting waits
+for the bus: `rove.agent.fence`). Decisions from
 a master epoch older than the newest seen are ignored. The lifecycle is
 `rove.agent.lifecycle.AgentPhase`.
 """
@@ -27,8 +28,8 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -46,8 +47,9 @@ from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.replicas import PeerReplicas
 from rove.agent.reports import ProgressReports
 from rove.agent.resumption import Resumption, restoring
-from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
+from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
+from rove.agent.status import AgentStatus
 from rove.agent.worker_env import member_of, rove_env, worker_envs
 from rove.control.bus import records, retry
 from rove.control.bus.client import Bus
@@ -77,20 +79,6 @@ class _Hang:
 @dataclass(frozen=True)
 class _Signal:
     signum: int
-
-
-@dataclass
-class AgentStatus:
-    """What the agent knows, for logs and tests."""
-
-    phase: AgentPhase = AgentPhase.STARTING
-    round: int = 0
-    max_epoch: int = 0
-    starts: int = 0
-    end_reason: str = ""
-    history: list[AgentPhase] = field(default_factory=list)
-    #: the last failure of this node's workers (its global rank, and what happened)
-    failure: tuple[int, RootFailure] | None = None
 
 
 class Agent:
@@ -320,6 +308,11 @@ class Agent:
                 await self.checkpoints.breakpoint()
                 self._finish(128 + signum, f"agent received {name}")
             case WorkersEnded(round=rnd) if rnd == self.status.round:
+                if item.failure is None and self.checkpoints.behind_fence():
+                    # their last step is persisted once the node is back and caught up
+                    # (a decision among those it then acts on may start a new round)
+                    self.tasks.spawn(self._requeue(item, self.checkpoints.fence.opened()))
+                    return
                 if item.failure is not None:
                     await self.checkpoints.breakpoint()
                 else:
@@ -466,6 +459,11 @@ class Agent:
             self._finish(EXIT_FAILED, "the agent lost track of its workers (see the log)")
             return
         self._inbox.put_nowait(ended)
+
+    async def _requeue(self, item: Any, after: Awaitable[None]) -> None:
+        """Hand `item` to the actor again once `after` is done."""
+        await after
+        self._inbox.put_nowait(item)
 
     def _task_restarted(self, t: TaskRestart) -> None:
         """A task was started again in place (the runtime's own recovery): say so."""

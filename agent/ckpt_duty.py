@@ -281,6 +281,17 @@ class CheckpointDuty:
         except CheckpointError as exc:
             self.log.warning(f"could not record the commit of step {step}: {exc}")
 
+    def behind_fence(self) -> bool:
+        """The workers finished while the fence is closed: their last step waits (said)."""
+        if self.saver.storage is None or self.fence.closed() is None:
+            return False
+        self._may_persist()  # (says why, once)
+        self.log.warning(
+            "the workers finished while this node is out of touch: their last step is "
+            "persisted, and the node says it is done, once it is back in touch"
+        )
+        return True
+
     def _may_persist(self) -> bool:
         """The fence is open (`rove.agent.fence`); said when it closes and opens again."""
         why = self.fence.closed()

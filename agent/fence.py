@@ -22,6 +22,7 @@ Memory saves go on behind a closed fence; persisting resumes from the newest ste
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -48,6 +49,7 @@ class StorageFence:
         self._target: int | None = None
         self._handled = 0
         self._probing = False
+        self._changed = asyncio.Event()  # (set by what may open it)
 
     def set_node_timeout(self, node_timeout_s: float) -> None:
         """The job's node timeout (its `job_configured`)."""
@@ -62,6 +64,7 @@ class StorageFence:
             self._out_of_touch = True  # until it has caught up with what was decided
             self._target = None
         self._heard, self._ever_heard = now, True
+        self._changed.set()
 
     @property
     def needs_catch_up(self) -> bool:
@@ -99,9 +102,16 @@ class StorageFence:
     def _check(self) -> None:
         if self._target is not None and self._handled >= self._target:
             self._out_of_touch, self._target = False, None
+            self._changed.set()
 
     def _lease_over(self) -> bool:
         return self.clock() - self._heard > self.lease_s
+
+    async def opened(self) -> None:
+        """Return once the fence is open (a heartbeat stored, a decision acted on)."""
+        while self.closed() is not None:
+            self._changed.clear()
+            await self._changed.wait()
 
     def closed(self) -> str | None:
         """Why this node may not persist now, or None."""
