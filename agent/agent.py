@@ -307,10 +307,12 @@ class Agent:
                 await self._stop_workers(signal.Signals(signum))
                 await self.checkpoints.breakpoint()
                 self._finish(128 + signum, f"agent received {name}")
-            case WorkersEnded(round=rnd) if rnd == self.status.round:
+            case WorkersEnded(round=rnd) if (
+                rnd == self.status.round and self.status.phase is AgentPhase.RUNNING
+            ):
                 if item.failure is None and self.checkpoints.behind_fence():
                     # their last step is persisted once the node is back and caught up
-                    # (a decision among those it then acts on may start a new round)
+                    # (unless what it then acts on moves it on: lost, a new round)
                     self.tasks.spawn(self._requeue(item, self.checkpoints.fence.opened()))
                     return
                 if item.failure is not None:
@@ -565,10 +567,10 @@ class Agent:
         """Checkpoints reported and persisted, hangs detected, every `duty_s`."""
         while True:
             await asyncio.sleep(self.cfg.duty_s)
+            if self.checkpoints.fence.needs_catch_up:  # (also for workers done behind it)
+                self.tasks.spawn(self.checkpoints.fence.probe(self.bus, self.cfg.job))
             if not self.workers.running or self.status.phase is not AgentPhase.RUNNING:
                 continue
-            if self.checkpoints.fence.needs_catch_up:
-                self.tasks.spawn(self.checkpoints.fence.probe(self.bus, self.cfg.job))
             self.checkpoints.tick()
             self.reports.tick()
             if self.faults.pending:  # --inject-fault
