@@ -283,16 +283,16 @@ class Agent:
         self._inbox.put_nowait(rec)  # (its sequence tells the storage fence how far it got)
 
     def _on_rejected(self, rej: records.Rejection) -> None:
-        pass  # logged by the bus; the leading master records it
+        self._inbox.put_nowait(rej)  # (logged by the bus; counted in order by the fence)
 
     # ------------------------------------------------------------------ actor
 
     async def _actor(self) -> None:
         while True:
             item = await self._inbox.get()
-            rec = item if isinstance(item, records.Recorded) else None
+            rec = item if isinstance(item, records.Recorded | records.Rejection) else None
             if self.status.phase is not AgentPhase.STOPPING:  # (on its way out: nothing is)
-                await self._handle(item if rec is None else rec.event)
+                await self._handle(item.event if isinstance(item, records.Recorded) else item)
             if rec is not None:
                 self.checkpoints.fence.handled(rec.seq)
 

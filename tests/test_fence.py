@@ -5,6 +5,9 @@ it records."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 from structlog.testing import capture_logs
 
 from rove.agent.fence import StorageFence
@@ -133,3 +136,41 @@ async def test_a_commit_is_recorded_only_by_group_rank_0_of_the_round_it_belongs
     await duty.commit(61, 5)
     await duty.commit(45, 3)  # of the lineage round 4 abandoned (it went on from 30)
     assert recorded == [35]
+
+
+async def test_a_decision_the_agent_cannot_read_counts_as_acted_on_in_its_turn(
+    tmp_path: Path,
+) -> None:
+    """Back in touch, the node waits until it acted on the stream's newest decision. When
+    that one is unreadable to it (garbage on the master's subject, a newer rove's kind),
+    its turn in the actor still comes: the fence opens, after what was queued before it."""
+    from rove.agent.agent import Agent
+    from rove.agent.config import AgentConfig
+    from rove.control.bus import records
+    from rove.control.catalogue import events as ev
+    from rove.control.catalogue import subjects
+    from tests import factories
+
+    cfg = AgentConfig(
+        job="j", node="n", addr="127.0.0.1", nproc=1, params=ev.RdzvParams(),
+        entrypoint="train.py", args=[], logs_specs=None, state_dir=tmp_path, max_restarts=0,
+    )  # fmt: skip
+    agent = Agent(object(), cfg)  # type: ignore[arg-type]  # (no bus is used here)
+    now = [0.0]
+    fence = agent.checkpoints.fence = StorageFence(node_timeout_s=10, clock=lambda: now[0])
+    fence.heard()
+    now[0] = 20.0
+    fence.heard()
+    fence.catch_up(7)
+    subject = subjects.master("j", "master_elected")
+    agent._on_decision(records.Recorded("S", 5, subject, factories.elected("m1", 2)))
+    agent._on_rejected(records.Rejection("S", 7, subject, "not a rove event", b"\xc1"))
+    actor = asyncio.create_task(agent._actor())
+    try:
+        while not agent._inbox.empty():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+    finally:
+        actor.cancel()
+    assert agent.status.max_epoch == 2, "the decision before it was acted on"
+    assert fence.closed() is None
