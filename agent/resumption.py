@@ -61,20 +61,28 @@ class Resumption:
         )
 
 
-def restored(r: ev.RoundCompleted, first: int | None = None) -> str:
-    """Where round `r`'s ranks restore from, as a clause; `first`: the first step they
-    trained (a first step older than the named one: they fell back to an older step,
-    the named one unreadable on some rank)."""
+def _named(r: ev.RoundCompleted) -> str | None:
+    """The step round `r` names to restore and where from ("step 30 from storage"), or
+    None for a fresh start."""
     if r.restore_step is not None and r.restore_source is not ev.RestoreSource.NONE:
-        named = f"step {r.restore_step} from {r.restore_source.value}"
-        if first is not None and first < r.restore_step:
-            return f"{named} could not be read: the ranks went back to an older step"
-        return f"restored {named}"
-    return "no checkpoint to restore: trained from the start"
+        return f"step {r.restore_step} from {r.restore_source.value}"
+    return None
+
+
+def restored(r: ev.RoundCompleted, first: int) -> str:
+    """Where round `r`'s ranks restored from, as a clause; `first`: the first step they
+    trained (older than the named one: they fell back to an older step, the named one
+    unreadable on some rank)."""
+    named = _named(r)
+    if named is None:
+        return "no checkpoint to restore: trained from the start"
+    assert r.restore_step is not None
+    if first < r.restore_step:
+        return f"{named} could not be read: the ranks went back to an older step"
+    return f"restored {named}"
 
 
 def restoring(r: ev.RoundCompleted) -> str:
     """What round `r`'s workers restore, as the tail of the sentence that starts them."""
-    if r.restore_step is not None and r.restore_source is not ev.RestoreSource.NONE:
-        return f"; they restore step {r.restore_step} from {r.restore_source.value}"
-    return ""
+    named = _named(r)
+    return "" if named is None else f"; they restore {named}"
