@@ -52,6 +52,9 @@ class Injected:
     #: when the fault replaced the workers: only rounds after this one are its recovery
     #: (a killed agent's workers train on for a moment after it: docs/operations.md)
     round_before: int = 0
+    #: the job trained to its end while this fault was injected and checked: there was
+    #: nothing left to recover (set by the run)
+    outlasted: bool = False
 
 
 Fault = Callable[[World, random.Random], Awaitable[Injected]]
@@ -340,13 +343,14 @@ async def disk_full(world: World, rnd: random.Random) -> Injected:
     )  # fmt: skip
 
 
-async def job_ended(world: World) -> bool:
-    """Whether the job's `job_ended` is stored (False when the stream cannot be read)."""
+async def job_ended(world: World, phase: ev.JobPhase | None = None) -> bool:
+    """Whether the job's `job_ended` (in `phase`, or any) is stored (False when the
+    stream cannot be read)."""
     try:
         records = await world.records()
     except Exception:  # any failure to read: not known to have ended
         return False
-    return any(isinstance(r.event, ev.JobEnded) for r in records)
+    return any(isinstance(r.event, ev.JobEnded) and phase in (None, r.event.phase) for r in records)
 
 
 def _committed_steps(world: World) -> list[int]:
