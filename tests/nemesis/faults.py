@@ -52,9 +52,9 @@ class Injected:
     #: when the fault replaced the workers: only rounds after this one are its recovery
     #: (a killed agent's workers train on for a moment after it: docs/operations.md)
     round_before: int = 0
-    #: the job trained to its end while this fault was injected and checked: there was
-    #: nothing left to recover (set by the run)
-    outlasted: bool = False
+    #: the job had finished by the time this fault was injected and checked (set by the
+    #: run): without a full-size step after the fault, nothing was left to recover
+    job_done: bool = False
 
 
 Fault = Callable[[World, random.Random], Awaitable[Injected]]

@@ -104,9 +104,7 @@ async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
             i = await FAULTS[fault](world, rnd)
             # (a fault that takes long on a busy machine, the poison's thousands of
             # publishes, may see the job to its end: no step after it to recover)
-            i.outlasted = world.full_speed_at(i.ended, i.round_before) is None and (
-                await job_ended(world, ev.JobPhase.FINISHED)
-            )
+            i.job_done = await job_ended(world, ev.JobPhase.FINISHED)
             injected.append(i)
         codes = await world.finish()
         problems += await checks.after_run(world, injected, codes)
@@ -118,19 +116,21 @@ async def run(scenario: Scenario, root: Path, seed: int) -> Outcome:
     for i in injected:
         back = world.full_speed_at(i.ended, i.round_before)
         recover = None if back is None else max(0.0, back - i.ended)
+        outlasted = recover is None and i.job_done  # the job trained to its end during it
+        note = i.note
+        if outlasted:
+            note = "; ".join(n for n in (note, "the job trained to its end during it") if n)
         mine = [p for p in problems if p.startswith(f"{i.fault}: ")]
-        if recover is None and not i.outlasted:
+        if recover is None and not outlasted:
             mine.append(f"{i.fault}: the job never trained at full size after it")
         rows.append(
             Row(
                 i.fault,
                 scenario.name,
                 seed,
-                survived=not problems and (recover is not None or i.outlasted),
+                survived=not problems and (recover is not None or outlasted),
                 recover_s=recover,
-                note="; ".join(
-                    n for n in (i.note, "the job trained to its end during it" * i.outlasted) if n
-                ),
+                note=note,
                 problems=mine or ([] if not problems else ["(the run's checks failed)"]),
                 figures=i.figures,
                 began=i.began,
