@@ -571,8 +571,8 @@ class Agent:
                 self.tasks.spawn(self.checkpoints.fence.probe(self.bus, self.cfg.job))
             if not self.workers.running or self.status.phase is not AgentPhase.RUNNING:
                 continue
+            self.reports.tick()  # (first: the step restored, before the new checkpoints)
             self.checkpoints.tick()
-            self.reports.tick()
             if self.faults.pending:  # --inject-fault
                 steps = {lr: p.step for lr, p in self.workers.progress().items()}
                 self.faults.fire(self._first_rank(), self.workers.pids(), steps, self.log)

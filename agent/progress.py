@@ -35,8 +35,9 @@ from typing import NamedTuple
 
 #: step, samples, unix time of the report, busy seconds (written with every report)
 _STEP = struct.Struct("<qddd")
-#: first step, when it ended, seconds blocked in checkpoint saves, waiting for data, restoring
-_EXTRA = struct.Struct("<qdddd")
+#: first step, when it ended, seconds blocked in checkpoint saves, waiting for data, restoring;
+#: the step restored plus one (0: none, so that a zeroed file says none)
+_EXTRA = struct.Struct("<qddddq")
 #: when the worker's script returned successfully, and when the ending that follows
 #: (threads joined, atexit handlers run) was over (0 until then): rove's script runner
 _END = struct.Struct("<dd")
@@ -55,6 +56,8 @@ class Progress(NamedTuple):
     ckpt_block_s: float = 0.0
     data_wait_s: float = 0.0
     restore_s: float = 0.0
+    #: the step the worker restored (None: none, or its checkpointer does not say)
+    restored_step: int | None = None
 
 
 class _Writer:
@@ -70,6 +73,7 @@ class _Writer:
         self.ckpt_block_s = 0.0
         self.data_wait_s = 0.0
         self.restore_s = 0.0
+        self.restored_step: int | None = None
 
     def write_extra(self) -> None:
         _EXTRA.pack_into(
@@ -79,6 +83,7 @@ class _Writer:
             self.ckpt_block_s,
             self.data_wait_s,
             self.restore_s,
+            0 if self.restored_step is None else self.restored_step + 1,
         )
 
 
@@ -122,11 +127,15 @@ def checkpoint_blocked(seconds: float) -> None:
         w.write_extra()
 
 
-def restored(seconds: float) -> None:
-    """Restoring the training state took `seconds` (called by the checkpointers)."""
+def restored(seconds: float, step: int | None = None) -> None:
+    """Restoring the training state (of `step`, when the checkpointer says it) took
+    `seconds` (called by the checkpointers). The agent reports the step to the master,
+    which learns so that the ranks fell back to an older step than the round named."""
     w = _get_writer()
     if w is not None:
         w.restore_s += seconds
+        if step is not None:
+            w.restored_step = int(step)
         w.write_extra()
 
 
@@ -163,7 +172,21 @@ def read(path: Path) -> Progress | None:
     step, samples, at, busy = _STEP.unpack_from(data)
     if at <= 0:
         return None
-    return Progress(step, samples, at, busy, *_EXTRA.unpack_from(data, _STEP.size))
+    first, first_at, ckpt_block_s, data_wait_s, restore_s, restored_plus_one = _EXTRA.unpack_from(
+        data, _STEP.size
+    )
+    return Progress(
+        step,
+        samples,
+        at,
+        busy,
+        first,
+        first_at,
+        ckpt_block_s,
+        data_wait_s,
+        restore_s,
+        restored_plus_one - 1 if restored_plus_one > 0 else None,
+    )
 
 
 def ending(path: Path) -> tuple[float, float]:

@@ -5,8 +5,8 @@ facts go on the events stream, so the job's whole history can be replayed:
 `rove goodput` reads from them when each round's training began, how far it
 got, and how long it spent blocked in checkpoint saves, restoring and waiting
 for data (see `rove.control.domain.goodput`). One fact every `every_s` while steps
-advance, and a last one when the round's workers end or are stopped, before
-the fact that says why.
+advance (and one at once when the workers first say the step they restored), and a
+last one when the round's workers end or are stopped, before the fact that says why.
 """
 
 from __future__ import annotations
@@ -57,10 +57,22 @@ class ProgressReports:
         self._last = self.clock()
 
     def tick(self) -> None:
-        """Report if `every_s` passed since the last report and the workers moved on."""
-        if self.round is not None and self.clock() - self._last >= self.every_s:
+        """Report if `every_s` passed since the last report and the workers moved on,
+        and at once the first time they say the step they restored: when it is older
+        than the one the round named, the master's lineage starts there, best before
+        the new lineage's checkpoints are reported (the agent ticks this first)."""
+        if self.round is None:
+            return
+        if self.clock() - self._last >= self.every_s or self._restore_news():
             self._last = self.clock()
             self._send()
+
+    def _restore_news(self) -> bool:
+        """The workers said the step they restored, and no report has carried it yet."""
+        if self._sent is not None and self._sent.get("restored_step") is not None:
+            return False
+        fields = summary(self.read())
+        return fields is not None and fields["restored_step"] is not None
 
     def flush(self) -> None:
         """The round's workers ended or are being stopped: report where they got to."""

@@ -54,9 +54,10 @@ class Resumption:
         self._waiting = None
         step = min(p.step for p in reported.values())
         first = min(p.first_step for p in reported.values())
+        loaded = [p.restored_step for p in reported.values() if p.restored_step is not None]
         self.say(
             f"round {r.round}: training again {self.clock() - since:.1f}s after the "
-            f"interruption, at step {step} ({restored(r, first)})",
+            f"interruption, at step {step} ({restored(r, first, min(loaded, default=None))})",
             round=r.round,
         )
 
@@ -69,14 +70,17 @@ def _named(r: ev.RoundCompleted) -> str | None:
     return None
 
 
-def restored(r: ev.RoundCompleted, first: int) -> str:
+def restored(r: ev.RoundCompleted, first: int, loaded: int | None = None) -> str:
     """Where round `r`'s ranks restored from, as a clause; `first`: the first step they
-    trained (older than the named one: they fell back to an older step, the named one
-    unreadable on some rank)."""
+    trained, `loaded`: the step their checkpointer says they restored, if it says (older
+    than the named one: they fell back to an older step, the named one unreadable on
+    some rank)."""
     named = _named(r)
     if named is None:
         return "no checkpoint to restore: trained from the start"
     assert r.restore_step is not None
+    if loaded is not None and loaded < r.restore_step:
+        return f"{named} could not be read: the ranks restored step {loaded} from storage"
     if first < r.restore_step:
         return f"{named} could not be read: the ranks went back to an older step"
     return f"restored {named}"

@@ -108,7 +108,7 @@ class FlashCheckpointer:
                         "restored an older step", wanted=step, step=candidate, problems=tried
                     )
                 begin_lineage(self.engine, self.storage, candidate)
-                progress.restored(time.monotonic() - began)
+                progress.restored(time.monotonic() - began, candidate)
                 return candidate, loaded
             if loaded is not None:
                 tried.append(f"step {candidate}: another rank could not read it")

@@ -289,7 +289,7 @@ class DistributedCheckpointer:
                 reader.close()
             self.restored_from = "memory" if reader.sources == {"memory"} else "storage"
             begin_lineage(self.engine, self.storage, candidate)
-            progress.restored(time.monotonic() - began)
+            progress.restored(time.monotonic() - began, candidate)
             return candidate
         if not steps:
             return None

@@ -144,7 +144,7 @@ class TfCheckpointer:
             if problem is None:
                 status = self.checkpoint.read(str(durable.step_dir(self.root, step) / _PREFIX))
                 status.expect_partial()  # optimizer slots are created on the first step
-                progress.restored(time.monotonic() - began)
+                progress.restored(time.monotonic() - began, step)
                 return Restored(step, extra)
             log.warning("checkpoint step %s is not usable (%s); trying an older one", step, problem)
             tried.append(f"step {step}: {problem}")

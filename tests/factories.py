@@ -448,6 +448,7 @@ def progressed(
     ckpt_s: float = 0.0,
     data_s: float = 0.0,
     restore_s: float = 0.0,
+    restored: int | None = None,
     inc: str = "i1",
     job: str = JOB,
 ) -> ev.TrainingProgress:
@@ -461,6 +462,7 @@ def progressed(
         ckpt_block_s=ckpt_s,
         data_wait_s=data_s,
         restore_s=restore_s,
+        restored_step=restored,
     )
 
 

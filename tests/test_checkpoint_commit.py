@@ -253,6 +253,44 @@ def test_no_commit_is_decided_with_a_round_and_a_stale_one_is_not_folded() -> No
     assert s.state.ckpt.committed is None, "step 105 belongs to the abandoned lineage"
 
 
+def test_ranks_that_fell_back_to_an_older_step_start_the_lineage_there() -> None:
+    """Round 2 names committed step 30 from storage; a rank's file of it is corrupted and
+    every rank restores step 25 instead, discarding the newer steps. Their first report
+    says so: the master's restore, cut and committed step go back to 25, so the new
+    lineage's step 27 is committed (it was ignored as older than 30), and a late report
+    of the old lineage's step 28 is not mixed into the new one's."""
+    s = running()
+    for step in (25, 30):
+        s.apply(factories.persisted("n1", step, (0, 1), rnd=1))
+        s.apply(factories.persisted("n2", step, (2, 3), rnd=1))
+        s.tick()
+    s.apply(factories.in_memory("n1", 30, (0, 1), rnd=1))
+    s.apply(factories.persisted("n1", 33, (0, 1), rnd=1))
+    assert commits(s) == [25, 30]
+    s.apply(factories.exited("n2", 1))
+    s.tick()
+    assert (rounds(s)[-1].round, rounds(s)[-1].restore_step) == (2, 30)
+    s.apply(factories.progressed("n1", 2, 26, 200.0, restored=30))  # the named one: no news
+    assert s.state.ckpt.restored == (30, "storage", 0) and s.state.ckpt.committed == 30
+    s.apply(factories.progressed("n2", 1, 26, 200.0, restored=20))  # an older round's: stale
+    assert s.state.ckpt.restored == (30, "storage", 0)
+    s.apply(factories.progressed("n1", 2, 26, 201.0, restored=25))
+    c = s.state.ckpt
+    assert c.restored == (25, "storage", 0), "rove status names the step the ranks loaded"
+    assert c.committed == 25 and c.cuts[-1] == (2, 25)
+    assert "n1" not in c.memory, "the ranks discarded their slot of step 30"
+    s.apply(factories.persisted("n1", 28, (0, 1), rnd=1))  # the old lineage's, late
+    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+        s.apply(factories.persisted(node, 27, ranks, rnd=2))
+        s.apply(factories.in_memory(node, 27, ranks, rnd=2))
+    s.apply(factories.persisted("n2", 28, (2, 3), rnd=2))
+    s.tick()
+    assert commits(s) == [25, 30, 27], "the new lineage's steps below 30 are committed"
+    assert s.state.ckpt.memory["n1"][0] == 27
+    s.tick()
+    assert commits(s) == [25, 30, 27], "ranks 0-1 of step 28 belong to the abandoned lineage"
+
+
 def ended(s: Sim) -> list[ev.JobEnded]:
     return [d for d in s.decisions if isinstance(d, ev.JobEnded)]
 

@@ -143,3 +143,18 @@ def test_a_round_whose_ranks_fell_back_to_an_older_step_does_not_claim_the_named
         "round 2: training again 0.0s after the interruption, at step 26 (step 30 from "
         "storage could not be read: the ranks went back to an older step)"
     ]
+    # a checkpointer that says the step it restored: the sentence names it
+    resumption.interrupted()
+    resumption.round_started(
+        replace(
+            factories.round_completed(3, 1, "n1"),
+            cause=ev.RoundCause.RESTART,
+            restore_step=30,
+            restore_source=ev.RestoreSource.STORAGE,
+        )
+    )
+    resumption.progress({0: Progress(26, 1, 1, first_step=21, restored_step=20)})
+    assert said[-1] == (
+        "round 3: training again 0.0s after the interruption, at step 26 (step 30 from "
+        "storage could not be read: the ranks restored step 20 from storage)"
+    )

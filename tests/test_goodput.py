@@ -61,6 +61,24 @@ def test_each_second_of_a_job_with_one_failure_is_in_its_bucket() -> None:
     assert r.rounds == 2 and r.ended == "finished"
 
 
+def test_steps_the_ranks_fell_back_past_are_wasted_too() -> None:
+    """Round 2 names step 80, which cannot be read: its ranks restore step 70 and say so
+    (first step 71). Round 1's steps 71-100 are wasted, not 81-100, and the round counts
+    as restored from storage."""
+    events = [
+        msgspec.structs.replace(e, restored_step=70, first_step=71)
+        if isinstance(e, ev.TrainingProgress) and e.round == 2
+        else e
+        for e in one_failure()
+    ]
+    ledger = gp.of_events(events)
+    r = gp.report(ledger, now=500.0)
+    # round 1 reached step 70 at 38 s (step 50 at 30 s, step 100 at 50 s)
+    assert r.seconds[B.WASTED] == pytest.approx(50 - 38)
+    assert sum(r.seconds.values()) == pytest.approx(r.total_s)
+    assert (ledger.rounds[2].restore_step, ledger.rounds[2].restore_source) == (70, "storage")
+
+
 def test_an_event_that_says_it_happened_long_before_the_job_does_not_stretch_it() -> None:
     """A forged event (or a clock far off) dated 1970 in the middle of the stream once
     made a finished job's goodput 0.0% of 57 years; one a little early (a node's fact

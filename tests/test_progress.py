@@ -72,3 +72,48 @@ def test_heartbeats_carry_busy_seconds_per_step_and_the_nodes_capacity() -> None
     assert second.ranks[0].samples_per_s == pytest.approx(16.0)
     assert second.capacity is not None
     assert second.capacity.cpu >= 1 and second.capacity.memory_bytes > 0
+
+
+def test_the_step_restored_reaches_the_master_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpointer says the step it restored (step 0 too: the file stores it plus
+    one, so a zeroed file says none); the agent's reports carry it in the first tick that
+    sees it, not after `every_s`, and then only every `every_s` again."""
+    from rove.agent.reports import ProgressReports
+    from rove.control.catalogue import events as ev
+
+    path = tmp_path / "p"
+    progress.create(path)
+    monkeypatch.setenv(progress.ENV, str(path))
+    monkeypatch.setattr(progress, "_writer", None)
+    monkeypatch.setattr(progress, "_checked", False)
+    progress.report(1)
+    first = progress.read(path)
+    assert first is not None and first.restored_step is None
+    sent: list[ev.Event] = []
+
+    class Outbox:
+        def put(self, event: ev.Event) -> None:
+            sent.append(event)
+
+    now = [0.0]
+    facts = NodeFacts(outbox=Outbox(), job="j", node="n1")  # type: ignore[arg-type]
+    reports = ProgressReports(
+        facts, lambda: {0: p} if (p := progress.read(path)) else {}, clock=lambda: now[0]
+    )
+    reports.start(2)
+    now[0] = 1.0
+    reports.tick()
+    assert sent == [], "nothing restored, and every_s has not passed"
+    progress.restored(0.5, 0)
+    progress.report(2)
+    reports.tick()
+    assert [(e.round, e.restored_step, e.restore_s) for e in sent] == [(2, 0, 0.5)]  # type: ignore[attr-defined]
+    progress.report(3)
+    now[0] = 2.0
+    reports.tick()
+    assert len(sent) == 1, "the step restored was said: the next report waits for every_s"
+    progress.restored(0.25, 17)
+    p = progress.read(path)
+    assert p is not None and p.restored_step == 17 and p.restore_s == 0.75

@@ -324,8 +324,11 @@ class TrainingProgress(NodeFact, tag="training_progress", frozen=True, kw_only=T
     """How far `node`'s workers got in `round`: the slowest local rank's `step` and when
     the newest step ended (`at`); the round's first reported step and when it ended;
     the seconds so far (the most of any local rank) spent blocked in checkpoint saves,
-    waiting for data, and restoring. Sent every few seconds while steps advance and once
-    when the round's workers end: `rove goodput` reads the job's time from these."""
+    waiting for data, and restoring; the step the workers restored, when their
+    checkpointer says it (`restored_step`: older than the round's `restore_step` when
+    that step could not be read and they fell back together to an older one on
+    storage). Sent every few seconds while steps advance and once when the round's
+    workers end: `rove goodput` reads the job's time from these."""
 
     round: int
     step: int
@@ -335,6 +338,7 @@ class TrainingProgress(NodeFact, tag="training_progress", frozen=True, kw_only=T
     ckpt_block_s: float = 0.0
     data_wait_s: float = 0.0
     restore_s: float = 0.0
+    restored_step: int | None = None
 
 
 class WorkersSucceeded(NodeFact, tag="workers_succeeded", frozen=True, kw_only=True):

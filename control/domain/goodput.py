@@ -110,6 +110,8 @@ class _Reported(Protocol):
     def data_wait_s(self) -> float: ...
     @property
     def restore_s(self) -> float: ...
+    @property
+    def restored_step(self) -> int | None: ...
 
 
 def combined(reports: Sequence[_Reported]) -> dict[str, Any]:
@@ -125,6 +127,10 @@ def combined(reports: Sequence[_Reported]) -> dict[str, Any]:
         "ckpt_block_s": max(p.ckpt_block_s for p in reports),
         "data_wait_s": max(p.data_wait_s for p in reports),
         "restore_s": max(p.restore_s for p in reports),
+        # the ranks restore the same step (they agree on it); the oldest if they did not
+        "restored_step": min(
+            (p.restored_step for p in reports if p.restored_step is not None), default=None
+        ),
     }
 
 
@@ -132,6 +138,7 @@ def combined(reports: Sequence[_Reported]) -> dict[str, Any]:
 class _Round:
     round: int
     ts: float
+    #: the step it named to restore, or the older one its workers say they restored
     restore_step: int | None
     #: where its ranks restored from (`RestoreSource`; "": a fresh start)
     restore_source: str = ""
@@ -214,6 +221,9 @@ class Ledger:
         if r is None:
             return
         r.latest[e.node] = e
+        named, loaded = r.restore_step, e.restored_step
+        if named is not None and loaded is not None and loaded < named:  # named unreadable
+            r.restore_step, r.restore_source = loaded, "storage"
         if not r.points:
             r.points.append((e.first_step, e.first_at))
         r.points.append((e.step, e.at))

@@ -7,8 +7,10 @@ of the old one are forgotten, and a late report of one is ignored, so a commit
 never mixes the ranks of two lineages that reuse the same step numbers. A step is committed, by one
 `ckpt_committed` decision, once the ranks persisted for it cover the whole
 world it was saved in; only the newest such step is committed, and a
-committed step never goes back. Steps at or below the committed one are
-forgotten, so the state stays small however long the job runs.
+committed step never goes back, unless the workers of a round could not read it
+and fell back to an older one (`training_progress.restored_step`: the lineage then
+starts there). Steps at or below the committed one are forgotten, so the state
+stays small however long the job runs.
 
 A job started on storage an earlier run of it left behind goes on from there: each
 agent says the committed step it found as it started (`ckpt_found`), and until the
@@ -18,7 +20,7 @@ oldest step its members found (every one of them must have found one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import immutables
@@ -83,36 +85,66 @@ def on_round(c: CkptState, e: ev.RoundCompleted) -> CkptState:
     if c.cuts and e.round <= c.cuts[-1][0]:
         return c
     keep = -1 if e.restore_step is None else e.restore_step
-    persisted = c.persisted
-    for step in [s for s in persisted if s > keep]:
-        persisted = persisted.delete(step)
-    memory, replicas, kept = (_past(m, keep) for m in (c.memory, c.replicas, c.kept))
-    previous = c.previous
-    for node in [n for n, step in previous.items() if step > keep or n not in memory]:
-        previous = previous.delete(node)
-    cuts = (*c.cuts, (e.round, keep))[-MAX_CUTS:]
     restored = (
         None if e.restore_step is None else (e.restore_step, e.restore_source.value, len(e.fetches))
     )
+    cuts = (*c.cuts, (e.round, keep))[-MAX_CUTS:]
+    return replace(_forget(c, keep), cuts=cuts, restored=restored)
+
+
+def on_progress(c: CkptState, e: ev.TrainingProgress) -> CkptState:
+    """The workers of the newest round say the step they restored: one older than the
+    step the round named means they could not read it (corrupted, truncated, gone)
+    and fell back together to an older step on storage, discarding the newer ones
+    there and in their memory (`rove.checkpoint.restore`). The lineage starts at that
+    step instead: what the state knew of the steps after it, up to the named one, is
+    forgotten (newer ones are the new lineage's: the round forgot the old lineage's),
+    and the committed step goes back to it (every rank read it whole from storage),
+    so the steps the new lineage persists are committed rather than ignored as old."""
+    if e.restored_step is None or not c.cuts:
+        return c
+    rnd, named = c.cuts[-1]
+    if e.round != rnd or e.restored_step >= named:
+        return c
+    keep = e.restored_step
+    c = _forget(c, keep, named)
+    committed = keep if c.committed is not None and c.committed > keep else c.committed
     return replace(
         c,
-        persisted=persisted,
-        memory=memory,
-        previous=previous,
-        replicas=replicas,
-        kept=kept,
-        cuts=cuts,
-        restored=restored,
+        committed=committed,
+        cuts=(*c.cuts[:-1], (rnd, keep)),
+        restored=(keep, ev.RestoreSource.STORAGE.value, 0),
+    )
+
+
+def _forget(c: CkptState, keep: int, upto: float = float("inf")) -> CkptState:
+    """`c` without what it knew of the steps after `keep` up to `upto` (a new lineage
+    starts at `keep`, and reuses their numbers)."""
+
+    def gone(step: int) -> bool:
+        return keep < step <= upto
+
+    persisted = c.persisted
+    for step in [s for s in persisted if gone(s)]:
+        persisted = persisted.delete(step)
+    memory, replicas, kept = (_without(m, gone) for m in (c.memory, c.replicas, c.kept))
+    previous = c.previous
+    for node in [n for n, step in previous.items() if gone(step) or n not in memory]:
+        previous = previous.delete(node)
+    return replace(
+        c, persisted=persisted, memory=memory, previous=previous, replicas=replicas, kept=kept
     )
 
 
 Stepped = TypeVar("Stepped", bound=tuple[Any, ...])
 
 
-def _past(by_node: immutables.Map[str, Stepped], keep: int) -> immutables.Map[str, Stepped]:
-    """`by_node` without the entries (step first) of a step newer than `keep`."""
+def _without(
+    by_node: immutables.Map[str, Stepped], gone: Callable[[int], bool]
+) -> immutables.Map[str, Stepped]:
+    """`by_node` without the entries (step first) of a step that is `gone`."""
     with by_node.mutate() as m:
-        for node in [n for n, held in by_node.items() if held[0] > keep]:
+        for node in [n for n, held in by_node.items() if gone(held[0])]:
             del m[node]
         left = m.finish()
     return left

@@ -44,6 +44,7 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.CkptFound: ("ckpt", ckpt.on_found),
     ev.ReplicaStored: ("ckpt", ckpt.on_replica),
     ev.CkptCommitted: ("ckpt", ckpt.on_committed),
+    ev.TrainingProgress: ("ckpt", ckpt.on_progress),
     ev.DatasetRegistered: ("data", data.on_registered),
     ev.ShardRequested: ("data", data.on_requested),
     ev.ShardDone: ("data", data.on_done),

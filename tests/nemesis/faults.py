@@ -416,12 +416,50 @@ async def checkpoint_corrupt(world: World, rnd: random.Random) -> Injected:
             problems.append(f"the corrupted step {step} was restored by {len(read)} ranks")
         elif len(steps) != 1:
             problems.append(f"the ranks of round {first} restored different steps: {steps}")
+        else:
+            problems += await _master_knows_the_step_restored(world, first, *steps)
     except AssertionError:
         problems.append("the job did not restore after the nodes came back")
     note = f"rank file {victim.name} of step {step} {how}"
     return Injected(
         "checkpoint-corrupt", began, ended, note, problems, destroyed={step}, round_before=rounds
     )
+
+
+async def _master_knows_the_step_restored(world: World, rnd: int, step: int) -> list[str]:
+    """The workers of round `rnd` restored `step`: their agents say so
+    (`training_progress.restored_step`), and the master's state takes it for the round's
+    restore and the lineage's start (not the step the round named), unless a newer round
+    came first. Problems, if not."""
+    from rove.control.master.evolve import evolve
+    from rove.control.master.state import initial
+
+    async def said() -> Any:
+        records = await world.records()
+        if not any(
+            isinstance(r.event, ev.TrainingProgress)
+            and r.event.round == rnd
+            and r.event.restored_step is not None
+            for r in records
+        ):
+            return None
+        state = initial(JOB)
+        for r in records:
+            state = evolve(state, r.event, r.seq)
+        return state
+
+    try:
+        state = await eventually(said, timeout=60, every=1.0)
+    except AssertionError:
+        return [f"no agent said the step the workers of round {rnd} restored"]
+    cut = dict(state.ckpt.cuts).get(rnd)
+    newest = state.ckpt.cuts[-1][0] if state.ckpt.cuts else None
+    if newest == rnd and (cut != step or (state.ckpt.restored or (None,))[0] != step):
+        return [
+            f"the master says round {rnd} restored {state.ckpt.restored} (lineage from step "
+            f"{cut}); its workers restored step {step}"
+        ]
+    return []
 
 
 # ----------------------------------------------------------------- hostile clients
