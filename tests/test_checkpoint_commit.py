@@ -279,16 +279,25 @@ def test_ranks_that_fell_back_to_an_older_step_start_the_lineage_there() -> None
     assert c.restored == (25, "storage", 0), "rove status names the step the ranks loaded"
     assert c.committed == 25 and c.cuts[-1] == (2, 25)
     assert "n1" not in c.memory, "the ranks discarded their slot of step 30"
+    s.tick()
+    again = [d for d in s.decisions if isinstance(d, ev.CkptCommitted)][-1]
+    assert (again.step, again.round, again.world_size) == (25, 2, 4), (
+        "step 25 is committed again, so that agents record it on storage (which names 30)"
+    )
+    assert len({d.id for d in s.decisions if isinstance(d, ev.CkptCommitted)}) == 3
+    assert s.state.ckpt.recommit is None and s.state.ckpt.committed == 25
+    s.tick()
+    assert commits(s) == [25, 30, 25], "committed again once"
     s.apply(factories.persisted("n1", 28, (0, 1), rnd=1))  # the old lineage's, late
     for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
         s.apply(factories.persisted(node, 27, ranks, rnd=2))
         s.apply(factories.in_memory(node, 27, ranks, rnd=2))
     s.apply(factories.persisted("n2", 28, (2, 3), rnd=2))
     s.tick()
-    assert commits(s) == [25, 30, 27], "the new lineage's steps below 30 are committed"
+    assert commits(s) == [25, 30, 25, 27], "the new lineage's steps below 30 are committed"
     assert s.state.ckpt.memory["n1"][0] == 27
     s.tick()
-    assert commits(s) == [25, 30, 27], "ranks 0-1 of step 28 belong to the abandoned lineage"
+    assert commits(s) == [25, 30, 25, 27], "ranks 0-1 of step 28 belong to the abandoned lineage"
 
 
 def ended(s: Sim) -> list[ev.JobEnded]:

@@ -4,13 +4,14 @@ Agents report the steps their ranks hold in memory (`ckpt_in_memory`) and the
 steps they persisted (`ckpt_persisted`), each with the round whose workers saved
 it. A round that restores step S starts a new lineage there: the steps after S
 of the old one are forgotten, and a late report of one is ignored, so a commit
-never mixes the ranks of two lineages that reuse the same step numbers. A step is committed, by one
-`ckpt_committed` decision, once the ranks persisted for it cover the whole
-world it was saved in; only the newest such step is committed, and a
+never mixes the ranks of two lineages that reuse the same step numbers. A step is
+committed, by one `ckpt_committed` decision, once the ranks persisted for it cover
+the whole world it was saved in; only the newest such step is committed, and a
 committed step never goes back, unless the workers of a round could not read it
-and fell back to an older one (`training_progress.restored_step`: the lineage then
-starts there). Steps at or below the committed one are forgotten, so the state
-stays small however long the job runs.
+and fell back to an older one (`training_progress.restored_step`): the lineage
+then starts there, and that step is committed again, so that storage says it.
+Steps at or below the committed one are forgotten, so the state stays small
+however long the job runs.
 
 A job started on storage an earlier run of it left behind goes on from there: each
 agent says the committed step it found as it started (`ckpt_found`), and until the
@@ -68,6 +69,10 @@ class CkptState(msgspec.Struct, frozen=True, kw_only=True):
     #: (round, step it restored, -1 for a fresh start) of the recent rounds: where
     #: each started a new lineage (the newest `MAX_CUTS`)
     cuts: tuple[tuple[int, int], ...] = ()
+    #: the older step a round's workers fell back to, once `committed`, to be committed
+    #: again by a decision (agents record it on storage, whose committed step still
+    #: names the unreadable one); None once that decision is folded
+    recommit: int | None = None
 
 
 #: How many lineage cuts the state remembers (a report older than all of them is stale).
@@ -108,10 +113,11 @@ def on_progress(c: CkptState, e: ev.TrainingProgress) -> CkptState:
         return c
     keep = e.restored_step
     c = _forget(c, keep, named)
-    committed = keep if c.committed is not None and c.committed > keep else c.committed
+    committed = keep if c.committed is None or c.committed > keep else c.committed
     return replace(
         c,
         committed=committed,
+        recommit=keep,
         cuts=(*c.cuts[:-1], (rnd, keep)),
         restored=(keep, ev.RestoreSource.STORAGE.value, 0),
     )
@@ -242,6 +248,8 @@ def on_found(c: CkptState, e: ev.CkptFound) -> CkptState:
 
 
 def on_committed(c: CkptState, e: ev.CkptCommitted) -> CkptState:
+    if c.recommit is not None and e.step == c.recommit and e.round == _newest_round(c):
+        return replace(c, recommit=None)  # the step fell back to, committed again
     if c.committed is not None and e.step <= c.committed:
         return c
     if _stale(c, e.step, e.round):
@@ -250,6 +258,10 @@ def on_committed(c: CkptState, e: ev.CkptCommitted) -> CkptState:
     for step in [s for s in persisted if s <= e.step]:
         persisted = persisted.delete(step)
     return replace(c, committed=e.step, persisted=persisted)
+
+
+def _newest_round(c: CkptState) -> int | None:
+    return c.cuts[-1][0] if c.cuts else None
 
 
 def to_commit(c: CkptState) -> tuple[int, int] | None:

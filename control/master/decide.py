@@ -256,17 +256,32 @@ def _data_decision(state: JobState, intent: data_due.DataIntent, now: float) -> 
 
 
 def _commit(state: JobState, now: float) -> list[ev.Decision]:
+    """The newest step every rank persisted; or first, the older step a round's workers
+    fell back to, committed again (its own id: the step was committed once before)."""
+    out: list[ev.Decision] = []
+    again = state.ckpt.recommit
+    if again is not None:
+        rnd = state.rdzv.round
+        out.append(
+            ev.CkptCommitted(
+                **_envelope(state, now, "ckpt_committed", again, "fell-back", rnd),
+                step=again,
+                world_size=sum(m.nproc for m in state.rdzv.members),
+                round=rnd,
+            )
+        )
     due = ckpt.to_commit(state.ckpt)
     if due is None:
-        return []
+        return out
     step, world = due
     return [
+        *out,
         ev.CkptCommitted(
             **_envelope(state, now, "ckpt_committed", step),
             step=step,
             world_size=world,
             round=state.rdzv.round,
-        )
+        ),
     ]
 
 
@@ -274,7 +289,7 @@ def _ending(state: JobState, decision: ev.Decision, commits: list[ev.Decision]) 
     """`decision`, and if it ends the job, its reason naming the step left durable."""
     if not isinstance(decision, ev.JobEnded):
         return decision
-    committing = next((c.step for c in commits if isinstance(c, ev.CkptCommitted)), None)
+    committing = max((c.step for c in commits if isinstance(c, ev.CkptCommitted)), default=None)
     clause = ckpt.at_end(state.ckpt, [m.node for m in state.rdzv.members], committing)
     return replace(decision, reason=(decision.reason + clause)[: ev.REASON_CHARS])
 

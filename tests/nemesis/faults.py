@@ -417,7 +417,7 @@ async def checkpoint_corrupt(world: World, rnd: random.Random) -> Injected:
         elif len(steps) != 1:
             problems.append(f"the ranks of round {first} restored different steps: {steps}")
         else:
-            problems += await _master_knows_the_step_restored(world, first, *steps)
+            problems += await _master_knows_the_step_restored(world, first, *steps, step)
     except AssertionError:
         problems.append("the job did not restore after the nodes came back")
     note = f"rank file {victim.name} of step {step} {how}"
@@ -426,11 +426,14 @@ async def checkpoint_corrupt(world: World, rnd: random.Random) -> Injected:
     )
 
 
-async def _master_knows_the_step_restored(world: World, rnd: int, step: int) -> list[str]:
+async def _master_knows_the_step_restored(
+    world: World, rnd: int, step: int, named: int
+) -> list[str]:
     """The workers of round `rnd` restored `step`: their agents say so
     (`training_progress.restored_step`), and the master's state takes it for the round's
     restore and the lineage's start (not the step the round named), unless a newer round
-    came first. Problems, if not."""
+    came first; the step is committed again (storage names the unreadable one) before
+    any newer step. Problems, if not."""
     from rove.control.master.evolve import evolve
     from rove.control.master.state import initial
 
@@ -446,10 +449,11 @@ async def _master_knows_the_step_restored(world: World, rnd: int, step: int) -> 
         state = initial(JOB)
         for r in records:
             state = evolve(state, r.event, r.seq)
-        return state
+        # (the step fallen back to is committed again at the master's next tick)
+        return (state, records) if state.ckpt.recommit is None else None
 
     try:
-        state = await eventually(said, timeout=60, every=1.0)
+        state, records = await eventually(said, timeout=60, every=1.0)
     except AssertionError:
         return [f"no agent said the step the workers of round {rnd} restored"]
     cut = dict(state.ckpt.cuts).get(rnd)
@@ -459,6 +463,13 @@ async def _master_knows_the_step_restored(world: World, rnd: int, step: int) -> 
             f"the master says round {rnd} restored {state.ckpt.restored} (lineage from step "
             f"{cut}); its workers restored step {step}"
         ]
+    committed = [
+        r.event.step
+        for r in records
+        if isinstance(r.event, ev.CkptCommitted) and r.event.round >= rnd
+    ]
+    if newest == rnd and step != named and step not in committed[:1]:
+        return [f"step {step}, restored instead of step {named}, was not committed again first"]
     return []
 
 
