@@ -300,6 +300,27 @@ def test_ranks_that_fell_back_to_an_older_step_start_the_lineage_there() -> None
     assert commits(s) == [25, 30, 25, 27], "ranks 0-1 of step 28 belong to the abandoned lineage"
 
 
+def test_a_fall_back_from_memory_to_a_newer_step_than_the_committed_one_commits_it() -> None:
+    """Round 2 names step 30 from memory; the ranks cannot read it and load step 25 from
+    storage, which was persisted but not yet committed (20 was): 25 is committed."""
+    s = running()
+    s.apply(factories.persisted("n1", 20, (0, 1), rnd=1))
+    s.apply(factories.persisted("n2", 20, (2, 3), rnd=1))
+    s.tick()
+    s.apply(factories.persisted("n1", 25, (0, 1), rnd=1))  # (n2's is on its way)
+    s.apply(factories.in_memory("n1", 30, (0, 1), rnd=1))
+    s.apply(factories.in_memory("n2", 30, (2, 3), rnd=1))
+    s.apply(factories.exited("n2", 1))
+    s.tick()
+    assert (rounds(s)[-1].restore_step, rounds(s)[-1].restore_source) == (30, "memory")
+    s.apply(factories.persisted("n2", 25, (2, 3), rnd=1))
+    assert commits(s) == [20]
+    s.apply(factories.progressed("n1", 2, 26, 200.0, restored=25))
+    s.tick()
+    assert commits(s) == [20, 25] and s.state.ckpt.committed == 25
+    assert s.state.ckpt.recommit is None and 25 not in s.state.ckpt.persisted
+
+
 def ended(s: Sim) -> list[ev.JobEnded]:
     return [d for d in s.decisions if isinstance(d, ev.JobEnded)]
 

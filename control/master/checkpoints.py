@@ -104,8 +104,9 @@ def on_progress(c: CkptState, e: ev.TrainingProgress) -> CkptState:
     there and in their memory (`rove.checkpoint.restore`). The lineage starts at that
     step instead: what the state knew of the steps after it, up to the named one, is
     forgotten (newer ones are the new lineage's: the round forgot the old lineage's),
-    and the committed step goes back to it (every rank read it whole from storage),
-    so the steps the new lineage persists are committed rather than ignored as old."""
+    and it is the committed step (every rank read it from storage), to be committed
+    again by a decision (`recommit`) so that storage says it too: the steps the new
+    lineage persists are committed rather than ignored as older than the named one."""
     if e.restored_step is None or not c.cuts:
         return c
     rnd, named = c.cuts[-1]
@@ -113,10 +114,13 @@ def on_progress(c: CkptState, e: ev.TrainingProgress) -> CkptState:
         return c
     keep = e.restored_step
     c = _forget(c, keep, named)
-    committed = keep if c.committed is None or c.committed > keep else c.committed
+    persisted = c.persisted
+    for step in [s for s in persisted if s <= keep]:
+        persisted = persisted.delete(step)
     return replace(
         c,
-        committed=committed,
+        committed=keep,
+        persisted=persisted,
         recommit=keep,
         cuts=(*c.cuts[:-1], (rnd, keep)),
         restored=(keep, ev.RestoreSource.STORAGE.value, 0),
@@ -248,8 +252,8 @@ def on_found(c: CkptState, e: ev.CkptFound) -> CkptState:
 
 
 def on_committed(c: CkptState, e: ev.CkptCommitted) -> CkptState:
-    if c.recommit is not None and e.step == c.recommit and e.round == _newest_round(c):
-        return replace(c, recommit=None)  # the step fell back to, committed again
+    if c.recommit is not None and e.step == c.recommit:
+        return replace(c, recommit=None)  # the step fallen back to, committed again
     if c.committed is not None and e.step <= c.committed:
         return c
     if _stale(c, e.step, e.round):
@@ -258,10 +262,6 @@ def on_committed(c: CkptState, e: ev.CkptCommitted) -> CkptState:
     for step in [s for s in persisted if s <= e.step]:
         persisted = persisted.delete(step)
     return replace(c, committed=e.step, persisted=persisted)
-
-
-def _newest_round(c: CkptState) -> int | None:
-    return c.cuts[-1][0] if c.cuts else None
 
 
 def to_commit(c: CkptState) -> tuple[int, int] | None:
