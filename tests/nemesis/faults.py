@@ -439,12 +439,16 @@ async def _master_knows_the_step_restored(
 
     async def said() -> Any:
         records = await world.records()
-        if not any(
+        told = any(
             isinstance(r.event, ev.TrainingProgress)
             and r.event.round == rnd
             and r.event.restored_step is not None
             for r in records
-        ):
+        )
+        # (a round's workers stopped before their first step, by a newer round, say
+        # nothing: the checks below then do not apply)
+        newer = any(isinstance(r.event, ev.RoundCompleted) and r.event.round > rnd for r in records)
+        if not told and not newer:
             return None
         state = initial(JOB)
         for r in records:
@@ -455,7 +459,8 @@ async def _master_knows_the_step_restored(
     try:
         state, records = await eventually(said, timeout=60, every=1.0)
     except AssertionError:
-        return [f"no agent said the step the workers of round {rnd} restored"]
+        said_nothing = f"no agent said the step the workers of round {rnd} restored"
+        return [f"{said_nothing}, or the master did not commit it again"]
     cut = dict(state.ckpt.cuts).get(rnd)
     newest = state.ckpt.cuts[-1][0] if state.ckpt.cuts else None
     if newest == rnd and (cut != step or (state.ckpt.restored or (None,))[0] != step):
