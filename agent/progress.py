@@ -139,6 +139,13 @@ def restored(seconds: float, step: int | None = None) -> None:
         w.write_extra()
 
 
+def restored_step() -> int | None:
+    """The step this worker's checkpointer said it restored (None: none said, or not
+    under `rove run`): the data clients name it in their first request."""
+    w = _get_writer()
+    return w.restored_step if w is not None else None
+
+
 def script_returned() -> None:
     """The worker's script returned (or exited with status 0): its work is done, what
     is left is the process's own ending (threads, atexit handlers). Written by rove's

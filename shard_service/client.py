@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from rove.agent import progress
 from rove.control.bus import records
 from rove.control.bus.client import Bus
 from rove.control.bus.options import options_from_env
@@ -364,15 +365,19 @@ class DataClient:
 def first_request(dataset: str, position: ev.DataPosition | None) -> dict[str, Any]:
     """The restore fields of a client's first request in a round.
 
-    Warns when the agent restored a checkpoint (`ROVE_RESTORE_STEP`) but no data
-    position was loaded: the data would start over while the model does not.
+    The step is the one the worker's checkpointer says it restored, else the one the
+    round named (`ROVE_RESTORE_STEP`: older when the named one could not be read). Warns
+    when a checkpoint was restored but no data position was loaded: the data would
+    start over while the model does not.
     """
-    step = os.environ.get("ROVE_RESTORE_STEP", "")
-    if step and position is None:
+    named = os.environ.get("ROVE_RESTORE_STEP", "")
+    loaded = progress.restored_step()
+    step = loaded if loaded is not None else int(named) if named else None
+    if step is not None and position is None:
         log.warning(
             "the model restores a checkpoint but the data position was not loaded: "
             "save state_dict() with the model and call load_state_dict()",
             step=step,
             dataset=dataset,
         )
-    return {"restore": position, "restore_step": int(step) if step else None}
+    return {"restore": position, "restore_step": step}

@@ -30,7 +30,8 @@ def test_ranks_that_cannot_read_the_committed_step_fall_back_and_the_master_foll
     """The job's next run names the committed step C (its memory is gone); rank 1's file
     of it fails its checksum, so both ranks load the newest older step on storage. Their
     agent says so, and the master takes it: `rove status` names that step as restored,
-    and it is committed again (storage still named C) before any newer step."""
+    it is committed again (storage still named C) before any newer step, and the
+    dataset's restore names it too."""
     env = {
         **os.environ,
         "ROVE_HOME": str(tmp_path / "home"),
@@ -97,8 +98,11 @@ def test_ranks_that_cannot_read_the_committed_step_fall_back_and_the_master_foll
         timeout=patience(60),
     )
     assert status.returncode == 0, status.stdout + status.stderr
-    ck = json.loads(status.stdout)["checkpoints"]
+    view = json.loads(status.stdout)
+    ck = view["checkpoints"]
     assert ck["restored"] is not None and ck["restored"]["step"] == fallback, ck
+    # the data position came with that step: the dataset says so too
+    assert [d["restored_step"] for d in view["datasets"]] == [fallback], view["datasets"]
     events = subprocess.run(
         [*ROVE, "events", "--job", "fallback", "--json"],
         env=env,

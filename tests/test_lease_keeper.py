@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -213,3 +214,26 @@ def test_a_wait_in_slices_warns_only_once_the_slices_add_up_to_the_answer_timeou
     clock.now += 6.0
     assert k.poll(wait=True, timeout=0.0) == []
     assert len(warned) == 1, "an answer starts the count again"
+
+
+def test_the_first_request_names_the_step_the_checkpointer_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The round named step 30, the ranks fell back to step 25: the dataset's restore
+    says 25 (it said 30 beside a checkpoint restore of 25 in `rove status`)."""
+    from rove.agent import progress
+    from rove.shard_service.client import first_request
+
+    position = ev.DataPosition(done=((0, 4),))
+    monkeypatch.setenv("ROVE_RESTORE_STEP", "30")
+    monkeypatch.setattr(progress, "_writer", None)
+    monkeypatch.setattr(progress, "_checked", False)
+    monkeypatch.delenv(progress.ENV, raising=False)
+    assert first_request("d", position)["restore_step"] == 30, "no progress file: the named"
+    path = tmp_path / "p"
+    progress.create(path)
+    monkeypatch.setenv(progress.ENV, str(path))
+    monkeypatch.setattr(progress, "_checked", False)
+    assert first_request("d", position)["restore_step"] == 30, "nothing loaded said yet"
+    progress.restored(0.1, 25)
+    assert first_request("d", position) == {"restore": position, "restore_step": 25}
