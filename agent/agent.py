@@ -409,7 +409,7 @@ class Agent:
         if self._warm and not await warm.ready(self._interrupted):
             return  # a signal came first: the actor acts on it next
         pids = self.workers.start(r.round, envs)
-        self.reports.start(r.round)
+        self.reports.start(r.round, restoring=r.restore_step is not None)
         self.exit_watch.new_round(r.round)
         self._notes = []
         # torch's start_processes installs signal handlers of its own (they raise

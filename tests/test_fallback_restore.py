@@ -23,6 +23,17 @@ TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 ROVE = [sys.executable, "-m", "rove.control.cli.main"]
 
 
+def rove_json(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`rove COMMAND --job fallback --json`, run to its end."""
+    return subprocess.run(
+        [*ROVE, command, "--job", "fallback", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+    )
+
+
 @pytest.mark.slow
 def test_ranks_that_cannot_read_the_committed_step_fall_back_and_the_master_follows(
     tmp_path: Path,
@@ -90,26 +101,14 @@ def test_ranks_that_cannot_read_the_committed_step_fall_back_and_the_master_foll
     assert again.returncode == 0, out[-3000:]
     assert f"found step {named} committed" in out, out[-3000:]
     assert f"training from step {fallback} to 60" in out, out[-3000:]
-    status = subprocess.run(
-        [*ROVE, "status", "--job", "fallback", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=patience(60),
-    )
+    status = rove_json("status", env)
     assert status.returncode == 0, status.stdout + status.stderr
     view = json.loads(status.stdout)
     ck = view["checkpoints"]
     assert ck["restored"] is not None and ck["restored"]["step"] == fallback, ck
     # the data position came with that step: the dataset says so too
     assert [d["restored_step"] for d in view["datasets"]] == [fallback], view["datasets"]
-    events = subprocess.run(
-        [*ROVE, "events", "--job", "fallback", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=patience(60),
-    )
+    events = rove_json("events", env)
     assert events.returncode == 0, events.stdout + events.stderr
     rows = [json.loads(x) for x in events.stdout.splitlines() if x.strip()]
     # the second run's round (the job's round 2: its first was the killed run's)

@@ -126,18 +126,20 @@ def test_a_round_whose_ranks_fell_back_to_an_older_step_does_not_claim_the_named
     from rove.control.catalogue import events as ev
     from tests import factories
 
-    said: list[str] = []
-    resumption = Resumption(lambda text, **_: said.append(text), lambda: 100.0)
-    resumption.round_started(factories.round_completed(1, 1, "n1"))
-    resumption.interrupted()
-    resumption.round_started(
-        replace(
-            factories.round_completed(2, 1, "n1"),
+    def restarted(rnd: int) -> ev.RoundCompleted:
+        """Round `rnd`, after a failure, naming step 30 from storage."""
+        return replace(
+            factories.round_completed(rnd, 1, "n1"),
             cause=ev.RoundCause.RESTART,
             restore_step=30,
             restore_source=ev.RestoreSource.STORAGE,
         )
-    )
+
+    said: list[str] = []
+    resumption = Resumption(lambda text, **_: said.append(text), lambda: 100.0)
+    resumption.round_started(factories.round_completed(1, 1, "n1"))
+    resumption.interrupted()
+    resumption.round_started(restarted(2))
     resumption.progress({0: Progress(26, 1, 1, first_step=26)})
     assert said == [
         "round 2: training again 0.0s after the interruption, at step 26 (step 30 from "
@@ -145,14 +147,7 @@ def test_a_round_whose_ranks_fell_back_to_an_older_step_does_not_claim_the_named
     ]
     # a checkpointer that says the step it restored: the sentence names it
     resumption.interrupted()
-    resumption.round_started(
-        replace(
-            factories.round_completed(3, 1, "n1"),
-            cause=ev.RoundCause.RESTART,
-            restore_step=30,
-            restore_source=ev.RestoreSource.STORAGE,
-        )
-    )
+    resumption.round_started(restarted(3))
     resumption.progress({0: Progress(26, 1, 1, first_step=21, restored_step=20)})
     assert said[-1] == (
         "round 3: training again 0.0s after the interruption, at step 26 (step 30 from "

@@ -102,7 +102,7 @@ def test_the_step_restored_reaches_the_master_at_once(
     reports = ProgressReports(
         facts, lambda: {0: p} if (p := progress.read(path)) else {}, clock=lambda: now[0]
     )
-    reports.start(2)
+    reports.start(2, restoring=True)
     now[0] = 1.0
     reports.tick()
     assert sent == [], "nothing restored, and every_s has not passed"
