@@ -28,7 +28,7 @@ from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from tests import factories
 from tests.nemesis.world import JOB, NODE_TIMEOUT_S, World
-from tests.support import eventually
+from tests.support import eventually, fold_records
 
 #: Seconds a NATS server, two of them, or a link stays down.
 HOLD_S = {"nats-kill": (2.0, 6.0), "nats-quorum": (8.0, 12.0), "partition": (8.0, 12.0)}
@@ -434,8 +434,6 @@ async def _master_knows_the_step_restored(
     restore and the lineage's start (not the step the round named), unless a newer round
     came first; the step is committed again (storage names the unreadable one) before
     any newer step. Problems, if not."""
-    from rove.control.master.evolve import evolve
-    from rove.control.master.state import initial
 
     async def said() -> Any:
         records = await world.records()
@@ -450,9 +448,7 @@ async def _master_knows_the_step_restored(
         newer = any(isinstance(r.event, ev.RoundCompleted) and r.event.round > rnd for r in records)
         if not told and not newer:
             return None
-        state = initial(JOB)
-        for r in records:
-            state = evolve(state, r.event, r.seq)
+        state = fold_records(records, JOB)
         # (the step fallen back to is committed again at the master's next tick)
         return (state, records) if state.ckpt.recommit is None else None
 
