@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -309,6 +310,7 @@ class Agents:
         self.interval = interval
         self.silent: set[str] = set()
         self.churned: list[str] = []
+        self._churn_stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     def _joined(self, node: str) -> Any:
@@ -351,19 +353,29 @@ class Agents:
             self._tasks.append(asyncio.create_task(self.heartbeat_forever(node)))
 
     async def churn_forever(self, every: float = 0.1) -> None:
-        """A new node joins every `every` seconds and never heartbeats (so it must be lost)."""
+        """A new node joins every `every` seconds and never heartbeats (so it must be
+        lost), until `stop_churn`."""
         i = 0
-        while True:
+        while not self._churn_stopped.is_set():
             i += 1
             node = f"c{i}"
             await self.bus.publish(self._joined(node), deadline_s=30)
             self.churned.append(node)
-            await asyncio.sleep(every)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._churn_stopped.wait(), every)
 
     def start_churn(self, every: float = 0.1) -> asyncio.Task[None]:
         task = asyncio.create_task(self.churn_forever(every))
         self._tasks.append(task)
         return task
+
+    async def stop_churn(self, task: asyncio.Task[None]) -> list[str]:
+        """End the churn between two joins (a cancel could land after a join was stored
+        and before it was counted: CI saw a node lost that the test never churned), and
+        return every node it joined."""
+        self._churn_stopped.set()
+        await task
+        return list(self.churned)
 
     async def stop(self) -> None:
         for t in self._tasks:
