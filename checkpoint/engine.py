@@ -188,11 +188,9 @@ class FlashEngine:
         after = seg.header()
         if after is None or after.generation != h.generation:
             raise CheckpointError(f"slot {slot} was overwritten while it was being sealed")
-        seg.write_header(
-            Header(
-                h.state, h.generation, h.step, h.meta_len, h.data_offset, h.data_len, digest, True
-            )
-        )
+        # A save may begin right here, in the worker: the seal names its generation, so
+        # it never applies to that save's bytes (rove.checkpoint.shm).
+        seg.write_seal(h.generation, digest)
         return digest
 
     def discard_newer(self, step: int) -> list[int]:

@@ -8,10 +8,19 @@ fresh page costs a page fault, ~6x a plain copy), and reused by every later
 save; it is only re-allocated when the state grows.
 
 Header (little endian): magic, version, state, generation, step, meta_len,
-data_offset, data_len, checksum, sealed. A writer sets `state=WRITING` and
-bumps `generation` before it copies, and `state=COMPLETE` after; a reader
-accepts a slot only if it is COMPLETE with the same generation before and
-after it reads, so a save that died half-way (kill -9) is never loaded.
+data_offset, data_len, checksum, sealed, and the generation the seal is for. A
+writer sets `state=WRITING` and bumps `generation` before it copies, and
+`state=COMPLETE` after; a reader accepts a slot only if it is COMPLETE with the
+same generation before and after it reads, so a save that died half-way (kill -9)
+is never loaded.
+
+The checksum is written by another process than the slot's writer (the agent
+seals what the worker saved), while the worker may start its next save into the
+same slot at any moment. Sealing therefore writes only the checksum fields, never
+the whole header, and names the generation it checked: a seal is in force only
+while the slot's generation is that one. A seal that lands after a newer save
+began (or ended) names an older generation and is ignored, so it can never mark
+a newer step's bytes with an older step's checksum.
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ from rove.checkpoint.durable import CheckpointError
 MAGIC = b"ROVECKPT"
 VERSION = 1
 HEADER_SIZE = 4096
-_HEADER = struct.Struct("<8sIIQqQQQQI")
+_HEADER = struct.Struct("<8sIIQqQQQQIQ")
+#: the checksum, sealed, and the generation sealed: the tail of the header a seal writes
+_SEAL = struct.Struct("<QIQ")
+_SEAL_AT = _HEADER.size - _SEAL.size
 
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
@@ -127,12 +139,23 @@ class Segment:
     def header(self) -> Header | None:
         if self.map is None or self.size < HEADER_SIZE:
             return None
-        magic, version, state, gen, step, meta_len, data_off, data_len, checksum, sealed = (
-            _HEADER.unpack_from(self.map, 0)
-        )
+        (
+            magic,
+            version,
+            state,
+            gen,
+            step,
+            meta_len,
+            data_off,
+            data_len,
+            checksum,
+            sealed,
+            sealed_gen,
+        ) = _HEADER.unpack_from(self.map, 0)
         if magic != MAGIC or version != VERSION:
             return None
-        return Header(state, gen, step, meta_len, data_off, data_len, checksum, bool(sealed))
+        in_force = bool(sealed) and sealed_gen == gen
+        return Header(state, gen, step, meta_len, data_off, data_len, checksum, in_force)
 
     def write_header(self, h: Header) -> None:
         assert self.map is not None
@@ -149,7 +172,15 @@ class Segment:
             h.data_len,
             h.checksum,
             int(h.sealed),
+            h.generation if h.sealed else 0,
         )
+
+    def write_seal(self, generation: int, checksum: int) -> None:
+        """Record `checksum` as the slot's for `generation` only: the rest of the header
+        (a save's) is left as it is, and the seal counts only while the slot's generation
+        is still `generation` (see the module's docstring)."""
+        assert self.map is not None
+        _SEAL.pack_into(self.map, _SEAL_AT, checksum, 1, generation)
 
     def view(self, offset: int, length: int) -> memoryview:
         """`length` bytes at `offset`. A header that points past the mapping comes from a

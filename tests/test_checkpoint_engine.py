@@ -103,6 +103,42 @@ def test_corrupted_memory_is_refused_and_the_previous_step_is_used(tmp_path: Pat
         engine.load(step=2)
 
 
+def test_a_save_that_begins_as_the_agent_seals_is_never_marked_with_the_older_checksum(
+    tmp_path: Path,
+) -> None:
+    """The agent seals a slot while the worker may save into it again at any moment:
+    here the worker's next two saves land between the seal's last look at the slot
+    and its write. The slot holds the newest step, loadable, not the older step's
+    checksum over the newer bytes."""
+    worker = FlashEngine("j1", 0, directory=tmp_path)
+    worker.save(1, {"w": torch.ones(1000)})
+    worker.save(2, {"w": torch.full((1000,), 2.0)})  # both slots exist, mapped by the agent
+    worker.save(3, {"w": torch.full((1000,), 3.0)})  # slot 0
+    agent = FlashEngine("j1", 0, directory=tmp_path)
+    seg = agent.segments[0]
+    looks = 0
+    real_header = seg.header
+
+    def header_then_the_worker_saves():  # type: ignore[no-untyped-def]
+        nonlocal looks
+        h = real_header()
+        looks += 1
+        if looks == 2:  # the seal's check after its digest: the worker saves right after
+            worker.save(4, {"w": torch.full((1000,), 4.0)})  # into slot 1
+            worker.save(5, {"w": torch.full((1000,), 5.0)})  # into slot 0, the one sealed
+        return h
+
+    seg.header = header_then_the_worker_saves  # type: ignore[method-assign]
+    agent.seal(0)
+    del seg.header
+    assert [(s.step, s.sealed) for s in agent.slots()] == [(5, False), (4, False)]
+    step, state = agent.load()
+    assert step == 5 and torch.equal(state["w"], torch.full((1000,), 5.0))
+    agent.seal(0)  # sealed again by the saver before it persists: now in force
+    assert agent.slots()[0].sealed
+    assert agent.load()[0] == 5
+
+
 def test_every_slot_corrupted_is_a_clear_error(tmp_path: Path) -> None:
     engine = FlashEngine("j1", 0, directory=tmp_path)
     engine.save(1, {"w": torch.ones(10)})
