@@ -233,3 +233,71 @@ def test_a_job_whose_workers_reported_no_step_has_no_goodput_to_say() -> None:
     data = goodput_cmd.as_json(r, known=False)
     assert data["goodput"] is None and data["steps_reported"] is False
     assert goodput_cmd.as_json(r)["goodput"] == pytest.approx(r.goodput, abs=1e-4)
+
+
+def many_nodes(nodes: int, seconds: float) -> list[ev.Event]:
+    """A job of `nodes` nodes each reporting every 5 s (a few ms apart) for `seconds`,
+    at 2 steps a second: one worker killed halfway, the second round restoring a step
+    from 100 s before the failure."""
+    half = seconds / 2
+    out: list[ev.Event] = [at(f.configured(1), 0.0), rnd(1, 1.0)]
+    out += [at(f.started(f"n{i}", 1, (i,)), 2.0) for i in range(nodes)]
+    for t in range(5, int(half), 5):
+        out += [f.progressed(f"n{i}", 1, 2 * t, t + i / 1000, first=(1, 3.0)) for i in range(nodes)]
+    restored = int(2 * (half - 100))
+    out += [f.exited("n0", 1, ts=half + 1), rnd(2, half + 3, restore=restored)]
+    out += [at(f.started(f"n{i}", 2, (i,)), half + 4) for i in range(nodes)]
+    for t in range(int(half) + 10, int(seconds), 5):
+        step = restored + 2 * (t - int(half) - 5)
+        out += [
+            f.progressed(f"n{i}", 2, step, t + i / 1000, first=(restored + 1, half + 6))
+            for i in range(nodes)
+        ]
+    return [*out, at(f.ended(1, ev.JobPhase.FINISHED), seconds + 1)]
+
+
+def test_a_round_keeps_points_apart_not_one_per_report_and_says_the_same() -> None:
+    """200 nodes reporting for an hour: the rounds keep about one point per report
+    burst, not one per node's report, and every bucket comes out as with every point."""
+    events = many_nodes(200, 3600)
+    every = gp.Ledger(point_gap_s=0.0, max_points=0)
+    for e in events:
+        every.add(e)
+    thin = gp.of_events(events)
+    assert sum(len(r.points) for r in every.rounds.values()) > 100_000
+    assert sum(len(r.points) for r in thin.rounds.values()) < 2 * 3600 / 5 + 10
+    full, kept = gp.report(every, 9999.0), gp.report(thin, 9999.0)
+    for bucket in gp.Bucket:
+        assert kept.seconds[bucket] == pytest.approx(full.seconds[bucket], abs=0.05)
+    # round 1's last report (step 3590 at 1795 s) is 95 s past the step restored (3400)
+    assert kept.seconds[B.WASTED] == pytest.approx(95.2, abs=0.5)
+    # the newest report is a point: the round's last step is placed at its own time
+    assert thin.rounds[2].points[-1] == every.rounds[2].points[-1]
+
+
+def test_a_long_round_keeps_at_most_max_points_its_first_and_newest_among_them() -> None:
+    r = gp.Ledger(max_points=64)
+    r.add(at(f.configured(1), 0.0))
+    r.add(rnd(1, 1.0))
+    for t in range(2, 2000):
+        r.add(f.progressed("n1", 1, t, float(t), first=(1, 2.0)))
+    points = r.rounds[1].points
+    assert len(points) <= 64
+    assert points[0] == (1, 2.0) and points[-1] == (1999, 1999.0)
+    assert r.rounds[1].gap_s >= 16  # doubled each time the bound was passed
+    assert [p[1] for p in points] == sorted(p[1] for p in points)
+    # interpolating between the points left still places a step at its time
+    assert r.rounds[1].time_of(1000) == pytest.approx(1000.0)
+
+
+def test_a_report_arriving_late_is_kept_only_if_it_says_something_new() -> None:
+    r = gp.of_events([at(f.configured(1), 0.0), rnd(1, 1.0)])
+    for e in (
+        f.progressed("n1", 1, 10, 10.0, first=(1, 2.0)),
+        f.progressed("n1", 1, 20, 20.0, first=(1, 2.0)),
+        f.progressed("n2", 1, 19, 19.5, first=(1, 2.0)),  # late, within the gap: nothing new
+        f.progressed("n2", 1, 15, 15.0, first=(1, 2.0)),  # late, 5 s before: a point of its own
+    ):
+        r.add(e)
+    assert r.rounds[1].points == [(1, 2.0), (10, 10.0), (20, 20.0), (15, 15.0)]
+    assert r.rounds[1].time_of(15) == 15.0
