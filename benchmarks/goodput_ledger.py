@@ -14,8 +14,9 @@ hours, cut into `--rounds` rounds (each a failure, restoring a step 60 s older),
 
 Memory is what `tracemalloc` counts as held by the ledger once every event is folded
 (a pass of its own: tracing slows the fold); the fold's and the report's times come
-from a pass without tracing. Prints one JSON line: each ledger's points, MiB, fold and
-report seconds, goodput and badput by bucket, and the ratios.
+from a pass without tracing. Prints one JSON line: each ledger's points, MiB, bytes in
+a master's snapshot (encoded, and compressed as the snapshot is), fold and report
+seconds, goodput and badput by bucket, and the ratios.
 
     python benchmarks/goodput_ledger.py [--nodes 1000] [--hours 2] [--rounds 4]
 """
@@ -26,6 +27,7 @@ import argparse
 import json
 import time
 import tracemalloc
+import zlib
 from collections.abc import Iterator
 
 from rove.control.catalogue import events as ev
@@ -104,6 +106,7 @@ def measure(make: type[gp.Ledger] | object, nodes: int, hours: float, rounds: in
     report = gp.report(ledger, now=hours * 3600 + 10)
     report_s = time.perf_counter() - started
     points = sum(len(r.points) for r in ledger.rounds.values())
+    encoded = gp.encode(ledger)  # what a master's snapshot carries of it
     del ledger
     tracemalloc.start()
     traced = make()  # type: ignore[operator]
@@ -113,6 +116,8 @@ def measure(make: type[gp.Ledger] | object, nodes: int, hours: float, rounds: in
     return {
         "points": points,
         "mib": round(held / 2**20, 2),
+        "snapshot_bytes": len(encoded),
+        "snapshot_bytes_compressed": len(zlib.compress(encoded, 1)),
         "fold_s": round(fold_s, 2),
         "report_s": round(report_s, 4),
         "goodput": round(report.goodput, 5),

@@ -274,7 +274,7 @@ async def test_the_master_role_writes_and_reads_its_snapshots(secured: Secured) 
     master = await secured.bus("master")
     try:
         loaded = await snapshots.load(master, JOB)
-        assert loaded is not None and loaded.applied_seq == 5, "the master's, not the forgery"
+        assert loaded is not None and loaded.state.applied_seq == 5, "the master's, not the forgery"
     finally:
         await master.close()
 

@@ -24,6 +24,11 @@ from tests import factories
 from tests.support import eventually, fold_records, stored_events
 
 
+async def loaded_state(bus: Bus) -> JobState | None:
+    loaded = await snapshots.load(bus, "j1")
+    return loaded.state if loaded is not None else None
+
+
 async def test_a_new_replica_loads_the_snapshot_and_replays_only_the_tail(bus: Bus) -> None:
     await bus.publish_many([factories.joined(f"n{i}", n=i) for i in range(300)])
     recs = await stored_events(bus)
@@ -61,7 +66,7 @@ async def test_a_large_snapshot_goes_to_the_object_store_and_loads_back(bus: Bus
     snap = await snapshots.save(bus, state, master="t", now=1.0)
     assert snap.object_name is not None and snap.state is None
     assert snap.size > snapshots.INLINE_LIMIT
-    assert await snapshots.load(bus, "j1") == state
+    assert await loaded_state(bus) == state
 
 
 async def test_snapshots_are_compressed_and_one_written_before_that_still_loads(
@@ -77,14 +82,14 @@ async def test_snapshots_are_compressed_and_one_written_before_that_still_loads(
     snap = await snapshots.save(bus, state, master="t", now=1.0)
     assert snap.compression == "zlib" and snap.state is not None, "1 MB of state, inline"
     assert snap.size > 5 * snapshots.INLINE_LIMIT > 5 * len(snap.state)
-    assert await snapshots.load(bus, "j1") == state
+    assert await loaded_state(bus) == state
     # one written as it was encoded (rove before compression) is read as it is
     older = snapshots.Snapshot(
         job="j1", applied_seq=4, epoch=0, master="t", ts=1.0, size=0,
         state=encode_state(large_state(10, 4)),
     )  # fmt: skip
     await bus.publish_raw(subjects.snapshot("j1"), msgspec.msgpack.encode(older))
-    assert await snapshots.load(bus, "j1") == large_state(10, 4)
+    assert await loaded_state(bus) == large_state(10, 4)
 
 
 async def test_a_snapshot_of_another_job_on_the_subject_is_ignored(bus: Bus) -> None:
@@ -112,7 +117,7 @@ async def test_the_leader_snapshots_every_n_events(bus: Bus) -> None:
         stored = (await stored_events(bus))[-1].seq
 
         async def snapshot_at_least(seq: int) -> bool:
-            snap = await snapshots.load(bus, "j1")
+            snap = await loaded_state(bus)
             return snap is not None and snap.applied_seq >= seq
 
         # A leader is never 100 events behind its last snapshot once it has folded them
@@ -122,7 +127,7 @@ async def test_the_leader_snapshots_every_n_events(bus: Bus) -> None:
     finally:
         runner.stop()
         await task
-    final = await snapshots.load(bus, "j1")
+    final = await loaded_state(bus)
     assert final is not None
     assert final == fold_records(await stored_events(bus), upto=final.applied_seq)
     assert final.applied_seq == (await stored_events(bus))[-1].seq, "final snapshot on stop"
@@ -193,7 +198,7 @@ async def test_each_large_snapshot_deletes_the_one_before_and_no_message_is_larg
     obs = await bus.js.object_store(subjects.SNAPSHOT_OBJECTS)
     kept = [o.name for o in await obs.list() if not o.deleted]
     assert kept == [names[-1]], "the older snapshots' objects are deleted"
-    assert await snapshots.load(bus, "j1") == large_state(3000, 30)
+    assert await loaded_state(bus) == large_state(3000, 30)
     info = await bus.js.stream_info(f"OBJ_{subjects.SNAPSHOT_OBJECTS}")
     # every stored chunk, and the pointer, is well under 256 KiB
     largest = 0
@@ -231,3 +236,78 @@ async def test_an_event_the_fold_fails_on_is_said_and_skipped_and_the_replica_go
     assert replica.seen_seq == 3
     (said,) = [e for e in logged if "the fold failed on an event" in e["event"]]
     assert said["kind"] == "node_joined" and said["seq"] == 2 and said["log_level"] == "error"
+
+
+async def test_the_goodput_ledger_comes_back_with_the_state_inline_or_from_the_object_store(
+    bus: Bus,
+) -> None:
+    from rove.control.domain import goodput as gp
+    from tests.test_goodput import many_nodes, one_failure
+
+    for state, ledger in (
+        (large_state(10, 4), gp.of_events(one_failure())),
+        (large_state(4000, 7), gp.of_events(many_nodes(300, 600))),  # the object store's
+    ):
+        snap = await snapshots.save(bus, state, master="t", now=1.0, goodput=ledger)
+        assert snap.goodput_size > 0
+        loaded = await snapshots.load(bus, "j1")
+        assert loaded is not None and loaded.state == state and loaded.goodput == ledger
+    # one written before the ledger was kept: the state, and no ledger
+    await snapshots.save(bus, large_state(10, 9), master="t", now=1.0)
+    assert await snapshots.load(bus, "j1") == snapshots.Loaded(large_state(10, 9), None)
+
+
+async def test_a_ledger_that_cannot_be_read_is_said_and_the_state_still_loads(bus: Bus) -> None:
+    import zlib
+
+    state = large_state(10, 4)
+    data = encode_state(state)
+    snap = snapshots.Snapshot(
+        job="j1", applied_seq=4, epoch=0, master="t", ts=1.0, size=len(data),
+        state=zlib.compress(data + b"\xc1not a ledger"), compression="zlib", goodput_size=13,
+    )  # fmt: skip
+    await bus.publish_raw(subjects.snapshot("j1"), msgspec.msgpack.encode(snap))
+    with structlog.testing.capture_logs() as logged:
+        loaded = await snapshots.load(bus, "j1")
+    assert loaded == snapshots.Loaded(state, None)
+    assert any("goodput ledger cannot be read" in e["event"] for e in logged)
+
+
+async def test_a_master_restarted_from_its_snapshot_keeps_the_jobs_whole_goodput(
+    bus: Bus,
+) -> None:
+    """The first master folds a round of a job and writes its snapshot as it stops; a
+    second one starts from that snapshot and folds what came after. Its goodput ledger
+    (`rove_goodput_ratio`) is the whole job's, as a replay of every event gives it, not
+    the part since the snapshot."""
+    from rove.control.domain import goodput as gp
+    from tests.test_goodput import one_failure
+
+    events = one_failure()
+    half = next(i for i, e in enumerate(events) if isinstance(e, ev.WorkerExited))
+
+    def runner(name: str) -> MasterRunner:
+        return MasterRunner(bus, "j1", name, ev.JobSpec(node_timeout_s=600), tick_s=0.05)
+
+    async def lead_then_stop(r: MasterRunner) -> None:
+        task = asyncio.create_task(r.run())
+        try:
+            await eventually(lambda: r.role == "leader")
+        finally:
+            r.stop()
+            await task
+
+    await bus.publish_many(events[:half])
+    first = runner("m1")
+    await lead_then_stop(first)
+    assert first.metrics.ledger.rounds, "the first master folded round 1"
+    await bus.publish_many(events[half:])
+    second = runner("m2")
+    await lead_then_stop(second)
+    assert second.replica.snapshot_seq > half, "the second master started from the snapshot"
+    replayed = gp.of_events(
+        [r.event for r in await stored_events(bus) if not isinstance(r.event, ev.Heartbeat)]
+    )
+    now = 500.0
+    assert second.metrics.ledger.first_ts == replayed.first_ts == 0.0
+    assert gp.report(second.metrics.ledger, now) == gp.report(replayed, now)

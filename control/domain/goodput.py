@@ -142,6 +142,21 @@ def combined(reports: Sequence[_Reported]) -> dict[str, Any]:
     }
 
 
+class Reported(msgspec.Struct, frozen=True, array_like=True):
+    """What goodput keeps of a node's latest `training_progress` in a round (the
+    fields `combined` reads; not the whole event: a job of 25,000 nodes kept 13 MB of
+    them per two rounds, in every snapshot of its master)."""
+
+    step: int
+    at: float
+    first_step: int
+    first_at: float
+    ckpt_block_s: float = 0.0
+    data_wait_s: float = 0.0
+    restore_s: float = 0.0
+    restored_step: int | None = None
+
+
 @dataclass
 class _Round:
     round: int
@@ -152,7 +167,7 @@ class _Round:
     restore_source: str = ""
     started: float | None = None
     #: each node's latest report
-    latest: dict[str, ev.TrainingProgress] = field(default_factory=dict)
+    latest: dict[str, Reported] = field(default_factory=dict)
     #: (step, time) from the reports, for placing steps in time (`add_point`)
     points: list[tuple[int, float]] = field(default_factory=list)
     #: how far apart the points kept are (0: every report's; grows with `max_points`)
@@ -176,12 +191,11 @@ class _Round:
             self.points = [*pts[:-1:2], pts[-1]]
             self.gap_s = max(self.gap_s, POINT_GAP_S) * 2
 
-    def progress(self) -> ev.TrainingProgress | None:
+    def progress(self) -> Reported | None:
         """The round's progress over all its nodes (`combined`)."""
         if not self.latest:
             return None
-        ps = list(self.latest.values())
-        return msgspec.structs.replace(ps[0], **combined(ps))
+        return Reported(**combined(list(self.latest.values())))
 
     def time_of(self, step: int) -> float:
         """When this round reached `step` (interpolated between reports)."""
@@ -258,7 +272,16 @@ class Ledger:
         r = self.rounds.get(e.round)
         if r is None:
             return
-        r.latest[e.node] = e
+        r.latest[e.node] = Reported(
+            e.step,
+            e.at,
+            e.first_step,
+            e.first_at,
+            e.ckpt_block_s,
+            e.data_wait_s,
+            e.restore_s,
+            e.restored_step,
+        )
         named, loaded = r.restore_step, e.restored_step
         if named is not None and loaded is not None and loaded < named:  # named unreadable
             r.restore_step, r.restore_source = loaded, "storage"
@@ -386,7 +409,7 @@ _FOLDS: dict[type[ev.Event], Callable[[Ledger, Any], None]] = {
 }
 
 
-def _start_step(r: _Round, p: ev.TrainingProgress | None) -> float:
+def _start_step(r: _Round, p: Reported | None) -> float:
     """The step round `r` started after: the step it restored, else the one before its
     first report (a fresh start: nothing earlier survives)."""
     if r.restore_step is not None:
@@ -472,6 +495,24 @@ def report(
         ),
         intervals=tuple(intervals),
     )
+
+
+_ledger_enc = msgspec.msgpack.Encoder()
+_ledger_dec = msgspec.msgpack.Decoder(Ledger)
+
+
+def encode(ledger: Ledger) -> bytes:
+    """The ledger as bytes, for a master's snapshot (`decode` gives it back)."""
+    return _ledger_enc.encode(ledger)
+
+
+def decode(data: bytes | memoryview) -> Ledger:
+    """A ledger from `encode`'s bytes.
+
+    Raises:
+        msgspec.DecodeError, msgspec.ValidationError: they are not a ledger's.
+    """
+    return _ledger_dec.decode(data)
 
 
 def of_events(events: Iterable[ev.Event]) -> Ledger:

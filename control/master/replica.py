@@ -38,7 +38,9 @@ class Replica:
     """Folded state of `job`, following the stream.
 
     `on_applied(recorded)` and `on_rejected(rejection)` are optional hooks
-    called after each event is folded and for each bad stored message.
+    called after each event is folded and for each bad stored message;
+    `on_snapshot(loaded)` once the snapshot it starts from is read, before the
+    events after it.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class Replica:
         live_heartbeats: bool = True,
         on_applied: Callable[[records.Recorded], None] | None = None,
         on_rejected: Callable[[records.Rejection], None] | None = None,
+        on_snapshot: Callable[[snapshots.Loaded], None] | None = None,
     ) -> None:
         self.bus = bus
         self.job = subjects.check_name("job", job)
@@ -66,6 +69,7 @@ class Replica:
         self.seen_seq = 0
         self._on_applied = on_applied
         self._on_rejected = on_rejected
+        self._on_snapshot = on_snapshot
         self._events: Feed | None = None
         #: stops the live heartbeats, and the re-reading of them on each reconnection
         self._live: Callable[[], Awaitable[None]] | None = None
@@ -78,8 +82,9 @@ class Replica:
     async def start(self) -> None:
         """Rebuild from snapshot + tail, then follow. Returns when caught up."""
         if self.use_snapshot:
-            snap = await snapshots.load(self.bus, self.job)
-            if snap is not None:
+            loaded = await snapshots.load(self.bus, self.job)
+            if loaded is not None:
+                snap = loaded.state
                 first, last = await self.bus.stream_bounds(subjects.EVENTS_STREAM)
                 lost = continuity.problem(snap.applied_seq, first, last)
                 if lost is not None:
@@ -88,6 +93,8 @@ class Replica:
                 self.state = snap
                 self.snapshot_seq = snap.applied_seq
                 self.seen_seq = snap.applied_seq
+                if self._on_snapshot is not None:
+                    self._on_snapshot(loaded)  # before the tail's events are handed on
                 log.info(
                     "loaded snapshot", job=self.job, applied_seq=snap.applied_seq, epoch=snap.epoch
                 )

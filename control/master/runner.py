@@ -161,6 +161,10 @@ class MasterRunner(JobService):
             else:
                 self._unrecorded.pop(key, None)
 
+    def on_snapshot(self, loaded: snapshots.Loaded) -> None:
+        if loaded.goodput is not None:  # the job's goodput so far, not since the snapshot
+            self.metrics.ledger = loaded.goodput
+
     def on_rejected(self, rej: records.Rejection) -> None:
         key = (rej.stream, rej.subject)
         if rej.seq > self._recorded.get(key, 0):
@@ -485,7 +489,13 @@ class MasterRunner(JobService):
         if state.applied_seq <= self._last_snapshot_seq:
             return
         try:
-            await snapshots.save(self.bus, state, master=self.master_id, now=self.clock())
+            await snapshots.save(
+                self.bus,
+                state,
+                master=self.master_id,
+                now=self.clock(),
+                goodput=self.metrics.ledger,
+            )
         except PublishDeadlineError as exc:
             self.log.warning("could not write a snapshot; will retry", error=str(exc))
             return

@@ -27,6 +27,7 @@ from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import RoveError
+from rove.control.master import snapshots
 from rove.control.master.replica import Replica
 from rove.control.master.state import JobState
 
@@ -60,6 +61,7 @@ class JobService(abc.ABC):
             heartbeats=self.follows_heartbeats,
             on_applied=self.on_event,
             on_rejected=self.on_rejected,
+            on_snapshot=self.on_snapshot,
         )
         self._outbox: Outbox | None = None
         self._stopping = asyncio.Event()
@@ -86,6 +88,9 @@ class JobService(abc.ABC):
 
     def on_rejected(self, rej: records.Rejection) -> None:  # noqa: B027 - an optional hook
         """Called for each stored message that is not a valid event."""
+
+    def on_snapshot(self, loaded: snapshots.Loaded) -> None:  # noqa: B027 - an optional hook
+        """Called with the snapshot the replica starts from, before the events after it."""
 
     # ------------------------------------------------------------------ running
 

@@ -10,6 +10,11 @@ Each new snapshot deletes the object of the one before it (a reader that fetched
 old pointer just then reads the pointer again). A snapshot that fails to decode is
 logged and ignored: the master replays the whole stream instead. Any master may
 write one: a snapshot is a fold of a stream prefix, the same whoever folded it.
+
+The master's goodput ledger (`rove.control.domain.goodput.Ledger`, a fold of the same
+prefix) follows the state in the same compressed bytes (`goodput_size` of them), so a
+master restarted or taking over goes on with the job's whole goodput, not the part
+since its snapshot. A ledger that cannot be read is said and dropped; the state is kept.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import zlib
+from typing import NamedTuple
 
 import msgspec
 import nats.errors
@@ -26,6 +32,7 @@ from nats.js.api import Header
 
 from rove.control.bus.client import Bus
 from rove.control.catalogue import subjects
+from rove.control.domain import goodput as gp
 from rove.control.master.state import JobState, decode_state, encode_state
 
 log = structlog.get_logger("rove.snapshots")
@@ -47,6 +54,16 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     object_name: str | None = None
     #: "zlib", or "" for a state stored as it was encoded (snapshots before it)
     compression: str = ""
+    #: bytes of the goodput ledger after the state's `size` (0: none, as before it)
+    goodput_size: int = 0
+
+
+class Loaded(NamedTuple):
+    """A snapshot read back: the state, and the goodput ledger of the same events
+    (None: the snapshot has none, or it could not be read)."""
+
+    state: JobState
+    goodput: gp.Ledger | None = None
 
 
 #: A job of N nodes is snapshotted at most every N / this many events (and at least
@@ -68,14 +85,21 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Snapshot)
 
 
-def _pack(state: JobState) -> tuple[int, bytes]:
+def _pack(state: JobState, goodput: bytes) -> tuple[int, bytes]:
     data = encode_state(state)
-    return len(data), zlib.compress(data, 1)
+    z = zlib.compressobj(1)
+    return len(data), z.compress(data) + z.compress(goodput) + z.flush()
 
 
-async def save(bus: Bus, state: JobState, *, master: str, now: float) -> Snapshot:
+async def save(
+    bus: Bus, state: JobState, *, master: str, now: float, goodput: gp.Ledger | None = None
+) -> Snapshot:
+    """Write `state` (and `goodput`, the ledger folded from the same events) as the
+    job's newest snapshot."""
+    # the ledger changes with every event: encoded here, before the loop moves on
+    ledger = gp.encode(goodput) if goodput is not None else b""
     # (a thread: zlib lets go of the GIL, so the lease renewal and the feeds go on)
-    size, data = await asyncio.to_thread(_pack, state)
+    size, data = await asyncio.to_thread(_pack, state, ledger)
     snap = Snapshot(
         job=state.job,
         applied_seq=state.applied_seq,
@@ -84,6 +108,7 @@ async def save(bus: Bus, state: JobState, *, master: str, now: float) -> Snapsho
         ts=now,
         size=size,
         compression="zlib",
+        goodput_size=len(ledger),
     )
     previous = await _pointer(bus, state.job)
     if len(data) <= INLINE_LIMIT:
@@ -125,7 +150,7 @@ async def _pointer(bus: Bus, job: str) -> Snapshot | None:
         return None
 
 
-async def load(bus: Bus, job: str) -> JobState | None:
+async def load(bus: Bus, job: str) -> Loaded | None:
     """The newest valid snapshot of `job`, or None (no snapshot, or a bad one)."""
     for attempt in (1, 2):
         try:
@@ -140,7 +165,7 @@ class _Replaced(Exception):
     """The object a pointer named was deleted: a newer snapshot replaced it."""
 
 
-async def _load(bus: Bus, job: str) -> JobState | None:
+async def _load(bus: Bus, job: str) -> Loaded | None:
     try:
         msg = await bus.js.get_last_msg(
             subjects.SNAPSHOT_STREAM, subjects.snapshot(job), direct=True
@@ -165,7 +190,8 @@ async def _load(bus: Bus, job: str) -> JobState | None:
             data = zlib.decompress(data)
         elif snap.compression:
             raise msgspec.ValidationError(f"unknown compression {snap.compression!r}")
-        state = decode_state(data)
+        view = memoryview(data)
+        state = decode_state(view[: snap.size] if snap.goodput_size else data)
     except (
         msgspec.DecodeError,
         msgspec.ValidationError,
@@ -182,4 +208,23 @@ async def _load(bus: Bus, job: str) -> JobState | None:
     if state.job != job or state.applied_seq != snap.applied_seq:
         log.warning("ignoring a snapshot of another job or a torn one", job=job, seq=msg.seq)
         return None
-    return state
+    return Loaded(
+        state, _ledger(view[snap.size : snap.size + snap.goodput_size], job, msg.seq or 0)
+    )
+
+
+def _ledger(data: memoryview, job: str, seq: int) -> gp.Ledger | None:
+    """The goodput ledger a snapshot carries (None: none, or one that cannot be read:
+    said, and goodput then covers the events since the snapshot)."""
+    if not data:
+        return None
+    try:
+        return gp.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning(
+            "the snapshot's goodput ledger cannot be read; goodput starts from the snapshot",
+            job=job,
+            seq=seq,
+            error=str(exc),
+        )
+        return None

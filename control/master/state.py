@@ -151,6 +151,6 @@ def encode_state(state: JobState) -> bytes:
     return _state_encoder.encode(state)
 
 
-def decode_state(data: bytes) -> JobState:
+def decode_state(data: bytes | memoryview) -> JobState:
     """Raises msgspec.DecodeError / msgspec.ValidationError for bad bytes."""
     return _state_decoder.decode(data)
