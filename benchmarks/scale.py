@@ -416,9 +416,9 @@ async def measure(n: int, args: argparse.Namespace, folder: Path) -> dict[str, A
         # the tail (as `rove master` does), ready to lead once it has read the newest
         # heartbeat of every node too (what a standby does when it takes over)
         t0 = time.monotonic()
-        snap = await snapshots.load(bus, JOB)
+        loaded = await snapshots.load(bus, JOB)
         result["restart_snapshot_s"] = round(time.monotonic() - t0, 3)
-        result["snapshot_bytes"] = len(encode_state(snap)) if snap is not None else 0
+        result["snapshot_bytes"] = len(encode_state(loaded.state)) if loaded is not None else 0
         for key, heartbeats in (("restart_ready_s", False), ("restart_leader_ready_s", True)):
             t0 = time.monotonic()
             replica = Replica(bus, JOB, heartbeats=heartbeats)

@@ -242,10 +242,11 @@ async def master_state(url: str) -> dict[str, float]:
 
     bus = await Bus.connect(BusOptions(url=url))
     try:
-        state = await snapshots.load(bus, JOB)
+        loaded = await snapshots.load(bus, JOB)
     finally:
         await bus.close()
-    assert state is not None, "the master wrote no snapshot"
+    assert loaded is not None, "the master wrote no snapshot"
+    state = loaded.state
     sets = {
         name: replace(
             ds,
@@ -262,7 +263,7 @@ async def master_state(url: str) -> dict[str, float]:
         packs, loads = [], []
         for _ in range(5):
             t = time.perf_counter()
-            size, packed = snapshots._pack(s)  # type: ignore[arg-type]
+            size, packed = snapshots._pack(s, b"")  # type: ignore[arg-type]
             packs.append(time.perf_counter() - t)
             t = time.perf_counter()
             decode_state(zlib.decompress(packed))

@@ -12,6 +12,7 @@ import pytest
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.domain import goodput as gp
 from rove.control.master import snapshots
 from rove.control.master.election import current_holder
 from rove.control.master.state import NodeStatus
@@ -104,11 +105,15 @@ async def test_kill_9_of_the_leader_hands_over_to_a_standby_with_nothing_lost_or
         codes = {m: p.stop() for m, p in masters.items()}
     assert codes[standby] == 0
 
-    # The new leader's final snapshot equals an independent fold of the stream prefix.
-    snap = await snapshots.load(bus, "j1")
-    assert snap is not None and snap.leader == standby
+    # The new leader's final snapshot equals an independent fold of the stream prefix,
+    # and so does the goodput ledger it carries.
+    loaded = await snapshots.load(bus, "j1")
+    assert loaded is not None and loaded.state.leader == standby
+    snap = loaded.state
     recs = await stored_events(bus)
     assert snap == fold_records(recs, upto=snap.applied_seq)
+    prefix = [r.event for r in recs if r.seq <= snap.applied_seq]
+    assert loaded.goodput == gp.of_events(prefix)
 
 
 async def _elected_after(bus: Bus, old_master: str) -> ev.MasterElected | None:
