@@ -25,6 +25,7 @@ from rove.control.bus import records
 from rove.control.bus.client import Bus, Fence
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
+from rove.control.domain import goodput as gp
 from rove.control.errors import BusUnavailableError, FencedError, PublishDeadlineError, RoveError
 from rove.control.master import snapshots
 from rove.control.master.decide import decide
@@ -162,8 +163,10 @@ class MasterRunner(JobService):
                 self._unrecorded.pop(key, None)
 
     def on_snapshot(self, loaded: snapshots.Loaded) -> None:
-        if loaded.goodput is not None:  # the job's goodput so far, not since the snapshot
-            self.metrics.ledger = loaded.goodput
+        # the job's goodput so far, not since the snapshot; and never the events before
+        # it twice (a catch-up that failed and starts again from a snapshot): a snapshot
+        # without a ledger (older rove) starts one afresh, from its prefix on
+        self.metrics.ledger = loaded.goodput if loaded.goodput is not None else gp.Ledger()
 
     def on_rejected(self, rej: records.Rejection) -> None:
         key = (rej.stream, rej.subject)
