@@ -311,3 +311,23 @@ async def test_a_master_restarted_from_its_snapshot_keeps_the_jobs_whole_goodput
     now = 500.0
     assert second.metrics.ledger.first_ts == replayed.first_ts == 0.0
     assert gp.report(second.metrics.ledger, now) == gp.report(replayed, now)
+
+
+async def test_a_master_starting_again_from_a_snapshot_never_counts_goodput_twice(
+    bus: Bus,
+) -> None:
+    """A catch-up that failed half-way starts again from the snapshot: the ledger is the
+    snapshot's (or a new one for a snapshot without a ledger), never the events folded
+    before plus the same events again."""
+    from rove.control.domain import goodput as gp
+    from tests.test_goodput import one_failure
+
+    runner = MasterRunner(bus, "j1", "m1", ev.JobSpec(node_timeout_s=60))
+    for e in one_failure():
+        runner.metrics.ledger.add(e)
+    kept = gp.of_events(one_failure()[:3])
+    runner.on_snapshot(snapshots.Loaded(large_state(10, 3), kept))
+    assert runner.metrics.ledger is kept
+    runner.on_snapshot(snapshots.Loaded(large_state(10, 3), None))
+    assert runner.metrics.ledger == gp.Ledger()
+    runner.metrics.close()
