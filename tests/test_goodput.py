@@ -301,3 +301,15 @@ def test_a_report_arriving_late_is_kept_only_if_it_says_something_new() -> None:
         r.add(e)
     assert r.rounds[1].points == [(1, 2.0), (10, 10.0), (20, 20.0), (15, 15.0)]
     assert r.rounds[1].time_of(15) == 15.0
+
+
+def test_only_the_asks_for_the_first_round_are_kept_and_the_report_is_the_same() -> None:
+    """Every node asks for every round; only the first round's asks end the job's
+    start-up, so later ones are not kept (they grew with nodes times rounds)."""
+    events = one_failure()
+    later = [f.rdzv(f"n{i}", ts=53.0) for i in range(1000)]
+    cut = next(i for i, e in enumerate(events) if isinstance(e, ev.RoundCompleted) and e.round == 2)
+    with_asks = gp.of_events([*events[:cut], *later, *events[cut:]])
+    assert with_asks.rdzv_asks == [2.0]
+    want = gp.report(gp.of_events(events), now=500.0)
+    assert gp.report(with_asks, now=500.0).seconds == want.seconds

@@ -220,6 +220,8 @@ class Ledger:
     ended: str = ""
     epoch: int = 0
     rounds: dict[int, _Round] = field(default_factory=dict)
+    #: when nodes asked for the first round (the first ask ends the job's start-up;
+    #: later rounds' asks are not kept: 25,000 nodes ask again every round)
     rdzv_asks: list[float] = field(default_factory=list)
     pending: list[float] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
@@ -290,7 +292,8 @@ class Ledger:
         r.add_point(e.step, e.at)
 
     def _rdzv_joined(self, e: ev.RdzvJoined) -> None:
-        self.rdzv_asks.append(e.ts)
+        if not self.rounds:
+            self.rdzv_asks.append(e.ts)
 
     def _pending(self, e: ev.NodePending) -> None:
         self.pending.append(e.ts)
