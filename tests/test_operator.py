@@ -29,13 +29,15 @@ import yaml
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.cli.main import build_parser
+from rove.control.domain import goodput as gp
 from rove.control.errors import ConfigError
+from rove.control.master import snapshots
 from rove.control.operator import controller
 from rove.control.operator import spec as rj
 from rove.control.operator import status as st
 from rove.control.scaler.kubernetes import api_client
 from tests import factories as f
-from tests.support import ROOT, CliProc, eventually, stored_events
+from tests.support import ROOT, CliProc, eventually, fold_records, stored_events
 from tests.test_deploy import VERBS
 
 DEPLOY = ROOT / "deploy"
@@ -324,7 +326,9 @@ async def test_a_rovejob_is_run_followed_and_stopped_through_the_bus(any_bus: Bu
             await eventually(lambda: "NodeLost" in event_reasons(cluster), timeout=30)
             assert event_reasons(cluster).count("RoundFormed") == 2
 
-            await bus.publish(f.ended(1, ev.JobPhase.FINISHED, job=JOB))
+            await bus.publish(
+                msgspec.structs.replace(f.ended(1, ev.JobPhase.FINISHED, job=JOB), ts=300.0)
+            )
             await eventually(lambda: status_of(cluster).get("phase") == "Finished", timeout=30)
             assert "goodput" in status_of(cluster)
             # an ended job's masters and scaler would exit and be restarted forever
@@ -350,6 +354,31 @@ async def test_a_rovejob_is_run_followed_and_stopped_through_the_bus(any_bus: Bu
         created = [r for r in list(emulator)[seen:] if r.method.value == "POST"]
         assert all(r.resource is not None and r.resource.plural != "events" for r in created)
         assert status_of(cluster)["phase"] == "Finished"
+
+        # a third one starts from the masters' snapshot (it carries the goodput ledger
+        # and covers only events already told), reads no history, and says the same
+        replayed = status_of(cluster)
+        recs = await stored_events(bus, JOB)
+        ledger = gp.of_events([r.event for r in recs])
+        await snapshots.save(
+            bus, fold_records(recs, job=JOB), master="m1", now=300.0, goodput=ledger
+        )
+        seen = len(list(emulator))
+        async with operator(bus, cluster) as third:
+            await eventually(lambda: JOB in third.followers, timeout=30)
+            assert third.followers[JOB].replica.snapshot_seq == recs[-1].seq
+            await asyncio.sleep(1.5)  # (several resyncs and status rounds)
+        assert len(cluster.objects("events")) == n_events
+        statuses = [
+            r
+            for r in list(emulator)[seen:]
+            if r.method.value == "PATCH"
+            and r.resource is not None
+            and r.resource.plural == "rovejobs"
+        ]
+        assert statuses == [], "the status it computes is the one the object has"
+        again = status_of(cluster)
+        assert again == replayed and "goodput" in again and again["step"] == 40
 
 
 async def test_deleting_a_running_rovejob_stops_the_job_then_lets_kubernetes_delete_it(
@@ -644,3 +673,22 @@ def test_a_tensorflow_job_submits_its_parameter_servers_nodes_and_their_size() -
         rj.parse(rovejob(nnodes="2:4", tensorflow=tf))
     with pytest.raises(ConfigError, match="use mode: pods"):
         rj.parse(rovejob(nnodes="3", mode="pool", tensorflow=tf))
+
+
+async def test_an_operator_starts_from_a_snapshot_only_if_it_skips_nothing_untold(
+    bus: Bus,
+) -> None:
+    """The events a snapshot folds are never read again: one newer than the Kubernetes
+    Events told so far (`eventsThrough`) would skip some untold, and one without the
+    goodput ledger would lose the goodput before it. Either way: the whole stream."""
+    from rove.control.master.state import initial
+
+    follower = controller.Follower(bus, JOB, told=10)
+    ledger = gp.Ledger()
+
+    def snap(seq: int, goodput: gp.Ledger | None) -> snapshots.Loaded:
+        return snapshots.Loaded(msgspec.structs.replace(initial(JOB), applied_seq=seq), goodput)
+
+    assert follower._may_start_from(snap(10, ledger))
+    assert not follower._may_start_from(snap(11, ledger)), "events 11.. not told yet"
+    assert not follower._may_start_from(snap(5, None)), "no goodput ledger in it"

@@ -40,7 +40,8 @@ class Replica:
     `on_applied(recorded)` and `on_rejected(rejection)` are optional hooks
     called after each event is folded and for each bad stored message;
     `on_snapshot(loaded)` once the snapshot it starts from is read, before the
-    events after it.
+    events after it. `use_snapshot` may be a test of the newest snapshot: one it
+    refuses is not used, and the whole stream is replayed.
     """
 
     def __init__(
@@ -48,7 +49,7 @@ class Replica:
         bus: Bus,
         job: str,
         *,
-        use_snapshot: bool = True,
+        use_snapshot: bool | Callable[[snapshots.Loaded], bool] = True,
         heartbeats: bool = True,
         live_heartbeats: bool = True,
         on_applied: Callable[[records.Recorded], None] | None = None,
@@ -83,7 +84,10 @@ class Replica:
         """Rebuild from snapshot + tail, then follow. Returns when caught up."""
         if self.use_snapshot:
             loaded = await snapshots.load(self.bus, self.job)
-            if loaded is not None:
+            wanted = self.use_snapshot is True or (
+                loaded is not None and callable(self.use_snapshot) and self.use_snapshot(loaded)
+            )
+            if loaded is not None and wanted:
                 snap = loaded.state
                 first, last = await self.bus.stream_bounds(subjects.EVENTS_STREAM)
                 lost = continuity.problem(snap.applied_seq, first, last)

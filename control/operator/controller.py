@@ -43,6 +43,7 @@ from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.domain import goodput as gp
 from rove.control.errors import ConfigError, RoveError
+from rove.control.master import snapshots
 from rove.control.master.replica import Replica
 from rove.control.operator import spec as rj
 from rove.control.operator import status as st
@@ -62,24 +63,49 @@ _TRANSIENT = (urllib3.exceptions.HTTPError, OSError)
 
 class Follower:
     """One job's events, folded: its state, goodput ledger, newest step, and the
-    Kubernetes Events not yet told."""
+    Kubernetes Events not yet told.
+
+    It starts from the masters' newest snapshot when that carries the goodput ledger
+    and covers no event it has not told yet (`told`: the RoveJob's `eventsThrough`),
+    else from the start of the stream: an operator restarted on a long job reads its
+    tail, not its whole history."""
 
     def __init__(self, bus: Bus, job: str, told: int) -> None:
         self.job = job
         self.ledger = gp.Ledger()
         self.seen = False
         self.step: int | None = None
+        #: whether `step` is known from the events read (not when a snapshot skipped them
+        #: and the tail has said nothing of steps yet: the status keeps its own then)
+        self.step_known = True
         self.told = told
         self.pending: list[st.KubeEvent] = []
-        self.replica = Replica(bus, job, use_snapshot=False, heartbeats=False, on_applied=self._on)
+        self.replica = Replica(
+            bus,
+            job,
+            use_snapshot=self._may_start_from,
+            heartbeats=False,
+            on_applied=self._on,
+            on_snapshot=self._started_from,
+        )
+
+    def _may_start_from(self, loaded: snapshots.Loaded) -> bool:
+        return loaded.goodput is not None and loaded.state.applied_seq <= self.told
+
+    def _started_from(self, loaded: snapshots.Loaded) -> None:
+        assert loaded.goodput is not None  # (`_may_start_from`)
+        self.ledger = loaded.goodput
+        self.seen = True
+        self.step, self.step_known = None, False
 
     def _on(self, rec: records.Recorded) -> None:
         self.seen = True
         self.ledger.add(rec.event)
         if isinstance(rec.event, ev.TrainingProgress):
             self.step = max(self.step or 0, rec.event.step)
+            self.step_known = True
         elif isinstance(rec.event, ev.RunStarted):
-            self.step = None
+            self.step, self.step_known = None, True
         if rec.seq > self.told:
             told = st.notable(rec.event, rec.seq)
             if told is not None:
@@ -371,7 +397,7 @@ class Operator:
             generation=int(obj["metadata"].get("generation", 0) or 0),
             events_through=follower.told,
             now=now,
-            step=follower.step,
+            step=follower.step if follower.step_known else previous.get("step"),
             previous=previous,
         )
         if _same(status, previous):
