@@ -692,3 +692,16 @@ async def test_an_operator_starts_from_a_snapshot_only_if_it_skips_nothing_untol
     assert follower._may_start_from(snap(10, ledger))
     assert not follower._may_start_from(snap(11, ledger)), "events 11.. not told yet"
     assert not follower._may_start_from(snap(5, None)), "no goodput ledger in it"
+
+
+def test_a_status_field_that_went_is_sent_as_null_so_the_merge_patch_removes_it() -> None:
+    from rove.control.master.state import initial
+
+    state = msgspec.structs.replace(initial(JOB), applied_seq=3)
+    before = st.status(state, None, seen=True, generation=1, events_through=3, now=1.0, step=40)
+    after = st.status(state, None, seen=True, generation=1, events_through=3, now=2.0)
+    assert before["step"] == 40 and "step" not in after  # (a new run: no step yet)
+    body = st.patch(after, before)
+    assert body["step"] is None
+    assert {k: v for k, v in body.items() if k != "step"} == after
+    assert st.patch(before, before) == before

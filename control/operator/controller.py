@@ -402,7 +402,7 @@ class Operator:
         )
         if _same(status, previous):
             return
-        await self._patch(job, {"status": status}, status=True)
+        await self._patch(job, {"status": st.patch(status, previous)}, status=True)
         self._last_status[job] = status
         if status.get("phase") != previous.get("phase"):
             log.info("job phase", job=job, phase=status["phase"], round=status["round"])

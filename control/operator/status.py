@@ -157,6 +157,13 @@ def reused(job: str, created: str | None, ended_ts: float | None) -> str | None:
     )
 
 
+def patch(status: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch that makes the object's `.status` read `status` when it reads
+    `previous`: a field `status` no longer has is sent as null (a merge patch leaves
+    out what it does not name: `step` of an earlier run would stay on forever)."""
+    return {**status, **{k: None for k in previous if k not in status}}
+
+
 def invalid(generation: int, why: str, now: float) -> dict[str, Any]:
     """The `.status` of a RoveJob the operator refuses to run."""
     return {
