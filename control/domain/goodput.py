@@ -274,16 +274,7 @@ class Ledger:
         r = self.rounds.get(e.round)
         if r is None:
             return
-        r.latest[e.node] = Reported(
-            e.step,
-            e.at,
-            e.first_step,
-            e.first_at,
-            e.ckpt_block_s,
-            e.data_wait_s,
-            e.restore_s,
-            e.restored_step,
-        )
+        r.latest[e.node] = Reported(**combined([e]))  # (its eight figures, as `progress`)
         named, loaded = r.restore_step, e.restored_step
         if named is not None and loaded is not None and loaded < named:  # named unreadable
             r.restore_step, r.restore_source = loaded, "storage"
