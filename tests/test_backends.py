@@ -275,7 +275,8 @@ async def test_a_pool_agent_hands_its_node_to_a_standby_that_imported_everything
         "import os, resource, sys, time\n"
         "soft = resource.getrlimit(resource.RLIMIT_AS)[0]\n"
         "warm = 'torch._dynamo' in sys.modules\n"
-        "open('seen.txt', 'w').write(f'{os.getcwd()} {soft} {warm}')\n"
+        "open('seen.tmp', 'w').write(f'{os.getcwd()} {soft} {warm}')\n"
+        "os.replace('seen.tmp', 'seen.txt')\n"  # whole, never seen half-written
         "time.sleep(3600)\n"
     )
     w = ev.Workload(
