@@ -1,7 +1,8 @@
 # rove's task file. Every target sets up the virtual environment it needs first.
 #   make demo   - install and run the main job on the embedded default
 #   make test   - install test tools, lint, and run the whole test suite (what CI runs)
-#   make lint   - ruff (check + format), mypy (strict on every module), import-linter (layers)
+#   make lint   - ruff (check + format), mypy (strict on every module, and on the benchmarks,
+#                 which CI does not run), import-linter (layers)
 #   make bench  - run the benchmarks; each prints one JSON line
 
 PYTHON ?= python3
@@ -84,6 +85,7 @@ lint: $(VENV)/.installed-tests typecheck-view
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	MYPYPATH=benchmarks $(BIN)/mypy --explicit-package-bases benchmarks/*.py
 	PYTHONPATH=.typecheck $(BIN)/lint-imports
 
 format: $(VENV)/.installed-tests

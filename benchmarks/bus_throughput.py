@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats
+import nats.aio.client
+import nats.aio.msg
 from nats.js.api import Header
 
 from rove.control.bus.client import Bus, BusOptions
@@ -57,7 +59,7 @@ async def timed(fn: Callable[[], Awaitable[None]]) -> float:
 
 
 class Sides:
-    def __init__(self, bus: Bus, nc: nats.NATS) -> None:
+    def __init__(self, bus: Bus, nc: nats.aio.client.Client) -> None:
         self.bus = bus
         self.js = nc.jetstream(publish_async_max_pending=4000)
         self.run = 0

@@ -33,7 +33,12 @@ class RandomDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, data: DataLoader, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data: DataLoader[tuple[torch.Tensor, torch.Tensor]],
+        optimizer: torch.optim.Optimizer,
+    ):
         self.rank = int(os.environ["LOCAL_RANK"])
         self.data = data
         self.optimizer = optimizer
@@ -42,7 +47,7 @@ class Trainer:
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> None:
         self.optimizer.zero_grad()
         loss = F.mse_loss(self.model(source), targets)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         self.optimizer.step()
 
     def train(self, epochs: int) -> None:

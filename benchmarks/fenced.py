@@ -82,11 +82,11 @@ async def run_way(bus: Bus, way: str, n: int, window: int) -> dict[str, float]:
                     refused += 1
                     await bus.publish(w, fence=fence)
         else:
-            outcomes = await asyncio.gather(
+            raws = await asyncio.gather(
                 *(_raw(bus, w, fence) for w in tick), return_exceptions=True
             )
-            for w, outcome in zip(tick, outcomes, strict=True):
-                if isinstance(outcome, nats.js.errors.APIError):
+            for w, raw in zip(tick, raws, strict=True):
+                if isinstance(raw, nats.js.errors.APIError):
                     refused += 1
                     if way == "together_retried":  # sent again, as rove's bus does
                         await bus.publish(w, fence=fence)

@@ -29,6 +29,7 @@ import time
 import tracemalloc
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import goodput as gp
@@ -99,7 +100,9 @@ def fold(ledger: gp.Ledger, nodes: int, hours: float, rounds: int) -> float:
     return time.perf_counter() - started
 
 
-def measure(make: type[gp.Ledger] | object, nodes: int, hours: float, rounds: int) -> dict:
+def measure(
+    make: type[gp.Ledger] | object, nodes: int, hours: float, rounds: int
+) -> dict[str, Any]:
     ledger = make()  # type: ignore[operator]
     fold_s = fold(ledger, nodes, hours, rounds)
     started = time.perf_counter()

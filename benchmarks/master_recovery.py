@@ -46,7 +46,12 @@ def workload(n: int, nodes: int = 512, job: str = JOB) -> list[ev.Event]:
     for i in range(n):
         node = f"n{i % nodes}"
         inc = f"i{i // (2 * nodes)}"
-        common = {"job": job, "id": f"{job}:{i}", "producer": f"agent:{node}", "ts": 1e9 + i}
+        common: ev.Envelope = {
+            "job": job,
+            "id": f"{job}:{i}",
+            "producer": f"agent:{node}",
+            "ts": 1e9 + i,
+        }
         if (i // nodes) % 2 == 0:
             out.append(ev.NodeJoined(**common, node=node, host="h", pid=i, incarnation=inc))
         else:

@@ -437,10 +437,10 @@ async def measure(n: int, args: argparse.Namespace, folder: Path) -> dict[str, A
     finally:
         with contextlib.suppress(Exception):
             await asyncio.to_thread(ask, "stop")
-        for p in sims:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        for sim in sims:
+            sim.join(10)
+            if sim.is_alive():
+                sim.kill()
         for m in (leader, standby):
             if m.poll() is None:
                 m.kill()

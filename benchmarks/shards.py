@@ -157,7 +157,7 @@ def train_epoch(loader, model, opt) -> tuple[float, float]:  # type: ignore[no-u
     started, cpu = time.perf_counter(), time.process_time()
     for x, y in loader:
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
         opt.step()
     return time.perf_counter() - started, time.process_time() - cpu
 
@@ -192,6 +192,7 @@ def sampler_overhead(url: str, repeats: int, others: tuple[int, ...]) -> dict[st
     for r in range(repeats):
         for side in ("plain", "sharded") if r % 2 == 0 else ("sharded", "plain"):
             if side == "plain":
+                sampler: DistributedSampler[tuple[torch.Tensor, torch.Tensor]]
                 sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=r)
                 loader = DataLoader(data, batch_size=batch, sampler=sampler)
                 wall, cpu = train_epoch(loader, model, opt)

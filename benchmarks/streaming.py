@@ -147,7 +147,7 @@ def bare(
                 raise RuntimeError(f"the bare consumer failed: {msg.error()}")
             batch.append(decode(msg.value() or b""))
             if len(batch) == batch_size or got + len(batch) == n:
-                default_collate(batch)
+                default_collate(batch)  # type: ignore[no-untyped-call]
                 got += len(batch)
                 batch = []
     elapsed = time.perf_counter() - started
