@@ -383,6 +383,21 @@ class Agents:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+async def replicas_hold(bus: Any, stream: str, seq: int, timeout: float = 30) -> None:
+    """Wait until every replica of `stream` holds its message `seq`: a direct get may be
+    answered by any replica, and one that lags does not have what the leader just
+    stored (on one server there is nothing to wait for)."""
+
+    async def caught_up() -> bool:
+        info = await bus.js.stream_info(stream)
+        peers = info.cluster.replicas if info.cluster is not None else None
+        return (info.state.last_seq or 0) >= seq and all(
+            p.current and not p.lag for p in peers or []
+        )
+
+    await eventually(caught_up, timeout=timeout, every=0.1)
+
+
 async def stored_events(bus: Any, job: str = "j1") -> list[Any]:
     """Every valid stored event of `job` as `Recorded`, in stream order."""
     from rove.control.catalogue import subjects

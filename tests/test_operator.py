@@ -28,6 +28,7 @@ import yaml
 
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
+from rove.control.catalogue import subjects
 from rove.control.cli.main import build_parser
 from rove.control.domain import goodput as gp
 from rove.control.errors import ConfigError
@@ -37,7 +38,14 @@ from rove.control.operator import spec as rj
 from rove.control.operator import status as st
 from rove.control.scaler.kubernetes import api_client
 from tests import factories as f
-from tests.support import ROOT, CliProc, eventually, fold_records, stored_events
+from tests.support import (
+    ROOT,
+    CliProc,
+    eventually,
+    fold_records,
+    replicas_hold,
+    stored_events,
+)
 from tests.test_deploy import VERBS
 
 DEPLOY = ROOT / "deploy"
@@ -363,6 +371,10 @@ async def test_a_rovejob_is_run_followed_and_stopped_through_the_bus(any_bus: Bu
         await snapshots.save(
             bus, fold_records(recs, job=JOB), master="m1", now=300.0, goodput=ledger
         )
+        # (the operator reads it with a direct get, which a lagging replica may answer
+        # without it: it would replay instead, correctly but not what this checks)
+        last, _ = await bus.last_message(subjects.SNAPSHOT_STREAM, subjects.snapshot(JOB))
+        await replicas_hold(bus, subjects.SNAPSHOT_STREAM, last)
         seen = len(list(emulator))
         async with operator(bus, cluster) as third:
             await eventually(lambda: JOB in third.followers, timeout=30)
