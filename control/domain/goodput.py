@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -157,6 +158,11 @@ class Reported(msgspec.Struct, frozen=True, array_like=True):
     restored_step: int | None = None
 
 
+#: A report's figures, read from a `training_progress` event by `Reported`'s own field
+#: names (C-level, as quick as naming them: the fold runs once per event)
+_figures = operator.attrgetter(*Reported.__struct_fields__)
+
+
 @dataclass
 class _Round:
     round: int
@@ -274,7 +280,7 @@ class Ledger:
         r = self.rounds.get(e.round)
         if r is None:
             return
-        r.latest[e.node] = Reported(**combined([e]))  # (its eight figures, as `progress`)
+        r.latest[e.node] = Reported(*_figures(e))
         named, loaded = r.restore_step, e.restored_step
         if named is not None and loaded is not None and loaded < named:  # named unreadable
             r.restore_step, r.restore_source = loaded, "storage"
