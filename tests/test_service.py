@@ -9,7 +9,7 @@ from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.master.service import JobService
 from tests import factories
-from tests.support import patience, stored_events
+from tests.support import eventually, patience, stored_events
 
 
 class StopWhenTwoNodesJoined(JobService):
@@ -41,7 +41,7 @@ async def test_a_service_catches_up_acts_on_folded_events_and_publishes_facts(bu
     await bus.publish(factories.joined("n1"))  # before the service starts: caught up
     service = StopWhenTwoNodesJoined(bus)
     task = asyncio.create_task(service.run())
-    await asyncio.sleep(0.2)
+    await eventually(lambda: service.seen, timeout=patience(10))  # (caught up)
     assert not task.done() and service.seen == ["node_joined"]
     await bus.publish(factories.joined("n2", n=1))
     await asyncio.wait_for(task, patience(10))  # woken by the fold, before its 30 s tick
