@@ -1,16 +1,21 @@
 """The goodput ledger of a large, long job: its memory, and what it says, with and
-without thinning the points each round keeps.
+without thinning the points each round keeps and closing its older rounds.
 
 A master folds every event of its job through a `rove.control.domain.goodput.Ledger`
 (for `rove_goodput_ratio`), and `rove goodput` replays the whole stream into one. Each
 node reports its progress every 5 s (`training_progress`); the ledger places steps in
 time from those reports. This folds a job of `--nodes` nodes reporting for `--hours`
-hours, cut into `--rounds` rounds (each a failure, restoring a step 60 s older), into:
+hours, cut into `--rounds` rounds (each a failure, restoring a step `--rollback-s`
+older), into:
 
-- `every`: the ledger keeping one point per report (the code before: `point_gap_s=0`,
-  no bound), the baseline;
-- `thinned`: the ledger as rove runs it (points at least `POINT_GAP_S` apart, at most
-  about `MAX_POINTS` a round).
+- `every`: the ledger keeping one point per report and every round open (the code
+  before either change: `point_gap_s=0`, no bound, `open_rounds=0`);
+- `thinned`: points at least `POINT_GAP_S` apart, at most about `MAX_POINTS` a round,
+  every round keeping each node's newest report (`open_rounds=0`: the code before
+  rounds closed), the baseline of `closed`;
+- `closed`: the ledger as rove runs it (also closing the rounds older than the newest
+  `OPEN_ROUNDS`: their nodes' reports folded into one, their points thinned to about
+  `CLOSED_POINTS`).
 
 Memory is what `tracemalloc` counts as held by the ledger once every event is folded
 (a pass of its own: tracing slows the fold); the fold's and the report's times come
@@ -18,7 +23,7 @@ from a pass without tracing. Prints one JSON line: each ledger's points, MiB, by
 a master's snapshot (encoded, and compressed as the snapshot is), fold and report
 seconds, goodput and badput by bucket, and the ratios.
 
-    python benchmarks/goodput_ledger.py [--nodes 1000] [--hours 2] [--rounds 4]
+    python benchmarks/goodput_ledger.py [--nodes 1000] [--hours 2] [--rounds 4] [--rollback-s 60]
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import json
 import time
 import tracemalloc
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rove.control.catalogue import events as ev
@@ -37,7 +42,7 @@ from rove.control.domain import goodput as gp
 JOB = "bench"
 
 
-def events(nodes: int, hours: float, rounds: int) -> Iterator[ev.Event]:
+def events(nodes: int, hours: float, rounds: int, rollback_s: float) -> Iterator[ev.Event]:
     """The job's events in stream order (generated, not kept: a list of them would
     dwarf the ledger)."""
     span = hours * 3600 / rounds
@@ -81,7 +86,7 @@ def events(nodes: int, hours: float, rounds: int) -> Iterator[ev.Event]:
                 )
             t += 5
         last = first_step + int((t - 5 - first_at) / step_s)
-        restored = max(0, last - int(60 / step_s))
+        restored = max(0, last - int(rollback_s / step_s))
         yield ev.WorkerExited(
             **ev.node_envelope(JOB, "n0", "i1", start + span - 1, "exited", r),
             round=r,
@@ -93,27 +98,25 @@ def events(nodes: int, hours: float, rounds: int) -> Iterator[ev.Event]:
         )
 
 
-def fold(ledger: gp.Ledger, nodes: int, hours: float, rounds: int) -> float:
+def fold(ledger: gp.Ledger, a: argparse.Namespace) -> float:
     started = time.perf_counter()
-    for e in events(nodes, hours, rounds):
+    for e in events(a.nodes, a.hours, a.rounds, a.rollback_s):
         ledger.add(e)
     return time.perf_counter() - started
 
 
-def measure(
-    make: type[gp.Ledger] | object, nodes: int, hours: float, rounds: int
-) -> dict[str, Any]:
-    ledger = make()  # type: ignore[operator]
-    fold_s = fold(ledger, nodes, hours, rounds)
+def measure(make: Callable[[], gp.Ledger], a: argparse.Namespace) -> dict[str, Any]:
+    ledger = make()
+    fold_s = fold(ledger, a)
     started = time.perf_counter()
-    report = gp.report(ledger, now=hours * 3600 + 10)
+    report = gp.report(ledger, now=a.hours * 3600 + 10)
     report_s = time.perf_counter() - started
     points = sum(len(r.points) for r in ledger.rounds.values())
     encoded = gp.encode(ledger)  # what a master's snapshot carries of it
     del ledger
     tracemalloc.start()
-    traced = make()  # type: ignore[operator]
-    fold(traced, nodes, hours, rounds)
+    traced = make()
+    fold(traced, a)
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return {
@@ -133,22 +136,33 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--hours", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rollback-s", type=float, default=60.0)
     a = p.parse_args()
     reports = a.nodes * int(a.hours * 3600 / 5)
-    every = measure(lambda: gp.Ledger(point_gap_s=0.0, max_points=0), a.nodes, a.hours, a.rounds)
-    thinned = measure(gp.Ledger, a.nodes, a.hours, a.rounds)
+    every = measure(lambda: gp.Ledger(point_gap_s=0.0, max_points=0, open_rounds=0), a)
+    thinned = measure(lambda: gp.Ledger(open_rounds=0), a)
+    closed = measure(gp.Ledger, a)
     print(
         json.dumps(
             {
                 "nodes": a.nodes,
                 "hours": a.hours,
                 "rounds": a.rounds,
+                "rollback_s": a.rollback_s,
                 "progress_reports": reports,
                 "every": every,
                 "thinned": thinned,
+                "closed": closed,
+                # thinned against every, closed against thinned (its baseline)
                 "mib_ratio": round(thinned["mib"] / every["mib"], 4),
                 "report_s_ratio": round(thinned["report_s"] / every["report_s"], 4),
                 "goodput_difference": round(abs(thinned["goodput"] - every["goodput"]), 6),
+                "closed_mib_ratio": round(closed["mib"] / thinned["mib"], 4),
+                "closed_snapshot_ratio": round(
+                    closed["snapshot_bytes"] / thinned["snapshot_bytes"], 4
+                ),
+                "closed_report_s_ratio": round(closed["report_s"] / thinned["report_s"], 4),
+                "closed_goodput_difference": round(abs(closed["goodput"] - thinned["goodput"]), 6),
             }
         )
     )

@@ -313,3 +313,111 @@ def test_only_the_asks_for_the_first_round_are_kept_and_the_report_is_the_same()
     assert with_asks.rdzv_asks == [2.0]
     want = gp.report(gp.of_events(events), now=500.0)
     assert gp.report(with_asks, now=500.0).seconds == want.seconds
+
+
+def many_rounds(nodes: int, rounds: int, span: float = 100.0) -> list[ev.Event]:
+    """`nodes` nodes at 2 steps a second through `rounds` rounds of `span` s, each ended
+    by a killed worker and the next restoring the step of 20 s before it; the nodes
+    send their last report of a round after the next round formed (as agents do when
+    their workers are stopped), and in an order that makes a different node the slowest
+    each round."""
+    out: list[ev.Event] = [at(f.configured(1), 0.0)]
+    restored: int | None = None
+    last: list[ev.Event] = []
+    for r in range(1, rounds + 1):
+        start = (r - 1) * span + 1.0
+        out += [rnd(r, start, restore=restored), *last]
+        out += [at(f.started(f"n{i}", r, (i,)), start + 1) for i in range(nodes)]
+        first = ((restored or 0) + 1, start + 2)
+        for t in range(5, int(span) - 5, 5):
+            out += [
+                f.progressed(f"n{i}", r, first[0] + 2 * t - (i + r) % nodes, start + t, first=first)
+                for i in range(nodes)
+            ]
+        top = first[0] + 2 * (int(span) - 5)
+        out.append(f.exited("n0", r, ts=start + span - 3))
+        last = [
+            f.progressed(f"n{i}", r, top - (i + r) % nodes, start + span - 4, first=first)
+            for i in range(nodes)
+        ]
+        restored = top - nodes - 40
+    return [*out, *last, at(f.ended(1, ev.JobPhase.FINISHED), rounds * span + 2)]
+
+
+def test_a_job_of_many_rounds_keeps_each_nodes_report_only_in_its_newest_rounds() -> None:
+    """Rounds older than the newest two are closed: their nodes' reports folded into one,
+    their points thinned; the report says the same as with every round open (the code
+    before), and the ledger a snapshot carries is a fraction of its size."""
+    events = many_rounds(nodes=40, rounds=30)
+    before = gp.Ledger(open_rounds=0)
+    for e in events:
+        before.add(e)
+    now = gp.of_events(events)
+    assert all(len(r.latest) == 40 for r in before.rounds.values())
+    assert [n for n, r in now.rounds.items() if r.latest] == [29, 30]
+    assert all(r.closed and r.folded is not None for n, r in now.rounds.items() if n < 29)
+    # the last reports, sent after the next round formed, still counted per node: the
+    # round's step is its slowest node's last one (190 past its first step, less 39)
+    for n in (1, 15, 28):
+        p = now.rounds[n].progress()
+        assert p == before.rounds[n].progress()
+        assert p is not None and p.step == (now.rounds[n].restore_step or 0) + 1 + 190 - 39
+    want, got = gp.report(before, 9e9), gp.report(now, 9e9)
+    for bucket in gp.Bucket:
+        assert got.seconds[bucket] == pytest.approx(want.seconds[bucket], abs=1e-6)
+    assert got.goodput == pytest.approx(want.goodput)
+    assert len(gp.encode(now)) < len(gp.encode(before)) / 3
+
+
+def test_a_closed_round_keeps_few_points_and_still_places_its_steps_in_time() -> None:
+    r = gp.Ledger(max_points=0, closed_points=16)
+    r.add(at(f.configured(1), 0.0))
+    r.add(rnd(1, 1.0))
+    for t in range(2, 2000):
+        r.add(f.progressed("n1", 1, t, float(t), first=(1, 2.0)))
+    r.add(rnd(2, 2001.0, restore=1500))
+    assert len(r.rounds[1].points) > 1000  # still open: the round before the newest
+    r.add(rnd(3, 2002.0, restore=1500))
+    points = r.rounds[1].points
+    assert len(points) <= 16 and points[-1] == (1999, 1999.0)
+    assert r.rounds[1].time_of(1500) == pytest.approx(1500.0)
+
+
+def test_a_report_reaching_a_closed_round_is_folded_in_not_kept_per_node() -> None:
+    """A node cut off from the bus sends its facts rounds later: the closed round's
+    figures take what it says (its durations, its time) without keeping it apart."""
+    events = many_rounds(nodes=3, rounds=4)
+    ledger = gp.of_events(events[:-1])
+    closed = ledger.rounds[1]
+    assert closed.closed and closed.latest == {} and closed.folded is not None
+    was = closed.progress()
+    ledger.add(f.progressed("n9", 1, was.step + 500, was.at + 1, first=(1, 3.0), ckpt_s=7.0))
+    assert closed.latest == {}
+    now = closed.progress()
+    assert (now.step, now.at, now.ckpt_block_s) == (was.step, was.at + 1, 7.0)
+    # a node that was slower than the rest lowers the round's step
+    ledger.add(f.progressed("n9", 1, was.step - 50, was.at + 2, first=(1, 3.0)))
+    assert closed.progress().step == was.step - 50
+
+
+def test_a_ledger_written_before_rounds_closed_is_read_and_closes_them_from_then_on() -> None:
+    """A master's snapshot from before: no `closed`, `folded`, `open_rounds` or
+    `closed_points`; its older rounds all close as the next round forms."""
+    events = many_rounds(nodes=5, rounds=6)
+    old = gp.Ledger(open_rounds=0)
+    for e in events[: len(events) // 2]:
+        old.add(e)
+    raw = msgspec.msgpack.decode(gp.encode(old))
+    del raw["open_rounds"], raw["closed_points"]
+    for r in raw["rounds"].values():
+        del r["folded"]
+    read = gp.decode(msgspec.msgpack.encode(raw))
+    assert read.open_rounds == gp.OPEN_ROUNDS and all(
+        r.folded is None for r in read.rounds.values()
+    )
+    for e in events[len(events) // 2 :]:
+        read.add(e)
+    whole = gp.Ledger(open_rounds=0)
+    for e in events:
+        whole.add(e)
+    assert gp.report(read, 9e9).seconds == pytest.approx(gp.report(whole, 9e9).seconds)
