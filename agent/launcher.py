@@ -38,6 +38,7 @@ from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.heartbeat import HEARTBEATS_PER_S, interval_for
 from rove.agent.run_args import build_parser, launch_config, warn_ignored
+from rove.agent.script import unrunnable
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
@@ -179,8 +180,9 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     script = Path(args.training_script)
     if args.run_path and (args.module or args.no_python):
         raise ConfigError("--run-path runs a script file: it cannot go with -m or --no-python")
-    if not (args.module or args.no_python) and not script.is_file():
-        raise ConfigError(f"training script {args.training_script} not found")
+    why = None if args.module or args.no_python else unrunnable(script)
+    if why:
+        raise ConfigError(f"training script {args.training_script} {why}")
     launch, cmd, cmd_args = launch_config(args)
     job = _job_name(args)
     node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])

@@ -42,6 +42,18 @@ from rove.agent import groups, progress
 from rove.agent.self_process import title
 
 
+def unrunnable(path: Path) -> str | None:
+    """Why `python PATH` could not run `path`, said after its name (None: it can): a
+    script file, a zip file or a folder holding a `__main__.py` are run."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        if (path / "__main__.py").is_file():
+            return None
+        return "is a folder without a __main__.py: give the script file in it"
+    return "not found"
+
+
 def run(kind: str, target: str, argv: Sequence[str]) -> None:
     """Run `target` (a script path, or a module name when `kind` is "module") as
     `__main__` with `argv`; raises what the script raised, after the ending."""

@@ -207,6 +207,11 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
         ),
         (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
         (
+            ["run", "--standalone", "docs"],
+            common.EXIT_USAGE,
+            "training script docs is a folder without a __main__.py: give the script file in it",
+        ),
+        (
             ["run", "--standalone", "--checkpoint-dir", "ftp://host/x", "examples/train.py"],
             common.EXIT_USAGE,
             "--checkpoint-dir: cannot use ftp://host/x for checkpoints",

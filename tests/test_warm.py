@@ -217,6 +217,28 @@ def test_run_path_runs_the_script_in_a_child_as_main_without_a_new_command(
         assert r["name"] == "__main__" and r["argv"] == [str(SCRIPT), str(tmp_path)]
 
 
+@pytest.mark.slow
+def test_a_folder_with_a_main_runs_as_python_runs_it(tmp_path: Path) -> None:
+    """`torchrun app/` runs `python app/`, which runs `app/__main__.py` with the folder
+    first on `sys.path`: so do rove's warm workers."""
+    app = tmp_path / "app"
+    app.mkdir()
+    shutil.copy(SCRIPT, app / "__main__.py")
+    out = rove_cli(
+        *("run", "--standalone", "--job", "folderjob", "--nproc-per-node", "2"),
+        *(str(app), str(tmp_path)),
+        timeout=180,
+        env={"ROVE_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "2"},
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    reports = _reports(tmp_path)
+    assert sorted(reports) == ["0", "1"]
+    for r in reports.values():
+        assert r["torch_preloaded"] is True, "a warm worker"
+        assert r["name"] == "__main__" and r["argv"] == [str(app), str(tmp_path)]
+        assert r["path0"] == str(app), "the folder first on sys.path, as python puts it"
+
+
 def test_a_worker_forked_as_its_server_dies_does_not_train_as_an_orphan(tmp_path: Path) -> None:
     """The kernel kills a warm worker when its server (so its agent) dies, but only once
     the worker asked for it: a worker forked just before the server died would train on

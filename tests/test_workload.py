@@ -54,6 +54,8 @@ def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script() -> Non
     assert "--node-id does not belong after --" in done.stderr
     done = rove_cli("submit", "--job", "j", "--nats", "nats://127.0.0.1:1", "--", "nope.py")
     assert done.returncode == 2 and "training script nope.py not found" in done.stderr
+    done = rove_cli("submit", "--job", "j", "--nats", "nats://127.0.0.1:1", "--", "docs")
+    assert done.returncode == 2 and "docs is a folder without a __main__.py" in done.stderr
     done = rove_cli(
         "submit", "--job", "j", "--policy", "grow=yes", "--", str(SHARDED), "--nats", "x"
     )

@@ -41,6 +41,7 @@ def build(args: argparse.Namespace) -> ev.Workload:
     """The workload from `rove submit`'s arguments (validated as `rove run` would)."""
     from rove.agent import managed  # torch's parser: only when submitting
     from rove.agent.run_args import build_parser
+    from rove.agent.script import unrunnable
 
     argv = list(args.run_args)
     if argv[:1] == ["--"]:
@@ -61,8 +62,9 @@ def build(args: argparse.Namespace) -> ev.Workload:
             )
     cwd = (args.cwd or Path.cwd()).resolve()
     script = Path(parsed.training_script)
-    if not (parsed.module or parsed.no_python) and not (cwd / script).is_file():
-        raise ConfigError(f"training script {script} not found in {cwd}")
+    why = None if parsed.module or parsed.no_python else unrunnable(cwd / script)
+    if why:
+        raise ConfigError(f"training script {script} {why} (in {cwd})")
     parsed.node_memory, parsed.node_cpu, parsed.policy = (
         args.node_memory,
         args.node_cpu,
