@@ -196,6 +196,11 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
             getattr(logs_specs, "_local_ranks_filter", None),
             max_bytes=_log_max_bytes(),
         )
+        if not args.log_dir and launch.logs_specs is not None:
+            # torch's logs made an empty torchelastic_* folder in the temporary folder
+            # for themselves (torchrun leaves one a run: thousands in /tmp); not used
+            with contextlib.suppress(OSError):
+                Path(launch.logs_specs.root_log_dir).rmdir()
     params = ev.RdzvParams(
         min_nodes=launch.min_nodes,
         max_nodes=launch.max_nodes,
