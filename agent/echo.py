@@ -171,6 +171,19 @@ class EchoedLogs(LogsSpecs):
         #: (local rank, stream) -> the kept file, for the round just reified
         self.kept: dict[tuple[int, str], str] = {}
 
+    @classmethod
+    def instead_of(
+        cls, torch_logs: LogsSpecs | None, folder: Path, *, made_its_folder: bool, max_bytes: int
+    ) -> EchoedLogs:
+        """rove's logs in place of torch's `torch_logs`, whose console filter they keep.
+        Given no `--log-dir` (`made_its_folder`), torch's made an empty torchelastic_*
+        folder in the temporary folder for themselves (torchrun leaves one a run:
+        thousands in /tmp): it goes, unused."""
+        if made_its_folder and torch_logs is not None:
+            with contextlib.suppress(OSError):
+                Path(torch_logs.root_log_dir).rmdir()
+        return cls(folder, getattr(torch_logs, "_local_ranks_filter", None), max_bytes=max_bytes)
+
     @property
     def root_log_dir(self) -> str:
         return str(self.folder)

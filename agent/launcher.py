@@ -191,16 +191,12 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         # the workers' output on the console byte for byte, as under torchrun, and kept
         # in the job's folder: a failure is diagnosed from it, `rove logs` reads it
         # (rove.agent.echo)
-        logs_specs = EchoedLogs(
+        logs_specs = EchoedLogs.instead_of(
+            logs_specs,
             (Path(args.log_dir) / job if args.log_dir else joblogs.folder(job)) / node,
-            getattr(logs_specs, "_local_ranks_filter", None),
+            made_its_folder=not args.log_dir,
             max_bytes=_log_max_bytes(),
         )
-        if not args.log_dir and launch.logs_specs is not None:
-            # torch's logs made an empty torchelastic_* folder in the temporary folder
-            # for themselves (torchrun leaves one a run: thousands in /tmp); not used
-            with contextlib.suppress(OSError):
-                Path(launch.logs_specs.root_log_dir).rmdir()
     params = ev.RdzvParams(
         min_nodes=launch.min_nodes,
         max_nodes=launch.max_nodes,
