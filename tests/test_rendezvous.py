@@ -283,6 +283,13 @@ def test_a_node_started_again_under_a_finished_job_changes_no_round() -> None:
     text = render(status_view(sim.state, sim.liveness, None, sim.now))
     assert "job j1: finished" in text and "ended after round 1" in text
     assert "re-forming" not in text
+    # read after the job, with no heartbeat kept: how many ranks it ran is not known
+    # ("-", as its step, not 0)
+    text = render(status_view(sim.state, {}, None, sim.now))
+    header = next(line for line in text.splitlines() if line.startswith("NODE"))
+    row = next(line for line in text.splitlines() if line.startswith("n1 "))
+    at = header.index("RANKS")
+    assert row[at : at + 5].strip() == "-", text
 
 
 def test_why_no_round_forms_is_said_and_shown_by_status() -> None:

@@ -105,7 +105,8 @@ def status_view(
                 "incarnation": n.incarnation,
                 "reason": n.reason,
                 "last_heartbeat_age_s": round(now - hb.ts, 1) if fresh and hb else None,
-                "ranks": len(ranks),
+                # (None: no heartbeat of this incarnation to tell, e.g. a node that left)
+                "ranks": len(ranks) if fresh else None,
                 "step": max((r.step for r in ranks), default=None),
                 "samples_per_s": round(sum(r.samples_per_s for r in ranks), 1) if ranks else None,
                 "cpu_percent": hb.cpu_percent if fresh and hb else None,
@@ -553,7 +554,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
             n["host"],
             str(n["pid"]),
             "-" if n["last_heartbeat_age_s"] is None else f"{n['last_heartbeat_age_s']:g}s ago",
-            str(n["ranks"]),
+            _cell(n["ranks"]),
             _cell(n["step"]),
             _cell(n["samples_per_s"]),
             _cell(n["cpu_percent"]),
