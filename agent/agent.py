@@ -200,37 +200,39 @@ class Agent:
         self._done = loop.create_future()
         self.facts.outbox.start()
         self.log.info("agent starting", incarnation=self.incarnation, addr=self.cfg.addr)
-        if self._warm:
-            warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
-        await self.checkpoints.announce_found()  # before it joins: the round restores it
-        await self.checkpoints.announce_memory(self.bus)  # (an earlier agent's, killed)
-        await self.replicas.start()  # before it joins: its peers send to its port
-        self._register()
-        feed = await retry.wait_out(  # started while JetStream has no quorum: it waits
-            lambda: self.bus.subscribe(
-                subjects.EVENTS_STREAM,
-                subjects.master(self.cfg.job, ">"),
-                self._on_decision,
-                self._on_rejected,
-                last_per_subject=True,
-            ),
-            what=f"the decisions of job {self.cfg.job}",
-        )
-        self.signals.ask, self.signals.insist = self.interrupt, self.kill_now
-        self.signals.install()
-        if self.signals.received:  # before the agent was there to hear it
-            self.interrupt(self.signals.received[0])
-        loops = [
-            asyncio.create_task(self._actor(), name="actor"),
-            asyncio.create_task(self._duties(), name="duties"),
-            asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
-            asyncio.create_task(self.leader_watch.run(), name="leader watch"),
-            *self.replicas.tasks(),  # its sender and its server's accept loop
-        ]
-        for task in [*loops, self.facts.outbox.task]:
-            if task is not None:
-                self.tasks.keep(task)
-        try:
+        loops: list[asyncio.Task[Any]] = []
+        feed: Feed | None = None
+        try:  # (a signal may cancel it while it starts: `rove run` ends the wait for the bus)
+            if self._warm:
+                warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
+            await self.checkpoints.announce_found()  # before it joins: the round restores it
+            await self.checkpoints.announce_memory(self.bus)  # (an earlier agent's, killed)
+            await self.replicas.start()  # before it joins: its peers send to its port
+            self._register()
+            feed = await retry.wait_out(  # started while JetStream has no quorum: it waits
+                lambda: self.bus.subscribe(
+                    subjects.EVENTS_STREAM,
+                    subjects.master(self.cfg.job, ">"),
+                    self._on_decision,
+                    self._on_rejected,
+                    last_per_subject=True,
+                ),
+                what=f"the decisions of job {self.cfg.job}",
+            )
+            self.signals.ask, self.signals.insist = self.interrupt, self.kill_now
+            self.signals.install()
+            if self.signals.received:  # before the agent was there to hear it
+                self.interrupt(self.signals.received[0])
+            loops = [
+                asyncio.create_task(self._actor(), name="actor"),
+                asyncio.create_task(self._duties(), name="duties"),
+                asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
+                asyncio.create_task(self.leader_watch.run(), name="leader watch"),
+                *self.replicas.tasks(),  # its sender and its server's accept loop
+            ]
+            for task in [*loops, self.facts.outbox.task]:
+                if task is not None:
+                    self.tasks.keep(task)
             code = await self._done
         finally:
             if self._own_signals:
@@ -240,7 +242,9 @@ class Agent:
             await self.replicas.stop()
             await self._stop_workers()
             await asyncio.to_thread(self.workers.close)
-            await _stop_feed(feed)
+            if feed is not None:
+                with contextlib.suppress(RoveError, OSError):
+                    await feed.stop()
             self.facts.emit(ev.NodeLeft(**self.facts.envelope(), reason=self.status.end_reason))
             if not await self.facts.outbox.flush(10.0):
                 self.log.warning(
@@ -592,8 +596,3 @@ class Agent:
                     local_rank, p, silent_s = found
                     self._hang_round = rnd
                     self._inbox.put_nowait(_Hang(rnd, local_rank, p.step, silent_s))
-
-
-async def _stop_feed(feed: Feed) -> None:
-    with contextlib.suppress(RoveError, OSError):
-        await feed.stop()

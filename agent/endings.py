@@ -8,11 +8,25 @@ The agent decides what happened (its actor); this says it: every worker finished
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import structlog
+
 from rove.agent.diagnosis import signal_name
 from rove.agent.facts import NodeFacts
 from rove.agent.runtime import RootFailure, TaskRestart
+from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
+from rove.control.domain import goodput
+from rove.control.errors import RoveError, plain
+from rove.control.history import runs
 from rove.control.process import metrics
+
+log = structlog.get_logger("rove.run")
+
+#: How long the end of a job may wait for its events to say its goodput.
+GOODPUT_READ_S = 5.0
 
 
 def summary(node: str, rank: int, root: RootFailure) -> list[str]:
@@ -89,3 +103,27 @@ class Endings:
 
     def _count(self, kind: ev.FailureKind) -> None:
         metrics.NODE_WORKER_FAILURES.labels(self.facts.job, kind.value).inc()
+
+
+async def goodput_line(bus: Bus, job: str) -> str | None:
+    """The job's goodput in one line, from its events, for the console at its end (`rove
+    goodput` tells the rest); None when its events could not be read in time."""
+    try:
+        folded = await asyncio.wait_for(runs.ledger(bus, job), GOODPUT_READ_S)
+    except (TimeoutError, RoveError) as exc:
+        log.info("could not read the job's events for its goodput", error=plain(exc))
+        return None
+    if not folded.steps_reported:
+        return goodput.NOT_KNOWN
+    report = goodput.report(folded, time.time())
+    worst = max(report.badput().items(), key=lambda kv: kv[1], default=None)
+    rest = (
+        f"; most of the rest went to {worst[0].value} ({worst[1]:.1f}s)"
+        if worst is not None and worst[1] >= 0.05
+        else ""
+    )
+    trained = report.seconds.get(goodput.Bucket.PRODUCTIVE, 0.0)
+    return (
+        f"goodput {100 * report.goodput:.1f}%: {trained:.1f}s of {report.total_s:.1f}s "
+        f"trained the model it ends with{rest}"
+    )

@@ -44,11 +44,11 @@ from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.domain import goodput, tf_cluster
-from rove.control.errors import ConfigError, RoveError, plain
+from rove.control.domain import tf_cluster
+from rove.control.errors import ConfigError
 from rove.control.flags import options as common
 from rove.control.flags import suggest
-from rove.control.history import joblogs, jobs, runs
+from rove.control.history import joblogs, jobs
 from rove.control.master.runner import SupervisedMaster
 from rove.control.process import aio, logs, metrics
 
@@ -56,9 +56,6 @@ if TYPE_CHECKING:
     from rove.control.services.kafka_bridge import KafkaBridge
 
 log = structlog.get_logger("rove.run")
-
-#: How long the end of a job may wait for its events to say its goodput.
-GOODPUT_READ_S = 5.0
 
 #: A worker quiet this long after it or a peer returned is stuck (`--hang-timeout` sets it).
 EXIT_TIMEOUT_S = 60.0
@@ -373,9 +370,19 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool, log
             "`rove master --job J --nats ...` beside them (docs/runtime.md, 'Several nodes')"
         )
     # SIGINT and SIGTERM for the whole run: the first stops the job's workers (with the
-    # same signal) and leaves cleanly, a second one ends everything at once
-    signals = aio.StopSignals()
-    signals.install()
+    # same signal) and leaves cleanly, a second one ends everything at once. Until the
+    # agent hears them (it may wait for the bus however long), the first ends that wait
+    starting = aio.Starting("the job")
+    return await starting.wait(_run_job(args, cfg, log_path, starting.signals, standalone))
+
+
+async def _run_job(
+    args: argparse.Namespace,
+    cfg: AgentConfig,
+    log_path: Path,
+    signals: aio.StopSignals,
+    standalone: bool,
+) -> int:
     options = common.bus_options(
         args,
         name=f"rove-agent-{cfg.node}",
@@ -417,7 +424,8 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool, log
             for line in endings.summary(cfg.node, *agent.status.failure):
                 say(line)
         if agent.status.starts:
-            await _say_goodput(bus, cfg.job)
+            if told := await endings.goodput_line(bus, cfg.job):
+                say(told)
             say(
                 f"read it again with: rove status, rove events, rove goodput or rove logs "
                 f"--job {cfg.job}{nats}"
@@ -439,30 +447,6 @@ def say(line: str) -> None:
     """A sentence for the person at the console (and the job's log)."""
     print(f"rove: {line}", file=sys.stderr, flush=True)
     log.debug(line)
-
-
-async def _say_goodput(bus: Bus, job: str) -> None:
-    """The job's goodput in one line, from its events (`rove goodput` tells the rest)."""
-    try:
-        folded = await asyncio.wait_for(runs.ledger(bus, job), GOODPUT_READ_S)
-    except (TimeoutError, RoveError) as exc:
-        log.info("could not read the job's events for its goodput", error=plain(exc))
-        return
-    if not folded.steps_reported:
-        say(goodput.NOT_KNOWN)
-        return
-    report = goodput.report(folded, time.time())
-    worst = max(report.badput().items(), key=lambda kv: kv[1], default=None)
-    rest = (
-        f"; most of the rest went to {worst[0].value} ({worst[1]:.1f}s)"
-        if worst is not None and worst[1] >= 0.05
-        else ""
-    )
-    trained = report.seconds.get(goodput.Bucket.PRODUCTIVE, 0.0)
-    say(
-        f"goodput {100 * report.goodput:.1f}%: {trained:.1f}s of {report.total_s:.1f}s "
-        f"trained the model it ends with{rest}"
-    )
 
 
 def _faults(texts: Sequence[str]) -> tuple[faults.Fault, ...]:

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from rove.control.bus.embedded import EmbeddedServer
-from tests.support import MasterProc, RunProc, patience, rove_cli
+from rove.control.bus.embedded import EmbeddedServer, nats_server_binary
+from tests.support import MasterProc, RunProc, free_port, patience, rove_cli
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WORKER = SCRIPTS / "signal_worker.py"
@@ -63,6 +65,14 @@ class Watched:
                 return code
             time.sleep(0.1)
         pytest.fail("processes left behind:\n" + "\n".join(left))
+
+
+def _connected_to(pid: int, port: int) -> bool:
+    try:
+        conns = psutil.Process(pid).net_connections("tcp")
+    except psutil.Error:
+        return False
+    return any(c.raddr and c.raddr.port == port and c.status == "ESTABLISHED" for c in conns)
 
 
 def _described(proc: psutil.Process) -> str:
@@ -181,6 +191,79 @@ def test_a_signal_before_the_round_forms_stops_the_node(
     job.signal(signal.SIGTERM)
     assert job.ended(within=30) == 128 + signal.SIGTERM
     master.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bus", ["nothing listens", "no JetStream"])
+def test_a_signal_while_the_node_waits_for_its_bus_stops_it_at_once(
+    tmp_path: Path, bus: str
+) -> None:
+    """A node waits for a bus that is not there (yet) however long, saying so once a
+    minute; the first Ctrl-C ends that wait (it used to be ignored until a second one)."""
+    port = free_port()
+    server = None
+    if bus == "no JetStream":  # it connects, then waits for JetStream's streams
+        server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)])
+    try:
+        job = Watched(
+            tmp_path,
+            "nobus",
+            *("--nats", f"nats://127.0.0.1:{port}", "--job", "nobus", "--nnodes", "1"),
+            str(WORKER),
+            str(tmp_path),
+        )
+        if server is None:
+            job.wait_for(lambda: "waiting for the bus" in job.run.log())
+        else:  # connected: waiting for JetStream (said after the first 30 s of tries)
+            job.wait_for(lambda: _connected_to(job.run.proc.pid, port))
+        job.signal(signal.SIGINT, group=True)
+        assert job.ended(within=20) == 128 + signal.SIGINT
+        assert "SIGINT before the job started: stopping" in job.run.log()
+        assert "again" not in job.run.log(), "one signal was enough"
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("command", "who"),
+    [
+        (("master", "--job", "j1", "--id", "m1"), "master m1"),
+        (("scaler", "--job", "j1", "--id", "s1"), "scaler s1"),
+        (("agent", "--pool", "p1", "--id", "a1"), "pool agent a1"),
+    ],
+)
+def test_a_daemon_waiting_for_its_bus_stops_at_the_first_signal(
+    tmp_path: Path, command: tuple[str, ...], who: str
+) -> None:
+    """As `rove run`'s node above: a daemon waits for its bus however long, and the
+    first signal ends the wait, with the status a signal gives (128 + its number)."""
+    err = tmp_path / "stderr"
+    with err.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rove.control.cli.main",
+                *command,
+                "--nats",
+                f"nats://127.0.0.1:{free_port()}",
+            ],
+            stderr=out,
+            env={**os.environ, "ROVE_HOME": str(tmp_path / "home")},
+        )
+    try:
+        deadline = time.monotonic() + patience(60)
+        while "waiting for the bus" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # (Ctrl-C: it used to be ignored here)
+        assert proc.wait(patience(20)) == 128 + signal.SIGINT, err.read_text()
+        assert f"rove: SIGINT before {who} started: stopping" in err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.parametrize(

@@ -134,20 +134,21 @@ class Bus:
                 _discard_scratch(options)
                 raise
         servers = bus_options.servers(url)
-        if options.reconnect_forever:
-            # a daemon started while NATS is down, or JetStream has no quorum, waits
-            nc = await retry.wait_out(
-                lambda: connection.open_client(servers, options),
-                what=f"connecting to NATS at {', '.join(servers)} (is the URL right?)",
-            )
-        else:
-            try:
+        try:
+            if options.reconnect_forever:
+                # a daemon started while NATS is down, or JetStream has no quorum, waits
+                # (until it connects, or a signal cancels the wait)
+                nc = await retry.wait_out(
+                    lambda: connection.open_client(servers, options),
+                    what=f"connecting to NATS at {', '.join(servers)} (is the URL right?)",
+                )
+            else:
                 nc = await connection.open_client(servers, options)
-            except BaseException:
-                if server is not None:
-                    await asyncio.to_thread(server.stop)
-                _discard_scratch(options)
-                raise
+        except BaseException:
+            if server is not None:
+                await asyncio.to_thread(server.stop)
+            _discard_scratch(options)
+            raise
         bus = cls(nc, options, server)
         if options.create_streams:
             try:

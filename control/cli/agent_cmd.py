@@ -59,7 +59,8 @@ async def _run(args: argparse.Namespace, agent_id: str) -> int:
     from rove.agent.daemon import PoolDaemon
 
     options = common.bus_options(args, name=f"rove-agent-{agent_id}", daemon=True)
-    bus = await Bus.connect(options)
+    starting = aio.Starting(f"pool agent {agent_id}")
+    bus = await starting.wait(Bus.connect(options))
     daemon = PoolDaemon(
         bus,
         args.pool,
@@ -68,7 +69,7 @@ async def _run(args: argparse.Namespace, agent_id: str) -> int:
         state_dir=args.state_dir,
         standby=args.standby,
     )
-    aio.stop_on_signals(daemon.stop)
+    starting.started(daemon.stop)
     try:
         await daemon.run()
     finally:

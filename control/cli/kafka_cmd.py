@@ -100,7 +100,8 @@ async def _run(args: argparse.Namespace, bridge_id: str, dataset: str) -> int:
             f"rove kafka-bridge needs confluent-kafka ({exc}): pip install 'rove[kafka]'"
         ) from exc
     options = common.bus_options(args, name=f"rove-bridge-{bridge_id}", job=args.job, daemon=True)
-    bus = await Bus.connect(options)
+    starting = aio.Starting(f"kafka bridge {bridge_id}")
+    bus = await starting.wait(Bus.connect(options))
     from rove.control.process import kafka_settings
 
     settings = kafka_settings.load(args.kafka_config)
@@ -118,7 +119,7 @@ async def _run(args: argparse.Namespace, bridge_id: str, dataset: str) -> int:
         poll_s=args.poll,
         connect_deadline_s=args.connect_deadline,
     )
-    aio.stop_on_signals(bridge.stop)
+    starting.started(bridge.stop)
     try:
         await bridge.run()
     finally:

@@ -82,7 +82,8 @@ async def _run(args: argparse.Namespace, master_id: str) -> int:
         allow_embedded=True,
         lease_ttl_s=args.lease_ttl,
     )
-    bus = await Bus.connect(options)
+    starting = aio.Starting(f"master {master_id}")
+    bus = await starting.wait(Bus.connect(options))
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     if bus.server is not None:
@@ -98,7 +99,7 @@ async def _run(args: argparse.Namespace, master_id: str) -> int:
         snapshot_every_s=args.snapshot_interval,
         until_ended=not args.keep_serving,
     )
-    aio.stop_on_signals(runner.stop)
+    starting.started(runner.stop)
     try:
         await runner.run()
     finally:

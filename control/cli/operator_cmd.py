@@ -100,7 +100,8 @@ async def _run(args: argparse.Namespace) -> int:
         ) from exc
     options = common.bus_options(args, name="rove-operator", daemon=True, role="operator")
     api = api_client(args.kube_api)
-    bus = await Bus.connect(options)
+    starting = aio.Starting("the operator")
+    bus = await starting.wait(Bus.connect(options))
     site = spec.Site(
         nats_url=args.job_nats_url or options.url or bus.url,
         users_secret=args.users_secret,
@@ -111,7 +112,7 @@ async def _run(args: argparse.Namespace) -> int:
         scaler_account=args.scaler_account,
     )
     operator = controller.Operator(bus, api, args.namespace, site, resync_s=args.resync)
-    aio.stop_on_signals(operator.stop)
+    starting.started(operator.stop)
     try:
         await operator.run()
     finally:

@@ -133,7 +133,8 @@ def _backend(args: argparse.Namespace, bus: Bus, url: str) -> Backend:
 
 async def _run(args: argparse.Namespace, scaler_id: str) -> int:
     options = common.bus_options(args, name=f"rove-scaler-{scaler_id}", job=args.job, daemon=True)
-    bus = await Bus.connect(options)
+    starting = aio.Starting(f"scaler {scaler_id}")
+    bus = await starting.wait(Bus.connect(options))
     backend = _backend(args, bus, options.url or bus.url)
     scaler = Scaler(
         bus,
@@ -143,7 +144,7 @@ async def _run(args: argparse.Namespace, scaler_id: str) -> int:
         plan_deadline_s=args.plan_deadline,
         create_interval_s=args.create_interval,
     )
-    aio.stop_on_signals(scaler.stop)
+    starting.started(scaler.stop)
     try:
         await scaler.run()
     finally:

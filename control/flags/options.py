@@ -17,6 +17,7 @@ from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
+from rove.control.process import aio
 
 # Exit codes of the CLI.
 EXIT_OK = 0
@@ -44,6 +45,8 @@ def run_reporting(command: str, fn: Callable[[], int]) -> int:
         return next(code for kind, code in _EXIT_CODES if isinstance(exc, kind))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except aio.Interrupted as exc:  # a signal while it waited for its bus to start
+        return 128 + exc.signum
 
 
 def add_job_arg(p: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 Also `Supervisor`, which watches a component's tasks (none may die silently),
 `cancel_and_wait`, the one way rove stops its background tasks, and
 `StopSignals` / `stop_on_signals`, how a rove process ends on SIGTERM or SIGINT: the
-first signal asks it to stop cleanly, a second one ends it at once.
+first signal asks it to stop cleanly, a second one ends it at once; and `Starting`, the
+same for a daemon still waiting for its bus (the first signal ends the wait).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -159,3 +160,50 @@ def stop_on_signals(stop: Callable[[], object]) -> StopSignals:
     signals = StopSignals(lambda _signum: stop())
     signals.install()
     return signals
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM (`signum`) stopped a process before it started (`Starting`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Starting:
+    """SIGTERM and SIGINT for a daemon whose start may wait for its bus however long
+    (NATS down or not there yet, JetStream without quorum): made inside its main task,
+    before it connects. Until `started(stop)`, the first signal cancels what `wait`
+    awaits, which raises `Interrupted` (nothing ran yet); from then on it calls
+    `stop()`, a clean stop. A second signal ends the process at once. (`signals` may be
+    handed on: `rove run`'s agent takes them over once it hears decisions.)"""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._task = asyncio.current_task()
+        self._stop: Callable[[], object] | None = None
+        self.signals = StopSignals(self._first)
+        self.signals.install()
+
+    def _first(self, signum: int) -> None:
+        if self._stop is not None:
+            self._stop()
+            return
+        name = signal.Signals(signum).name
+        print(f"rove: {name} before {self.what} started: stopping", file=sys.stderr, flush=True)
+        if self._task is not None:
+            self._task.cancel()
+
+    async def wait(self, aw: Awaitable[T]) -> T:
+        """`await aw`; raises `Interrupted` if a signal cancelled it."""
+        try:
+            return await aw
+        except asyncio.CancelledError:
+            if not self.signals.received or self._stop is not None or self._task is None:
+                raise
+            self._task.uncancel()
+            raise Interrupted(self.signals.received[0]) from None
+
+    def started(self, stop: Callable[[], object]) -> None:
+        """The daemon runs: a first signal now calls `stop()`."""
+        self._stop = stop
