@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+from pathlib import Path
+
+import structlog
 
 from rove.control.bus import records
-from rove.control.bus.client import Bus
+from rove.control.bus.client import Bus, BusOptions
+from rove.control.bus.embedded import nats_server_binary
 from rove.control.catalogue import events as ev
 from rove.control.master.service import JobService
 from tests import factories
-from tests.support import eventually, patience, stored_events
+from tests.support import eventually, free_port, patience, stored_events
 
 
 class StopWhenTwoNodesJoined(JobService):
@@ -55,3 +60,30 @@ async def test_stop_ends_a_dozing_service(bus: Bus) -> None:
     await asyncio.sleep(0.2)
     service.stop()
     await asyncio.wait_for(task, patience(10))
+
+
+async def test_stop_ends_a_service_still_waiting_for_jetstream(tmp_path: Path) -> None:
+    """A service started while JetStream does not answer (here a server without it: the
+    same wait as a cluster without quorum) waits however long; `stop()` (a daemon's
+    first signal) ends that wait instead of being heard only once it follows the job."""
+    port = free_port()
+    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)])
+    try:
+        bus = await Bus.connect(
+            BusOptions(url=f"nats://127.0.0.1:{port}", create_streams=False, name="probe")
+        )
+        service = StopWhenTwoNodesJoined(bus)
+        with structlog.testing.capture_logs() as said:
+            task = asyncio.create_task(service.run())
+            await eventually(
+                lambda: any("waiting for the bus: probe following" in e["event"] for e in said),
+                timeout=patience(30),
+            )
+        assert not task.done()
+        service.stop()
+        await asyncio.wait_for(task, patience(10))
+        assert task.exception() is None and service.seen == []
+        await bus.close()
+    finally:
+        server.terminate()
+        server.wait(10)
