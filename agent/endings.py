@@ -1,9 +1,12 @@
-"""How a round's workers ended, as this node's facts and metrics.
+"""How a round's workers ended, as this node's facts and metrics, and the lines a job
+ends with on the console.
 
 The agent decides what happened (its actor); this says it: every worker finished
 (`workers_succeeded`, with a note when one was ended stuck on its way out), one failed
 (`worker_exited`, diagnosed, with its log tail), one hung (`worker_exited`, kind
-`hang`), or a task was restarted in place (`task_restarted`, TensorFlow).
+`hang`), or a task was restarted in place (`task_restarted`, TensorFlow). At the job's
+end `rove run` says the root cause of a failure (`summary`) and the job's goodput
+(`goodput_line`).
 """
 
 from __future__ import annotations

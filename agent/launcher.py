@@ -373,15 +373,15 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool, log
     # same signal) and leaves cleanly, a second one ends everything at once. Until the
     # agent hears them (it may wait for the bus however long), the first ends that wait
     starting = aio.Starting("the job")
-    return await starting.wait(_run_job(args, cfg, log_path, starting.signals, standalone))
+    return await starting.wait(_run_job(args, cfg, standalone, log_path, starting.signals))
 
 
 async def _run_job(
     args: argparse.Namespace,
     cfg: AgentConfig,
+    standalone: bool,
     log_path: Path,
     signals: aio.StopSignals,
-    standalone: bool,
 ) -> int:
     options = common.bus_options(
         args,
