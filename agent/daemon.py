@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import nats.errors
 import nats.js.errors
 import structlog
 from nats.js.kv import KeyValue
@@ -33,6 +34,7 @@ from rove.control.bus import retry
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import plain
+from rove.control.process import aio
 from rove.control.scaler.local import LocalBackend
 from rove.control.services import pool as registry
 from rove.control.services.pool import PoolEntry, PoolState
@@ -73,10 +75,24 @@ class PoolDaemon:
         self._stopping.set()
 
     async def run(self) -> None:
-        kv = await retry.wait_out(  # started while JetStream has no quorum: it waits
-            lambda: registry.bucket(self.bus), what=f"the registry of pool {self.pool}"
-        )
-        await retry.wait_out(lambda: self._announce(kv), what=f"announcing {self.agent}")
+        kv: KeyValue | None = None
+        try:  # started while JetStream has no quorum: it waits, until a stop
+            kv = await aio.unless(
+                self._stopping,
+                retry.wait_out(
+                    lambda: registry.bucket(self.bus), what=f"the registry of pool {self.pool}"
+                ),
+            )
+            await aio.unless(
+                self._stopping,
+                retry.wait_out(lambda: self._announce(kv), what=f"announcing {self.agent}"),
+            )
+        except aio.Stopped:
+            self.log.info("stopped before the agent joined the pool")
+            if kv is not None:  # an announcement cut short may have been stored
+                await self._leave(kv, timeout_s=2.0)
+            await self.backend.close()
+            return
         self.log.info("agent in the pool, idle", capacity=self.capacity.describe())
         try:
             said = 0.0
@@ -96,11 +112,16 @@ class PoolDaemon:
         finally:
             if self.entry.state is not PoolState.IDLE and self.entry.spec is not None:
                 await self._stop_node("the pool agent is stopping")
-            try:
-                await kv.delete(self.key)
-            except nats.js.errors.Error:
-                pass
+            await self._leave(kv)
             await self.backend.close()
+
+    async def _leave(self, kv: KeyValue, timeout_s: float | None = None) -> None:
+        """Take this agent's entry out of the pool's registry (best effort: a scaler
+        also forgets an entry that is not refreshed)."""
+        try:
+            await asyncio.wait_for(kv.delete(self.key), timeout_s)
+        except (nats.js.errors.Error, nats.errors.Error, TimeoutError):
+            pass
 
     # ------------------------------------------------------------------ registry
 

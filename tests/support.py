@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -92,6 +92,25 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+@contextlib.contextmanager
+def nats_without_jetstream() -> Iterator[int]:
+    """A nats-server without JetStream on a free loopback port (yields the port): a
+    client connects, and every JetStream call fails as on a cluster without quorum."""
+    from rove.control.bus.embedded import nats_server_binary
+
+    port = free_port()
+    server = subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield port
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 class Cluster:

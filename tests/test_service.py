@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from pathlib import Path
 
 import structlog
 
 from rove.control.bus import records
 from rove.control.bus.client import Bus, BusOptions
-from rove.control.bus.embedded import nats_server_binary
 from rove.control.catalogue import events as ev
 from rove.control.master.service import JobService
 from tests import factories
-from tests.support import eventually, free_port, patience, stored_events
+from tests.support import eventually, nats_without_jetstream, patience, stored_events
 
 
 class StopWhenTwoNodesJoined(JobService):
@@ -66,9 +64,7 @@ async def test_stop_ends_a_service_still_waiting_for_jetstream(tmp_path: Path) -
     """A service started while JetStream does not answer (here a server without it: the
     same wait as a cluster without quorum) waits however long; `stop()` (a daemon's
     first signal) ends that wait instead of being heard only once it follows the job."""
-    port = free_port()
-    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)])
-    try:
+    with nats_without_jetstream() as port:
         bus = await Bus.connect(
             BusOptions(url=f"nats://127.0.0.1:{port}", create_streams=False, name="probe")
         )
@@ -84,6 +80,27 @@ async def test_stop_ends_a_service_still_waiting_for_jetstream(tmp_path: Path) -
         await asyncio.wait_for(task, patience(10))
         assert task.exception() is None and service.seen == []
         await bus.close()
-    finally:
-        server.terminate()
-        server.wait(10)
+
+
+async def test_stop_ends_a_pool_agent_still_waiting_for_its_registry(tmp_path: Path) -> None:
+    """The same for `rove agent --pool`: connected while JetStream does not answer, it
+    waits for its pool's registry (a KV bucket) however long; its first signal
+    (`stop()`) ends that wait and it stops cleanly, without joining the pool."""
+    from rove.agent.daemon import PoolDaemon
+
+    with nats_without_jetstream() as port:
+        bus = await Bus.connect(
+            BusOptions(url=f"nats://127.0.0.1:{port}", create_streams=False, name="probe")
+        )
+        with structlog.testing.capture_logs() as said:
+            daemon = PoolDaemon(bus, "p1", "a1", state_dir=tmp_path / "state", standby=False)
+            task = asyncio.create_task(daemon.run())
+            await eventually(
+                lambda: any("the registry of pool p1" in e["event"] for e in said),
+                timeout=patience(30),
+            )
+            assert not task.done()
+            daemon.stop()
+            await asyncio.wait_for(task, patience(10))
+        assert task.exception() is None
+        await bus.close()

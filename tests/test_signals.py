@@ -4,6 +4,7 @@ Out-of-range numbers are refused before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,8 +15,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rove.control.bus.embedded import EmbeddedServer, nats_server_binary
-from tests.support import MasterProc, RunProc, free_port, patience, rove_cli
+from rove.control.bus.embedded import EmbeddedServer
+from tests.support import (
+    MasterProc,
+    RunProc,
+    free_port,
+    nats_without_jetstream,
+    patience,
+    rove_cli,
+)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WORKER = SCRIPTS / "signal_worker.py"
@@ -200,11 +208,11 @@ def test_a_signal_while_the_node_waits_for_its_bus_stops_it_at_once(
 ) -> None:
     """A node waits for a bus that is not there (yet) however long, saying so once a
     minute; the first Ctrl-C ends that wait (it used to be ignored until a second one)."""
-    port = free_port()
-    server = None
-    if bus == "no JetStream":  # it connects, then waits for JetStream's streams
-        server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)])
-    try:
+    with contextlib.ExitStack() as stack:
+        if bus == "no JetStream":  # it connects, then waits for JetStream's streams
+            port = stack.enter_context(nats_without_jetstream())
+        else:
+            port = free_port()
         job = Watched(
             tmp_path,
             "nobus",
@@ -212,7 +220,7 @@ def test_a_signal_while_the_node_waits_for_its_bus_stops_it_at_once(
             str(WORKER),
             str(tmp_path),
         )
-        if server is None:
+        if bus == "nothing listens":
             job.wait_for(lambda: "waiting for the bus" in job.run.log())
         else:  # connected: waiting for JetStream (said after the first 30 s of tries)
             job.wait_for(lambda: _connected_to(job.run.proc.pid, port))
@@ -220,10 +228,6 @@ def test_a_signal_while_the_node_waits_for_its_bus_stops_it_at_once(
         assert job.ended(within=20) == 128 + signal.SIGINT
         assert "SIGINT before the job started: stopping" in job.run.log()
         assert "again" not in job.run.log(), "one signal was enough"
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(10)
 
 
 @pytest.mark.parametrize(

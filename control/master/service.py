@@ -99,19 +99,13 @@ class JobService(abc.ABC):
         """Catch up with the job (waiting for the bus as long as it takes: a daemon
         started while JetStream has no quorum goes on once it has, or ends there if
         `stop()` comes first), then `serve()`; stops following on the way out."""
-        following = asyncio.ensure_future(
-            retry.wait_out(self._follow, what=f"{self.name} following job {self.job}")
-        )
-        stopped = asyncio.ensure_future(self._stopping.wait())
         try:
-            await asyncio.wait({following, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not following.done():  # stopped (or cancelled) before it could follow
-                await aio.cancel_and_wait([following])
-        if following.cancelled():
+            await aio.unless(
+                self._stopping,
+                retry.wait_out(self._follow, what=f"{self.name} following job {self.job}"),
+            )
+        except aio.Stopped:
             return
-        following.result()  # (what it raised: not a bus away, which it waits out)
         try:
             await self.serve()
         finally:

@@ -170,14 +170,19 @@ class Operator:
         threading.Thread(
             target=self._watch, args=(loop,), name="rove-operator-watch", daemon=True
         ).start()
-        self._tasks.keep(asyncio.create_task(self._reconcile_loop(), name="reconcile"))
-        self._tasks.keep(asyncio.create_task(self._status_loop(), name="status"))
+        loops = [
+            self._tasks.keep(asyncio.create_task(self._reconcile_loop(), name="reconcile")),
+            self._tasks.keep(asyncio.create_task(self._status_loop(), name="status")),
+        ]
         log.info("operator is running", namespace=self.namespace, nats=self.site.nats_url)
         try:
             await self._stopping.wait()
         finally:
             self._tasks.stop()
             self._watch_stop.set()
+            # a reconcile may be waiting (for the bus, for the API server): it ends here,
+            # not after the replicas it uses are stopped
+            await aio.cancel_and_wait(loops)
             for f in list(self.followers.values()):
                 await f.replica.stop()
         if self._failed is not None:

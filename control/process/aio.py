@@ -1,10 +1,11 @@
 """Running rove's coroutines: on uvloop when it is installed (10-40% faster JetStream I/O).
 
 Also `Supervisor`, which watches a component's tasks (none may die silently),
-`cancel_and_wait`, the one way rove stops its background tasks, and
-`StopSignals` / `stop_on_signals`, how a rove process ends on SIGTERM or SIGINT: the
-first signal asks it to stop cleanly, a second one ends it at once; and `Starting`, the
-same for a daemon still waiting for its bus (the first signal ends the wait).
+`cancel_and_wait`, the one way rove stops its background tasks, `unless`, a wait that
+a stop ends, and `StopSignals` / `stop_on_signals`, how a rove process ends on SIGTERM
+or SIGINT: the first signal asks it to stop cleanly, a second one ends it at once; and
+`Starting`, the same for a daemon still waiting for its bus (the first signal ends the
+wait).
 """
 
 from __future__ import annotations
@@ -48,6 +49,28 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], *, recancel_s: f
     for t in tasks:
         if not t.cancelled():
             t.exception()  # retrieved: no "exception was never retrieved" warning
+
+
+class Stopped(Exception):
+    """`unless`: the stop came before what it awaited."""
+
+
+async def unless(stopping: asyncio.Event, aw: Awaitable[T]) -> T:
+    """`await aw`, unless `stopping` is set first: then `aw` is cancelled (and waited
+    for) and `Stopped` is raised. For a daemon's waits that may last however long (its
+    bus away, JetStream without quorum), so that its first signal (`stop()`) ends them
+    instead of being heard once they are over."""
+    waiting = asyncio.ensure_future(aw)
+    stopped = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not waiting.done():  # stopped (or cancelled) first
+            await cancel_and_wait([waiting])
+    if waiting.cancelled():
+        raise Stopped()
+    return waiting.result()
 
 
 class StopSignals:
