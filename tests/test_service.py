@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 import structlog
 
 from rove.control.bus import records
@@ -60,32 +61,13 @@ async def test_stop_ends_a_dozing_service(bus: Bus) -> None:
     await asyncio.wait_for(task, patience(10))
 
 
-async def test_stop_ends_a_service_still_waiting_for_jetstream(tmp_path: Path) -> None:
-    """A service started while JetStream does not answer (here a server without it: the
-    same wait as a cluster without quorum) waits however long; `stop()` (a daemon's
-    first signal) ends that wait instead of being heard only once it follows the job."""
-    with nats_without_jetstream() as port:
-        bus = await Bus.connect(
-            BusOptions(url=f"nats://127.0.0.1:{port}", create_streams=False, name="probe")
-        )
-        service = StopWhenTwoNodesJoined(bus)
-        with structlog.testing.capture_logs() as said:
-            task = asyncio.create_task(service.run())
-            await eventually(
-                lambda: any("waiting for the bus: probe following" in e["event"] for e in said),
-                timeout=patience(30),
-            )
-        assert not task.done()
-        service.stop()
-        await asyncio.wait_for(task, patience(10))
-        assert task.exception() is None and service.seen == []
-        await bus.close()
-
-
-async def test_stop_ends_a_pool_agent_still_waiting_for_its_registry(tmp_path: Path) -> None:
-    """The same for `rove agent --pool`: connected while JetStream does not answer, it
-    waits for its pool's registry (a KV bucket) however long; its first signal
-    (`stop()`) ends that wait and it stops cleanly, without joining the pool."""
+@pytest.mark.parametrize("daemon", ["a job service", "a pool agent"])
+async def test_stop_ends_a_daemon_still_waiting_for_jetstream(tmp_path: Path, daemon: str) -> None:
+    """A daemon started while JetStream does not answer (here a server without it: the
+    same wait as a cluster without quorum) waits however long: a master, scaler or
+    bridge to follow its job, a pool agent for its pool's registry (a KV bucket).
+    `stop()` (a daemon's first signal) ends that wait instead of being heard only once
+    it is over; a pool agent stops without joining the pool."""
     from rove.agent.daemon import PoolDaemon
 
     with nats_without_jetstream() as port:
@@ -93,14 +75,18 @@ async def test_stop_ends_a_pool_agent_still_waiting_for_its_registry(tmp_path: P
             BusOptions(url=f"nats://127.0.0.1:{port}", create_streams=False, name="probe")
         )
         with structlog.testing.capture_logs() as said:
-            daemon = PoolDaemon(bus, "p1", "a1", state_dir=tmp_path / "state", standby=False)
-            task = asyncio.create_task(daemon.run())
-            await eventually(
-                lambda: any("the registry of pool p1" in e["event"] for e in said),
-                timeout=patience(30),
-            )
+            if daemon == "a job service":
+                service: StopWhenTwoNodesJoined | PoolDaemon = StopWhenTwoNodesJoined(bus)
+                waits = "waiting for the bus: probe following"
+            else:
+                service = PoolDaemon(bus, "p1", "a1", state_dir=tmp_path / "state", standby=False)
+                waits = "waiting for the bus: the registry of pool p1"
+            task = asyncio.create_task(service.run())
+            await eventually(lambda: any(waits in e["event"] for e in said), timeout=patience(30))
             assert not task.done()
-            daemon.stop()
+            service.stop()
             await asyncio.wait_for(task, patience(10))
         assert task.exception() is None
+        if isinstance(service, StopWhenTwoNodesJoined):
+            assert service.seen == []
         await bus.close()
