@@ -31,6 +31,9 @@ at work (every server of this node serving and its chief, if it runs it, past it
 first step; at the latest `SPARE_DELAY_S` after the start) so that they never slow the
 start they are meant to speed up. A task with no spare starts as a fresh process.
 
+Every task and spare runs with `TMPDIR` set to a folder of this runtime's own, removed at
+`close()`: TensorFlow's autograph files of a killed task go with it.
+
 A task's output goes to its log file (`<log_dir>/round<R>-<role><index>.log`);
 the chief's is also echoed to the agent's stderr, prefixed `[chief]`, as are
 the servers' own `rove:` lines. The last lines of a failed task are its
@@ -43,9 +46,11 @@ import asyncio
 import collections
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -150,6 +155,8 @@ class TfRuntime(WorkerRuntime):
         self._tasks: dict[int, _Task] = {}
         self._progress_files: dict[int, Path] = {}
         self._lock = threading.Lock()
+        #: every task's and spare's temporary folder (TMPDIR), removed at `close()`
+        self._tmp: Path | None = None
 
     @property
     def running(self) -> bool:
@@ -170,7 +177,7 @@ class TfRuntime(WorkerRuntime):
             self._progress_files = {}
             for local_rank, env in sorted(envs.items()):
                 role, index = env[ROLE_ENV], int(env[INDEX_ENV])
-                full = {**os.environ, **env}
+                full = {**os.environ, **env, "TMPDIR": self._tmpdir()}
                 if role == tf_cluster.CHIEF:
                     path = self.progress_dir / f"round{round_}-chief"
                     progress.create(path)
@@ -262,6 +269,7 @@ class TfRuntime(WorkerRuntime):
             self._spares.append(
                 subprocess.Popen(
                     self.spare_argv,
+                    env={**os.environ, "TMPDIR": self._tmpdir()},
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
@@ -271,7 +279,8 @@ class TfRuntime(WorkerRuntime):
         return None
 
     def close(self) -> None:
-        """Let the spares go (the agent is ending)."""
+        """Let the spares go (the agent is ending), and remove the tasks' temporary
+        folder."""
         spares, self._spares, self._want = self._spares, [], 0
         for proc in spares:
             with contextlib.suppress(ProcessLookupError):
@@ -282,6 +291,18 @@ class TfRuntime(WorkerRuntime):
                 if pipe is not None:
                     with contextlib.suppress(OSError):
                         pipe.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _tmpdir(self) -> str:
+        """The temporary folder of this node's TensorFlow processes (made at first use, in
+        the agent's own). TensorFlow's autograph writes a file there for each function
+        it converts and removes it only when the process exits normally: a task that
+        was killed left them in /tmp, a few every time, for good."""
+        if self._tmp is None:
+            self._tmp = Path(tempfile.mkdtemp(prefix="rove-tf-"))
+        return str(self._tmp)
 
     # ------------------------------------------------------------------ output
 

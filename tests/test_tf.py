@@ -55,8 +55,15 @@ def node(
         *("--heartbeat-interval", "0.5", "--checkpoint-dir", str(tmp_path / "ckpt")),
         str(script),
         *args,
-        env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+        # (a temporary folder of the test's own: what the job leaves there is checked)
+        env={"TF_CPP_MIN_LOG_LEVEL": "2", "TMPDIR": str(scratch(tmp_path))},
     )
+
+
+def scratch(tmp_path: Path) -> Path:
+    path = tmp_path / "scratch"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 async def events_of(bus: Bus, job: str, kind: type[E]) -> list[E]:
@@ -136,6 +143,9 @@ async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_ea
     events = [r.event for r in stored]
     rounds = [e for e in events if isinstance(e, ev.RoundCompleted)]
     assert len(rounds) == 3, [(r.round, r.reason) for r in rounds]
+    # the killed tasks' autograph files went with their node's temporary folder (they
+    # were left in /tmp, a few at every kill)
+    assert sorted(p.name for p in scratch(tmp_path).iterdir()) == []
     # the master holds every shard done: each acknowledged once a checkpoint covered it
     data = fold_records(stored, job).data
     ds = data.datasets["tf-regression"]

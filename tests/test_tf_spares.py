@@ -5,7 +5,8 @@ Real processes: the runtime runs a chief-only round of a small script, keeps a s
 once the chief reports a step, and hands the next round's chief to it. The script
 then finds TensorFlow imported without importing it, and runs with its own
 arguments, its round's `TF_CONFIG`, an empty stdin and the command line a fresh chief
-shows; its exit status is the task's. A spare that keeps ending before it has a task
+shows, and the node's temporary folder (removed at `close()`); its exit status is the
+task's. A spare that keeps ending before it has a task
 is said, replaced by a fresh start, and given up after `SPARE_FAILURES`.
 """
 
@@ -27,7 +28,7 @@ from rove.agent.tf_runtime import INDEX_ENV, ROLE_ENV, TfRuntime
 from tests.support import eventually
 
 CHIEF = r"""
-import json, os, pathlib, sys, time
+import json, os, pathlib, sys, tempfile, time
 from rove.agent import progress
 out = pathlib.Path(os.environ["TEST_OUT"])
 progress.report(1)  # at work: the runtime may start its spares now
@@ -37,6 +38,7 @@ out.write_text(json.dumps({
     "argv": sys.argv,
     "config": os.environ["TF_CONFIG"],
     "stdin": sys.stdin.read(),
+    "tmp": tempfile.gettempdir(),
 }))
 while not out.with_suffix(".go").exists():
     time.sleep(0.05)
@@ -109,6 +111,9 @@ async def test_a_new_rounds_chief_starts_from_a_spare_that_imported_tensorflow(
 
         first, ended = await a_round(rt, 1, tmp_path, 0, before_end=spare_kept)
         assert not first["tf"], "a fresh chief has imported nothing"
+        # the node's own temporary folder, removed at close()
+        tmp = Path(first["tmp"])
+        assert tmp.name.startswith("rove-tf-") and tmp.is_dir(), tmp
         assert ended == WorkersEnded(1, None)
         assert len(kept) == 1
 
@@ -127,6 +132,7 @@ async def test_a_new_rounds_chief_starts_from_a_spare_that_imported_tensorflow(
         assert second["argv"] == [str(tmp_path / "chief.py"), "x"]
         assert json.loads(second["config"])["cluster"] == {"chief": ["127.0.0.1:40002"]}
         assert second["stdin"] == "", "the hand-over's pipe is not the task's stdin"
+        assert second["tmp"] == str(tmp), "a spare's temporary folder is a fresh task's"
         assert ended.failure is not None and ended.failure.exit_code == 3
         # a new spare replaced the one taken while the round ran; close() lets it go
         assert [p.pid for p in refilled] and [p.pid for p in refilled] != [kept[0].pid]
@@ -134,6 +140,7 @@ async def test_a_new_rounds_chief_starts_from_a_spare_that_imported_tensorflow(
         rt.stop()
         rt.close()
     assert spares() == [], "close() ends the spares"
+    assert not tmp.exists(), "close() removes the tasks' temporary folder"
 
 
 async def test_a_spare_that_ends_before_its_task_is_said_and_given_up_after_three(
