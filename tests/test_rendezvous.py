@@ -292,6 +292,37 @@ def test_a_node_started_again_under_a_finished_job_changes_no_round() -> None:
     assert row[at : at + 5].strip() == "-", text
 
 
+def test_status_shows_the_last_step_each_node_reported_after_the_job_ended() -> None:
+    """Read after the job (no heartbeat kept, as `rove status` of a stored job), each
+    node's STEP is the newest one its workers reported, not "-"; a report of another
+    incarnation of the node (an agent run before) is not its step."""
+    from rove.control.cli.status_cmd import render, status_view
+
+    sim = Sim(params(min_nodes=2, max_nodes=2))
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick(6)
+    sim.apply(factories.progressed("n1", 1, 40, sim.now))
+    sim.apply(factories.progressed("n2", 1, 38, sim.now))
+    sim.apply(factories.progressed("n1", 1, 150, sim.now + 5))
+    sim.apply(factories.progressed("n2", 1, 7, sim.now + 5, inc="old"))
+    sim.apply(factories.succeeded("n1", 1))
+    sim.apply(factories.succeeded("n2", 1))
+    (end,) = sim.tick()
+    assert isinstance(end, ev.JobEnded) and end.phase is ev.JobPhase.FINISHED
+    view = status_view(sim.state, {}, None, sim.now)
+    assert {n["node"]: n["step"] for n in view["nodes"]} == {"n1": 150, "n2": 38}
+    text = render(view)
+    header = next(line for line in text.splitlines() if line.startswith("NODE"))
+    at = header.index("STEP")
+    steps = {
+        line.split()[0]: line[at : at + 4].strip()
+        for line in text.splitlines()
+        if line.startswith(("n1 ", "n2 "))
+    }
+    assert steps == {"n1": "150", "n2": "38"}, text
+
+
 def test_why_no_round_forms_is_said_and_shown_by_status() -> None:
     from rove.control.cli.status_cmd import render, status_view
 

@@ -107,7 +107,9 @@ def status_view(
                 "last_heartbeat_age_s": round(now - hb.ts, 1) if fresh and hb else None,
                 # (None: no heartbeat of this incarnation to tell, e.g. a node that left)
                 "ranks": len(ranks) if fresh else None,
-                "step": max((r.step for r in ranks), default=None),
+                # (its workers' newest step: live from its heartbeat, else the last
+                # one they reported, e.g. of an ended job)
+                "step": max((r.step for r in ranks), default=n.step),
                 "samples_per_s": round(sum(r.samples_per_s for r in ranks), 1) if ranks else None,
                 "cpu_percent": hb.cpu_percent if fresh and hb else None,
                 "mem_used_bytes": hb.mem_used_bytes if fresh and hb else None,

@@ -44,7 +44,6 @@ _PART_FOLDS: dict[type[ev.Event], tuple[str, Callable[[Any, Any], Any]]] = {
     ev.CkptFound: ("ckpt", ckpt.on_found),
     ev.ReplicaStored: ("ckpt", ckpt.on_replica),
     ev.CkptCommitted: ("ckpt", ckpt.on_committed),
-    ev.TrainingProgress: ("ckpt", ckpt.on_progress),
     ev.DatasetRegistered: ("data", data.on_registered),
     ev.ShardRequested: ("data", data.on_requested),
     ev.ShardDone: ("data", data.on_done),
@@ -210,6 +209,18 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 rdzv=_rdzv_unless_ended(state, rdzv.on_round_completed, event),
                 ckpt=ckpt.on_round(state.ckpt, event),
                 counters=replace(c, events=c.events + 1, rounds=c.rounds + 1),
+                applied_seq=seq,
+            )
+        case ev.TrainingProgress():
+            node = state.nodes.get(event.node)
+            nodes = state.nodes
+            if node is not None and node.incarnation == event.incarnation:
+                nodes = nodes.set(event.node, replace(node, step=event.step))
+            return replace(
+                state,
+                nodes=nodes,
+                ckpt=ckpt.on_progress(state.ckpt, event),
+                counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
         case ev.NodeExcluded():

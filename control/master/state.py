@@ -50,6 +50,9 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
     #: the stream sequence of its `node_joined`
     joined_seq: int = 0
+    #: the newest step its workers reported (`training_progress`: the slowest local
+    #: rank's), kept after it left: what `rove status` shows of an ended job's nodes
+    step: int | None = None
 
 
 class Counters(msgspec.Struct, frozen=True, kw_only=True):
