@@ -343,6 +343,11 @@ class CheckpointDuty:
             return
         self._failure_said = (shape, now)
 
+    def _failed_event(self, step: int, error: str) -> None:
+        self.facts.emit(
+            ev.CkptFailed(**self.facts.envelope(), step=step, error=error[: ev.REASON_CHARS])
+        )
+
     async def _persist(self, step: int) -> None:
         round_ = self._round  # the lineage this step belongs to
         self._attempted = max(self._attempted, step)
@@ -371,9 +376,14 @@ class CheckpointDuty:
                 )
             else:
                 self.log.info(f"checkpoint step {step} not persisted: {exc}; a newer one will be")
-            self.facts.emit(
-                ev.CkptFailed(**self.facts.envelope(), step=step, error=str(exc)[: ev.REASON_CHARS])
-            )
+            self._failed_event(step, str(exc))
+            return
+        except Exception as exc:  # not storage failing: a bug, said with its traceback
+            # (this runs as a task of its own: raised, it would end unseen, and every
+            # later persist with it); the next due step is tried, as after any failure
+            self.log.error(f"internal error persisting checkpoint step {step}", exc_info=exc)
+            self._failed += 1
+            self._failed_event(step, f"internal error: {type(exc).__name__}: {exc}")
             return
         self._overwritten = 0
         if self._failed:

@@ -119,6 +119,15 @@ class _Saver:
         raise self.errors.pop(0)
 
 
+class _Persists:
+    """Persists every step (nowhere)."""
+
+    storage, copying = object(), False
+
+    def persist(self, step: int) -> object:
+        return types.SimpleNamespace(ranks=(0,), location="somewhere")
+
+
 async def test_a_step_a_newer_save_overwrote_is_quiet_until_it_keeps_happening() -> None:
     """A saver persisting from copies loses a step only when the workers save faster
     than it copies (a newer one is persisted next): the job's log says so; the console
@@ -193,18 +202,42 @@ async def test_a_persist_failing_again_the_same_way_is_said_once_then_now_and_th
         "step 6: step 5: no space left on device"
     ], warned
 
-    class _Persists:
-        storage, copying = object(), False
-
-        def persist(self, step: int) -> object:
-            return types.SimpleNamespace(ranks=(0,), location="somewhere")
-
     duty.saver = _Persists()  # type: ignore[assignment]
     with capture_logs() as logs:
         await duty._persist(7)
         await duty._persist(8)
     warned = [e["event"] for e in logs if e["log_level"] == "warning"]
     assert warned == ["checkpoints persist again: step 7 reached storage, after 7 failed in a row"]
+
+
+async def test_an_unexpected_persist_failure_is_said_and_the_next_goes_on() -> None:
+    """A persist runs as a task of its own: an exception that is not storage failing (a
+    bug) used to end it unseen, the step silently not persisted. It is logged as an
+    internal error with its traceback, is a `ckpt_failed` event, and the next due step
+    is persisted as after any failure."""
+    from structlog.testing import capture_logs
+
+    from rove.agent import ckpt_duty
+    from rove.agent.facts import NodeFacts
+    from rove.control.catalogue import events as ev
+
+    outbox = _Outbox()
+    duty = ckpt_duty.CheckpointDuty(NodeFacts(outbox, job="j", node="n"), None)  # type: ignore[arg-type]
+    duty.saver = _Saver([KeyError("rank 3")])  # type: ignore[assignment]
+    with capture_logs() as logs:
+        await duty._persist(10)
+    (said,) = [e for e in logs if e["log_level"] == "error"]
+    assert said["event"] == "internal error persisting checkpoint step 10"
+    assert isinstance(said["exc_info"], KeyError)
+    (failed,) = outbox.events
+    assert isinstance(failed, ev.CkptFailed) and failed.step == 10
+    assert failed.error == "internal error: KeyError: 'rank 3'"
+
+    duty.saver = _Persists()  # type: ignore[assignment]
+    with capture_logs() as logs:
+        await duty._persist(20)
+    warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert warned == ["checkpoints persist again: step 20 reached storage, after 1 failed in a row"]
 
 
 async def test_a_node_whose_persist_failed_persists_the_same_steps_as_its_peer_next() -> None:
