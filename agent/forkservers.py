@@ -41,11 +41,12 @@ import multiprocessing.forkserver as mpfs
 import os
 import shutil
 import signal
-import tempfile
 from collections.abc import Iterator, Sequence
 from multiprocessing import spawn, util
 from pathlib import Path
 from typing import Any
+
+from rove.control.process import tempdirs
 
 #: What a worker needs before its script's first line.
 QUICK = (
@@ -102,7 +103,7 @@ class _Server:
         self.kind = kind
         self.nice = nice
         self.preload = tuple(preload)
-        self._dir = Path(tempfile.mkdtemp(prefix=f"rove-warm-{kind}-"))
+        self._dir = tempdirs.make(f"rove-warm-{kind}")
         self.ready_file = self._dir / "ready"
         # (Any: its private attributes, read and reset here, are not in typeshed)
         self.server: Any = mpfs.ForkServer()

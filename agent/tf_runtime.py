@@ -50,7 +50,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,6 +63,7 @@ from rove.agent.diagnosis import Diagnosis, classify
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
 from rove.control.domain import tf_cluster
+from rove.control.process import tempdirs
 
 log = structlog.get_logger("rove.agent")
 
@@ -301,7 +301,7 @@ class TfRuntime(WorkerRuntime):
         it converts and removes it only when the process exits normally: a task that
         was killed left them in /tmp, a few every time, for good."""
         if self._tmp is None:
-            self._tmp = Path(tempfile.mkdtemp(prefix="rove-tf-"))
+            self._tmp = tempdirs.make("rove-tf")
         return str(self._tmp)
 
     # ------------------------------------------------------------------ output

@@ -67,11 +67,15 @@ def test_a_new_agent_inherits_the_memory_its_node_was_known_to_hold_and_nothing_
 def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(tmp_path: Path) -> None:
     """`rove run --standalone` killed with SIGKILL (the launcher, its agent and master;
     the workers follow), then the same command again: its agent finds the step the
-    killed one left in shared memory, and the job goes on from it, not from step 0."""
+    killed one left in shared memory, and the job goes on from it, not from step 0.
+    The temporary folders the killed one could not remove, the second removes."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     env = {
         **os.environ,
         "ROVE_HOME": str(tmp_path / "home"),
         "ROVE_SHM_DIR": str(tmp_path / "shm"),
+        "TMPDIR": str(tmp),
     }
     cmd = [
         *(sys.executable, "-m", "rove.control.cli.main", "run", "--standalone"),
@@ -96,9 +100,12 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(tmp_path:
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
+    left = sorted(p.name for p in tmp.glob("rove-*"))
+    assert any(n.startswith("rove-warm-quick-") for n in left), left  # (its warm server's)
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=patience(300))
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-3000:]
+    assert sorted(p.name for p in tmp.glob("rove-*")) == [], "the killed run's are gone too"
     found = re.search(r"found steps? ([\d, ]+) of ranks \[0, 1\] in this node's shared memory", out)
     assert found, out[-3000:]
     held = [int(s) for s in found[1].split(", ")]

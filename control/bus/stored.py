@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -23,6 +22,7 @@ import structlog
 
 from rove.control.bus import embedded
 from rove.control.errors import ConfigError
+from rove.control.process import tempdirs
 
 log = structlog.get_logger("rove.stored")
 
@@ -80,7 +80,7 @@ class StoredJob:
         Raises:
             ConfigError: the store cannot be copied (unreadable, or half deleted).
         """
-        scratch = Path(tempfile.mkdtemp(prefix=f"rove-read-{self.job}-"))
+        scratch = tempdirs.make(f"rove-read-{self.job}")
         try:
             shutil.copytree(self.store / "jetstream", scratch / "jetstream")
         except (OSError, shutil.Error) as exc:

@@ -1,6 +1,6 @@
 """What every rove process runs on: its event loop and task supervisor (`aio`), its
 structured log and console (`logs`), its Prometheus metrics (`metrics`), and the
-cgroup it lives in (`cgroups`).
+cgroup it lives in (`cgroups`), and its temporary folders (`tempdirs`).
 
 Imports the catalogue and `rove.control.errors` only; the bus and everything above
 it may import it.
