@@ -42,7 +42,7 @@ import os
 import shutil
 import signal
 from collections.abc import Iterator, Sequence
-from multiprocessing import spawn, util
+from multiprocessing import process, spawn, util
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,7 @@ class _Server:
             self.server.set_forkserver_preload([READY_MODULE])
         else:
             self.server.set_forkserver_preload([*self.preload, READY_MODULE])
+        _own_mp_tempdir()
         with _environ(env):
             self.server.ensure_running()
 
@@ -143,6 +144,26 @@ class _Server:
         self.server._forkserver_pid = self.server._forkserver_alive_fd = None
         self.server._forkserver_address = None
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+#: The longest path of an AF_UNIX socket (Linux: 108 bytes with its terminating NUL).
+_UNIX_PATH_MAX = 108
+
+
+def _own_mp_tempdir() -> None:
+    """multiprocessing's temporary folder (where the servers' sockets are made) named for
+    this process, as rove's own are (`rove.control.process.tempdirs`): multiprocessing's
+    `pymp-*` is removed at a normal exit only, so every `rove run` killed with SIGKILL
+    left one. Removed at a normal exit as multiprocessing's is. (Where that name makes
+    a socket's path too long for AF_UNIX, a long TMPDIR, multiprocessing's own stays.)"""
+    config = process.current_process()._config  # type: ignore[attr-defined]
+    if config.get("tempdir") is None:
+        path = str(tempdirs.make("rove-mp"))
+        if len(path) + len("/listener-12345678") >= _UNIX_PATH_MAX:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        util.Finalize(None, shutil.rmtree, args=(path, True), exitpriority=-100)
+        config["tempdir"] = path
 
 
 class _Servers:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,13 +66,17 @@ def test_a_new_agent_inherits_the_memory_its_node_was_known_to_hold_and_nothing_
 
 
 @pytest.mark.slow
-def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(tmp_path: Path) -> None:
+def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """`rove run --standalone` killed with SIGKILL (the launcher, its agent and master;
     the workers follow), then the same command again: its agent finds the step the
     killed one left in shared memory, and the job goes on from it, not from step 0.
     The temporary folders the killed one could not remove, the second removes."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # (short: multiprocessing's sockets are made in it, and a path under pytest's
+    # tmp_path is too long for one named for its process)
+    tmp = Path(tempfile.mkdtemp(prefix="rv-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     env = {
         **os.environ,
         "ROVE_HOME": str(tmp_path / "home"),
@@ -106,6 +112,7 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(tmp_path:
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-3000:]
     assert sorted(p.name for p in tmp.glob("rove-*")) == [], "the killed run's are gone too"
+    assert sorted(p.name for p in tmp.glob("pymp-*")) == [], "multiprocessing's too"
     found = re.search(r"found steps? ([\d, ]+) of ranks \[0, 1\] in this node's shared memory", out)
     assert found, out[-3000:]
     held = [int(s) for s in found[1].split(", ")]

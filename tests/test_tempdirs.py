@@ -5,6 +5,7 @@ processes (one killed with SIGKILL, one alive)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,3 +60,36 @@ def test_a_killed_processs_folder_goes_at_the_next_make_and_a_live_ones_stays(
         alive.kill()
         alive.wait(30)
     assert tempdirs.sweep() == [theirs.name], "once that process is gone, its folder goes"
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_multiprocessings_folder_is_named_for_the_process_where_a_socket_fits(
+    tmp_path: Path, long: bool
+) -> None:
+    """The warm servers' sockets are made in multiprocessing's temporary folder: rove
+    names it for its process (so a killed `rove run`'s goes at the next one) unless a
+    long TMPDIR would make a socket's path too long for AF_UNIX; then multiprocessing's
+    own `pymp-*` is used, and `rove run` still starts its warm server."""
+    tmp = Path(tempfile.mkdtemp(prefix="rv-", dir="/tmp")) if not long else tmp_path / ("x" * 60)
+    tmp.mkdir(exist_ok=True)
+    code = (
+        "from multiprocessing import connection, process; from rove.agent import forkservers; "
+        "forkservers._own_mp_tempdir(); print(connection.arbitrary_address('AF_UNIX'))"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "TMPDIR": str(tmp)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        folder = Path(out).parent
+        assert folder.parent == tmp
+        assert folder.name.startswith("pymp-" if long else "rove-mp-"), out
+        assert long or len(out) < 108, "a socket's path fits"
+        assert not folder.exists(), "removed at the process's normal exit"
+        assert sorted(p.name for p in tmp.iterdir()) == []
+    finally:
+        if not long:
+            shutil.rmtree(tmp, ignore_errors=True)
