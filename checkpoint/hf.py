@@ -29,7 +29,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from rove.checkpoint.api import FlashCheckpointer
 from rove.checkpoint.engine import default_dir
+from rove.control.process import tempdirs
 
 #: file names of a Trainer checkpoint directory (transformers.trainer)
 TRAINER_STATE = "trainer_state.json"
@@ -127,7 +127,9 @@ class FlashCheckpointCallback(TrainerCallback):
         if loaded is None:
             return None
         step, saved = loaded
-        directory = Path(tempfile.mkdtemp(prefix=f"rove-hf-{step}-", dir=default_dir()))
+        # (named for this worker: one killed before `cleanup` left it in memory, until
+        # the next worker's resume removes it)
+        directory = tempdirs.make(f"rove-hf-{step}", default_dir())
         self.materialized = directory
         atexit.register(self.cleanup)
         model = trainer.model

@@ -93,3 +93,31 @@ def test_multiprocessings_folder_is_named_for_the_process_where_a_socket_fits(
     finally:
         if not long:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_folder_made_elsewhere_is_swept_there(tmp_path: Path) -> None:
+    """A Hugging Face resume writes its checkpoint out in /dev/shm (`root`): memory, that
+    a worker killed before its clean-up held until the machine restarted. The next
+    worker's resume removes it; the sweep keeps to its root."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    code = (
+        "import sys, pathlib; from rove.control.process import tempdirs; "
+        "d = tempdirs.make('rove-hf-40', pathlib.Path(sys.argv[1])); "
+        "(d / 'model.safetensors').write_bytes(b'x' * 4096); print(d, flush=True); "
+        "sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(shm)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    its = Path(child.stdout.readline().strip())
+    child.send_signal(signal.SIGKILL)
+    child.wait(30)
+    assert its.parent == shm and (its / "model.safetensors").is_file()
+    assert tempdirs.sweep(tmp_path) == [], "not in another root"
+    mine = tempdirs.make("rove-hf-40", shm)
+    assert sorted(p.name for p in shm.iterdir()) == [mine.name], "the killed worker's went"

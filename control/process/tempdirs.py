@@ -1,8 +1,12 @@
 """Temporary folders that outlive a killed process no longer than until the next one.
+(Standard library only: the checkpoint package, which imports nothing else of the
+control plane, uses it too.)
 
 A rove process removes the temporary folders it makes as it ends (a warm server's, a
 TensorFlow node's, a reader's copy of a stored job), but one killed with SIGKILL, or by
-a signal it does not handle (a terminal closed under `rove status`), cannot. `make`
+a signal it does not handle (a terminal closed under `rove status`), cannot; nor can a
+worker killed while it holds a Hugging Face checkpoint written out for its Trainer (in
+/dev/shm: memory). `make`
 names each folder for its process, `<prefix>-<pid namespace>.<pid>-<random>`, and first
 sweeps the temporary directory: a `rove-*` folder named so is removed once its process
 is gone, if it belongs to this user and to this PID namespace (a process of another one
@@ -22,11 +26,12 @@ from pathlib import Path
 _MARK = re.compile(r"-(\d+)\.(\d+)-[a-z0-9_]+$")
 
 
-def make(prefix: str) -> Path:
-    """A new temporary folder named for this process (see the module), once the folders
-    of processes that are gone are swept."""
-    sweep()
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}-{_namespace()}.{os.getpid()}-"))
+def make(prefix: str, root: Path | None = None) -> Path:
+    """A new temporary folder named for this process (see the module), in `root` (the
+    temporary directory by default), once the folders there of processes that are gone
+    are swept."""
+    sweep(root)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-{_namespace()}.{os.getpid()}-", dir=root))
 
 
 def sweep(root: Path | None = None) -> list[str]:
