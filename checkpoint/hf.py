@@ -90,6 +90,19 @@ class FlashCheckpointCallback(TrainerCallback):
             self._ckpt = FlashCheckpointer(self.checkpoint_dir)
         return self._ckpt
 
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        # By its first step the Trainer has read all it reads of the checkpoint
+        # `resume_from` wrote out (the model and optimizer before training begins, the
+        # RNG state as the resumed epoch starts or once its trained batches are
+        # skipped): that copy of the whole state goes now, not when training ends.
+        self.cleanup()
+
     def on_step_end(
         self,
         args: TrainingArguments,

@@ -5,7 +5,8 @@ separate processes: straight through; with flash saves, killed right after
 step 8 (in the middle of the second epoch); resumed. The resumed run restores
 step 8 from memory, trains only the 2 remaining steps, and ends with exactly
 the weights of the straight run: model, optimizer, scheduler, RNG and the
-data position all came back.
+data position all came back, though the checkpoint written out for the Trainer was
+removed as its first step began.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def test_a_killed_trainer_resumes_from_memory_bitwise(tmp_path: Path) -> None:
     assert resumed["step"] == 8 and resumed["source"] == "memory"
     assert resumed["steps_run"] == 2, "only the steps after the checkpoint are trained again"
     assert not Path(resumed["dir"]).exists(), "the materialized checkpoint is removed"
+    # ... as soon as the first step began (a whole copy of the state, in memory): the
+    # bitwise match below says the Trainer had read all of it by then
+    assert resumed["dir_after_first_step"] is False
     straight = torch.load(tmp_path / "straight" / "final.pt")
     after = torch.load(tmp_path / "run" / "final.pt")
     assert straight.keys() == after.keys()

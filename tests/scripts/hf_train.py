@@ -21,11 +21,17 @@ from rove.checkpoint.hf import FlashCheckpointCallback
 
 
 class Count(TrainerCallback):
+    """Counts the steps run, and whether `watch` (a folder) was there after the first."""
+
     def __init__(self) -> None:
         self.steps = 0
+        self.watch: str | None = None
+        self.there_after_first: bool | None = None
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.steps += 1
+        if self.steps == 1 and self.watch is not None:
+            self.there_after_first = Path(self.watch).exists()
 
 
 class Crash(TrainerCallback):
@@ -76,6 +82,7 @@ def main() -> None:
         callbacks.append(Crash(args.crash_at))
     trainer = Trainer(model, args=training, train_dataset=data, callbacks=callbacks)
     resume = flash.resume_from(trainer) if args.flash else None
+    count.watch = resume
     resumed = None if resume is None else json.loads(Path(resume, "trainer_state.json").read_text())
     trainer.train(resume_from_checkpoint=resume)
     torch.save(model.state_dict(), args.out / "final.pt")
@@ -85,6 +92,7 @@ def main() -> None:
                 "step": resumed and resumed["global_step"],
                 "dir": resume,
                 "steps_run": count.steps,
+                "dir_after_first_step": count.there_after_first,
                 "source": flash.checkpointer.restored_from if args.flash else "",
             }
         )
