@@ -16,15 +16,19 @@ import pytest
 
 from rove.control.process import tempdirs
 
-MAKE = (
-    "from rove.control.process import tempdirs; print(tempdirs.make('rove-warm-quick'), flush=True)"
-)
 
-
-def made_by_child(tmp: Path, *, then: str = "") -> tuple[subprocess.Popen[str], Path]:
-    """A process that makes its folder in `tmp` (then runs `then`): it and the folder."""
+def made_by_child(
+    tmp: Path, *, then: str = "", prefix: str = "rove-warm-quick", root: Path | None = None
+) -> tuple[subprocess.Popen[str], Path]:
+    """A process that makes its folder in `root` (default: `tmp`, its temporary
+    directory), then runs `then`: it and the folder."""
+    make = (
+        "import sys; from pathlib import Path; from rove.control.process import tempdirs; "
+        "root = Path(sys.argv[2]) if len(sys.argv) > 2 else None; "
+        "print(tempdirs.make(sys.argv[1], root), flush=True)"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-c", MAKE + "\n" + then],
+        [sys.executable, "-c", make + "\n" + then, prefix, *([str(root)] if root else [])],
         env={**os.environ, "TMPDIR": str(tmp)},
         stdout=subprocess.PIPE,
         text=True,
@@ -101,20 +105,10 @@ def test_a_folder_made_elsewhere_is_swept_there(tmp_path: Path) -> None:
     worker's resume removes it; the sweep keeps to its root."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    code = (
-        "import sys, pathlib; from rove.control.process import tempdirs; "
-        "d = tempdirs.make('rove-hf-40', pathlib.Path(sys.argv[1])); "
-        "(d / 'model.safetensors').write_bytes(b'x' * 4096); print(d, flush=True); "
-        "sys.stdin.read()"
+    child, its = made_by_child(
+        tmp_path, prefix="rove-hf-40", root=shm, then="import time; time.sleep(600)"
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, str(shm)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
-    its = Path(child.stdout.readline().strip())
+    (its / "model.safetensors").write_bytes(b"x" * 4096)
     child.send_signal(signal.SIGKILL)
     child.wait(30)
     assert its.parent == shm and (its / "model.safetensors").is_file()

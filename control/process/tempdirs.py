@@ -6,11 +6,11 @@ A rove process removes the temporary folders it makes as it ends (a warm server'
 TensorFlow node's, a reader's copy of a stored job), but one killed with SIGKILL, or by
 a signal it does not handle (a terminal closed under `rove status`), cannot; nor can a
 worker killed while it holds a Hugging Face checkpoint written out for its Trainer (in
-/dev/shm: memory). `make`
-names each folder for its process, `<prefix>-<pid namespace>.<pid>-<random>`, and first
-sweeps the temporary directory: a `rove-*` folder named so is removed once its process
-is gone, if it belongs to this user and to this PID namespace (a process of another one
-could have the same pid). A pid in use again by another process keeps its folder until
+/dev/shm: memory). `make` names each folder for its process,
+`<prefix>-<pid namespace>.<pid>-<random>`, and a process's first `make` in a directory
+first sweeps it: a `rove-*` folder named so is removed once its process is gone, if it
+belongs to this user and to this PID namespace (a process of another one could have the
+same pid). A pid in use again by another process keeps its folder until
 that one ends.
 """
 
@@ -26,11 +26,19 @@ from pathlib import Path
 _MARK = re.compile(r"-(\d+)\.(\d+)-[a-z0-9_]+$")
 
 
+#: (pid, root) of the sweeps `make` did: once a process, for each root
+_swept: set[tuple[int, str]] = set()
+
+
 def make(prefix: str, root: Path | None = None) -> Path:
     """A new temporary folder named for this process (see the module), in `root` (the
     temporary directory by default), once the folders there of processes that are gone
-    are swept."""
-    sweep(root)
+    are swept: at this process's first `make` there (`rove run` makes three as it starts,
+    and a sweep reads the whole directory)."""
+    swept = (os.getpid(), str(root or tempfile.gettempdir()))
+    if swept not in _swept:
+        sweep(root)
+        _swept.add(swept)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}-{_namespace()}.{os.getpid()}-", dir=root))
 
 
