@@ -171,8 +171,13 @@ async def run_managed(args: argparse.Namespace, cfg: AgentConfig, argv: Sequence
                 **ev.envelope(cfg.job, "launcher", time.time(), "submitted"), workload=spec
             )
         )
+        nodes = (
+            f"{spec.min_nodes}"
+            if spec.min_nodes == spec.max_nodes
+            else f"{spec.min_nodes}-{spec.max_nodes}"
+        ) + (" node" if spec.max_nodes == 1 else " nodes")
         print(
-            f"rove: job {cfg.job} (auto-scaled, {spec.min_nodes}-{spec.max_nodes} nodes, "
+            f"rove: job {cfg.job} (auto-scaled, {nodes}, "
             f"{spec.resources.describe()} each), NATS {bus.url}; "
             f"watch it with: rove status --job {cfg.job}",
             file=sys.stderr,

@@ -201,6 +201,22 @@ def test_the_job_finishes_when_every_member_succeeded() -> None:
     assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FINISHED
 
 
+def test_reasons_count_one_node_in_the_singular() -> None:
+    """What `rove run --standalone` prints as its round forms and as the job ends."""
+    sim = Sim(params(min_nodes=1, max_nodes=1))
+    sim.join("n1")
+    (rnd,) = sim.tick()
+    assert rnd.reason == "1 of 1 node joined"  # type: ignore[attr-defined]
+    sim.apply(factories.succeeded("n1", 1))
+    (ended,) = sim.tick()
+    assert isinstance(ended, ev.JobEnded) and ended.reason == "the node finished its workers"
+    two = Sim(params(min_nodes=1, max_nodes=3))
+    two.join("n1")
+    two.join("n2")
+    (rnd,) = two.tick(6)
+    assert rnd.reason == "2 of 1-3 nodes joined"  # type: ignore[attr-defined]
+
+
 def test_an_agent_restart_breaks_the_round_and_it_is_re_formed() -> None:
     sim = Sim(params())
     sim.join("n1")

@@ -314,7 +314,7 @@ def test_auto_scale_on_one_machine_relaunches_an_oom_node_with_more_memory(
     )
     assert run.wait(300) == 0, run.log()[-3000:]
     out = run.log()
-    assert "auto-scaled, 1-1 nodes, 2 GiB each" in out
+    assert "auto-scaled, 1 node, 2 GiB each" in out
     assert "applying plan 2 (oom)" in out and "relaunched as n0-a1 with 4 GiB" in out
     assert "rove: job finished" in out
     assert_exactly_once(tmp_path)

@@ -144,10 +144,17 @@ def _finished(r: RdzvState) -> str | None:
             return f"the TensorFlow coordinator (chief, on node {head.node}) finished"
         return None
     if len(r.succeeded) >= len(r.members):  # only the round's members are counted
-        return f"all {len(r.members)} nodes finished their workers" + "".join(
-            f"; {note}" for note in r.notes
+        done = (
+            "the node finished its workers"
+            if len(r.members) == 1
+            else f"all {len(r.members)} nodes finished their workers"
         )
+        return done + "".join(f"; {note}" for note in r.notes)
     return None
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node{'s' if n != 1 else ''}"
 
 
 def _failure_text(f: Failure) -> str:
@@ -314,18 +321,19 @@ def _form(
             return checked
     if ready:
         if broken:
-            why = f"re-formed with {size} nodes after a membership change"
+            why = f"re-formed with {_nodes(size)} after a membership change"
             cause = ev.RoundCause.REFORMED
         else:
-            why = f"{size} of {p.min_nodes}-{p.max_nodes} nodes joined"
+            wanted = p.min_nodes if p.min_nodes == p.max_nodes else f"{p.min_nodes}-{p.max_nodes}"
+            why = f"{size} of {wanted} node{'s' if p.max_nodes != 1 else ''} joined"
             cause = ev.RoundCause.FORMED
         return _round(r, pool[:size], liveness, cause=cause, reason=why)
-    here = f"{len(pool)} node{'s' if len(pool) != 1 else ''} here"
+    here = f"{_nodes(len(pool))} here"
     if broken and r.broken_since is not None:
         if now - r.broken_since > p.below_min_wait_s:
             return EndJob(
                 phase=ev.JobPhase.FAILED,
-                reason=f"only {len(pool)} nodes alive, fewer than the minimum "
+                reason=f"only {_nodes(len(pool))} alive, fewer than the minimum "
                 f"{p.min_nodes}, for {p.below_min_wait_s:g}s",
             )
         return Wait(
