@@ -162,7 +162,19 @@ def test_different_failures_are_retried_until_max_restarts() -> None:
     sim.apply(factories.exited("n2", 3, kind=FK.SEGFAULT, reason="SIGSEGV"))
     (ended,) = sim.tick()
     assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
-    assert "--max-restarts" in ended.reason and "segfault" in ended.reason
+    assert "all 2 restarts (--max-restarts) are used" in ended.reason
+    assert "segfault" in ended.reason
+
+
+def test_with_restarts_off_a_failure_ends_the_job_saying_so() -> None:
+    sim = Sim(params(max_restarts=0))
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.exited("n1", 1, kind=FK.KILLED))
+    (ended,) = sim.tick()
+    assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
+    assert ended.reason.startswith("worker failed and restarts are off (--max-restarts 0); ")
 
 
 def test_a_hardware_fault_excludes_the_node_and_the_rest_go_on() -> None:

@@ -195,8 +195,12 @@ def _on_failure(
     if r.restarts >= p.max_restarts:
         return EndJob(
             phase=ev.JobPhase.FAILED,
-            reason=f"worker failed and all {p.max_restarts} restarts "
-            f"(--max-restarts) are used; last failure: {_failure_text(f)}",
+            reason=(
+                "worker failed and restarts are off (--max-restarts 0)"
+                if p.max_restarts == 0
+                else f"worker failed and all {p.max_restarts} restarts (--max-restarts) are used"
+            )
+            + f"; last failure: {_failure_text(f)}",
         )
     members = [m for m in r.members if alive(m.node, m.incarnation)]
     unheard = sorted(
