@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 from nats.js.api import DiscardPolicy, StorageType
 
 from rove.control.bus import records, streams
 from rove.control.bus.client import Bus, BusOptions, Fence
 from rove.control.bus.embedded import EmbeddedServer
-from rove.control.bus.feed import stalled
+from rove.control.bus.feed import Feed, stalled
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import (
@@ -188,6 +190,86 @@ async def test_publish_survives_a_server_restart_within_its_deadline(tmp_path: P
     finally:
         await bus.close()
         server.stop()
+
+
+def leases(*requests: int) -> list[ev.ShardLeased]:
+    """The master's answers to client c1 of dataset ds (stream ROVE_ANSWERS, in memory)."""
+    leased = next(e for e in factories.data_events() if isinstance(e, ev.ShardLeased))
+    return [msgspec.structs.replace(leased, id=f"l{r}", request=r) for r in requests]
+
+
+async def answers_feed(bus: Bus, got: list[int]) -> Feed:
+    return await bus.subscribe(
+        subjects.ANSWER_STREAM,
+        subjects.lease_answer("j1", "ds", "c1"),
+        lambda rec: got.append(rec.event.request),  # type: ignore[attr-defined]
+        lambda rej: None,
+    )
+
+
+async def test_a_feed_of_a_memory_stream_lost_with_its_server_reads_the_new_one(
+    tmp_path: Path,
+) -> None:
+    """A memory stream is lost when its one server restarts, and the one a master makes
+    again numbers its messages from 1: a feed that skipped what it had delivered by
+    sequence never read another lease (a job stalled after a NATS restart)."""
+    server = EmbeddedServer(tmp_path / "nats", port=free_port())
+    server.start()
+    bus = await Bus.connect(BusOptions(url=server.url, reconnect_forever=True))
+    bus.stall_check_s = 0.2
+    got: list[int] = []
+    try:
+        feed = await answers_feed(bus, got)
+        for leased in leases(1, 2, 3):
+            await bus.publish(leased)
+        await eventually(lambda: got == [1, 2, 3], timeout=30)
+        server.kill()
+        await asyncio.to_thread(server.start)  # same port, same store: the answers are gone
+        await bus.ensure_streams()  # what a master does as it leads again
+        (after,) = leases(4)
+        assert await bus.publish(after, deadline_s=30.0) == 1, "numbered from 1 again"
+        await eventually(lambda: got == [1, 2, 3, 4], timeout=30)
+        assert feed.renewed == 1
+        await feed.stop()
+    finally:
+        await bus.close()
+        server.stop()
+
+
+async def test_a_killed_embedded_server_is_started_again_on_its_port_with_its_streams(
+    tmp_path: Path,
+) -> None:
+    """`rove run --standalone` owns its server: killed (or out of memory), it is started
+    again on the same port and store, so that every client reconnects to the URL it
+    knows; the stored events are all there, the memory streams are made again, and a
+    feed of one reads on."""
+    bus = await Bus.connect(BusOptions(embedded_dir=tmp_path / "emb"))
+    bus.stall_check_s = 0.2
+    server = bus.server
+    assert server is not None
+    got: list[int] = []
+    try:
+        feed = await answers_feed(bus, got)
+        await bus.publish(factories.joined("n1"))
+        await bus.publish(leases(1)[0])
+        await eventually(lambda: got == [1], timeout=30)
+        url, first = bus.url, server.pid
+        with structlog.testing.capture_logs() as logs:
+            assert first is not None
+            os.kill(first, signal.SIGKILL)
+            await eventually(lambda: server.pid != first and server.alive(), timeout=60)
+            await bus.publish(factories.joined("n2", n=2), deadline_s=30.0)
+            await bus.publish(leases(2)[0], deadline_s=30.0)
+            await eventually(lambda: got == [1, 2], timeout=30)
+        assert bus.url == url
+        assert [r.event.node for r in await stored(bus)] == ["n1", "n2"]  # type: ignore[union-attr]
+        said = [e["event"] for e in logs]
+        lost = f"the job's NATS server (pid {first}) was killed by SIGKILL: starting it again"
+        assert any(e.startswith(lost) for e in said), said
+        await feed.stop()
+    finally:
+        await bus.close()
+    assert not server.alive(), "closing the bus stops it for good"
 
 
 async def test_publish_gives_up_after_its_total_deadline(tmp_path: Path) -> None:

@@ -87,7 +87,10 @@ async def test_a_feed_watchdog_that_fails_once_keeps_watching() -> None:
         asked.append(seq)
         return object()
 
-    watch = asyncio.create_task(feed.watch(newest, resubscribe, what="test", every_s=0.01))
+    async def created() -> object:
+        return "the same stream"
+
+    watch = asyncio.create_task(feed.watch(newest, resubscribe, created, what="test", every_s=0.01))
     try:
         await eventually(lambda: feed.resubscribed >= 1, timeout=10)
     finally:

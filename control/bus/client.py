@@ -17,6 +17,7 @@ handed to `on_rejected` instead of ever stopping the consumer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 from collections.abc import Awaitable, Callable, Iterable
@@ -39,7 +40,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from rove.control.bus import catchup, connection, records, retry, stored, streams
+from rove.control.bus import catchup, connection, embedded, records, retry, stored, streams
 from rove.control.bus import options as bus_options
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.bus.feed import STALL_CHECK_S, Feed, RejectionLog, nothing_since
@@ -54,7 +55,7 @@ from rove.control.errors import (
     PermissionDeniedError,
     RoveError,
 )
-from rove.control.process import metrics
+from rove.control.process import aio, metrics
 
 log = structlog.get_logger("rove.bus")
 
@@ -106,6 +107,13 @@ class Bus:
         #: seconds between two stall checks of each feed (`Feed.watch`)
         self.stall_check_s = STALL_CHECK_S
         self._watchdogs: set[asyncio.Task[None]] = set()
+        #: the embedded server's keeper (`embedded.keep`), when this bus started one
+        self._keeper: asyncio.Task[None] | None = None
+        if server is not None:
+            again = self.ensure_streams if options.create_streams else None
+            self._keeper = asyncio.create_task(
+                embedded.keep(server, again), name="nats-server keeper"
+            )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -164,6 +172,8 @@ class Bus:
     async def close(self) -> None:
         for task in list(self._watchdogs):
             task.cancel()
+        if self._keeper is not None:  # before the server stops: that is no failure
+            await aio.cancel_and_wait([self._keeper])
         await connection.quiet_close(self.nc)
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
@@ -528,14 +538,14 @@ class Bus:
             await nothing_since(feed, target)
 
         async def from_seq(seq: int) -> Any:
-            # nothing delivered yet: the feed's own start (a time, the last per subject)
-            restart = (
-                config
-                if feed.last_seq == 0
-                else ConsumerConfig(
+            if seq <= 0:  # a stream made anew: all of it (or the feed's time, the last)
+                restart = config if from_time else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+            elif feed.last_seq == 0:  # nothing delivered yet: the feed's own start
+                restart = config
+            else:
+                restart = ConsumerConfig(
                     deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq
                 )
-            )
             return await self.js.subscribe(
                 subject_filter, stream=stream, cb=on_msg, ordered_consumer=True, config=restart
             )
@@ -543,14 +553,32 @@ class Bus:
         async def newest() -> int:
             return await self.last_seq(stream, subject_filter)
 
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            # (not known: the first check after a reconnection learns it)
+            feed.created = await self.stream_created(stream)
         feed.watchdog = asyncio.create_task(
             feed.watch(
-                newest, from_seq, what=f"{stream} {subject_filter}", every_s=self.stall_check_s
+                newest,
+                from_seq,
+                functools.partial(self.stream_created, stream),
+                what=f"{stream} {subject_filter}",
+                every_s=self.stall_check_s,
             )
         )
         self._watchdogs.add(feed.watchdog)
         feed.watchdog.add_done_callback(self._watchdogs.discard)
+        assert isinstance(self.nc, RoveNatsClient)
+        feed.hear_reconnections(self.nc.reconnected)
         return feed
+
+    async def stream_created(self, stream: str) -> object | None:
+        """When `stream` was created (None if it is not there): a stream made anew
+        under the same name (a memory stream after its server restarted) has another."""
+        try:
+            info = await self.js.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            return None
+        return info.created
 
     async def read(self, stream: str, subject_filter: str, on_recorded: OnRecorded) -> None:
         """Deliver every message stored now under `subject_filter`, in order, and

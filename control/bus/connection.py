@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Any
 
 import nats
@@ -22,6 +23,9 @@ from rove.control.bus.options import BusOptions
 from rove.control.errors import BusUnavailableError, ConfigError, NotAuthorizedError, plain
 
 log = structlog.get_logger("rove.bus")
+
+#: While reconnecting, how often a failed attempt's error is said (each is logged at debug).
+AWAY_SAY_S = 60.0
 
 #: The server's answer to a publish or subscription the connection's permissions do not
 #: allow.
@@ -40,17 +44,29 @@ async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
             state["denied"].add(subject.lower() if what == "publish" else f"sub:{subject.lower()}")
             log.warning(f"the server denied a {what} to this role", subject=subject)
             return
-        if state["connected"] and not state["closing"]:
+        if not state["connected"] or state["closing"]:
+            log.debug("NATS client error", error=plain(exc))
+        elif (away := state.get("away_since")) is None:
             log.warning("NATS client error", error=plain(exc))
+        elif (now := time.monotonic()) - state["away_said"] >= AWAY_SAY_S:
+            # each reconnect attempt fails with its error: once a minute, not each time
+            state["away_said"] = now
+            log.warning(f"still reconnecting to NATS after {now - away:.0f}s", error=plain(exc))
         else:
             log.debug("NATS client error", error=plain(exc))
 
     async def on_disconnected() -> None:
         if state["connected"] and not state["closing"]:
+            state["away_since"] = state["away_said"] = time.monotonic()
             log.warning("disconnected from NATS; reconnecting", servers=servers)
 
     async def on_reconnected() -> None:
-        log.info("reconnected to NATS", server=str(nc.connected_url and nc.connected_url.netloc))
+        away = state.pop("away_since", None)
+        log.info(
+            "reconnected to NATS",
+            server=str(nc.connected_url and nc.connected_url.netloc),
+            after_s=None if away is None else round(time.monotonic() - away, 1),
+        )
         for listener in list(nc.reconnected):
             listener()
 

@@ -9,10 +9,16 @@ process that started it, even after kill -9.
 One store takes one server: the server and the process that started it hold an
 exclusive `flock` on `server.lock` beside the store, so a second server on it (the same
 job run twice at once on one machine) is refused, not left to corrupt the first's files.
+
+`keep(server)` keeps it running: a server that exits unasked (killed, out of memory,
+crashed) is started again on the same port and store, so that every client reconnects
+to the URL it knows and finds every stored event (each fsynced before it was
+acknowledged).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import fcntl
@@ -24,9 +30,11 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -40,6 +48,11 @@ _PR_SET_PDEATHSIG = 1
 STORE_LOCK = "server.lock"
 #: how long a start waits for a store's earlier server to let go (one stopping)
 STORE_WAIT_S = 5.0
+#: `keep`: how often it looks at the server, and the waits between failed starts
+KEEP_CHECK_S = 0.2
+KEEP_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+#: how long a start again waits for the server (it recovers its store first)
+RESTART_TIMEOUT_S = 120.0
 
 
 def nats_server_binary() -> str:
@@ -107,8 +120,14 @@ class EmbeddedServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
         self._store_lock: int | None = None
+        #: one start or stop at a time (`keep` starts it again in a thread)
+        self._starting = threading.RLock()
 
     def start(self, timeout_s: float = 20.0) -> str:
+        with self._starting:
+            return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> str:
         binary = nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._hold_store()
@@ -252,6 +271,36 @@ class EmbeddedServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def ended(self) -> str:
+        """How the server's process ended, in words ("killed by SIGKILL"), with the
+        last line of its log when it exited on its own."""
+        code = None if self.proc is None else self.proc.poll()
+        if code is None:
+            return "is running"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed by {signal.Signals(-code).name}"
+            return f"was killed by signal {-code}"
+        said = ""
+        with contextlib.suppress(OSError):
+            with self.log_file.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+            said = f" (its log's last line: {lines[-1].strip()})" if lines else ""
+        return f"exited with code {code}{said}"
+
+    def restart(self) -> str:
+        """Start the server again after it ended unasked: on the port it had, so that
+        clients reconnect to the URL they know, and on its store. Returns the URL.
+
+        Raises:
+            BusUnavailableError: it did not start (its log says why).
+            ConfigError: its store is held by another server.
+        """
+        if self.url is not None and (port := urlsplit(self.url).port) is not None:
+            self.port = port
+        return self.start(RESTART_TIMEOUT_S)
+
     def kill(self) -> None:
         """SIGKILL, for failure tests."""
         if self.proc and self.proc.poll() is None:
@@ -289,14 +338,15 @@ class EmbeddedServer:
         )
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._let_go_of_store()
+        with self._starting:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self._let_go_of_store()
 
     def __enter__(self) -> EmbeddedServer:
         self.start()
@@ -304,6 +354,55 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def keep(
+    server: EmbeddedServer,
+    then: Callable[[], Awaitable[object]] | None = None,
+    *,
+    check_s: float = KEEP_CHECK_S,
+) -> None:
+    """Start `server` again each time it ends unasked, until cancelled (its owner
+    cancels this before it stops the server), then await `then()` (the bus puts back
+    the memory streams the server lost). It says so on the console, and each start
+    that fails, and tries again after a longer wait: it never gives up, as a job's
+    agents and master wait for their bus however long."""
+    while True:
+        await asyncio.sleep(check_s)
+        if server.proc is None or server.alive():
+            continue
+        try:
+            await _start_again(server)
+            if then is not None:
+                await then()
+        except Exception:  # a keeper that dies would leave the job without its bus
+            log.exception("keeping the job's NATS server running failed; trying again")
+
+
+async def _start_again(server: EmbeddedServer) -> None:
+    lost = time.monotonic()
+    log.warning(
+        f"the job's NATS server (pid {server.pid}) {server.ended()}: starting it again on "
+        f"{server.url}, with its stream in {server.store_dir} (its log: {server.log_file})"
+    )
+    attempt = 0
+    while True:
+        try:
+            await asyncio.to_thread(server.restart)
+            break
+        except (BusUnavailableError, ConfigError, OSError) as exc:
+            wait = KEEP_RETRY_S[min(attempt, len(KEEP_RETRY_S) - 1)]
+            attempt += 1
+            log.warning(
+                f"could not start the job's NATS server again ({exc}); trying again in {wait:g}s"
+            )
+            await asyncio.sleep(wait)
+    log.info(
+        f"the job's NATS server is back (pid {server.pid}), started again in "
+        f"{time.monotonic() - lost:.1f}s; its clients reconnect to it",
+        say=True,
+        url=server.url,
+    )
 
 
 def store_user(store_dir: Path) -> int | None:

@@ -5,12 +5,20 @@ a process says it rejected stored messages (`RejectionLog`).
 it has delivered up to, an event set once the backlog is delivered, and a
 watchdog that resubscribes from the next sequence if the consumer stops
 delivering while its stream holds newer messages (`stalled`, pure).
+
+The watchdog also notices a stream made anew under the same name: a memory stream
+(the leases' answers) is lost when its server restarts, and the new one numbers its
+messages from 1 again, which a feed skipping what it has delivered by sequence would
+never read. After each reconnection (`recheck`), and when the stream's newest message
+is older than the feed's, it compares the stream's creation time with the one it
+subscribed to, and reads a new stream from its start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -51,16 +59,38 @@ class Feed:
     last_seq: int = 0
     resubscribed: int = 0
     watchdog: asyncio.Task[None] | None = None
+    #: when the stream this feed reads was created (None: not known)
+    created: object | None = None
+    #: times the stream was found made anew and read from its start
+    renewed: int = 0
+    #: set after a reconnection: the next check compares the stream's creation time
+    recheck: bool = False
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _told: list[Callable[[], None]] | None = None
+
+    def hear_reconnections(self, listeners: list[Callable[[], None]]) -> None:
+        """Be told of each reconnection (`listeners`: the client's, until `stop()`)."""
+        listeners.append(self.reconnected)
+        self._told = listeners
+
+    def reconnected(self) -> None:
+        """The connection is back: the stream may be another one now (its server
+        restarted); the watchdog checks at once."""
+        self.recheck = True
+        self._wake.set()
 
     async def watch(
         self,
         newest: Callable[[], Awaitable[int]],
         resubscribe: Callable[[int], Awaitable[Any]],
+        created: Callable[[], Awaitable[object | None]],
         *,
         what: str,
         every_s: float = STALL_CHECK_S,
     ) -> None:
-        """Resubscribe from the next sequence when this feed stalls (`stalled`).
+        """Resubscribe from the next sequence when this feed stalls (`stalled`), and
+        from the start (`resubscribe(0)`) of a stream made anew (`created()`, its
+        creation time, None while it is not there, differs from the feed's).
 
         nats-py's ordered consumer heals itself after missed heartbeats, but not
         when recreating its consumer fails and the healing task dies with it: a
@@ -69,12 +99,49 @@ class Feed:
         """
         history: list[int] = []
         while True:
-            await asyncio.sleep(every_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), every_s)
+            self._wake.clear()
             try:
+                if self.recheck:
+                    await self._renew(created, resubscribe, what)
                 history = await self._check(history, newest, resubscribe, what)
             except Exception:  # a watchdog that dies would leave its feed unwatched
                 log.exception("the feed's stall check failed; checking again", feed=what)
                 history = []
+
+    async def _renew(
+        self,
+        created: Callable[[], Awaitable[object | None]],
+        resubscribe: Callable[[int], Awaitable[Any]],
+        what: str,
+    ) -> None:
+        """Read the stream from its start if it is another one than the feed's."""
+        try:
+            now = await created()
+        except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            return  # asked again at the next check
+        if now is None:
+            return  # not there (yet): whoever keeps the streams makes it again
+        self.recheck = False
+        if self.created is None or now == self.created:
+            self.created = now
+            return
+        log.warning(
+            "the stream was made anew (a memory stream whose server restarted, or one "
+            "deleted): reading it from its start",
+            feed=what,
+            delivered=self.last_seq,
+        )
+        await unsubscribe(self.sub)  # (its messages' numbers mean nothing now)
+        self.last_seq = 0
+        try:
+            self.sub = await resubscribe(0)
+        except BaseException:
+            self.recheck = True  # not subscribed: the next check tries again
+            raise
+        self.created = now
+        self.renewed += 1
 
     async def _check(
         self,
@@ -91,6 +158,9 @@ class Feed:
             ahead = await newest()
         except RoveError:
             return history
+        if ahead < self.last_seq:  # the stream is behind the feed: made anew?
+            self.recheck = True
+            return []
         if not stalled(history, ahead):
             return history
         log.warning(
@@ -112,6 +182,8 @@ class Feed:
     async def stop(self) -> None:
         if self.watchdog is not None:
             self.watchdog.cancel()
+        if self._told is not None and self.reconnected in self._told:
+            self._told.remove(self.reconnected)
         await unsubscribe(self.sub)
 
 
