@@ -171,7 +171,11 @@ def test_a_ddp_tutorial_with_snapshots_trains_the_same(tmp_path: Path) -> None:
 
 
 def _lines(output: str, pattern: str) -> list[str]:
-    return sorted(line for line in output.splitlines() if re.match(pattern, line))
+    """The ranks' lines that match `pattern`, sorted. Each begins where a line does or
+    where a rank's `[N] ` does: two processes writing one pipe may run one's line into
+    the end of the other's (`{'train_runtime': ...}[1] world 2 ...` under torchrun)."""
+    pieces = re.split(r"\n|(?=\[\d\] )", output)
+    return sorted(piece for piece in pieces if re.match(pattern, piece))
 
 
 def test_a_mingpt_like_trainer_with_a_tqdm_bar_trains_the_same(tmp_path: Path) -> None:
