@@ -1,0 +1,71 @@
+"""`rove run --standalone` whose own nats-server is killed while the job trains: the
+shape an outside probe found broken (the leases' memory stream was gone with the
+server, no lease reached a worker again, and the job failed a minute later in a gloo
+timeout)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.support import RunProc, eventually
+
+TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+
+
+def _rows(trace: Path) -> list[dict[str, object]]:
+    if not trace.exists():
+        return []
+    return [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+
+
+def _server_pid(store: Path) -> int | None:
+    """The job's nats-server, as its store's lock file names it."""
+    try:
+        held = re.search(r"its nats-server, pid (\d+)", (store / "server.lock").read_text())
+    except FileNotFoundError:
+        return None
+    return int(held[1]) if held else None
+
+
+@pytest.mark.slow
+async def test_a_standalone_job_whose_nats_server_is_killed_trains_on_to_its_end(
+    tmp_path: Path,
+) -> None:
+    """The server is started again on its port and store, the workers' data clients
+    read the leases' stream made anew, and the job ends well in its first round: every
+    step once on each rank, no sample twice."""
+    home, trace = tmp_path / "home", tmp_path / "trace.jsonl"
+    run = RunProc(
+        tmp_path,
+        "nk",
+        *("--standalone", "--job", "nk", "--nproc-per-node", "2", str(TRAIN)),
+        *("--steps", "300", "--ckpt-every", "5", "--step-sleep", "0.05"),
+        *("--trace", str(trace)),
+        env={"ROVE_HOME": str(home), "ROVE_SHM_DIR": str(tmp_path / "shm")},
+    )
+    try:
+        await eventually(lambda: len(_rows(trace)) >= 2 * 60, timeout=180)
+        store = home / "jobs" / "nk" / "nats"
+        first = _server_pid(store)
+        assert first is not None, (store / "server.lock").read_text()
+        os.kill(first, signal.SIGKILL)
+        assert run.wait(300) == 0, run.log()[-4000:]
+    finally:
+        run.stop()
+    log = run.log()
+    assert f"the job's NATS server (pid {first}) was killed by SIGKILL: starting it again" in log
+    assert "the job's NATS server is back" in log
+    assert "round 2" not in log, "no restart: the workers trained on"
+    rows = _rows(trace)
+    for rank in (0, 1):
+        steps = [r["step"] for r in rows if r["rank"] == rank]
+        assert steps == list(range(1, 301)), f"rank {rank} trained each step once"
+    delivered = collections.Counter(tuple(i) for r in rows for i in r["samples"])  # type: ignore[attr-defined]
+    assert delivered and max(delivered.values()) == 1, "no sample twice in the one epoch"
