@@ -208,6 +208,46 @@ async def test_an_in_process_master_that_crashes_is_restarted_and_leads(
         await asyncio.wait_for(task, patience(30))
 
 
+async def test_a_leader_puts_the_memory_streams_back_as_its_one_server_restarts(
+    tmp_path: Path,
+) -> None:
+    """An external single server restarted (an upgrade, a crash) has lost its memory
+    streams. The leader puts them back as it reconnects, and leads on: before, nothing
+    did until a lease failed to publish for 10 s and the leader stepped down to lead
+    again, and a job with no lease to send had no answers stream at all."""
+    import nats.js.errors
+
+    from rove.control.bus.embedded import EmbeddedServer
+    from rove.control.master.runner import MasterRunner
+    from tests.support import free_port
+
+    server = EmbeddedServer(tmp_path / "nats", port=free_port())
+    server.start()
+    bus = await Bus.connect(BusOptions(url=server.url, reconnect_forever=True))
+    runner = MasterRunner(bus, "j1", "m1", ev.JobSpec(node_timeout_s=600), tick_s=0.05)
+    task = asyncio.create_task(runner.run())
+
+    async def answers_stream() -> bool:
+        try:
+            await bus.js.stream_info(subjects.ANSWER_STREAM)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
+    try:
+        await eventually(lambda: runner.role == "leader", timeout=30)
+        server.kill()
+        await asyncio.to_thread(server.start)  # its port, its store: the memory is gone
+        await eventually(answers_stream, timeout=30)
+        assert runner.role == "leader"
+        assert len(await elections(bus)) == 1, "put back by the leader, not a new election"
+    finally:
+        runner.stop()
+        await task
+        await bus.close()
+        server.stop()
+
+
 @pytest.mark.alone  # restarts NATS nodes on their ports: nothing beside it
 async def test_a_master_started_while_the_cluster_has_no_quorum_waits_and_then_leads(
     nats_cluster: Cluster, tmp_path: Path

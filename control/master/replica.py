@@ -155,14 +155,18 @@ class Replica:
             self._tasks.spawn(self._read_again())
 
     async def _read_again(self) -> None:
-        """After a reconnection: the stored ones, if the stream is there (a restarted
-        server loses its memory streams until a master puts them back; the live ones
-        go on meanwhile)."""
+        """After a reconnection of the leader: the memory streams put back (a server
+        restarted, or every server of a cluster, lost them: the leases' answers would
+        fail to publish until the leader stepped down and led again), then the stored
+        heartbeats (the live ones go on meanwhile)."""
         try:
+            if self.bus.options.create_streams:
+                await self.bus.ensure_streams()
             await self._read_stored_heartbeats()
         except (nats.errors.Error, RoveError) as exc:
             log.warning(
-                "could not read the stored heartbeats again after reconnecting; "
+                "could not put the memory streams back or read the stored heartbeats "
+                "after reconnecting; "
                 "the live ones go on",
                 job=self.job,
                 error=str(exc) or type(exc).__name__,
