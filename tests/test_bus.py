@@ -236,6 +236,34 @@ async def test_a_feed_of_a_memory_stream_lost_with_its_server_reads_the_new_one(
         server.stop()
 
 
+async def test_a_feed_whose_consumer_its_server_lost_is_resubscribed_as_it_reconnects(
+    tmp_path: Path,
+) -> None:
+    """A restarted server has lost the feeds' ephemeral consumers: each feed resubscribes
+    from its next sequence as its client reconnects, not after its stall checks."""
+    server = EmbeddedServer(tmp_path / "nats", port=free_port())
+    server.start()
+    bus = await Bus.connect(BusOptions(url=server.url, reconnect_forever=True))
+    bus.stall_check_s = 3600.0  # (no stall check comes: the reconnection alone)
+    got: list[records.Recorded | records.Rejection] = []
+    try:
+        feed = await bus.subscribe(
+            subjects.EVENTS_STREAM, subjects.job_events("j1"), got.append, got.append
+        )
+        await bus.publish(factories.joined("n1"))
+        await eventually(lambda: len(got) == 1, timeout=30)
+        server.kill()
+        await asyncio.to_thread(server.start)
+        await eventually(lambda: feed.resubscribed == 1, timeout=30)
+        await bus.publish(factories.joined("n2", n=2), deadline_s=30.0)
+        await eventually(lambda: len(got) == 2, timeout=30)
+        assert [r.seq for r in got] == [1, 2], "each once, in order"
+        await feed.stop()
+    finally:
+        await bus.close()
+        server.stop()
+
+
 async def test_a_killed_embedded_server_is_started_again_on_its_port_with_its_streams(
     tmp_path: Path,
 ) -> None:

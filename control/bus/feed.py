@@ -126,6 +126,7 @@ class Feed:
         self.recheck = False
         if self.created is None or now == self.created:
             self.created = now
+            await self._resume_if_lost(resubscribe, what)
             return
         log.warning(
             "the stream was made anew (a memory stream whose server restarted, or one "
@@ -142,6 +143,30 @@ class Feed:
             raise
         self.created = now
         self.renewed += 1
+
+    async def _resume_if_lost(
+        self, resubscribe: Callable[[int], Awaitable[Any]], what: str
+    ) -> None:
+        """The same stream: if its server lost the feed's consumer (a restart loses the
+        ephemeral ones), resubscribe from the next sequence now, not after the stall
+        checks (15 s) or nats-py's own healing, which may fail."""
+        try:
+            await self.sub.consumer_info()
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            self.recheck = True  # asked again at the next check
+            return
+        log.info(
+            "the feed's consumer was lost with its server: resubscribing",
+            feed=what,
+            delivered=self.last_seq,
+        )
+        old = self.sub
+        self.sub = await resubscribe(self.last_seq + 1)
+        self.resubscribed += 1
+        await unsubscribe(old)
 
     async def _check(
         self,
