@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -192,6 +194,22 @@ async def test_publish_survives_a_server_restart_within_its_deadline(tmp_path: P
         server.stop()
 
 
+@contextlib.asynccontextmanager
+async def server_of_its_own(
+    tmp_path: Path, *, stall_check_s: float
+) -> AsyncIterator[tuple[EmbeddedServer, Bus]]:
+    """A server on a fixed port (a test restarts it there) and a bus to it."""
+    server = EmbeddedServer(tmp_path / "nats", port=free_port())
+    server.start()
+    bus = await Bus.connect(BusOptions(url=server.url, reconnect_forever=True))
+    bus.stall_check_s = stall_check_s
+    try:
+        yield server, bus
+    finally:
+        await bus.close()
+        server.stop()
+
+
 def leases(*requests: int) -> list[ev.ShardLeased]:
     """The master's answers to client c1 of dataset ds (stream ROVE_ANSWERS, in memory)."""
     leased = next(e for e in factories.data_events() if isinstance(e, ev.ShardLeased))
@@ -213,12 +231,8 @@ async def test_a_feed_of_a_memory_stream_lost_with_its_server_reads_the_new_one(
     """A memory stream is lost when its one server restarts, and the one a master makes
     again numbers its messages from 1: a feed that skipped what it had delivered by
     sequence never read another lease (a job stalled after a NATS restart)."""
-    server = EmbeddedServer(tmp_path / "nats", port=free_port())
-    server.start()
-    bus = await Bus.connect(BusOptions(url=server.url, reconnect_forever=True))
-    bus.stall_check_s = 0.2
     got: list[int] = []
-    try:
+    async with server_of_its_own(tmp_path, stall_check_s=0.2) as (server, bus):
         feed = await answers_feed(bus, got)
         for leased in leases(1, 2, 3):
             await bus.publish(leased)
@@ -231,9 +245,6 @@ async def test_a_feed_of_a_memory_stream_lost_with_its_server_reads_the_new_one(
         await eventually(lambda: got == [1, 2, 3, 4], timeout=30)
         assert feed.renewed == 1
         await feed.stop()
-    finally:
-        await bus.close()
-        server.stop()
 
 
 async def test_a_feed_whose_consumer_its_server_lost_is_resubscribed_as_it_reconnects(
@@ -241,12 +252,9 @@ async def test_a_feed_whose_consumer_its_server_lost_is_resubscribed_as_it_recon
 ) -> None:
     """A restarted server has lost the feeds' ephemeral consumers: each feed resubscribes
     from its next sequence as its client reconnects, not after its stall checks."""
-    server = EmbeddedServer(tmp_path / "nats", port=free_port())
-    server.start()
-    bus = await Bus.connect(BusOptions(url=server.url, reconnect_forever=True))
-    bus.stall_check_s = 3600.0  # (no stall check comes: the reconnection alone)
     got: list[records.Recorded | records.Rejection] = []
-    try:
+    # (no stall check comes: the reconnection alone)
+    async with server_of_its_own(tmp_path, stall_check_s=3600.0) as (server, bus):
         feed = await bus.subscribe(
             subjects.EVENTS_STREAM, subjects.job_events("j1"), got.append, got.append
         )
@@ -259,9 +267,6 @@ async def test_a_feed_whose_consumer_its_server_lost_is_resubscribed_as_it_recon
         await eventually(lambda: len(got) == 2, timeout=30)
         assert [r.seq for r in got] == [1, 2], "each once, in order"
         await feed.stop()
-    finally:
-        await bus.close()
-        server.stop()
 
 
 async def test_a_killed_embedded_server_is_started_again_on_its_port_with_its_streams(
