@@ -397,9 +397,10 @@ class Agents:
         return list(self.churned)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # (re-cancels: a task whose publish swallowed the cancel, gh-86296, hung CI here)
+        from rove.control.process import aio
+
+        await aio.cancel_and_wait(self._tasks)
 
 
 async def replicas_hold(bus: Any, stream: str, seq: int, timeout: float = 30) -> None:
