@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
+import nats.errors
+import nats.js.errors
 import pytest
 import structlog
 from nats.js.api import DiscardPolicy, StorageType
@@ -573,3 +575,41 @@ def test_a_server_whose_starter_died_holds_the_store_until_it_stops(tmp_path: Pa
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     finally:
         again.stop()
+
+
+async def test_a_feed_that_cannot_resubscribe_after_losing_its_consumer_tries_again() -> None:
+    """A consumer lost with its server, and the first resubscribe fails (the stream is
+    not back yet): the feed keeps its subscription, says so, and tries again at the next
+    check; the one that works replaces the old subscription."""
+
+    class LostSub:
+        unsubscribed = False
+
+        async def consumer_info(self) -> None:
+            raise nats.js.errors.NotFoundError
+
+        async def unsubscribe(self) -> None:
+            self.unsubscribed = True
+
+    old, new = LostSub(), object()
+    answers: list[object] = [nats.errors.TimeoutError(), new]
+
+    async def resubscribe(start: int) -> object:
+        assert start == 8, "from the message after the last delivered"
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def created() -> object:
+        return "the same stream"
+
+    feed = Feed(sub=old, target_seq=0, last_seq=7, created="the same stream", recheck=True)
+    with structlog.testing.capture_logs() as logs:
+        await feed._renew(created, resubscribe, "test")
+    assert feed.sub is old and feed.resubscribed == 0 and not old.unsubscribed
+    assert feed.recheck, "asked again at the next check"
+    assert any(e["event"] == "could not resubscribe; will try again" for e in logs)
+    await feed._renew(created, resubscribe, "test")
+    assert feed.sub is new and feed.resubscribed == 1 and old.unsubscribed
+    assert not feed.recheck

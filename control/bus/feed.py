@@ -163,10 +163,8 @@ class Feed:
             feed=what,
             delivered=self.last_seq,
         )
-        old = self.sub
-        self.sub = await resubscribe(self.last_seq + 1)
-        self.resubscribed += 1
-        await unsubscribe(old)
+        if not await self._resubscribe_next(resubscribe, what):
+            self.recheck = True  # still without a consumer: the next check tries again
 
     async def _check(
         self,
@@ -194,15 +192,22 @@ class Feed:
             delivered=self.last_seq,
             stream_has=ahead,
         )
+        return [] if await self._resubscribe_next(resubscribe, what) else history
+
+    async def _resubscribe_next(
+        self, resubscribe: Callable[[int], Awaitable[Any]], what: str
+    ) -> bool:
+        """Subscribe again from the sequence after the last delivered, then drop the old
+        subscription; False (said) if the new one could not be made."""
         old = self.sub
         try:
             self.sub = await resubscribe(self.last_seq + 1)
         except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
             log.warning("could not resubscribe; will try again", feed=what, error=plain(exc))
-            return history
+            return False
         self.resubscribed += 1
         await unsubscribe(old)
-        return []
+        return True
 
     async def stop(self) -> None:
         if self.watchdog is not None:
