@@ -187,17 +187,22 @@ async def eventually(
     check: Callable[[], Awaitable[Any] | Any], *, timeout: float = 20.0, every: float = 0.05
 ) -> Any:
     """Poll `check` until it returns a truthy value; return it, or fail after `timeout`
-    (stretched by `patience`)."""
+    (stretched by `patience`).
+
+    Between two checks it waits `every`, or twice as long as the check took if that is
+    longer: a costly check (every stored event read and folded) polls at most a third
+    of a core, which the job under test needs more on a busy machine."""
     timeout = patience(timeout)
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
+        began = time.monotonic()
         last = check()
         if asyncio.iscoroutine(last):
             last = await last
         if last:
             return last
-        await asyncio.sleep(every)
+        await asyncio.sleep(max(every, 2 * (time.monotonic() - began)))
     raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
 
 
@@ -484,11 +489,10 @@ class RunProc(CliProc):
 
 
 def trace_rows(path: Path) -> list[dict[str, Any]]:
-    import json
+    """The rows of a trace a test's ranks append to (read as they grow: `tests.lineage`)."""
+    from tests import lineage
 
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return lineage.rows(path)
 
 
 def pid_alive(pid: int) -> bool:
