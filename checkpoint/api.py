@@ -36,13 +36,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from rove.agent import progress
 from rove.checkpoint.engine import CheckpointError, FlashEngine, SaveStats, namespace
 from rove.checkpoint.restore import agree, begin_lineage, candidates, job_and_storage
+from rove.control.process import logs
 
-log = structlog.get_logger("rove.checkpoint")
+log = logs.get("rove.checkpoint")
 
 #: Called with the step after every save in this process (weakly held).
 _SAVED: list[weakref.WeakMethod[Callable[[int], None]]] = []

@@ -28,9 +28,9 @@ import re
 import time
 from pathlib import Path
 
-import structlog
+from rove.control.process import logs
 
-log = structlog.get_logger("rove.checkpoint")
+log = logs.get("rove.checkpoint")
 
 PREFIX = "rove-ckpt-"
 #: Seconds a dead run's slots are kept for an agent of it started again (env

@@ -31,8 +31,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from rove.agent import progress
 from rove.control.bus import records
 from rove.control.bus.client import Bus
@@ -42,8 +40,9 @@ from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import shards
 from rove.control.errors import RoveError
+from rove.control.process import logs
 
-log = structlog.get_logger("rove.data")
+log = logs.get("rove.data")
 
 Answer = ev.ShardLeased | ev.DataRejected
 

@@ -28,18 +28,18 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, Unpack
 
-import structlog
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import shards
+from rove.control.process import logs
 from rove.shard_service.client import DataClient, Placement, client_name
 from rove.shard_service.keeper import MAX_AHEAD, LeaseKeeper
 from rove.shard_service.options import Pace, Sharding, sharded
 from rove.shard_service.sampler import _distributed, deliveries, position_state, read_position
 
-log = structlog.get_logger("rove.data")
+log = logs.get("rove.data")
 
 Tagged = tuple[Any, int, int, int, str]  # sample, shard key, position in it, index, worker
 

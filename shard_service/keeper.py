@@ -27,14 +27,13 @@ import queue
 import time
 from collections.abc import Callable, Iterable
 
-import structlog
-
 from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError
+from rove.control.process import logs
 from rove.shard_service.client import DataClient, first_request
 from rove.shard_service.options import DEFAULT_PACE, Pace
 
-log = structlog.get_logger("rove.data")
+log = logs.get("rove.data")
 
 #: The most shards a client holds ahead of use, however fast it trains.
 MAX_AHEAD = 64

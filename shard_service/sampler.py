@@ -35,13 +35,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, Unpack
 
 import msgspec
-import structlog
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import shards
+from rove.control.process import logs
 from rove.shard_service.client import DataClient
 from rove.shard_service.keeper import LeaseKeeper
 from rove.shard_service.options import Sharding, sharded
@@ -49,7 +49,7 @@ from rove.shard_service.position import read_position as read_position
 from rove.shard_service.position import saved_position
 from rove.shard_service.tracker import Tracker
 
-log = structlog.get_logger("rove.data")
+log = logs.get("rove.data")
 
 
 class ShardSampler(Sampler[list[int]]):

@@ -54,7 +54,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Unpack, cast
 
 import msgspec
-import structlog
 import torch
 import torch.distributed as dist
 from confluent_kafka import Message
@@ -64,7 +63,7 @@ from torch.utils.data._utils.collate import default_collate
 from rove.checkpoint.api import on_save
 from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError, plain
-from rove.control.process import kafka_settings
+from rove.control.process import kafka_settings, logs
 from rove.shard_service.client import DataClient
 from rove.shard_service.iterable import LeasedIterable
 from rove.shard_service.kafka import RangeReader, Record
@@ -72,7 +71,7 @@ from rove.shard_service.keeper import MAX_AHEAD
 from rove.shard_service.options import Leasing, streamed
 from rove.shard_service.sampler import _distributed, deliveries
 
-log = structlog.get_logger("rove.data")
+log = logs.get("rove.data")
 
 
 class _Batch(NamedTuple):

@@ -63,6 +63,11 @@ async def test_a_standalone_job_whose_nats_server_is_killed_trains_on_to_its_end
     assert f"the job's NATS server (pid {first}) was killed by SIGKILL: starting it again" in log
     assert "the job's NATS server is back" in log
     assert "round 2" not in log, "no restart: the workers trained on"
+    # the workers' rove lines (their data clients lost the server too) are short lines
+    # on stderr, each naming its rank: no debug lines, no stamina retry lines (the
+    # launcher's own, structured, are all here: RunProc runs it verbose)
+    assert re.search(r"^rove: rank [01]: disconnected from NATS; reconnecting$", log, re.M), log
+    assert not re.search(r"\[debug *\]|stamina\.retry_scheduled", log), log
     rows = _rows(trace)
     for rank in (0, 1):
         steps = [r["step"] for r in rows if r["rank"] == rank]

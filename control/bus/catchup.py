@@ -29,14 +29,14 @@ from collections.abc import Awaitable, Callable
 
 import nats.errors
 import nats.js.errors
-import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from rove.control.bus.natsclient import RoveNatsClient, delivery_sequences
 from rove.control.errors import plain
+from rove.control.process import logs
 
-log = structlog.get_logger("rove.catchup")
+log = logs.get("rove.catchup")
 
 #: Backlogs smaller than this are left to the ordered consumer.
 MIN_BACKLOG = 2000

@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import nats
 import nats.errors
 import nats.js.errors
-import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -55,9 +54,9 @@ from rove.control.errors import (
     PermissionDeniedError,
     RoveError,
 )
-from rove.control.process import aio, metrics
+from rove.control.process import aio, logs, metrics
 
-log = structlog.get_logger("rove.bus")
+log = logs.get("rove.bus")
 
 EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 WRONG_LAST_SEQUENCE = 10071

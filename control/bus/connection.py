@@ -13,7 +13,6 @@ from typing import Any
 
 import nats
 import nats.errors
-import structlog
 from nats.aio.client import Client as NatsClient
 
 from rove.control.bus import auth
@@ -21,8 +20,9 @@ from rove.control.bus import options as bus_options
 from rove.control.bus.natsclient import RoveNatsClient
 from rove.control.bus.options import BusOptions
 from rove.control.errors import BusUnavailableError, ConfigError, NotAuthorizedError, plain
+from rove.control.process import logs
 
-log = structlog.get_logger("rove.bus")
+log = logs.get("rove.bus")
 
 #: While reconnecting, how often a failed attempt's error is said (each is logged at debug).
 AWAY_SAY_S = 60.0

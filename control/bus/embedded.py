@@ -36,11 +36,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import structlog
-
 from rove.control.errors import BusUnavailableError, ConfigError
+from rove.control.process import logs
 
-log = structlog.get_logger("rove.embedded")
+log = logs.get("rove.embedded")
 
 _PR_SET_PDEATHSIG = 1
 

@@ -27,12 +27,12 @@ from typing import Any
 import nats
 import nats.errors
 import nats.js.errors
-import structlog
 
 from rove.control.bus import records
 from rove.control.errors import RoveError, plain
+from rove.control.process import logs
 
-log = structlog.get_logger("rove.bus")
+log = logs.get("rove.bus")
 
 
 #: A feed that has not moved for this many checks while its stream holds newer

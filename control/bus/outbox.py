@@ -13,15 +13,13 @@ from __future__ import annotations
 import asyncio
 import functools
 
-import structlog
-
 from rove.control.bus import retry
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
-from rove.control.process import aio
+from rove.control.process import aio, logs
 
-log = structlog.get_logger("rove.outbox")
+log = logs.get("rove.outbox")
 
 
 class Outbox:

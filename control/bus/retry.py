@@ -35,11 +35,11 @@ from typing import TypeVar
 import nats.errors
 import nats.js.errors
 import stamina
-import structlog
 
 from rove.control.errors import PublishDeadlineError, TemporaryError, plain
+from rove.control.process import logs
 
-log = structlog.get_logger("rove.retry")
+log = logs.get("rove.retry")
 
 T = TypeVar("T")
 

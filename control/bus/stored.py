@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import structlog
-
 from rove.control.bus import embedded
 from rove.control.errors import ConfigError
-from rove.control.process import tempdirs
+from rove.control.process import logs, tempdirs
 
-log = structlog.get_logger("rove.stored")
+log = logs.get("rove.stored")
 
 
 def answers(url: str, timeout_s: float = 1.0) -> bool:

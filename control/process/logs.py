@@ -39,6 +39,11 @@ def some(names: list[str], most: int = SHOWN) -> str:
 #: Levels whose lines a job's console always gets.
 _LOUD = frozenset({"warning", "error", "critical"})
 
+#: Whether rove configured structlog in this process (its daemons, commands and
+#: launcher). Elsewhere, in a user's process (a worker), rove's modules log through
+#: their own pipeline (`get`) and leave the process's structlog as its user set it.
+_CONFIGURED = False
+
 
 def configure(level: str | None = None, fmt: str | None = None) -> None:
     """Every line to stderr (the daemons and one-shot commands)."""
@@ -88,6 +93,8 @@ def _configure(level: str | None, fmt: str | None, out: TextIO, console: bool | 
         structlog.processors.format_exc_info if fmt == "json" else structlog.dev.set_exc_info,
         renderer,
     ]
+    global _CONFIGURED
+    _CONFIGURED = True
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(
@@ -145,3 +152,98 @@ def silent(name: str) -> logging.Logger:
         logger.addHandler(logging.NullHandler())
     logger.propagate = False
     return logger
+
+
+class RoveLogger:
+    """The logger of a rove module that may run in a user's process (the bus, the data
+    client, the checkpointers): structlog's, as configured, in rove's own processes;
+    in any other process rove's own pipeline (`_in_users_process`), so that a worker's
+    stdout and its user's structlog configuration stay the user's. Resolved at each
+    call: a module imported before its process configured logging follows it."""
+
+    __slots__ = ("_bound", "_name", "_ours", "_users")
+
+    def __init__(self, name: str, bound: Mapping[str, Any] | None = None) -> None:
+        self._name = name
+        self._bound = dict(bound or {})
+        self._ours: Any = None
+        self._users: Any = None
+
+    def bind(self, **values: Any) -> RoveLogger:
+        return RoveLogger(self._name, {**self._bound, **values})
+
+    def _target(self) -> Any:
+        if _CONFIGURED:
+            if self._ours is None:  # (structlog's lazy proxy: follows reconfiguration)
+                self._ours = structlog.get_logger(self._name, **self._bound)
+            return self._ours
+        if self._users is None:
+            self._users = _in_users_process().bind(**self._bound)
+        return self._users
+
+    def __getattr__(self, method: str) -> Any:
+        return getattr(self._target(), method)
+
+
+def get(name: str) -> RoveLogger:
+    """A rove module's logger (`RoveLogger`): `log = logs.get("rove.data")`."""
+    return RoveLogger(name)
+
+
+_USERS: Any = None
+
+
+def _in_users_process() -> Any:
+    """rove's pipeline in a process rove did not configure: warnings and errors (or
+    `ROVE_LOG_LEVEL`) to stderr as `rove: rank N: what happened`, never to stdout, and
+    stamina's own retry lines off where nobody chose stamina's hooks (rove logs its
+    retries itself, with what it retried)."""
+    global _USERS
+    if _USERS is None:
+        level = (os.environ.get("ROVE_LOG_LEVEL") or "warning").upper()
+        rank = os.environ.get("RANK")
+        _USERS = structlog.wrap_logger(
+            structlog.PrintLogger(sys.stderr),
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.add_log_level,
+                _Short(f"rove: rank {rank}: " if rank else "rove: "),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(
+                logging.getLevelNamesMapping().get(level, logging.WARNING)
+            ),
+            cache_logger_on_first_use=True,
+        )
+        _quiet_stamina_unless_chosen()
+    return _USERS
+
+
+class _Short:
+    """A user's process's line: one sentence (`short`), its traceback after it."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]) -> str:
+        event.pop("say", None)
+        exc = event.get("exc_info")
+        line = self.prefix + short(event)
+        if exc is True or isinstance(exc, BaseException):
+            import traceback
+
+            err = sys.exc_info()[1] if exc is True else exc
+            if err is not None:
+                line += "\n" + "".join(traceback.format_exception(err)).rstrip()
+        return line
+
+
+def _quiet_stamina_unless_chosen() -> None:
+    """stamina's default hooks log every retry as a warning through the process's
+    structlog: in a worker, during a NATS outage, lines on the user's stdout that say
+    less than rove's own. Turned off only where nobody set stamina's hooks (stamina's
+    private `CONFIG._on_retry` is None then; checked by tests/test_logs.py)."""
+    from stamina import _config
+
+    config = getattr(_config, "CONFIG", None)
+    if config is not None and getattr(config, "_on_retry", "set") is None:
+        stamina.instrumentation.set_on_retry_hooks([])
