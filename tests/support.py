@@ -190,8 +190,8 @@ async def eventually(
     (stretched by `patience`).
 
     Between two checks it waits `every`, or twice as long as the check took if that is
-    longer: a costly check (every stored event read and folded) polls at most a third
-    of a core, which the job under test needs more on a busy machine."""
+    longer (up to a second): a costly check (every stored event read and folded) polls
+    at most a third of a core, which the job under test needs more on a busy machine."""
     timeout = patience(timeout)
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -202,7 +202,7 @@ async def eventually(
             last = await last
         if last:
             return last
-        await asyncio.sleep(max(every, 2 * (time.monotonic() - began)))
+        await asyncio.sleep(max(every, min(1.0, 2 * (time.monotonic() - began))))
     raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
 
 
