@@ -42,6 +42,7 @@ def test_in_a_workers_process_rove_says_short_lines_on_stderr_and_leaves_structl
         client.log.debug("a debug line")
         client.log.info("an info line")
         client.log.bind(dataset="d").warning("no answer from the master yet", error="late")
+        client.log.warning("restored an older step", wanted=60, step=5, why="a bad file")
         try:
             1 / 0
         except ZeroDivisionError:
@@ -54,9 +55,10 @@ def test_in_a_workers_process_rove_says_short_lines_on_stderr_and_leaves_structl
     assert done.returncode == 0, done.stderr
     assert done.stdout == 'stdout: ["the user\'s own line"]\n', "the user's, untouched"
     lines = done.stderr.splitlines()
-    assert lines[0] == "rove: rank 3: no answer from the master yet: late"
-    assert lines[1] == "rove: rank 3: the feed failed"
-    assert lines[2] == "Traceback (most recent call last):" and lines[-1].startswith(
+    assert lines[0] == "rove: rank 3: no answer from the master yet: late dataset=d"
+    assert lines[1] == "rove: rank 3: restored an older step wanted=60 step=5 why='a bad file'"
+    assert lines[2] == "rove: rank 3: the feed failed"
+    assert lines[3] == "Traceback (most recent call last):" and lines[-1].startswith(
         "ZeroDivisionError"
     )
     assert "debug line" not in done.stderr and "info line" not in done.stderr

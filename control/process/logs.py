@@ -218,8 +218,14 @@ def _in_users_process() -> Any:
     return _USERS
 
 
+#: Keys a worker's line does not repeat as `key=value` (`short` says them, or they say
+#: nothing to a person).
+_SAID = frozenset({"event", "error", "exc_info", "level", "say", "timestamp"})
+
+
 class _Short:
-    """A user's process's line: one sentence (`short`), its traceback after it."""
+    """A user's process's line: one sentence (`short`), then the line's other fields as
+    `key=value` (the step a warning names), its traceback after it."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -228,6 +234,10 @@ class _Short:
         event.pop("say", None)
         exc = event.get("exc_info")
         line = self.prefix + short(event)
+        for key, value in event.items():
+            if key not in _SAID:
+                shown = repr(value) if isinstance(value, str) and " " in value else value
+                line += f" {key}={shown}"
         if exc is True or isinstance(exc, BaseException):
             import traceback
 
