@@ -469,6 +469,19 @@ async def _master_knows_the_step_restored(
         for r in records
         if isinstance(r.event, ev.CkptCommitted) and r.event.round >= rnd
     ]
+    # (`named` is what storage said was committed as the nodes died; the master may have
+    # committed a newer step by then, which its agents had not yet recorded on storage:
+    # the round then names that one, and restoring it is no fall-back)
+    named = next(
+        (
+            r.event.restore_step
+            for r in records
+            if isinstance(r.event, ev.RoundCompleted)
+            and r.event.round == rnd
+            and r.event.restore_step is not None
+        ),
+        named,
+    )
     if newest == rnd and step != named and step not in committed[:1]:
         return [f"step {step}, restored instead of step {named}, was not committed again first"]
     return []
