@@ -6,7 +6,6 @@ timeout)."""
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import signal
@@ -14,15 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import RunProc, eventually
+from tests.support import RunProc, eventually, trace_rows
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
-
-
-def _rows(trace: Path) -> list[dict[str, object]]:
-    if not trace.exists():
-        return []
-    return [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
 
 
 def _server_pid(store: Path) -> int | None:
@@ -51,7 +44,7 @@ async def test_a_standalone_job_whose_nats_server_is_killed_trains_on_to_its_end
         env={"ROVE_HOME": str(home), "ROVE_SHM_DIR": str(tmp_path / "shm")},
     )
     try:
-        await eventually(lambda: len(_rows(trace)) >= 2 * 60, timeout=180)
+        await eventually(lambda: len(trace_rows(trace)) >= 2 * 60, timeout=180)
         store = home / "jobs" / "nk" / "nats"
         first = _server_pid(store)
         assert first is not None, (store / "server.lock").read_text()
@@ -69,7 +62,7 @@ async def test_a_standalone_job_whose_nats_server_is_killed_trains_on_to_its_end
     said = r"^rove: rank [01]: disconnected from NATS; reconnecting servers=\['nats://"
     assert re.search(said, log, re.M), log
     assert not re.search(r"\[debug *\]|stamina\.retry_scheduled", log), log
-    rows = _rows(trace)
+    rows = trace_rows(trace)
     for rank in (0, 1):
         steps = [r["step"] for r in rows if r["rank"] == rank]
         assert steps == list(range(1, 301)), f"rank {rank} trained each step once"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -231,7 +232,6 @@ class _Short:
         self.prefix = prefix
 
     def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]) -> str:
-        event.pop("say", None)
         exc = event.get("exc_info")
         line = self.prefix + short(event)
         for key, value in event.items():
@@ -239,8 +239,6 @@ class _Short:
                 shown = repr(value) if isinstance(value, str) and " " in value else value
                 line += f" {key}={shown}"
         if exc is True or isinstance(exc, BaseException):
-            import traceback
-
             err = sys.exc_info()[1] if exc is True else exc
             if err is not None:
                 line += "\n" + "".join(traceback.format_exception(err)).rstrip()
