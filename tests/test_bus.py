@@ -21,7 +21,7 @@ from nats.js.api import DiscardPolicy, StorageType
 from rove.control.bus import records, streams
 from rove.control.bus.client import Bus, BusOptions, Fence
 from rove.control.bus.embedded import EmbeddedServer
-from rove.control.bus.feed import Feed, stalled
+from rove.control.bus.feed import Feed, StreamMark, stalled
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import (
@@ -32,7 +32,7 @@ from rove.control.errors import (
     PublishDeadlineError,
 )
 from tests import factories
-from tests.support import eventually, free_port, patience
+from tests.support import Cluster, eventually, free_port, patience
 
 
 async def stored(bus: Bus, job: str = "j1") -> list[records.Recorded | records.Rejection]:
@@ -247,6 +247,38 @@ async def test_a_feed_of_a_memory_stream_lost_with_its_server_reads_the_new_one(
         await eventually(lambda: got == [1, 2, 3, 4], timeout=30)
         assert feed.renewed == 1
         await feed.stop()
+
+
+@pytest.mark.slow
+async def test_a_feed_of_a_memory_stream_whose_every_server_restarted_reads_it_from_its_start(
+    nats_cluster: Cluster,
+) -> None:
+    """A cluster all of whose servers restart at once (a power cut, every pod deleted)
+    keeps a memory stream's definition, its creation time too, and loses its messages:
+    the stream numbers them from 1 again. Before, each data client's feed waited for the
+    sequences after those it had delivered and never read another lease: a real job hung
+    (`tests/nemesis`, nats-restart-all)."""
+    got: list[int] = []
+    bus = await Bus.connect(BusOptions(url=nats_cluster.url, replicas=3, reconnect_forever=True))
+    bus.stall_check_s = 0.2
+    try:
+        feed = await answers_feed(bus, got)
+        for leased in leases(1, 2, 3):
+            await bus.publish(leased)
+        await eventually(lambda: got == [1, 2, 3], timeout=30)
+        created = feed.created
+        for node in nats_cluster.nodes:
+            node.kill()
+        for node in nats_cluster.nodes:
+            await asyncio.to_thread(node.start)
+        (after,) = leases(4)
+        assert await bus.publish(after, deadline_s=60.0) == 1, "numbered from 1 again"
+        await eventually(lambda: got == [1, 2, 3, 4], timeout=60)
+        assert feed.renewed == 1
+        assert feed.created == created, "the same stream, as its creation time says"
+        await feed.stop()
+    finally:
+        await bus.close()
 
 
 async def test_a_feed_whose_consumer_its_server_lost_is_resubscribed_as_it_reconnects(
@@ -601,8 +633,8 @@ async def test_a_feed_that_cannot_resubscribe_after_losing_its_consumer_tries_ag
             raise answer
         return answer
 
-    async def created() -> object:
-        return "the same stream"
+    async def created() -> StreamMark:
+        return StreamMark("the same stream", 7)
 
     feed = Feed(sub=old, target_seq=0, last_seq=7, created="the same stream", recheck=True)
     with structlog.testing.capture_logs() as logs:

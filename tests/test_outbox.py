@@ -9,7 +9,7 @@ import pytest
 
 from rove.control.bus import records
 from rove.control.bus.client import Bus
-from rove.control.bus.feed import Feed
+from rove.control.bus.feed import Feed, StreamMark
 from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.errors import RoveError
@@ -87,8 +87,8 @@ async def test_a_feed_watchdog_that_fails_once_keeps_watching() -> None:
         asked.append(seq)
         return object()
 
-    async def created() -> object:
-        return "the same stream"
+    async def created() -> StreamMark:
+        return StreamMark("the same stream", 5)
 
     watch = asyncio.create_task(feed.watch(newest, resubscribe, created, what="test", every_s=0.01))
     try:

@@ -42,7 +42,7 @@ from nats.js.kv import KeyValue
 from rove.control.bus import catchup, connection, embedded, records, retry, stored, streams
 from rove.control.bus import options as bus_options
 from rove.control.bus.embedded import EmbeddedServer
-from rove.control.bus.feed import STALL_CHECK_S, Feed, RejectionLog, nothing_since
+from rove.control.bus.feed import STALL_CHECK_S, Feed, RejectionLog, StreamMark, nothing_since
 from rove.control.bus.natsclient import RoveNatsClient, ack_position
 from rove.control.bus.options import BusOptions as BusOptions  # (Bus.connect takes them)
 from rove.control.catalogue import events as ev
@@ -554,7 +554,8 @@ class Bus:
 
         with contextlib.suppress(nats.errors.Error, nats.js.errors.Error, TimeoutError):
             # (not known: the first check after a reconnection learns it)
-            feed.created = await self.stream_created(stream)
+            known = await self.stream_created(stream)
+            feed.created = known.created if known is not None else None
         feed.watchdog = asyncio.create_task(
             feed.watch(
                 newest,
@@ -570,14 +571,16 @@ class Bus:
         feed.hear_reconnections(self.nc.reconnected)
         return feed
 
-    async def stream_created(self, stream: str) -> object | None:
-        """When `stream` was created (None if it is not there): a stream made anew
-        under the same name (a memory stream after its server restarted) has another."""
+    async def stream_created(self, stream: str) -> StreamMark | None:
+        """When `stream` was created and its newest sequence, from its leader (None if it
+        is not there): a stream made anew under the same name (a memory stream after its
+        server restarted) has another creation time; one whose every server restarted
+        has the same, and numbers its messages from 1 again."""
         try:
             info = await self.js.stream_info(stream)
         except nats.js.errors.NotFoundError:
             return None
-        return info.created
+        return StreamMark(info.created, int(info.state.last_seq))
 
     async def read(self, stream: str, subject_filter: str, on_recorded: OnRecorded) -> None:
         """Deliver every message stored now under `subject_filter`, in order, and

@@ -10,8 +10,10 @@ The watchdog also notices a stream made anew under the same name: a memory strea
 (the leases' answers) is lost when its server restarts, and the new one numbers its
 messages from 1 again, which a feed skipping what it has delivered by sequence would
 never read. After each reconnection (`recheck`), and when the stream's newest message
-is older than the feed's, it compares the stream's creation time with the one it
-subscribed to, and reads a new stream from its start.
+is older than the feed's, it asks the stream's leader when the stream was created and
+its newest sequence (`StreamMark`), and reads the stream from its start if it is a new
+one, or the same one numbering from 1 again: a cluster all of whose servers restarted
+keeps a memory stream's definition, creation time included, and loses its messages.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ log = logs.get("rove.bus")
 STALL_CHECKS = 3
 #: Seconds between two of those checks.
 STALL_CHECK_S = 5.0
+#: Seconds between two looks at a stream that did not answer after a reconnection (a
+#: cluster whose every server restarted elects its streams' leaders a few seconds later).
+RECHECK_S = 1.0
 
 
 def stalled(history: list[int], newest: int, checks: int = STALL_CHECKS) -> bool:
@@ -47,6 +52,14 @@ def stalled(history: list[int], newest: int, checks: int = STALL_CHECKS) -> bool
     last `checks` checks (`history`, oldest first) while the stream has `newest` > it."""
     recent = history[-checks:]
     return len(recent) == checks and len(set(recent)) == 1 and newest > recent[-1]
+
+
+@dataclass(frozen=True)
+class StreamMark:
+    """A stream as its leader describes it: when it was created, its newest sequence."""
+
+    created: object
+    last_seq: int
 
 
 @dataclass
@@ -83,14 +96,15 @@ class Feed:
         self,
         newest: Callable[[], Awaitable[int]],
         resubscribe: Callable[[int], Awaitable[Any]],
-        created: Callable[[], Awaitable[object | None]],
+        created: Callable[[], Awaitable[StreamMark | None]],
         *,
         what: str,
         every_s: float = STALL_CHECK_S,
     ) -> None:
         """Resubscribe from the next sequence when this feed stalls (`stalled`), and
-        from the start (`resubscribe(0)`) of a stream made anew (`created()`, its
-        creation time, None while it is not there, differs from the feed's).
+        from the start (`resubscribe(0)`) of a stream made anew (`created()`: its
+        creation time differs from the feed's, or its newest sequence is older than
+        the feed's; None while it is not there).
 
         nats-py's ordered consumer heals itself after missed heartbeats, but not
         when recreating its consumer fails and the healing task dies with it: a
@@ -99,8 +113,9 @@ class Feed:
         """
         history: list[int] = []
         while True:
+            wait_s = min(every_s, RECHECK_S) if self.recheck else every_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), every_s)
+                await asyncio.wait_for(self._wake.wait(), wait_s)
             self._wake.clear()
             try:
                 if self.recheck:
@@ -112,27 +127,30 @@ class Feed:
 
     async def _renew(
         self,
-        created: Callable[[], Awaitable[object | None]],
+        created: Callable[[], Awaitable[StreamMark | None]],
         resubscribe: Callable[[int], Awaitable[Any]],
         what: str,
     ) -> None:
-        """Read the stream from its start if it is another one than the feed's."""
+        """Read the stream from its start if it is another one than the feed's, or the
+        same one numbering its messages from 1 again."""
         try:
-            now = await created()
+            mark = await created()
         except (RoveError, nats.errors.Error, nats.js.errors.Error, TimeoutError):
             return  # asked again at the next check
-        if now is None:
+        if mark is None:
             return  # not there (yet): whoever keeps the streams makes it again
         self.recheck = False
-        if self.created is None or now == self.created:
-            self.created = now
+        same = self.created is None or mark.created == self.created
+        if same and mark.last_seq >= self.last_seq:
+            self.created = mark.created
             await self._resume_if_lost(resubscribe, what)
             return
         log.warning(
-            "the stream was made anew (a memory stream whose server restarted, or one "
-            "deleted): reading it from its start",
+            "the stream was made anew (a memory stream whose server restarted, or every "
+            "server of its cluster; or one deleted): reading it from its start",
             feed=what,
             delivered=self.last_seq,
+            stream_has=mark.last_seq,
         )
         await unsubscribe(self.sub)  # (its messages' numbers mean nothing now)
         self.last_seq = 0
@@ -141,7 +159,7 @@ class Feed:
         except BaseException:
             self.recheck = True  # not subscribed: the next check tries again
             raise
-        self.created = now
+        self.created = mark.created
         self.renewed += 1
 
     async def _resume_if_lost(
