@@ -72,10 +72,19 @@ def free_port() -> int:
     again: to another test's outgoing connection, between this test's pick and the
     server's bind (a 3-node cluster's route port was taken that way). Ports below the
     ephemeral range are never handed out, so only another pick like this one can take
-    it, and each pick is random among several thousand."""
+    it, and each pick is random among several thousand. Under pytest-xdist each worker
+    picks from a slice of its own: a test that restarts a NATS server on its port (the
+    port free meanwhile) cannot lose it to a test beside it."""
     low = _ephemeral_low()
+    start = max(1024, low - 12000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.startswith("gw") and worker[2:].isdigit() and workers > 1:
+        width = (low - start) // workers
+        start += int(worker[2:]) % workers * width
+        low = start + width
     for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
+        port = random.randrange(start, low)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -325,13 +334,17 @@ class MasterProc(CliProc):
 class Agents:
     """Simulated agents publishing real events: steady nodes heartbeat, churn nodes go silent."""
 
-    def __init__(self, bus: Any, job: str = "j1", interval: float = 0.2) -> None:
+    def __init__(
+        self, bus: Any, job: str = "j1", interval: float = 0.2, deadline_s: float = 30.0
+    ) -> None:
         from rove.control.catalogue import events as ev
 
         self.ev = ev
         self.bus = bus
         self.job = job
         self.interval = interval
+        #: how long one heartbeat is retried (an agent's: 2 s, then a fresh one)
+        self.deadline_s = deadline_s
         self.silent: set[str] = set()
         self.churned: list[str] = []
         self._churn_stopped = asyncio.Event()
@@ -353,22 +366,25 @@ class Agents:
         await self.bus.publish(self._joined(node))
 
     async def heartbeat_forever(self, node: str) -> None:
+        from rove.control.errors import PublishDeadlineError
+
         seq = 0
         while True:
             if node not in self.silent:
                 seq += 1
-                await self.bus.publish(
-                    self.ev.Heartbeat(
-                        job=self.job,
-                        id=f"{node}:hb:{seq}",
-                        producer=f"agent:{node}",
-                        ts=time.time(),
-                        node=node,
-                        incarnation="i1",
-                        seq=seq,
-                    ),
-                    deadline_s=30,
-                )
+                with contextlib.suppress(PublishDeadlineError):
+                    await self.bus.publish(
+                        self.ev.Heartbeat(
+                            job=self.job,
+                            id=f"{node}:hb:{seq}",
+                            producer=f"agent:{node}",
+                            ts=time.time(),
+                            node=node,
+                            incarnation="i1",
+                            seq=seq,
+                        ),
+                        deadline_s=self.deadline_s,
+                    )
             await asyncio.sleep(self.interval)
 
     async def steady(self, *nodes: str) -> None:

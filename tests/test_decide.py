@@ -20,8 +20,10 @@ def running(*events: ev.Event) -> JobState:
     return state
 
 
-def decide(state: JobState, hb: dict[str, ev.Heartbeat], now: float) -> list[ev.Decision]:
-    return master_decide.decide(state, hb, now).decisions
+def decide(
+    state: JobState, hb: dict[str, ev.Heartbeat], now: float, hearing_since: float = 0.0
+) -> list[ev.Decision]:
+    return master_decide.decide(state, hb, now, hearing_since=hearing_since).decisions
 
 
 def lost_nodes(decisions: list[ev.Decision]) -> list[str]:
@@ -42,6 +44,19 @@ def test_a_new_leader_waits_one_timeout_before_declaring_anyone_lost() -> None:
     state = running(factories.joined("n1", ts=10.0))
     assert decide(state, {}, now=ELECTED_AT + TIMEOUT - 1) == []
     assert lost_nodes(decide(state, {}, now=ELECTED_AT + TIMEOUT + 1)) == ["n1"]
+
+
+def test_a_leader_that_could_not_hear_waits_one_timeout_from_when_it_hears_again() -> None:
+    """A leader cut off from NATS (its server restarted, or every server of a cluster)
+    hears no heartbeat meanwhile, though the nodes train on: it counts their silence
+    from its reconnection. (Before, it lost every node as it reconnected.)"""
+    state = running(factories.joined("n1", ts=100.0))
+    hb = {"n1": factories.heartbeat("n1", ts=105.0)}
+    back = 105.0 + 3 * TIMEOUT  # the leader heard nothing from 105 until then
+    assert decide(state, hb, now=back + TIMEOUT - 0.1, hearing_since=back) == []
+    lost = decide(state, hb, now=back + TIMEOUT + 0.1, hearing_since=back)
+    assert lost_nodes(lost) == ["n1"], "silent one full timeout after the leader heard again"
+    assert lost[0].last_seen == 105.0
 
 
 def test_a_heartbeat_from_an_old_incarnation_does_not_keep_a_node_alive() -> None:

@@ -248,7 +248,54 @@ async def test_a_leader_puts_the_memory_streams_back_as_its_one_server_restarts(
         server.stop()
 
 
-@pytest.mark.alone  # restarts NATS nodes on their ports: nothing beside it
+async def test_a_leader_cut_off_from_nats_past_the_node_timeout_loses_no_live_node(
+    tmp_path: Path,
+) -> None:
+    """The server is down for three node timeouts; the node beats again once it is back.
+    Its silence was the leader's own deafness: the leader counts it from its reconnection.
+    Before, it declared the node lost as it reconnected (every node of a real job, whose
+    workers had trained on throughout, after a 3-node cluster restarted at once)."""
+    from rove.control.bus.embedded import EmbeddedServer
+    from rove.control.master.runner import MasterRunner
+    from tests.support import free_port
+
+    timeout = 2.0
+    server = EmbeddedServer(tmp_path / "nats", port=free_port())
+    server.start()
+    # (the leader keeps its lease through the outage: a new leader waits a timeout anyway)
+    options = BusOptions(url=server.url, reconnect_forever=True, lease_ttl_s=60)
+    bus = await Bus.connect(options)
+    runner = MasterRunner(bus, "j1", "m1", ev.JobSpec(node_timeout_s=timeout), tick_s=0.05)
+    task = asyncio.create_task(runner.run())
+    agents = Agents(bus, deadline_s=1.0)  # as an agent: a fresh heartbeat when one fails
+    try:
+        await eventually(lambda: runner.role == "leader", timeout=30)
+        await agents.steady("n1")
+        await eventually(lambda: "n1" in runner.replica.liveness, timeout=30)
+        server.kill()
+        await asyncio.sleep(3 * timeout)  # (the fault: the node's heartbeats reach nobody)
+        await asyncio.to_thread(server.start)
+        back = time.time()
+
+        def beating_again() -> bool:
+            hb = runner.replica.liveness.get("n1")
+            return hb is not None and hb.ts > back
+
+        await eventually(beating_again, timeout=30)
+        # two node timeouts of ticks after the reconnection, the node beating throughout
+        await eventually(lambda: time.time() > back + 2 * timeout, timeout=30)
+        assert not task.done()
+        lost = [r.event for r in await stored_events(bus) if isinstance(r.event, ev.NodeLost)]
+        assert lost == [], "a node that beat again was declared lost as the leader reconnected"
+        assert runner.role == "leader"
+    finally:
+        await agents.stop()
+        runner.stop()
+        await task
+        await bus.close()
+        server.stop()
+
+
 async def test_a_master_started_while_the_cluster_has_no_quorum_waits_and_then_leads(
     nats_cluster: Cluster, tmp_path: Path
 ) -> None:

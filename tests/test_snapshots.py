@@ -100,6 +100,32 @@ async def test_a_snapshot_of_another_job_on_the_subject_is_ignored(bus: Bus) -> 
     assert await snapshots.load(bus, "j1") is None
 
 
+async def test_a_leader_that_cannot_write_its_snapshot_leads_on_and_writes_it_later(
+    bus: Bus,
+) -> None:
+    """A snapshot only shortens a replay. Every server of a 3-node cluster restarted at
+    once: the snapshot stream had no leader yet, reading the newest snapshot had "no
+    responders", and the leader died of it. Here the stream is gone (the same answer)."""
+    with structlog.testing.capture_logs() as logs:
+        runner = MasterRunner(
+            bus, "j1", "m1", ev.JobSpec(node_timeout_s=60), tick_s=0.05, snapshot_every_events=1
+        )
+        task = asyncio.create_task(runner.run())
+        try:
+            await eventually(lambda: runner.role == "leader")
+            await bus.js.delete_stream(subjects.SNAPSHOT_STREAM)
+            await bus.publish(factories.joined("n1"))
+            await eventually(
+                lambda: any("could not write a snapshot" in e["event"] for e in logs), timeout=30
+            )
+            assert not task.done() and runner.role == "leader"
+            await bus.ensure_streams()  # the stream answers again: the snapshot is written
+            await eventually(lambda: loaded_state(bus), timeout=30)
+        finally:
+            runner.stop()
+            await task
+
+
 async def test_the_leader_snapshots_every_n_events(bus: Bus) -> None:
     runner = MasterRunner(
         bus,

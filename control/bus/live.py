@@ -75,3 +75,25 @@ def on_reconnected(bus: Bus, listener: Callable[[], None]) -> Callable[[], None]
             nc.reconnected.remove(listener)
 
     return stop
+
+
+class Hearing:
+    """Since when a client has been able to hear live messages: its last reconnection,
+    or now while it is away (nothing published meanwhile reached it). A leader counts a
+    node's silence only from then: its own deafness is not the node's."""
+
+    def __init__(self, bus: Bus, clock: Callable[[], float]) -> None:
+        self._bus, self._clock = bus, clock
+        self._since = clock()
+        self._unhook = on_reconnected(bus, self._back)
+
+    def _back(self) -> None:
+        self._since = self._clock()
+
+    def since(self) -> float:
+        if not self._bus.nc.is_connected:
+            self._since = self._clock()
+        return self._since
+
+    def close(self) -> None:
+        self._unhook()

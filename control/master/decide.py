@@ -48,17 +48,19 @@ def decide(
     now: float,
     *,
     suspects: Collection[str] | None = None,
+    hearing_since: float = 0.0,
 ) -> Decided:
     """What the leader decides now. `suspects`: the only nodes that may be lost (the
     runner's `Silence` finds them at the cost of those that are silent); None looks at
-    every node."""
+    every node. `hearing_since`: since when this leader could hear heartbeats (its
+    connection to NATS came back then; `now` while it is away)."""
 
     if state.phase.terminal:
         return Decided(_next_run(state, now), None)
     if state.spec is None:
         return Decided([], None)
     decisions: list[ev.Decision] = []
-    decisions.extend(_lost_nodes(state, liveness, now, suspects))
+    decisions.extend(_lost_nodes(state, liveness, now, suspects, hearing_since))
     decisions.extend(_stop(state, now))
     waiting = scale_waiting = None
     if not decisions and state.scale.workload is not None:
@@ -299,12 +301,16 @@ def _lost_nodes(
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
     suspects: Collection[str] | None,
+    hearing_since: float,
 ) -> list[ev.Decision]:
     assert state.spec is not None
     timeout = state.spec.node_timeout_s
     # A new leader gives every node one full timeout to reach it before it
     # declares anyone lost: heartbeats may have paused while there was no leader.
-    if now - state.leader_since < timeout:
+    # So does a leader that was cut off from NATS (a server restarted, every server
+    # of a cluster): the nodes' silence then was its own deafness, and nodes that
+    # trained on throughout would all be lost at once as it reconnects.
+    if now - max(state.leader_since, hearing_since) < timeout:
         return []
     lost: list[ev.Decision] = []
     if suspects is None:

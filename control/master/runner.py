@@ -21,7 +21,7 @@ import stamina
 import structlog
 from msgspec.structs import replace
 
-from rove.control.bus import records
+from rove.control.bus import live, records, retry
 from rove.control.bus.client import Bus, Fence
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
@@ -187,6 +187,7 @@ class MasterRunner(JobService):
             leader=self.state.leader or None,
             epoch=self.state.epoch,
         )
+        self._hearing = live.Hearing(self.bus, self.clock)
         try:
             while not self.stopping:
                 epoch = await self.lease.try_acquire()
@@ -201,6 +202,7 @@ class MasterRunner(JobService):
                 self.silence.stop()
                 await self.replica.unfollow_heartbeats()
         finally:
+            self._hearing.close()
             if self.role == "leader":
                 # the last snapshot covers everything stored now: the next master to
                 # start replays nothing this one had not folded yet
@@ -229,7 +231,11 @@ class MasterRunner(JobService):
                     continue
                 self.log.warning("deposed: stepping down to standby", epoch=epoch, reason=str(exc))
                 return
-            except (BusUnavailableError, TimeoutError) as exc:
+            except Exception as exc:
+                # the bus away, or JetStream not answering yet (every server of a
+                # cluster restarted: no stream has a leader): lead again once it answers
+                if not isinstance(exc, BusUnavailableError) and not retry.backoff(exc):
+                    raise
                 self.log.warning(
                     "lost the bus while leading; stepping down",
                     error=str(exc) or type(exc).__name__,
@@ -359,7 +365,9 @@ class MasterRunner(JobService):
         suspects = (
             self.silence.suspects(self.state, liveness, now, spec.node_timeout_s) if spec else []
         )
-        decisions, waiting, scale_waiting = decide(self.state, liveness, now, suspects=suspects)
+        decisions, waiting, scale_waiting = decide(
+            self.state, liveness, now, suspects=suspects, hearing_since=self._hearing.since()
+        )
         self._say_why_waiting(waiting)
         self._say_why_no_plan(scale_waiting)
         # Decisions one at a time, in order, except a run of lost nodes: independent of
@@ -499,8 +507,12 @@ class MasterRunner(JobService):
                 now=self.clock(),
                 goodput=self.metrics.ledger,
             )
-        except PublishDeadlineError as exc:
-            self.log.warning("could not write a snapshot; will retry", error=str(exc))
+        except Exception as exc:  # (a snapshot only shortens a replay: never worth leading)
+            if not isinstance(exc, PublishDeadlineError) and not retry.backoff(exc):
+                raise
+            self.log.warning(
+                "could not write a snapshot; will retry", error=str(exc) or type(exc).__name__
+            )
             return
         self._last_snapshot_seq = state.applied_seq
         self._last_snapshot_at = self.clock()
