@@ -645,3 +645,50 @@ async def test_a_feed_that_cannot_resubscribe_after_losing_its_consumer_tries_ag
     await feed._renew(created, resubscribe, "test")
     assert feed.sub is new and feed.resubscribed == 1 and old.unsubscribed
     assert not feed.recheck
+
+
+async def test_a_feed_whose_resubscribe_to_a_stream_made_anew_fails_is_not_left_unsubscribed() -> (
+    None
+):
+    """A cluster restarted at once, then again while the feed resubscribed to the stream
+    numbering from 1: the new subscription failed. Before, the feed kept the one it had
+    unsubscribed, with nothing delivered: its consumer still existed on the server, so
+    the feed looked healthy and read nothing (a real job's workers waited for leases
+    until gloo timed out). Now the next look subscribes again, from the start of a
+    stream that went back, or after what was delivered of one that did not."""
+
+    class OldSub:
+        unsubscribed = False
+
+        async def consumer_info(self) -> None:
+            return None  # (its consumer outlives the unsubscription on the server)
+
+        async def unsubscribe(self) -> None:
+            self.unsubscribed = True
+
+    for later_mark, restart_from in ((StreamMark("s", 2), 0), (StreamMark("s", 120), 94)):
+        old, new = OldSub(), object()
+        marks = [StreamMark("s", 2), later_mark]
+        answers: list[object] = [nats.errors.TimeoutError(), new]
+        starts: list[int] = []
+
+        async def created(marks: list[StreamMark] = marks) -> StreamMark:
+            return marks.pop(0)
+
+        async def resubscribe(
+            start: int, answers: list[object] = answers, starts: list[int] = starts
+        ) -> object:
+            starts.append(start)
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        feed = Feed(sub=old, target_seq=0, last_seq=93, created="s", recheck=True)
+        with pytest.raises(nats.errors.TimeoutError):
+            await feed._renew(created, resubscribe, "test")
+        assert old.unsubscribed and feed.unsubscribed and feed.recheck
+        assert feed.last_seq == 93, "what was delivered is not forgotten"
+        await feed._renew(created, resubscribe, "test")
+        assert starts == [0, restart_from]
+        assert feed.sub is new and not feed.unsubscribed and not feed.recheck

@@ -78,6 +78,8 @@ class Feed:
     renewed: int = 0
     #: set after a reconnection: the next check compares the stream's creation time
     recheck: bool = False
+    #: `sub` was unsubscribed and no new one could be made yet (the next look makes one)
+    unsubscribed: bool = False
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _told: list[Callable[[], None]] | None = None
 
@@ -153,12 +155,15 @@ class Feed:
             stream_has=mark.last_seq,
         )
         await unsubscribe(self.sub)  # (its messages' numbers mean nothing now)
-        self.last_seq = 0
+        delivered, self.last_seq = self.last_seq, 0
         try:
             self.sub = await resubscribe(0)
         except BaseException:
-            self.recheck = True  # not subscribed: the next check tries again
+            # not subscribed now (a server restarting again while the new one was being
+            # made): the next look decides again, from what was delivered
+            self.last_seq, self.recheck, self.unsubscribed = delivered, True, True
             raise
+        self.unsubscribed = False
         self.created = mark.created
         self.renewed += 1
 
@@ -169,8 +174,9 @@ class Feed:
         ephemeral ones), resubscribe from the next sequence now, not after the stall
         checks (15 s) or nats-py's own healing, which may fail."""
         try:
-            await self.sub.consumer_info()
-            return
+            if not self.unsubscribed:
+                await self.sub.consumer_info()
+                return
         except nats.js.errors.NotFoundError:
             pass
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
@@ -224,6 +230,7 @@ class Feed:
             log.warning("could not resubscribe; will try again", feed=what, error=plain(exc))
             return False
         self.resubscribed += 1
+        self.unsubscribed = False
         await unsubscribe(old)
         return True
 
