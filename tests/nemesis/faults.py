@@ -126,6 +126,41 @@ async def nats_quorum(world: World, rnd: random.Random) -> Injected:
     return Injected("nats-quorum", began, ended, f"{names} down {hold:.1f}s", problems)
 
 
+async def nats_rolling(world: World, rnd: random.Random) -> Injected:
+    """Restart the three NATS servers one after another, as an upgrade does: each stops
+    gracefully (SIGTERM), starts again, and the next goes only once every replica of the
+    events stream is current again."""
+    assert world.cluster is not None
+    order = rnd.sample(range(3), 3)
+    began = time.time()
+    for i in order:
+        world.cluster.nodes[i].stop()
+        world.cluster.nodes[i].start()
+        await eventually(lambda: _stream_current(world), timeout=120)
+    ended = time.time()
+    names = ", ".join(f"n{i + 1}" for i in order)
+    return Injected("nats-rolling", began, ended, f"{names} restarted in turn")
+
+
+async def nats_restart_all(world: World, rnd: random.Random) -> Injected:
+    """kill -9 all three NATS servers at once (a power cut): the memory streams, the
+    heartbeats and the leases in flight, are gone with them; start them again."""
+    assert world.cluster is not None
+    hold = rnd.uniform(*HOLD_S["nats-kill"])
+    began = time.time()
+    for node in world.cluster.nodes:
+        node.kill()
+    await asyncio.sleep(hold)
+    for node in world.cluster.nodes:
+        node.start()
+    ended = time.time()
+    await eventually(lambda: _stream_current(world), timeout=120)
+    return Injected(
+        "nats-restart-all", began, ended, f"all three down {hold:.1f}s",
+        figures={"catch_up_s": time.time() - ended},
+    )  # fmt: skip
+
+
 #: Seconds of the long outage: past the agents' 60 s before they say the bus is silent.
 OUTAGE_S = 75.0
 
@@ -722,6 +757,8 @@ FAULTS: dict[str, Fault] = {
     "nats-kill": nats_kill,
     "nats-quorum": nats_quorum,
     "nats-partition": nats_partition,
+    "nats-rolling": nats_rolling,
+    "nats-restart-all": nats_restart_all,
     "nats-outage": nats_outage,
     "node-partition": node_partition,
     "master-pause": master_pause,

@@ -50,6 +50,8 @@ ORDER = [
     "nats-quorum",
     "nats-partition",
     "nats-outage",
+    "nats-rolling",
+    "nats-restart-all",
     "node-partition",
     "master-pause",
     "disk-full",

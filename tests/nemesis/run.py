@@ -35,6 +35,11 @@ SCENARIOS = {
         ("node-partition", "master-pause", "disk-full", "checkpoint-corrupt"),
         Shape(samples=3200, step_sleep=0.25, node_netns=True, disk_mib=16),
     ),
+    "cluster": Scenario(
+        "cluster",
+        ("nats-rolling", "nats-restart-all"),
+        Shape(samples=3200, step_sleep=0.25),
+    ),
     # (not in the suite's one seed: 75 s of outage; `make test-nemesis` runs it)
     "outage": Scenario("outage", ("nats-outage",), Shape(samples=3200, step_sleep=0.15)),
     "hostile": Scenario(
