@@ -171,3 +171,45 @@ def test_read_heartbeat_takes_what_read_takes() -> None:
         records.read_heartbeat(JOB, subject, ev.encode(factories.joined("n1")))
     )
     assert "not msgpack" in str(records.read_heartbeat(JOB, subject, b"\xc1"))
+
+
+def test_a_leader_hears_from_its_last_reconnection_and_not_while_away() -> None:
+    """`live.Hearing`: since when live heartbeats could reach this client. nats-py counts
+    a reconnection, is connected, flushes, and only then calls back: a tick in between
+    already hears from the reconnection, as does one that never saw the client away
+    (it was blocked in a publish the whole outage)."""
+    from types import SimpleNamespace
+
+    from nats.aio.client import Client
+
+    from rove.control.bus import live
+    from rove.control.bus.natsclient import RoveNatsClient
+
+    nc = RoveNatsClient()
+    now = [100.0]
+    hearing = live.Hearing(SimpleNamespace(nc=nc), lambda: now[0])  # type: ignore[arg-type]
+    nc._status = Client.CONNECTED
+    now[0] = 110.0
+    assert hearing.since() == 100.0, "connected throughout"
+    nc._status = Client.RECONNECTING
+    now[0] = 120.0
+    assert hearing.since() == 120.0, "away: nothing heard until now"
+
+    def reconnect(at: float) -> None:
+        now[0] = at
+        nc.stats["reconnects"] += 1
+        nc._status = Client.CONNECTED
+
+    reconnect(130.0)
+    now[0] = 131.0
+    assert hearing.since() == 131.0, "reconnected, before the callback"
+    now[0] = 135.0
+    for listener in nc.reconnected:
+        listener()
+    now[0] = 200.0
+    assert hearing.since() == 135.0
+    reconnect(300.0)  # away and back without a look meanwhile
+    now[0] = 301.0
+    assert hearing.since() == 301.0
+    hearing.close()
+    assert nc.reconnected == []

@@ -85,14 +85,21 @@ class Hearing:
     def __init__(self, bus: Bus, clock: Callable[[], float]) -> None:
         self._bus, self._clock = bus, clock
         self._since = clock()
+        self._reconnects = self._count()
         self._unhook = on_reconnected(bus, self._back)
+
+    def _count(self) -> int:
+        return int(self._bus.nc.stats["reconnects"])
 
     def _back(self) -> None:
         self._since = self._clock()
 
     def since(self) -> float:
-        if not self._bus.nc.is_connected:
-            self._since = self._clock()
+        # (nats-py counts a reconnection, then is connected, then flushes, and only then
+        # calls back: a leader's tick in between must not see the time before it)
+        reconnects = self._count()
+        if not self._bus.nc.is_connected or reconnects != self._reconnects:
+            self._since, self._reconnects = self._clock(), reconnects
         return self._since
 
     def close(self) -> None:
