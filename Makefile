@@ -55,7 +55,7 @@ demo-control-plane: $(VENV)/.installed
 
 # The quick tests run two at a time (pytest-xdist), then the slow multi-process ones
 # two at a time, then those that judge speed (marked `alone`: stragglers, hangs, the
-# network check, timed recoveries) one at a time.
+# network check) or restart NATS nodes on their ports one at a time.
 test: lint
 	$(BIN)/python -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m "slow and not alone" -n 2 --dist worksteal $(PYTEST_ARGS)
@@ -66,7 +66,7 @@ test: lint
 # (ROVE_NEMESIS_RUNS, default 5), then its table of what rove survived.
 test-nemesis: $(VENV)/.installed-tests
 	ROVE_NEMESIS_RUNS=$${ROVE_NEMESIS_RUNS:-5} $(BIN)/python -m pytest -m nemesis $(PYTEST_ARGS)
-	$(BIN)/python -m tests.nemesis --scenario outage
+	$(BIN)/python -m tests.nemesis --scenario outage --scenario cluster
 	$(BIN)/python -m tests.nemesis --report
 
 # The chaos tests with more seeds than the suite's one (ROVE_CHAOS_RUNS, default 10).

@@ -296,6 +296,7 @@ async def test_a_leader_cut_off_from_nats_past_the_node_timeout_loses_no_live_no
         server.stop()
 
 
+@pytest.mark.alone  # restarts NATS nodes on their ports: nothing beside it
 async def test_a_master_started_while_the_cluster_has_no_quorum_waits_and_then_leads(
     nats_cluster: Cluster, tmp_path: Path
 ) -> None:

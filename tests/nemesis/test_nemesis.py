@@ -36,18 +36,12 @@ async def check(outcome: Outcome) -> None:
     assert all(r.survived for r in outcome.rows), [r for r in outcome.rows if not r.survived]
 
 
+@pytest.mark.alone  # restarts NATS servers on their ports; a network namespace
 @pytest.mark.parametrize("seed", seeds(1))
 async def test_the_job_rides_out_a_server_killed_a_quorum_lost_and_a_server_cut_off(
     tmp_path: Path, seed: int
 ) -> None:
     await check(await run(SCENARIOS["bus"], tmp_path, seed))
-
-
-@pytest.mark.parametrize("seed", seeds(1))
-async def test_the_job_rides_out_its_nats_cluster_restarted_in_turn_and_all_at_once(
-    tmp_path: Path, seed: int
-) -> None:
-    await check(await run(SCENARIOS["cluster"], tmp_path, seed))
 
 
 @pytest.mark.parametrize("seed", seeds(1))
