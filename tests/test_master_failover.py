@@ -248,6 +248,7 @@ async def test_a_leader_puts_the_memory_streams_back_as_its_one_server_restarts(
         server.stop()
 
 
+@pytest.mark.alone  # restarts NATS on its port: nothing beside it
 async def test_a_leader_cut_off_from_nats_past_the_node_timeout_loses_no_live_node(
     tmp_path: Path,
 ) -> None:
