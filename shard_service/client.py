@@ -40,7 +40,7 @@ from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import shards
 from rove.control.errors import RoveError
-from rove.control.process import logs
+from rove.control.process import aio, logs
 
 log = logs.get("rove.data")
 
@@ -141,6 +141,7 @@ class DataClient:
         self._confirmed = 0
         self._leased: dict[int, None] = {}
         self._loop = asyncio.new_event_loop()
+        aio.quiet_nats_reconnect_race(self._loop)
         self._outbox: Outbox | None = None
         self._closing: asyncio.Event | None = None
         self._ready = threading.Event()

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
+import nats.aio.client
+import pytest
+
+from rove.control.process import aio, logs
 from rove.control.process.aio import Supervisor, cancel_and_wait
 
 
@@ -100,3 +105,48 @@ async def test_a_side_task_that_fails_is_logged_and_the_component_goes_on() -> N
     assert failures == [] and sup.side == []
     ((message, exc),) = log.errors
     assert message == "a task of the agent failed" and isinstance(exc, OSError)
+
+
+class _Races:
+    """What nats-py's reconnection task meets in the race: its first look at the
+    reading task raises what `set_result` on the newer task's finished future raises."""
+
+    def cancelled(self) -> bool:
+        raise asyncio.InvalidStateError("invalid state")
+
+
+def test_nats_pys_reconnection_race_is_one_warning_line_and_other_errors_keep_their_traceback(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py's own `Client._attempt_reconnect` coroutine, dying of InvalidStateError
+    with nobody awaiting it (as it does when a newer reconnection task replaced it), is
+    said in one warning line under `aio.run`; another task's unretrieved error still
+    prints asyncio's traceback."""
+
+    warned: list[str] = []
+
+    class Said:
+        def warning(self, message: str) -> None:
+            warned.append(message)
+
+    monkeypatch.setattr(logs, "get", lambda _name: Said())
+
+    async def main() -> None:
+        client = nats.aio.client.Client()
+        client._current_server = object()  # type: ignore[assignment]
+        client._reading_task = _Races()  # type: ignore[assignment]
+        race = asyncio.create_task(client._attempt_reconnect())
+
+        async def other() -> None:
+            raise ValueError("a bug of our own")
+
+        plain = asyncio.create_task(other())
+        await asyncio.wait([race, plain])
+        del race, plain  # never retrieved: the loop's handler hears of them as they go
+        gc.collect()
+
+    aio.run(main())
+    assert len(warned) == 1 and "nats-py's reconnection task ended with" in warned[0]
+    assert "InvalidStateError: invalid state" not in caplog.text, "no traceback for the race"
+    assert caplog.text.count("Task exception was never retrieved") == 1
+    assert "ValueError: a bug of our own" in caplog.text

@@ -26,7 +26,7 @@ from rove.control.bus.client import Bus, Fence
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp
-from rove.control.errors import BusUnavailableError, FencedError, PublishDeadlineError, RoveError
+from rove.control.errors import FencedError, RoveError
 from rove.control.master import snapshots
 from rove.control.master.decide import decide
 from rove.control.master.election import Lease
@@ -233,8 +233,9 @@ class MasterRunner(JobService):
                 return
             except Exception as exc:
                 # the bus away, or JetStream not answering yet (every server of a
-                # cluster restarted: no stream has a leader): lead again once it answers
-                if not isinstance(exc, BusUnavailableError) and not retry.backoff(exc):
+                # cluster restarted: no stream has a leader): lead again once it answers.
+                # (`retry.backoff` counts rove's BusUnavailableError as "not now" too.)
+                if not retry.backoff(exc):
                     raise
                 self.log.warning(
                     "lost the bus while leading; stepping down",
@@ -508,7 +509,7 @@ class MasterRunner(JobService):
                 goodput=self.metrics.ledger,
             )
         except Exception as exc:  # (a snapshot only shortens a replay: never worth leading)
-            if not isinstance(exc, PublishDeadlineError) and not retry.backoff(exc):
+            if not retry.backoff(exc):  # "not now" (PublishDeadlineError is one): next tick
                 raise
             self.log.warning(
                 "could not write a snapshot; will retry", error=str(exc) or type(exc).__name__

@@ -6,6 +6,12 @@ a stop ends, and `StopSignals` / `stop_on_signals`, how a rove process ends on S
 or SIGINT: the first signal asks it to stop cleanly, a second one ends it at once; and
 `Starting`, the same for a daemon still waiting for its bus (the first signal ends the
 wait).
+
+`run` also hears one known defect of nats-py (2.16) as one warning line instead of a
+traceback: its reconnection task, cancelled by a newer one as it finished, sets a
+result on the newer one's future, and the later of the two dies of `InvalidStateError`
+("Task exception was never retrieved"), after the reconnection was over (the client is
+connected and goes on). A user reading that traceback would take it for a crash.
 """
 
 from __future__ import annotations
@@ -15,18 +21,62 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)`, on a uvloop event loop when uvloop is importable."""
+    """`asyncio.run(main)`, on a uvloop event loop when uvloop is importable; nats-py's
+    reconnection race is one warning line (`quiet_nats_reconnect_race`)."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+        return asyncio.run(_quieted(main))
+    return uvloop.run(_quieted(main))
+
+
+async def _quieted(main: Coroutine[Any, Any, T]) -> T:
+    quiet_nats_reconnect_race(asyncio.get_running_loop())
+    return await main
+
+
+def is_nats_reconnect_race(context: dict[str, Any]) -> bool:
+    """Whether an event loop's error `context` is nats-py's reconnection task dying of
+    `InvalidStateError` (see the module's docstring)."""
+    task = context.get("future") or context.get("task")
+    if not isinstance(task, asyncio.Task) or not isinstance(
+        context.get("exception"), asyncio.InvalidStateError
+    ):
+        return False
+    code = getattr(task.get_coro(), "cr_code", None)
+    return (
+        code is not None
+        and code.co_qualname == "Client._attempt_reconnect"
+        and Path(code.co_filename).parts[-3:] == ("nats", "aio", "client.py")
+    )
+
+
+def quiet_nats_reconnect_race(loop: asyncio.AbstractEventLoop) -> None:
+    """On `loop`, log nats-py's reconnection race as one warning line; every other
+    error goes to the handler the loop had (asyncio's default: the traceback)."""
+    previous = loop.get_exception_handler()
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if is_nats_reconnect_race(context):
+            from rove.control.process import logs
+
+            logs.get("rove.bus").warning(
+                "nats-py's reconnection task ended with InvalidStateError after the "
+                "client reconnected (a known race in nats-py; nothing was lost)"
+            )
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], *, recancel_s: float = 1.0) -> None:
