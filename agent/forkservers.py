@@ -15,8 +15,12 @@ Two servers, so that neither the first line nor a restart waits:
   and so do its workers. Every round formed once it is ready is forked from it, and
   the quick one is then stopped. Where training keeps every core busy (CPU training)
   a nice-19 thread may never get to run: a full server not ready `NICE_FOR_S` after it
-  started is replaced by one that imports at normal priority (`escalate`), so no job
-  recovers from the quick server for its whole life.
+  started imports on at normal priority (`escalate`: its import thread and its session
+  reniced in place, where rove may raise a priority: root, CAP_SYS_NICE), or else is
+  replaced by one that imports at normal priority from the start, so no job recovers
+  from the quick server for its whole life. (Replacing it threw away what it had
+  imported and cost a whole import again: a third of the agents of a slow test run
+  here escalated.)
 
 Where `rove run` did not start a quick server (a managed node, a test), the agent
 starts the full one as its first round forms, as before. A pool agent's standby node
@@ -71,6 +75,8 @@ READY_ENV = "ROVE_WARM_READY_FILE"
 #: What a server in the background imports itself, at which nice (rove.agent.warm_ready).
 IMPORTS_ENV = "ROVE_WARM_IMPORTS"
 NICE_ENV = "ROVE_WARM_NICE"
+#: Where a server importing in the background says its import thread's id.
+IMPORTER_ENV = "ROVE_WARM_IMPORTER_FILE"
 BACKGROUND_NICE = 19
 #: How long the full server may import at BACKGROUND_NICE before one at normal priority
 #: replaces it (longer than a short job's life after its agent started, here 5-9 s).
@@ -105,11 +111,16 @@ class _Server:
         self.preload = tuple(preload)
         self._dir = tempdirs.make(f"rove-warm-{kind}")
         self.ready_file = self._dir / "ready"
+        self.importer_file = self._dir / "importer"
         # (Any: its private attributes, read and reset here, are not in typeshed)
         self.server: Any = mpfs.ForkServer()
         env = {READY_ENV: str(self.ready_file), **_main_marker()}
         if nice > 0:
-            env |= {IMPORTS_ENV: ",".join(self.preload), NICE_ENV: str(nice)}
+            env |= {
+                IMPORTS_ENV: ",".join(self.preload),
+                NICE_ENV: str(nice),
+                IMPORTER_ENV: str(self.importer_file),
+            }
             self.server.set_forkserver_preload([READY_MODULE])
         else:
             self.server.set_forkserver_preload([*self.preload, READY_MODULE])
@@ -125,6 +136,28 @@ class _Server:
     def ready(self) -> bool:
         """Whether it imported everything and serves (never blocks)."""
         return self.ready_file.exists()
+
+    def hurry(self) -> bool:
+        """Raise its background import to normal priority in place: its import thread's
+        nice, and its session's where the kernel groups tasks by session. False where
+        that is not allowed (raising a priority takes root or CAP_SYS_NICE) or the
+        thread is not known (yet)."""
+        pid = self.pid
+        try:
+            tid = int(self.importer_file.read_text())
+        except (OSError, ValueError):
+            return False
+        if pid is None or not Path(f"/proc/{pid}/task/{tid}").exists():
+            return False
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+            Path(f"/proc/{pid}/autogroup").write_text("0")
+        except FileNotFoundError:
+            pass  # no autogroups here: the thread's own nice is what counts
+        except OSError:
+            return False
+        self.nice = 0
+        return True
 
     def kill(self) -> None:
         """End it now (its workers die with it: they ask for SIGKILL when it dies)."""
@@ -213,20 +246,25 @@ def start(extra: Sequence[str] = ()) -> None:
 
 
 def escalate() -> bool:
-    """The full server is still importing at a low priority (the cores are busy): start
-    one at normal priority in its place, so that restarts are fast from now on (its
-    imports cost a few seconds of CPU once). True when it did."""
+    """The full server is still importing at a low priority (the cores are busy): it
+    imports on at normal priority (`_Server.hurry`), or where that is not allowed one
+    at normal priority starts in its place, so that restarts are fast from now on (its
+    imports cost a few seconds of CPU once). True when it did either."""
     coming = _servers.coming
     if coming is None or coming.nice == 0 or coming.ready():
         return False
-    _servers.coming = _Server(coming.preload, "full")
-    coming.kill()
     import structlog
 
-    structlog.get_logger(__name__).info(
+    said = (
         f"the warm server for restarts was not ready after {NICE_FOR_S:.0f}s at a low "
-        "priority (the cores are busy); one imports at normal priority in its place"
+        "priority (the cores are busy); "
     )
+    if coming.hurry():
+        structlog.get_logger(__name__).info(said + "it imports on at normal priority")
+        return True
+    _servers.coming = _Server(coming.preload, "full")
+    coming.kill()
+    structlog.get_logger(__name__).info(said + "one imports at normal priority in its place")
     return True
 
 

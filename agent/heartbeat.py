@@ -6,6 +6,13 @@ for each worker its step, throughput (samples per second between two
 heartbeats), CPU, memory and, on GPUs, memory and utilisation (pynvml), plus
 fresh free ports the next round's store may use. A heartbeat that cannot be
 sent is skipped: the next one supersedes it.
+
+Heartbeats keep their interval while JetStream is slow to acknowledge them (a stream
+electing its leader, a cluster restarting): each goes out as the tick comes, and its
+acknowledgement is waited for beside the next ticks (at most `IN_FLIGHT` at once).
+The leader hears them live either way; waiting for each acknowledgement before the
+next tick made one heartbeat every interval plus 2 s exactly when a node's silence
+is being judged.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from rove.agent.runtime import WorkerRuntime
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import PublishDeadlineError
-from rove.control.process import metrics
+from rove.control.process import aio, metrics
 
 log = structlog.get_logger("rove.agent")
 
@@ -31,6 +38,10 @@ log = structlog.get_logger("rove.agent")
 #: folded 25,000 a second in 0.46 cores beside its server on a 2-core machine, and
 #: 50,000 a second saturated it (docs/operations.md, "What a job of N nodes needs").
 HEARTBEATS_PER_S = 25_000
+
+#: heartbeats waiting for their acknowledgement at once; a tick with this many waiting
+#: is skipped (the bus is away: its reconnection buffer would only hold stale ones)
+IN_FLIGHT = 3
 
 
 def interval_for(max_nodes: int, node_timeout_s: float) -> float:
@@ -104,13 +115,25 @@ class Heartbeat:
         self._rates_round = -1
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.bus.publish(self.event(), deadline_s=2.0)
-                self.on_stored()
-            except PublishDeadlineError:
-                log.debug("heartbeat not sent: bus unavailable", node=self.facts.node)
-            await asyncio.sleep(self.interval_s)
+        sending: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                for task in [t for t in sending if t.done()]:
+                    sending.discard(task)
+                    task.result()  # an error of its own (not "bus away") ends the loop
+                if len(sending) < IN_FLIGHT:
+                    sending.add(asyncio.create_task(self._send(self.event())))
+                await asyncio.sleep(self.interval_s)
+        finally:
+            await aio.cancel_and_wait(sending)
+
+    async def _send(self, hb: ev.Heartbeat) -> None:
+        try:
+            await self.bus.publish(hb, deadline_s=2.0)
+        except PublishDeadlineError:
+            log.debug("heartbeat not sent: bus unavailable", node=self.facts.node)
+            return
+        self.on_stored()
 
     def event(self) -> ev.Heartbeat:
         self._seq += 1

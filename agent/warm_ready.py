@@ -25,17 +25,28 @@ import importlib.machinery
 import os
 import sys
 import threading
+from pathlib import Path
 
 from rove.control.errors import plain
 
 
-def _import_in_background(names: list[str], nice: int) -> None:
+def _import_in_background(names: list[str], nice: int, importer_file: str | None) -> None:
     """Import `names` at `nice`: in a thread of that nice, in a session of this server's
     own whose scheduling group has that nice meanwhile (where the kernel groups tasks by
-    session, "autogroup", a thread's nice only counts within its session)."""
+    session, "autogroup", a thread's nice only counts within its session). The thread's
+    id goes to `importer_file`, for the agent to raise its priority in place where it may
+    (`rove.agent.forkservers.escalate`)."""
 
     def run() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+        if importer_file:
+            try:
+                told = Path(importer_file)
+                told.with_suffix(".tmp").write_text(str(tid))
+                told.with_suffix(".tmp").replace(told)
+            except OSError:
+                pass  # then the agent replaces this server if it must, as it can anyway
         for name in names:
             try:
                 importlib.import_module(name)
@@ -84,8 +95,9 @@ def _exit_at_once_in(server: int) -> None:
 
 _imports = os.environ.pop("ROVE_WARM_IMPORTS", None)
 _nice = os.environ.pop("ROVE_WARM_NICE", "0")
+_importer = os.environ.pop("ROVE_WARM_IMPORTER_FILE", None)
 if _imports:
-    _import_in_background([n for n in _imports.split(",") if n], int(_nice))
+    _import_in_background([n for n in _imports.split(",") if n], int(_nice), _importer)
 _main = sys.modules["__main__"]
 _name = os.environ.pop("ROVE_WARM_MAIN_NAME", None)
 _path = os.environ.pop("ROVE_WARM_MAIN_PATH", None)

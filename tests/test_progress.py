@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from rove.agent import progress
+from rove.agent import heartbeat, progress
 from rove.agent.facts import NodeFacts
 from rove.agent.heartbeat import Heartbeat
 from rove.agent.runtime import WorkerRuntime, WorkersEnded
+from rove.control.process import aio
+from tests.support import eventually
 
 
 def test_report_accumulates_samples_and_busy_time_in_the_shared_file(
@@ -72,6 +76,63 @@ def test_heartbeats_carry_busy_seconds_per_step_and_the_nodes_capacity() -> None
     assert second.ranks[0].samples_per_s == pytest.approx(16.0)
     assert second.capacity is not None
     assert second.capacity.cpu >= 1 and second.capacity.memory_bytes > 0
+
+
+class StalledBus:
+    """A bus whose JetStream takes the heartbeats but does not acknowledge them until
+    told (pure logic: what the loop does while it waits)."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.waiting = 0
+        self.most_waiting = 0
+        self.answer = asyncio.Event()
+
+    async def publish(self, event: Any, *, deadline_s: float) -> None:
+        self.sent.append(event.seq)
+        self.waiting += 1
+        self.most_waiting = max(self.most_waiting, self.waiting)
+        try:
+            await self.answer.wait()
+        finally:
+            self.waiting -= 1
+
+
+async def test_heartbeats_keep_their_interval_while_their_acknowledgements_wait() -> None:
+    """Each tick sends its heartbeat though the last one's acknowledgement has not come
+    (it went out: the leader hears it live), with a bounded number waiting; each one
+    acknowledged tells the storage fence."""
+    bus, stored = StalledBus(), []
+    facts = NodeFacts(outbox=None, job="j", node="n1")  # type: ignore[arg-type]
+    hb = Heartbeat(
+        bus,  # type: ignore[arg-type]
+        facts,
+        ScriptedRuntime(),
+        "127.0.0.1",
+        lambda: (1, 0),
+        interval_s=0.01,
+        on_stored=lambda: stored.append(1),
+    )
+    beating = asyncio.create_task(hb.run())
+    try:
+        await eventually(lambda: len(bus.sent) >= heartbeat.IN_FLIGHT, timeout=30)
+        assert stored == [] and bus.sent[:3] == [1, 2, 3], "sent, none acknowledged yet"
+        bus.answer.set()
+        await eventually(lambda: len(stored) >= heartbeat.IN_FLIGHT + 2, timeout=30)
+    finally:
+        await aio.cancel_and_wait([beating])
+    assert bus.most_waiting == heartbeat.IN_FLIGHT, "the waiting ones are bounded"
+
+
+async def test_a_heartbeat_that_fails_of_its_own_error_ends_the_loop() -> None:
+    class Broken:
+        async def publish(self, event: Any, *, deadline_s: float) -> None:
+            raise ValueError("a bug")
+
+    facts = NodeFacts(outbox=None, job="j", node="n1")  # type: ignore[arg-type]
+    hb = Heartbeat(Broken(), facts, ScriptedRuntime(), "127.0.0.1", lambda: (1, 0), interval_s=0.01)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a bug"):
+        await asyncio.wait_for(hb.run(), 30)
 
 
 def test_the_step_restored_reaches_the_master_at_once(

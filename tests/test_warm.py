@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -302,16 +304,12 @@ def test_torchruns_one_node_command_lines_run_on_the_embedded_default(
     assert sorted(_reports(tmp_path)) == ["0", "1"]
 
 
-async def test_a_full_server_starved_at_a_low_priority_is_replaced_at_normal_priority(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Where training keeps every core busy a nice-19 import may never finish: after
-    NICE_FOR_S the full server is replaced by one that imports at normal priority.
-    (Servers of stdlib modules here, and one preload that takes a minute to import.)"""
+def _starved_servers(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """forkservers with servers of stdlib modules and one preload that takes a minute to
+    import, NICE_FOR_S 0.5 s; multiprocessing's module functions put back afterwards."""
     import multiprocessing.forkserver as mpfs
 
     from rove.agent import forkservers
-    from tests.support import eventually, pid_alive
 
     for name in ("_forkserver", "ensure_running", "get_inherited_fds", "connect_to_new_process"):
         monkeypatch.setattr(mpfs, name, getattr(mpfs, name))  # (put back afterwards)
@@ -321,6 +319,65 @@ async def test_a_full_server_starved_at_a_low_priority_is_replaced_at_normal_pri
     monkeypatch.setattr(forkservers, "QUICK", ("json",))
     monkeypatch.setattr(forkservers, "FULL", ("json",))
     monkeypatch.setattr(forkservers, "NICE_FOR_S", 0.5)
+    return forkservers
+
+
+def _stop_servers(forkservers: Any) -> None:
+    forkservers.stop()
+    serving = forkservers._servers.serving
+    if serving is not None:
+        serving.kill()
+    forkservers._servers.serving = None
+
+
+def _nice_of(pid: int, tid: int) -> int:
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[16])  # field 19, nice
+
+
+async def test_a_full_server_starved_at_a_low_priority_imports_on_at_normal_priority(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where training keeps every core busy a nice-19 import may never finish: after
+    NICE_FOR_S the full server's import thread and its session are reniced to 0 in
+    place (what it imported so far is kept), where raising a priority is allowed (root
+    here); elsewhere it is replaced (the next test)."""
+    from tests.support import eventually, pid_alive
+
+    forkservers = _starved_servers(monkeypatch)
+    monkeypatch.setattr(forkservers, "NICE_FOR_S", 3600.0)  # (escalated below, once known)
+    assert forkservers.early_start(["train.py"])
+    try:
+        forkservers.start(["slow_import"])
+        niced = forkservers._servers.coming
+        assert niced is not None and niced.nice == forkservers.BACKGROUND_NICE
+        pid = niced.pid
+        assert pid is not None
+        await eventually(lambda: niced.importer_file.exists(), timeout=60)
+        tid = int(niced.importer_file.read_text())
+        assert _nice_of(pid, tid) == forkservers.BACKGROUND_NICE
+        assert os.geteuid() == 0, "(this test needs root: it raises a priority)"
+        assert forkservers.escalate() is True
+        assert forkservers._servers.coming is niced and pid_alive(pid), "the same server"
+        assert niced.nice == 0
+        assert _nice_of(pid, tid) == 0, "its import thread imports on at normal priority"
+        group = Path(f"/proc/{pid}/autogroup")
+        if group.exists():
+            assert group.read_text().split()[-1] == "0", group.read_text()
+        assert forkservers.escalate() is False, "once"
+    finally:
+        _stop_servers(forkservers)
+
+
+async def test_a_starved_full_server_that_may_not_be_reniced_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where rove may not raise a priority (no root, no CAP_SYS_NICE), the starved full
+    server is replaced by one that imports at normal priority from the start."""
+    from tests.support import eventually, pid_alive
+
+    forkservers = _starved_servers(monkeypatch)
+    monkeypatch.setattr(forkservers._Server, "hurry", lambda _self: False)  # (not allowed)
     assert forkservers.early_start(["train.py"])
     try:
         forkservers.start(["slow_import"])
@@ -334,8 +391,4 @@ async def test_a_full_server_starved_at_a_low_priority_is_replaced_at_normal_pri
         assert not pid_alive(pid), "the starved server is gone"
         assert forkservers.escalate() is False, "once"
     finally:
-        forkservers.stop()
-        serving = forkservers._servers.serving
-        if serving is not None:
-            serving.kill()
-        forkservers._servers.serving = None
+        _stop_servers(forkservers)
