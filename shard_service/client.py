@@ -300,7 +300,13 @@ class DataClient:
         self._closing = asyncio.Event()
         try:
             bus = await Bus.connect(
-                options_from_env(self.url, name=f"rove-data-{self.client}", reconnect_forever=True)
+                options_from_env(
+                    self.url,
+                    name=f"rove-data-{self.client}",
+                    reconnect_forever=True,
+                    # a worker of a rove agent (ROVE_NODE): the agent says a lost connection
+                    says_connection="ROVE_NODE" not in os.environ,
+                )
             )
 
             def unreadable(rej: records.Rejection) -> None:

@@ -56,11 +56,13 @@ async def test_a_standalone_job_whose_nats_server_is_killed_trains_on_to_its_end
     assert f"the job's NATS server (pid {first}) was killed by SIGKILL: starting it again" in log
     assert "the job's NATS server is back" in log
     assert "round 2" not in log, "no restart: the workers trained on"
-    # the workers' rove lines (their data clients lost the server too) are short lines
-    # on stderr, each naming its rank: no debug lines, no stamina retry lines (the
-    # launcher's own, structured, are all here: RunProc runs it verbose)
-    said = r"^rove: rank [01]: disconnected from NATS; reconnecting servers=\['nats://"
-    assert re.search(said, log, re.M), log
+    # the workers' data clients lost the server too: the agent says it once for the
+    # node (the launcher's lines, structured, are all here: RunProc runs it verbose),
+    # and the ranks do not repeat it one by one (info in a worker: ROVE_LOG_LEVEL=info
+    # shows it); no debug lines, no stamina retry lines on stderr
+    assert re.search(r"\[warning *\] disconnected from NATS; reconnecting servers=", log), log
+    rank_said = r"^rove: rank \d: (disconnected from NATS|NATS client error)"
+    assert not re.search(rank_said, log, re.M), log
     assert not re.search(r"\[debug *\]|stamina\.retry_scheduled", log), log
     rows = trace_rows(trace)
     for rank in (0, 1):

@@ -34,6 +34,9 @@ _DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"
 
 async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
     state: dict[str, Any] = {"connected": False, "closing": False, "denied": set()}
+    # the connection's losses: warnings, unless another process says them (a worker's
+    # agent: `BusOptions.says_connection`)
+    lost = log.warning if o.says_connection else log.info
 
     async def on_error(exc: Exception) -> None:
         if "authorization violation" in str(exc).lower():
@@ -47,18 +50,18 @@ async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
         if not state["connected"] or state["closing"]:
             log.debug("NATS client error", error=plain(exc))
         elif (away := state.get("away_since")) is None:
-            log.warning("NATS client error", error=plain(exc))
+            lost("NATS client error", error=plain(exc))
         elif (now := time.monotonic()) - state["away_said"] >= AWAY_SAY_S:
             # each reconnect attempt fails with its error: once a minute, not each time
             state["away_said"] = now
-            log.warning(f"still reconnecting to NATS after {now - away:.0f}s", error=plain(exc))
+            lost(f"still reconnecting to NATS after {now - away:.0f}s", error=plain(exc))
         else:
             log.debug("NATS client error", error=plain(exc))
 
     async def on_disconnected() -> None:
         if state["connected"] and not state["closing"]:
             state["away_since"] = state["away_said"] = time.monotonic()
-            log.warning("disconnected from NATS; reconnecting", servers=servers)
+            lost("disconnected from NATS; reconnecting", servers=servers)
 
     async def on_reconnected() -> None:
         away = state.pop("away_since", None)

@@ -45,6 +45,10 @@ class BusOptions:
     name: str = "rove"
     connect_timeout_s: float = 5.0
     reconnect_forever: bool = False
+    #: whether the connection's losses and errors are warnings; a worker's data client
+    #: under a rove agent leaves them to its agent (info), which says them once a node
+    #: instead of once a rank
+    says_connection: bool = True
     replicas: int = 1
     lease_ttl_s: float = 6.0
     duplicate_window_s: float = 120.0
