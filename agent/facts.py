@@ -11,9 +11,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
+
+if TYPE_CHECKING:
+    from rove.control.bus import embedded
 
 
 class NodeFacts:
@@ -43,6 +47,19 @@ class NodeFacts:
     def emit(self, event: ev.Event) -> None:
         """Publish `event` through the outbox (in order; kept while the bus is down)."""
         self.outbox.put(event)
+
+    def nats_server_restarted(self, r: embedded.Restarted) -> None:
+        """The job's NATS server, kept by this process (`--standalone`), was started
+        again (`rove.control.bus.embedded.keep`): a fact, for `rove events`."""
+        self.emit(
+            ev.NatsServerRestarted(
+                **self.envelope("nats", r.pid),
+                pid_before=r.pid_before,
+                pid=r.pid,
+                ended=r.ended,
+                down_s=r.down_s,
+            )
+        )
 
     def is_me(self, node: str, incarnation: str) -> bool:
         return (node, incarnation) == (self.node, self.incarnation)

@@ -311,6 +311,13 @@ def every_event() -> list[ev.Event]:
     return [
         *one_of_each(),
         task_restarted("n1", 1, 3),
+        ev.NatsServerRestarted(
+            **_fact("n1", "i1", 100.0, JOB, "nats", 4242),
+            pid_before=4241,
+            pid=4242,
+            ended="was killed by SIGKILL",
+            down_s=0.4,
+        ),
         check_reported("n1", 0),
         check_assigned(0, 7, ("n1", "n2")),
         check_completed(7),

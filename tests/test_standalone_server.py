@@ -6,6 +6,7 @@ timeout)."""
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import RunProc, eventually, trace_rows
+from tests.support import RunProc, eventually, rove_cli, trace_rows
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
@@ -70,3 +71,13 @@ async def test_a_standalone_job_whose_nats_server_is_killed_trains_on_to_its_end
         assert steps == list(range(1, 301)), f"rank {rank} trained each step once"
     delivered = collections.Counter(tuple(i) for r in rows for i in r["samples"])  # type: ignore[attr-defined]
     assert delivered and max(delivered.values()) == 1, "no sample twice in the one epoch"
+    # the restart is an event of the job, read after its end as a user would
+    out = rove_cli(
+        *("events", "--job", "nk", "--type", "nats_server_restarted", "--json"),
+        env={"ROVE_HOME": str(home)},
+    )
+    assert out.returncode == 0, out.stderr
+    (restarted,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert restarted["pid_before"] == first, restarted
+    assert restarted["ended"] == "was killed by SIGKILL", restarted
+    assert restarted["pid"] not in (0, first) and restarted["down_s"] > 0, restarted

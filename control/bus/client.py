@@ -108,10 +108,12 @@ class Bus:
         self._watchdogs: set[asyncio.Task[None]] = set()
         #: the embedded server's keeper (`embedded.keep`), when this bus started one
         self._keeper: asyncio.Task[None] | None = None
+        #: told each time the keeper started the embedded server again (the agent's fact)
+        self.server_restarted: list[Callable[[embedded.Restarted], object]] = []
         if server is not None:
             again = self.ensure_streams if options.create_streams else None
             self._keeper = asyncio.create_task(
-                embedded.keep(server, again), name="nats-server keeper"
+                embedded.keep(server, again, told=self.server_restarted), name="nats-server keeper"
             )
 
     # ------------------------------------------------------------------ lifecycle

@@ -33,6 +33,7 @@ import sysconfig
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -355,31 +356,47 @@ class EmbeddedServer:
         self.stop()
 
 
+@dataclass(frozen=True)
+class Restarted:
+    """What `keep` did once: the server `pid_before` had ended (`ended`: how) and
+    `pid` answers in its place, `down_s` after the first was found ended."""
+
+    pid_before: int
+    pid: int
+    ended: str
+    down_s: float
+
+
 async def keep(
     server: EmbeddedServer,
     then: Callable[[], Awaitable[object]] | None = None,
     *,
+    told: list[Callable[[Restarted], object]] | None = None,
     check_s: float = KEEP_CHECK_S,
 ) -> None:
     """Start `server` again each time it ends unasked, until cancelled (its owner
     cancels this before it stops the server), then await `then()` (the bus puts back
-    the memory streams the server lost). It says so on the console, and each start
-    that fails, and tries again after a longer wait: it never gives up, as a job's
-    agents and master wait for their bus however long."""
+    the memory streams the server lost) and tell each of `told` (the agent records it
+    as an event). It says so on the console, and each start that fails, and tries again
+    after a longer wait: it never gives up, as a job's agents and master wait for their
+    bus however long."""
     while True:
         await asyncio.sleep(check_s)
         if server.proc is None or server.alive():
             continue
         try:
-            await _start_again(server)
+            restarted = await _start_again(server)
             if then is not None:
                 await then()
+            for listener in list(told or ()):
+                listener(restarted)
         except Exception:  # a keeper that dies would leave the job without its bus
             log.exception("keeping the job's NATS server running failed; trying again")
 
 
-async def _start_again(server: EmbeddedServer) -> None:
+async def _start_again(server: EmbeddedServer) -> Restarted:
     lost = time.monotonic()
+    pid_before, ended = server.pid or 0, server.ended()
     log.warning(
         f"the job's NATS server (pid {server.pid}) {server.ended()}: starting it again on "
         f"{server.url}, with its stream in {server.store_dir} (its log: {server.log_file})"
@@ -396,12 +413,14 @@ async def _start_again(server: EmbeddedServer) -> None:
                 f"could not start the job's NATS server again ({exc}); trying again in {wait:g}s"
             )
             await asyncio.sleep(wait)
+    down_s = time.monotonic() - lost
     log.info(
         f"the job's NATS server is back (pid {server.pid}), started again in "
-        f"{time.monotonic() - lost:.1f}s; its clients reconnect to it",
+        f"{down_s:.1f}s; its clients reconnect to it",
         say=True,
         url=server.url,
     )
+    return Restarted(pid_before, server.pid or 0, ended, round(down_s, 2))
 
 
 def store_user(store_dir: Path) -> int | None:

@@ -156,6 +156,7 @@ def render() -> str:
                 ev.CkptPersisted,
                 ev.CkptFailed,
                 ev.ReplicaStored,
+                ev.NatsServerRestarted,
             ],
         ),
         (

@@ -288,6 +288,19 @@ class TaskRestarted(NodeFact, tag="task_restarted", frozen=True, kw_only=True):
     restarts: int = 1
 
 
+class NatsServerRestarted(NodeFact, tag="nats_server_restarted", frozen=True, kw_only=True):
+    """The job's own NATS server (`rove run --standalone`: `node`'s launcher keeps it)
+    ended unasked and was started again on its port and store. `ended` says how ("was
+    killed by SIGKILL", "exited with status 1"), `pid_before` and `pid` are the two
+    servers, `down_s` the seconds from finding it ended to its answering again. Its
+    memory streams (heartbeats, leases) were made anew; the events stream is on disk."""
+
+    pid_before: int = 0
+    pid: int = 0
+    ended: str = ""
+    down_s: float = 0.0
+
+
 class WorkersStarted(NodeFact, tag="workers_started", frozen=True, kw_only=True):
     """`node` started its worker processes for `round`."""
 
@@ -539,6 +552,7 @@ AnyEvent = (
     | TaskRestarted
     | RecordsUndecodable
     | TrainingProgress
+    | NatsServerRestarted
 )
 
 #: How much of a rejected payload a dead letter keeps (bounded: garbage can be huge).

@@ -152,6 +152,7 @@ _SUBJECT_OF: dict[type[ev.Event], Callable[[Any], str]] = {
     ev.RdzvJoined: lambda e: node_facts(e.job, e.node),
     ev.WorkersStarted: lambda e: node_facts(e.job, e.node),
     ev.TaskRestarted: lambda e: node_facts(e.job, e.node),
+    ev.NatsServerRestarted: lambda e: node_facts(e.job, e.node),
     ev.WorkerExited: lambda e: node_facts(e.job, e.node),
     ev.WorkersSucceeded: lambda e: node_facts(e.job, e.node),
     ev.TrainingProgress: lambda e: node_facts(e.job, e.node),
