@@ -322,6 +322,16 @@ def _starved_servers(monkeypatch: pytest.MonkeyPatch) -> Any:
     return forkservers
 
 
+def _niced_full_server(forkservers: Any) -> tuple[Any, int]:
+    """A quick server, then the full one importing at nice 19: (the full one, its pid)."""
+    assert forkservers.early_start(["train.py"])
+    forkservers.start(["slow_import"])
+    niced = forkservers._servers.coming
+    assert niced is not None and niced.nice == forkservers.BACKGROUND_NICE
+    assert niced.pid is not None
+    return niced, niced.pid
+
+
 def _stop_servers(forkservers: Any) -> None:
     forkservers.stop()
     serving = forkservers._servers.serving
@@ -346,13 +356,8 @@ async def test_a_full_server_starved_at_a_low_priority_imports_on_at_normal_prio
 
     forkservers = _starved_servers(monkeypatch)
     monkeypatch.setattr(forkservers, "NICE_FOR_S", 3600.0)  # (escalated below, once known)
-    assert forkservers.early_start(["train.py"])
     try:
-        forkservers.start(["slow_import"])
-        niced = forkservers._servers.coming
-        assert niced is not None and niced.nice == forkservers.BACKGROUND_NICE
-        pid = niced.pid
-        assert pid is not None
+        niced, pid = _niced_full_server(forkservers)
         await eventually(lambda: niced.importer_file.exists(), timeout=60)
         tid = int(niced.importer_file.read_text())
         assert _nice_of(pid, tid) == forkservers.BACKGROUND_NICE
@@ -378,13 +383,8 @@ async def test_a_starved_full_server_that_may_not_be_reniced_is_replaced(
 
     forkservers = _starved_servers(monkeypatch)
     monkeypatch.setattr(forkservers._Server, "hurry", lambda _self: False)  # (not allowed)
-    assert forkservers.early_start(["train.py"])
     try:
-        forkservers.start(["slow_import"])
-        niced = forkservers._servers.coming
-        assert niced is not None and niced.nice == forkservers.BACKGROUND_NICE
-        pid = niced.pid
-        assert pid is not None
+        niced, pid = _niced_full_server(forkservers)
         await eventually(lambda: forkservers._servers.coming is not niced, timeout=30)
         now = forkservers._servers.coming
         assert now is not None and now.nice == 0 and now.preload == niced.preload
