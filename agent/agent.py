@@ -98,8 +98,6 @@ class Agent:
         self.clock = clock
         self.facts = NodeFacts(Outbox(bus), job=cfg.job, node=cfg.node, clock=clock)
         self.incarnation = self.facts.incarnation
-        # --standalone: this process keeps the job's NATS server; each restart is a fact
-        bus.server_restarted.append(self.facts.nats_server_restarted)
         self.workers = runtime(cfg, self.incarnation)
         self.workers.listener = self._task_restarted
         self.faults = FaultPlan(cfg.faults)

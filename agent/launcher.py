@@ -418,6 +418,8 @@ async def _run_job(
             f"--job {cfg.job}{nats}; rove's log: {log_path}"
         )
         agent = Agent(bus, cfg, signals=signals)
+        # (--standalone: this process keeps the job's NATS server; each restart is a fact)
+        bus.server_restarted.append(agent.facts.nats_server_restarted)
         code = await agent.run()
         say(agent.status.end_reason)
         if code != 0 and agent.status.failure is not None:
