@@ -43,8 +43,9 @@ def _import_in_background(names: list[str], nice: int, importer_file: str | None
         if importer_file:
             try:
                 told = Path(importer_file)
-                told.with_suffix(".tmp").write_text(str(tid))
-                told.with_suffix(".tmp").replace(told)
+                writing = told.with_suffix(".tmp")
+                writing.write_text(str(tid))
+                writing.replace(told)
             except OSError:
                 pass  # then the agent replaces this server if it must, as it can anyway
         for name in names:

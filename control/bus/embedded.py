@@ -398,7 +398,7 @@ async def _start_again(server: EmbeddedServer) -> Restarted:
     lost = time.monotonic()
     pid_before, ended = server.pid or 0, server.ended()
     log.warning(
-        f"the job's NATS server (pid {server.pid}) {server.ended()}: starting it again on "
+        f"the job's NATS server (pid {pid_before}) {ended}: starting it again on "
         f"{server.url}, with its stream in {server.store_dir} (its log: {server.log_file})"
     )
     attempt = 0
