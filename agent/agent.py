@@ -8,16 +8,15 @@ signals. Only it starts and stops workers, so they never race. Around it:
 * a **watcher** per round waits on the worker processes themselves (the
   runtime's `wait`, on pidfds) and hands their end to the actor;
 * the **duties** tick reports and persists checkpoints (`CheckpointDuty`),
-  report the workers' progress as facts (`ProgressReports`) and detect hangs
-  (no step progress for `--hang-timeout`);
+  report the workers' progress as facts (`ProgressReports`), detect hangs (no
+  step progress for `--hang-timeout`) and learn what warm workers import (`Learning`);
 * the **heartbeat** (`Heartbeat`) publishes liveness, progress and resources.
 
 What a worker is, is the `WorkerRuntime`'s business (torch today). Facts go
 through the agent's `Outbox` (`NodeFacts`), so they are kept and sent later
-while the bus is unreachable; workers keep training meanwhile (persisting waits
-for the bus: `rove.agent.fence`). Decisions from
-a master epoch older than the newest seen are ignored. The lifecycle is
-`rove.agent.lifecycle.AgentPhase`.
+while the bus is unreachable; workers keep training meanwhile (persisting waits for
+the bus: `rove.agent.fence`). Decisions from a master epoch older than the newest
+seen are ignored. The lifecycle is `rove.agent.lifecycle.AgentPhase`.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from rove.agent.facts import NodeFacts
 from rove.agent.faults import FaultPlan
 from rove.agent.heartbeat import Heartbeat, free_ports
 from rove.agent.leader_watch import LeaderWatch
+from rove.agent.learning import Learning
 from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.replicas import PeerReplicas
 from rove.agent.reports import ProgressReports
@@ -131,6 +131,7 @@ class Agent:
         self._notes: list[str] = []
         self.status = AgentStatus()
         self.log = log.bind(job=cfg.job, node=cfg.node)
+        self.learning = Learning(self._warm and cfg.learn_imports, self.log)
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._done: asyncio.Future[int] | None = None
         self._round_event: ev.RoundCompleted | None = None
@@ -412,7 +413,8 @@ class Agent:
         self._group_rank = group_rank
         if self._warm and not await warm.ready(self._interrupted):
             return  # a signal came first: the actor acts on it next
-        pids = self.workers.start(r.round, envs)
+        pids = self.workers.start(r.round, self.learning.prepare(envs))
+        self.learning.started(getattr(self.workers, "progress_files", {}))
         self.reports.start(r.round, restoring=r.restore_step is not None)
         self.exit_watch.new_round(r.round)
         self._notes = []
@@ -503,9 +505,8 @@ class Agent:
     async def _hung(self, hang: _Hang) -> None:
         rank = self._first_rank() + hang.local_rank
         reason = f"no step progress for {hang.silent_s:.0f}s (last step {hang.step})"
-        await self._hang(
-            hang.round, hang.local_rank, reason, f"worker rank {rank} is hung: {reason}"
-        )
+        said = f"worker rank {rank} is hung: {reason}"
+        await self._hang(hang.round, hang.local_rank, reason, said)
 
     async def _stuck(self, verdict: Verdict) -> None:
         """A worker that does not end (`ExitWatch`): end it, saying where it was stuck."""
@@ -577,6 +578,7 @@ class Agent:
                 continue
             self.reports.tick()  # (first: the step restored, before the new checkpoints)
             self.checkpoints.tick()
+            self.learning.tick()
             if self.faults.pending:  # --inject-fault
                 steps = {lr: p.step for lr, p in self.workers.progress().items()}
                 self.faults.fire(self._first_rank(), self.workers.pids(), steps, self.log)

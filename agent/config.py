@@ -40,6 +40,9 @@ class AgentConfig:
     start_method: str = "spawn"
     #: Extra modules the warm server imports (warm start only).
     preload: tuple[str, ...] = ()
+    #: The warm server for restarts also imports what the workers imported (warm start
+    #: only; `rove.agent.imports`, `--no-learn-imports` turns it off).
+    learn_imports: bool = True
     #: TensorFlow: keep spare tasks that imported TensorFlow (`rove.agent.tf_spare`)
     tf_spares: bool = True
     #: TensorFlow: "ps" when this node hosts parameter servers only (`--tf-role ps`)

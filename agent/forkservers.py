@@ -22,6 +22,16 @@ Two servers, so that neither the first line nor a restart waits:
   imported and cost a whole import again: a third of the agents of a slow test run
   here escalated.)
 
+- a *learned* server (`learn`, `rove.agent.imports`) also imports what the workers
+  imported beyond the server they were forked from (an HF script's `transformers` and
+  its dependencies: 2-3 s a restart paid again). It starts once the workers' lists are
+  in and the full server is ready to compare with, imports in the background as the
+  full one does (hurried the same way where the cores are busy), and once ready takes
+  the full one's place as the one restarts fork from (the full one is stopped then). A
+  module it must not import (it starts a thread or a process, initialises CUDA, or
+  reads a variable each worker has its own value of) is refused by name: that server
+  never serves, and the next one learns without that module's package.
+
 Where `rove run` did not start a quick server (a managed node, a test), the agent
 starts the full one as its first round forms, as before. A pool agent's standby node
 (`rove.agent.standby`) calls `start` before any job needs it: the full one, at normal
@@ -41,6 +51,7 @@ their place (`_install`): private to CPython's multiprocessing, and checked by
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing.forkserver as mpfs
 import os
 import shutil
@@ -48,8 +59,9 @@ import signal
 from collections.abc import Iterator, Sequence
 from multiprocessing import process, spawn, util
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from rove.agent import imports
 from rove.control.process import tempdirs
 
 #: What a worker needs before its script's first line.
@@ -77,6 +89,15 @@ IMPORTS_ENV = "ROVE_WARM_IMPORTS"
 NICE_ENV = "ROVE_WARM_NICE"
 #: Where a server importing in the background says its import thread's id.
 IMPORTER_ENV = "ROVE_WARM_IMPORTER_FILE"
+#: Where a learning server finds what the workers imported (`rove.agent.imports`).
+LEARNED_ENV = "ROVE_WARM_LEARNED_FILE"
+#: The fewest new modules worth a server that learns them: it imports torch again (a
+#: few CPU-seconds, in the background); fewer modules import in a fraction of a second
+#: (2-12 ms each here: 79 of aiohttp's in 0.2 s; an HF script's 550 in 2.4 s).
+LEARN_AT_LEAST = 100
+#: The most servers that learn a process starts (each imports torch again, in the
+#: background): the first round's lists, and a retry or two without a refused package.
+MAX_LEARNING = 3
 BACKGROUND_NICE = 19
 #: How long the full server may import at BACKGROUND_NICE before one at normal priority
 #: replaces it (longer than a short job's life after its agent started, here 5-9 s).
@@ -104,14 +125,27 @@ _NOT_WARM = frozenset(
 class _Server:
     """One forkserver of ours: multiprocessing's object and where it says it is ready."""
 
-    def __init__(self, preload: Sequence[str], kind: str, *, nice: int = 0) -> None:
-        """`nice`: above 0, the server imports `preload` in a thread at that nice."""
+    def __init__(
+        self,
+        preload: Sequence[str],
+        kind: str,
+        *,
+        nice: int = 0,
+        learned: Sequence[str] = (),
+        worker_keys: Sequence[str] = (),
+    ) -> None:
+        """`nice`: above 0, the server imports `preload` in a thread at that nice, then
+        `learned` with care (`rove.agent.imports.take`; `worker_keys`: the variables
+        each worker has its own value of)."""
         self.kind = kind
         self.nice = nice
         self.preload = tuple(preload)
+        self.learned = tuple(learned)
         self._dir = tempdirs.make(f"rove-warm-{kind}")
         self.ready_file = self._dir / "ready"
         self.importer_file = self._dir / "importer"
+        self.refusal_file = self._dir / "refused"
+        self._modules: frozenset[str] | None = None
         # (Any: its private attributes, read and reset here, are not in typeshed)
         self.server: Any = mpfs.ForkServer()
         env = {READY_ENV: str(self.ready_file), **_main_marker()}
@@ -121,8 +155,15 @@ class _Server:
                 NICE_ENV: str(nice),
                 IMPORTER_ENV: str(self.importer_file),
             }
+            if self.learned:
+                told = self._dir / "learned"
+                told.write_text(
+                    json.dumps({"modules": self.learned, "worker_keys": list(worker_keys)})
+                )
+                env[LEARNED_ENV] = str(told)
             self.server.set_forkserver_preload([READY_MODULE])
         else:
+            assert not self.learned, "a server learns in the background"
             self.server.set_forkserver_preload([*self.preload, READY_MODULE])
         _own_mp_tempdir()
         with _environ(env):
@@ -136,6 +177,38 @@ class _Server:
     def ready(self) -> bool:
         """Whether it imported everything and serves (never blocks)."""
         return self.ready_file.exists()
+
+    def modules(self) -> frozenset[str]:
+        """The modules a ready server imported (what its workers find imported)."""
+        if self._modules is None and self.ready():
+            try:
+                names = json.loads(self.ready_file.read_text())["modules"]
+                self._modules = frozenset(n for n in names if isinstance(n, str))
+            except (OSError, ValueError, TypeError, KeyError):
+                self._modules = frozenset()
+        return self._modules or frozenset()
+
+    def refused(self) -> tuple[str, str] | None:
+        """(package, why) when this learning server refused a module it was to import
+        (it never serves), or ("", why) when it ended before it was ready."""
+        try:
+            said = json.loads(self.refusal_file.read_text())
+            return str(said["culprit"]), str(said["why"])
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, KeyError):
+            return "", "it said it refused a module, unreadably"
+        pid = self.pid
+        if pid is None or self.ready():
+            return None
+        try:
+            ended, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None  # (not this process's child: nothing to tell)
+        if ended == 0:
+            return None
+        self.server._forkserver_pid = None
+        return "", f"it ended before it was ready ({_status(status)})"
 
     def hurry(self) -> bool:
         """Raise its background import to normal priority in place: its import thread's
@@ -199,13 +272,24 @@ def _own_mp_tempdir() -> None:
         config["tempdir"] = path
 
 
+def _status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit status {os.waitstatus_to_exitcode(status)}"
+
+
 class _Servers:
-    """This process's warm servers: the one that serves, and the full one to come."""
+    """This process's warm servers: the one that serves, the full one to come, and one
+    learning what the workers imported (which takes the full one's place once ready)."""
 
     def __init__(self) -> None:
         self.serving: _Server | None = None
         self.coming: _Server | None = None
+        self.learning: _Server | None = None
         self.extra: tuple[str, ...] = ()
+        #: packages a learning server refused (never learned again by this process)
+        self.refused: set[str] = set()
+        self.learners = 0
 
     def install(self, server: _Server) -> None:
         """Make `server` the one multiprocessing's "forkserver" context forks from."""
@@ -239,54 +323,142 @@ def start(extra: Sequence[str] = ()) -> None:
         _servers.install(_Server(full, "full"))
     elif _servers.serving.kind == "quick" and _servers.coming is None:
         _servers.coming = _Server(full, "full", nice=BACKGROUND_NICE)
-        import asyncio  # (not at the top: `rove run` imports this module first thing)
-
-        with contextlib.suppress(RuntimeError):  # (no event loop: nobody to escalate)
-            asyncio.get_running_loop().call_later(NICE_FOR_S, escalate)
+        _escalate_later()
 
 
 def escalate() -> bool:
     """The full server is still importing at a low priority (the cores are busy): it
     imports on at normal priority (`_Server.hurry`), or where that is not allowed one
     at normal priority starts in its place, so that restarts are fast from now on (its
-    imports cost a few seconds of CPU once). True when it did either."""
-    coming = _servers.coming
-    if coming is None or coming.nice == 0 or coming.ready():
-        return False
+    imports cost a few seconds of CPU once). A server that learns is hurried the same
+    way, where allowed (else it imports on at its low priority: restarts have the full
+    one meanwhile). True when it did any of these."""
     import structlog
 
-    said = (
-        f"the warm server for restarts was not ready after {NICE_FOR_S:.0f}s at a low "
-        "priority (the cores are busy); "
-    )
-    if coming.hurry():
-        structlog.get_logger(__name__).info(said + "it imports on at normal priority")
-        return True
-    _servers.coming = _Server(coming.preload, "full")
-    coming.kill()
-    structlog.get_logger(__name__).info(said + "one imports at normal priority in its place")
-    return True
+    said = f"was not ready after {NICE_FOR_S:.0f}s at a low priority (the cores are busy); "
+    done = False
+    coming, learning = _servers.coming, _servers.learning
+    if coming is not None and coming.nice != 0 and not coming.ready():
+        said_full = "the warm server for restarts " + said
+        if coming.hurry():
+            structlog.get_logger(__name__).info(said_full + "it imports on at normal priority")
+        else:
+            _servers.coming = _Server(coming.preload, "full")
+            coming.kill()
+            structlog.get_logger(__name__).info(
+                said_full + "one imports at normal priority in its place"
+            )
+        done = True
+    if learning is not None and learning.nice != 0 and not learning.ready() and learning.hurry():
+        structlog.get_logger(__name__).info(
+            "the warm server that learns the workers' imports "
+            + said
+            + "it imports on at normal priority"
+        )
+        done = True
+    return done
+
+
+def _escalate_later() -> None:
+    import asyncio  # (not at the top: `rove run` imports this module first thing)
+
+    with contextlib.suppress(RuntimeError):  # (no event loop: nobody to escalate)
+        asyncio.get_running_loop().call_later(NICE_FOR_S, escalate)
 
 
 def promote() -> None:
-    """Before a round forks its workers (the last round's have been stopped): the full
-    server serves from now on if it is ready; the quick one is stopped."""
-    coming = _servers.coming
-    if coming is None or not coming.ready():
+    """Before a round forks its workers (the last round's have been stopped): the
+    newest ready server serves from now on (one that learned the workers' imports,
+    else the full one); those it supersedes are stopped (the quick one, and the full
+    one when a learned one takes over: it imported everything the full one does)."""
+    learning, coming = _servers.learning, _servers.coming
+    if learning is not None and learning.ready():
+        best, superseded = learning, [_servers.serving, coming]
+        _servers.learning = _servers.coming = None
+    elif coming is not None and coming.ready():
+        best, superseded = coming, [_servers.serving]
+        _servers.coming = None
+    else:
         return
-    old = _servers.serving
-    _servers.install(coming)
-    _servers.coming = None
-    if old is not None:
-        old.kill()
+    _servers.install(best)
+    if best.kind == "learned":
+        import structlog
+
+        structlog.get_logger(__name__).info(
+            f"workers fork from the warm server that learned {len(best.learned)} modules "
+            "the workers imported"
+        )
+    for old in superseded:
+        if old is not None:
+            old.kill()
+
+
+class Lesson(NamedTuple):
+    """What `learn` did."""
+
+    #: a server that learns was started now
+    started: bool = False
+    #: the names it imports beyond what restarts find imported now
+    new: tuple[str, ...] = ()
+    #: (package, why): a server refused this package (it is not learned again)
+    refused: tuple[str, str] | None = None
+    #: nothing more to do for these names: restarts will find them imported, or no
+    #: more servers may learn (until the workers name more, asking again changes nothing)
+    settled: bool = False
+
+
+def learn(names: Sequence[str], worker_keys: Sequence[str]) -> Lesson:
+    """The workers imported `names` (`rove.agent.imports`): make sure the server that
+    restarts will fork from imports them too. Called again and again (the agent's duty
+    ticks) until settled: it waits while no server to compare with is ready or one is
+    learning, starts one that learns (in the background, at BACKGROUND_NICE, with
+    everything the full server imports) where names are missing, and tells of a
+    refusal once. A learned server once ready is the one restarts fork from next (the
+    full one it supersedes is stopped then). At most MAX_LEARNING servers a process."""
+    learning = _servers.learning
+    if learning is not None:
+        if learning.ready():
+            if _servers.coming is not None:
+                _servers.coming.kill()
+            _servers.coming, _servers.learning = learning, None
+        else:
+            refusal = learning.refused()
+            if refusal is None:
+                return Lesson()  # (still importing)
+            _servers.learning = None
+            learning.kill()
+            package, _why = refusal
+            if package:
+                _servers.refused.add(package)
+            else:
+                _servers.learners = MAX_LEARNING  # (it died: do not try again)
+            return Lesson(refused=refusal)
+    base = _servers.coming or _servers.serving
+    if base is None or not base.ready():
+        return Lesson()
+    known = base.modules()
+    new = tuple(n for n in names if imports.top(n) not in _servers.refused and n not in known)
+    if len(new) < LEARN_AT_LEAST or _servers.learners >= MAX_LEARNING:
+        return Lesson(settled=True)
+    before = [n for n in base.learned if imports.top(n) not in _servers.refused]
+    _servers.learning = _Server(
+        (*FULL, *_servers.extra),
+        "learned",
+        nice=BACKGROUND_NICE,
+        learned=imports.union([before, new]),
+        worker_keys=worker_keys,
+    )
+    _servers.learners += 1
+    _escalate_later()
+    return Lesson(started=True, new=new)
 
 
 def stop() -> None:
     """Kill every warm server of this process now."""
-    for server in (_servers.coming, _servers.serving):
+    for server in (_servers.learning, _servers.coming, _servers.serving):
         if server is not None:
             server.kill()
-    _servers.coming = None
+    _servers.coming = _servers.learning = None
 
 
 def serving_ready() -> bool:

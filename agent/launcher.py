@@ -245,6 +245,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         entrypoint=entrypoint,
         args=worker_args,
         preload=tuple(args.preload) if warm_start else (),
+        learn_imports=bool(args.learn_imports),
         tf_spares=bool(getattr(args, "tf_spares", False)),
         tf_role="" if args.tf_role == "any" else args.tf_role,
         logs_specs=logs_specs,

@@ -254,6 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with warm start, also import MODULE once in the warm server (repeatable), "
         "e.g. --preload transformers",
     )
+    g.add_argument(
+        "--learn-imports",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with warm start, the warm server for restarts also imports what the first "
+        "round's workers imported from outside the script's folder and the working "
+        "directory (installed packages), so a restarted worker finds it imported "
+        "(default: on; see docs/runtime.md, 'Learned imports')",
+    )
     k = p.add_argument_group("streaming from Kafka (see docs/streaming.md)")
     k.add_argument(
         "--kafka-bootstrap",

@@ -35,7 +35,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from rove.agent import echo, forkservers, script
+from rove.agent import echo, forkservers, imports, script
 from rove.agent.self_process import die_with_parent
 
 #: The warm server's pid, as every worker forked from it inherits it: this module is
@@ -147,6 +147,8 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         if reconfigure is not None:
             reconfigure(line_buffering=True, write_through=True)
     _fresh_randomness()
+    # what the script imports beyond the server's modules, for the next server to import
+    watch = imports.watch(frozenset(sys.modules), target if kind == "script" else None)
     try:
         script.run(kind, target, argv)
     except Exception as exc:
@@ -154,6 +156,9 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         # it, in the agent, is left out: the agent says what failed, diagnosed)
         script.print_uncaught(exc)
         raise
+    finally:
+        if watch is not None:
+            watch.settle()  # (a script that ended before its imports settled)
 
 
 def _launcher_dispositions() -> None:

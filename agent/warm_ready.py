@@ -4,13 +4,17 @@ preloads; anywhere else it does nothing.
 1. A server started in the background (the full one) imports its modules here, in a
    thread at a low priority (`ROVE_WARM_NICE`: nice values are per thread on Linux),
    while its main thread, which forks the workers later, keeps its own. A module that
-   cannot be imported is said on stderr and skipped, as multiprocessing skips it.
+   cannot be imported is said on stderr and skipped, as multiprocessing skips it. A
+   server that learns (`ROVE_WARM_LEARNED_FILE`) then imports what the workers
+   imported, with care (`rove.agent.imports.take`); where it refuses a module it says
+   which and why in the file beside, and never says it is ready.
 2. The server's `__main__` is made to stand for the launcher's main module, so that a
    worker forked from it does not run that module again (multiprocessing runs a
    parent's main module in each child it cannot match with its own `__main__`; for the
    `rove` command that is 0.5 s of imports per worker, at every restart). The worker
    then runs its script as `__main__` (`rove.agent.script`).
-3. The server says it is ready, in the file its agent named.
+3. The server says it is ready, in the file its agent named, with the names of the
+   modules it imported (what a worker forked from it finds imported).
 4. The server, once it ends (its agent gone), exits at once: its workers die with it.
 
 The variables that carry all this are taken out of the server's environment, so no
@@ -22,6 +26,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import importlib.machinery
+import json
 import os
 import sys
 import threading
@@ -30,12 +35,16 @@ from pathlib import Path
 from rove.control.errors import plain
 
 
-def _import_in_background(names: list[str], nice: int, importer_file: str | None) -> None:
+def _import_in_background(
+    names: list[str], nice: int, importer_file: str | None, learned_file: str | None
+) -> bool:
     """Import `names` at `nice`: in a thread of that nice, in a session of this server's
     own whose scheduling group has that nice meanwhile (where the kernel groups tasks by
     session, "autogroup", a thread's nice only counts within its session). The thread's
     id goes to `importer_file`, for the agent to raise its priority in place where it may
-    (`rove.agent.forkservers.escalate`)."""
+    (`rove.agent.forkservers.escalate`). Then what `learned_file` names, with care: False
+    when a module of it was refused (said in the file beside it)."""
+    safe = [True]
 
     def run() -> None:
         tid = threading.get_native_id()
@@ -55,6 +64,8 @@ def _import_in_background(names: list[str], nice: int, importer_file: str | None
                 print(
                     f"rove: the warm server could not import {name}: {plain(exc)}", file=sys.stderr
                 )
+        if learned_file:
+            safe[0] = _learn(Path(learned_file))
 
     try:
         os.setsid()
@@ -65,6 +76,33 @@ def _import_in_background(names: list[str], nice: int, importer_file: str | None
     worker.start()
     worker.join()
     _autogroup(0)  # (back to where its workers start: each makes a session of its own)
+    return safe[0]
+
+
+def _learn(told: Path) -> bool:
+    """Import what the workers imported (`rove.agent.imports`); False where a module was
+    refused, said in the file `refused` beside `told`."""
+    from rove.agent import imports
+
+    try:
+        lesson = json.loads(told.read_text())
+        names = [n for n in lesson["modules"] if isinstance(n, str) and imports.valid(n)]
+        keys = [k for k in lesson["worker_keys"] if isinstance(k, str)]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        taken = imports.Taken(0, 0, "", f"its list could not be read: {plain(exc)}")
+    else:
+        taken = imports.take(names, keys)
+    if taken.culprit is None:
+        return True
+    _write(told.with_name("refused"), {"culprit": taken.culprit, "why": taken.why})
+    return False
+
+
+def _write(path: Path, data: object) -> None:
+    """`data` as JSON in `path`, whole (the agent reads it as soon as it is there)."""
+    writing = path.with_name(path.name + ".tmp")
+    writing.write_text(json.dumps(data))
+    writing.replace(path)
 
 
 def _autogroup(nice: int) -> None:
@@ -97,8 +135,12 @@ def _exit_at_once_in(server: int) -> None:
 _imports = os.environ.pop("ROVE_WARM_IMPORTS", None)
 _nice = os.environ.pop("ROVE_WARM_NICE", "0")
 _importer = os.environ.pop("ROVE_WARM_IMPORTER_FILE", None)
+_learned = os.environ.pop("ROVE_WARM_LEARNED_FILE", None)
+_safe = True
 if _imports:
-    _import_in_background([n for n in _imports.split(",") if n], int(_nice), _importer)
+    _safe = _import_in_background(
+        [n for n in _imports.split(",") if n], int(_nice), _importer, _learned
+    )
 _main = sys.modules["__main__"]
 _name = os.environ.pop("ROVE_WARM_MAIN_NAME", None)
 _path = os.environ.pop("ROVE_WARM_MAIN_PATH", None)
@@ -109,5 +151,5 @@ if _path:
 _ready = os.environ.pop("ROVE_WARM_READY_FILE", None)
 if _ready:
     _exit_at_once_in(os.getpid())
-    with open(_ready, "w"):
-        pass
+    if _safe:
+        _write(Path(_ready), {"modules": list(sys.modules)})

@@ -115,18 +115,26 @@ def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
 
 
 @pytest.mark.slow
-def test_the_first_round_forks_from_the_quick_server_and_a_restart_from_the_full_one(
+def test_the_first_round_forks_from_the_quick_server_and_a_restart_from_the_one_that_learned(
     tmp_path: Path,
 ) -> None:
+    from rove.agent import forkservers
+
     home = tmp_path / "home"
     # where the servers say they are ready: short, as the forkserver's AF_UNIX socket
     # lives there too (108 bytes at most; a pytest-xdist tmp_path is longer)
     scratch = Path(tempfile.mkdtemp(prefix="rv-"))
+    lib = tmp_path / "lib" / "manymods"
+    lib.mkdir(parents=True)
+    many = forkservers.LEARN_AT_LEAST + 20
+    for n in range(many):
+        (lib / f"m{n}.py").write_text(f"VALUE = {n}\n")
+    (lib / "__init__.py").write_text("".join(f"from manymods import m{n}\n" for n in range(many)))
     out = rove_cli(
         *("run", "--standalone", "--job", "rounds", "--nproc-per-node", "2"),
         *("--max-restarts", "1", str(ROUNDS), str(tmp_path)),
         timeout=300,
-        env={"ROVE_HOME": str(home), "TMPDIR": str(scratch)},
+        env={"ROVE_HOME": str(home), "TMPDIR": str(scratch), "PYTHONPATH": str(lib.parent)},
     )
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     reports = _reports(tmp_path)
@@ -137,6 +145,8 @@ def test_the_first_round_forks_from_the_quick_server_and_a_restart_from_the_full
     first, second = ([reports[f"{restart}-{rank}"] for rank in (0, 1)] for restart in (0, 1))
     assert all(r["torch"] and not r["dynamo"] for r in first), "the quick server"
     assert all(r["torch"] and r["dynamo"] for r in second), "the full server, for restarts"
+    assert not any(r["manymods"] for r in first)
+    assert all(r["manymods"] for r in second), "the server for restarts learned their imports"
     assert len({r["ppid"] for r in first}) == len({r["ppid"] for r in second}) == 1
     assert first[0]["ppid"] != second[0]["ppid"], "two servers"
     # the servers' folders are gone, and torch's logs folder (torchelastic_*, which
