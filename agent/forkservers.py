@@ -8,7 +8,8 @@ Two servers, so that neither the first line nor a restart waits:
   while the launcher imports torch for its own parser and the round forms (both take
   about 2 s here; torchrun's workers import torch only after its launcher did);
 - the *full* server also imports what a restart would otherwise import again (DDP's
-  `torch._dynamo`, about 1.6 s, the checkpoint API, `--preload` modules). It starts as
+  `torch._dynamo`, about 1.6 s, the checkpoint API, rove's data client, `--preload`
+  modules). It starts as
   the agent does, and imports in a thread at nice 19 (`BACKGROUND_NICE`), so it only
   takes CPU that training and the launcher leave (a short job beside a busy core paid
   1.5 s for it at normal priority); the thread that forks keeps the server's nice 0,
@@ -80,6 +81,11 @@ FULL = (
     "torch._dynamo",  # DDP imports it on construction: about 1.6 s
     "torch.distributed.elastic.multiprocessing",
     "rove.checkpoint.api",
+    # rove's data client (with nats-py, aiohttp, prometheus_client: about 180 modules,
+    # 0.4-0.6 s): examples/train.py on leased shards restarted in 0.8-0.9 s without it
+    # here, 0.4 s with it
+    "rove.shard_service.sampler",
+    "rove.shard_service.client",
 )
 #: Imported last by every server: it is ready (and its __main__ is the launcher's).
 READY_MODULE = "rove.agent.warm_ready"
@@ -381,13 +387,10 @@ def promote() -> None:
     else:
         return
     _servers.install(best)
-    if best.kind == "learned":
-        import structlog
+    import structlog
 
-        structlog.get_logger(__name__).info(
-            f"workers fork from the warm server that learned {len(best.learned)} modules "
-            "the workers imported"
-        )
+    learned = f" that learned {len(best.learned)} modules the workers imported" * bool(best.learned)
+    structlog.get_logger(__name__).info(f"workers fork from the {best.kind} warm server{learned}")
     for old in superseded:
         if old is not None:
             old.kill()

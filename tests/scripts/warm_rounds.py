@@ -11,7 +11,7 @@ import sys
 found = {
     "dynamo": "torch._dynamo" in sys.modules,
     "torch": "torch" in sys.modules,
-    "launcher_main": "rove.control.cli.main" in sys.modules or "nats" in sys.modules,
+    "launcher_main": "rove.control.cli.main" in sys.modules or "rove.agent.launcher" in sys.modules,
     "manymods": "manymods" in sys.modules,
 }
 
