@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rove.agent import imports
+from rove.agent.imports import top
 from rove.control.process import tempdirs
 
 #: What a worker needs before its script's first line.
@@ -295,6 +296,8 @@ class _Servers:
         self.extra: tuple[str, ...] = ()
         #: packages a learning server refused (never learned again by this process)
         self.refused: set[str] = set()
+        #: modules a learning server was given (one it could not import is not given again)
+        self.tried: set[str] = set()
         self.learners = 0
 
     def install(self, server: _Server) -> None:
@@ -433,17 +436,18 @@ def learn(names: Sequence[str], worker_keys: Sequence[str]) -> Lesson:
             package, _why = refusal
             if package:
                 _servers.refused.add(package)
+                _servers.tried -= set(learning.learned)  # (the others: again, without it)
             else:
                 _servers.learners = MAX_LEARNING  # (it died: do not try again)
             return Lesson(refused=refusal)
     base = _servers.coming or _servers.serving
     if base is None or not base.ready():
         return Lesson()
-    known = base.modules()
-    new = tuple(n for n in names if imports.top(n) not in _servers.refused and n not in known)
+    known, tried, refused = base.modules(), _servers.tried, _servers.refused
+    new = tuple(n for n in names if n not in known and n not in tried and top(n) not in refused)
     if len(new) < LEARN_AT_LEAST or _servers.learners >= MAX_LEARNING:
         return Lesson(settled=True)
-    before = [n for n in base.learned if imports.top(n) not in _servers.refused]
+    before = [n for n in base.learned if top(n) not in refused]
     _servers.learning = _Server(
         (*FULL, *_servers.extra),
         "learned",
@@ -451,6 +455,7 @@ def learn(names: Sequence[str], worker_keys: Sequence[str]) -> Lesson:
         learned=imports.union([before, new]),
         worker_keys=worker_keys,
     )
+    _servers.tried.update(new)  # (one a server could not import is not tried again)
     _servers.learners += 1
     _escalate_later()
     return Lesson(started=True, new=new)

@@ -244,6 +244,7 @@ async def test_a_server_learns_the_workers_imports_restarts_fork_from_it_and_a_r
     (lib / "learn_c.py").write_text("C = 3\n")
     (lib / "reads_rank_b.py").write_text("import os\nB = os.environ.get('RANK')\n")
     forkservers = _stdlib_servers(monkeypatch, lib)
+    monkeypatch.setattr(forkservers, "MAX_LEARNING", 4)
     servers = forkservers._servers
     try:
         forkservers.start()  # (no quick server: the full one at once)
@@ -263,6 +264,13 @@ async def test_a_server_learns_the_workers_imports_restarts_fork_from_it_and_a_r
         assert "learn_a" in learning.modules() and "json" in learning.modules()
         assert forkservers.learn(["learn_a"], ["RANK"]) == forkservers.Lesson(settled=True)
         assert servers.coming is learning and servers.learning is None, "the one to come"
+        assert forkservers.learn(["learn_a", "not_importable_here"], ["RANK"]).started
+        await eventually(lambda: forkservers.learn(["learn_a"], []).settled, timeout=60)
+        assert forkservers.learn(["not_importable_here"], []) == forkservers.Lesson(settled=True), (
+            "what a server could not import is not tried again"
+        )
+        learning = servers.coming
+        assert learning is not None and learning.learned == ("learn_a", "not_importable_here")
         full_pid = servers.serving.pid if servers.serving else None
         forkservers.promote()
         assert forkservers.serving() == ("learned", learning.pid)
@@ -283,7 +291,8 @@ async def test_a_server_learns_the_workers_imports_restarts_fork_from_it_and_a_r
         assert servers.learning is None and forkservers.serving() == ("learned", learning.pid)
         again = forkservers.learn(names, ["RANK"])
         assert again == forkservers.Lesson(started=True, new=("learn_c",)), "without it"
-        assert servers.learning is not None and servers.learning.learned == ("learn_a", "learn_c")
+        assert servers.learning is not None
+        assert servers.learning.learned == ("learn_a", "not_importable_here", "learn_c")
         await eventually(servers.learning.ready, timeout=60)
         assert forkservers.learn(["another"], []) == forkservers.Lesson(settled=True), (
             f"at most {forkservers.MAX_LEARNING} servers learn in a process"
