@@ -259,9 +259,9 @@ def take(names: Sequence[str], worker_keys: Iterable[str]) -> Taken:
                 try:
                     importlib.import_module(name)
                 except (Exception, SystemExit):  # noqa: BLE001 - counted and skipped
-                    failed += 1
-                    continue
-                imported += 1
+                    failed += 1  # (what it did before it failed is judged all the same)
+                else:
+                    imported += 1
                 why = _harm(threads, children, read_keys)
                 if why is not None:
                     culprit = read_keys[0][1] if read_keys and read_keys[0][1] else name

@@ -81,6 +81,7 @@ _LIBRARY = {
     "plain_one.py": "VALUE = 1\n",
     "noisy.py": "import warnings\nprint('noisy says hello')\nwarnings.warn('careful')\n",
     "broken.py": "raise RuntimeError('broken on purpose')\n",
+    "reads_then_breaks.py": "import os\nos.environ.get('RANK')\nraise ImportError('no')\n",
     "reads_rank.py": "import os\nRANK = os.environ.get('RANK', '0')\n",
     "wraps_reader/__init__.py": "import deep_reader\n",
     "deep_reader.py": "import os\nLOCAL = os.getenv('LOCAL_RANK')\n",
@@ -143,6 +144,7 @@ def test_a_server_takes_what_it_can_and_keeps_the_imports_output_off_the_console
         (["wraps_reader"], "deep_reader", "reads LOCAL_RANK as it is imported"),
         (["starts_thread", "noisy"], "starts_thread", "starts a thread as it is imported"),
         (["starts_process"], "starts_process", "starts a process as it is imported"),
+        (["reads_then_breaks", "plain_one"], "reads_then_breaks", "reads RANK as it is"),
     ],
 )
 def test_a_module_that_a_forked_worker_could_not_use_is_refused_by_name(
