@@ -42,6 +42,8 @@ HELPER = "_new_process_group_helper"
 
 #: Every process group this worker created, kept until it exits.
 HELD: list[Any] = []
+#: Called after a process group was made (`rove.agent.imports`: most imports are done)
+on_group: Callable[[], None] | None = None
 
 
 def enabled() -> bool:
@@ -79,6 +81,8 @@ def _wrap(module: ModuleType) -> None:
     def helper(*args: Any, **kwargs: Any) -> Any:
         made = original(*args, **kwargs)
         HELD.append(made[0] if isinstance(made, tuple) else made)
+        if on_group is not None:
+            on_group()
         return made
 
     helper._rove_holds = True  # type: ignore[attr-defined]

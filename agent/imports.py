@@ -6,12 +6,13 @@ The warm servers (`rove.agent.forkservers`) import torch and rove's modules, and
 `Trainer` script: `transformers`, `accelerate`, `safetensors` and their dependencies,
 about 550 modules and 2.4 s here), and every restarted worker paid for it again. So:
 
-1. *In each warm worker* (`watch`, started by `rove.agent.warm.run_script`): once its
-   imports have settled (`FINAL_AFTER_STEPS` steps reported, or `FINAL_AFTER_S`), a
-   daemon thread writes the modules it imported that its server had not (`learnable`:
+1. *In each warm worker* (`watch`, started by `rove.agent.warm.run_script`): as its
+   first process group is made, and once its imports have settled (its
+   `FINAL_AFTER_STEPS`-th step reported, or its script's end), it writes the modules it
+   imported that its server had not (`learnable`:
    installed packages, and modules from outside the script's folder and the working
    directory, so the user's own code is always imported afresh) beside its progress
-   file, once.
+   file, in its own thread (a script sees no thread it would not have under torchrun).
 2. *The agent* (`read`, `union`) hands the lists of its workers to
    `rove.agent.forkservers.learn`, which starts a warm server that imports them too (in
    the background, at the lowest priority) and makes it the one restarts fork from.
@@ -30,6 +31,7 @@ This module is stdlib-only: the warm servers and the workers import it before to
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import json
@@ -38,19 +40,19 @@ import site
 import sys
 import sysconfig
 import threading
-import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 #: A worker's imports have settled once it reported this many steps (a training loop's
-#: lazy imports come with its first forward, backward and optimizer step) ...
+#: lazy imports come with its first forward, backward and optimizer step).
 FINAL_AFTER_STEPS = 5
-#: ... or once it ran this long (a script that reports no steps).
-FINAL_AFTER_S = 30.0
+#: How long the agent waits for every worker's final list before it learns from the
+#: lists written as their process groups were made (a script that reports no steps).
+FINAL_WITHIN_S = 30.0
 #: The most modules one worker's list names (an HF script: about 550).
 MAX_MODULES = 20_000
 #: The workers are told to watch their imports (the agent learns: `--learn-imports`).
@@ -108,7 +110,8 @@ def learnable(
         origin = _origin(module)
         if origin is None:
             continue
-        real = os.path.realpath(origin)
+        file = Path(origin)
+        real = str(Path(_real(str(file.parent))) / file.name)
         mine = any(_under(real, d) or _under(origin, d) for d in own)
         if mine and not any(_under(real, d) for d in installed):
             continue
@@ -116,6 +119,11 @@ def learnable(
         if len(out) >= MAX_MODULES:
             break
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _real(folder: str) -> str:
+    return os.path.realpath(folder)
 
 
 def installed_dirs() -> list[str]:
@@ -139,42 +147,53 @@ def union(lists: Iterable[Sequence[str]]) -> tuple[str, ...]:
 
 
 class Watch:
-    """A warm worker's watch of its imports: its list is written once, by its thread
-    when the imports settled, or by `settle` as its script ends (a rank whose script
-    returns early still tells what it imported)."""
+    """A warm worker's watch of its imports, without a thread of its own (a script sees
+    no thread it would not have under torchrun): its list is written in the script's
+    own thread as its first process group is made (most imports are done by then),
+    again, final, as it reports its FINAL_AFTER_STEPS-th step (`rove.agent.progress`),
+    and as its script ends, if not final yet."""
 
     def __init__(self, had: frozenset[str], own: list[str], progress_file: str) -> None:
         self.had = had
         self.own = own
-        self.progress_file = progress_file
         self.path = path_for(progress_file)
-        self._lock = threading.Lock()
-        self._written = False
+        self.steps = 0
+        self.final = False
 
     def start(self) -> Watch:
-        threading.Thread(target=self._wait, name="rove-imports", daemon=True).start()
+        from rove.agent import groups, progress  # (stdlib-only too)
+
+        progress.on_step = self.stepped
+        groups.on_group = self.grouped
         return self
 
-    def _wait(self) -> None:
-        from rove.agent import progress  # (stdlib-only too)
+    def stepped(self) -> None:
+        """A step was reported."""
+        self.steps += 1
+        if self.steps >= FINAL_AFTER_STEPS:
+            self.settle()
 
-        started = time.monotonic()
-        while time.monotonic() - started < FINAL_AFTER_S:
-            time.sleep(1.0)
-            p = progress.read(Path(self.progress_file))
-            if p is not None and p.step - p.first_step + 1 >= FINAL_AFTER_STEPS:
-                break
-        self.settle()
+    def grouped(self) -> None:
+        """A process group was made."""
+        from rove.agent import groups
+
+        groups.on_group = None
+        self.write(final=False)
 
     def settle(self) -> None:
-        """Write the list now, unless it was written."""
-        with self._lock:
-            if self._written:
-                return
-            self._written = True
-            names = learnable(sys.modules.copy(), self.had, self.own, installed_dirs())
-            with contextlib.suppress(OSError):  # (the round is over, its folder gone: moot)
-                write(self.path, names)
+        """Write the final list now, unless it was written."""
+        from rove.agent import groups, progress
+
+        progress.on_step = groups.on_group = None
+        self.write(final=True)
+
+    def write(self, final: bool) -> None:
+        if self.final:
+            return
+        self.final = final
+        names = learnable(sys.modules.copy(), self.had, self.own, installed_dirs())
+        with contextlib.suppress(OSError):  # (the round is over, its folder gone: moot)
+            write(self.path, names, final=final)
 
 
 def watch(had: frozenset[str], script: str | None) -> Watch | None:
@@ -189,28 +208,36 @@ def watch(had: frozenset[str], script: str | None) -> Watch | None:
     return Watch(had, own, progress_file).start()
 
 
-def write(path: Path, names: Sequence[str]) -> None:
+class Listed(NamedTuple):
+    """What a worker wrote: the modules, and whether its imports had settled."""
+
+    modules: tuple[str, ...]
+    final: bool
+
+
+def write(path: Path, names: Sequence[str], *, final: bool = True) -> None:
     """Write `names` to `path` whole (a reader never sees half of it)."""
     writing = path.with_name(path.name + ".tmp")
-    writing.write_text(json.dumps({"modules": list(names)}))
+    writing.write_text(json.dumps({"modules": list(names), "final": final}))
     writing.replace(path)
 
 
-def read(path: Path) -> tuple[str, ...] | None:
-    """The modules a worker wrote to `path`; None until it wrote them. A file that is not
-    such a list (written by something else) reads as an empty list: nothing to learn."""
+def read(path: Path) -> Listed | None:
+    """What a worker wrote to `path`; None until it wrote it. A file that is not such a
+    list (written by something else) reads as a final empty list: nothing to learn."""
     try:
         text = path.read_text()
     except OSError:
         return None
     try:
         data = json.loads(text)
-        names = data["modules"]
-    except (ValueError, TypeError, KeyError):
-        return ()
+        names, final = data["modules"], data.get("final", True)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return Listed((), True)
     if not isinstance(names, list):
-        return ()
-    return tuple(n for n in names[:MAX_MODULES] if isinstance(n, str) and valid(n))
+        return Listed((), True)
+    modules = tuple(n for n in names[:MAX_MODULES] if isinstance(n, str) and valid(n))
+    return Listed(modules, final is not False)
 
 
 # ------------------------------------------------------------------ the server

@@ -1,12 +1,16 @@
 """The agent's side of learned imports (`rove.agent.imports`): it tells its warm workers
 to watch what they import, reads their lists once every worker of the round wrote its
-own, and keeps handing what they name to `rove.agent.forkservers.learn`, saying what
-that did: a server started that imports N more modules, ready for the next restart; or
-a module refused, and why (the one line a user sees: restarts import it afresh)."""
+final one (or, `FINAL_WITHIN_S` into the round, the ones written as their process
+groups were made: a script that reports no steps), and keeps handing what they name to
+`rove.agent.forkservers.learn`, saying what that did: a server started that imports N
+more modules, ready for the next restart; or a module refused, and why (the one line a
+user sees: restarts import it afresh)."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +20,11 @@ from rove.agent import forkservers, imports, progress
 class Learning:
     """One agent's learning of its workers' imports (warm start only)."""
 
-    def __init__(self, on: bool, log: Any) -> None:
+    def __init__(self, on: bool, log: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.on = on
         self.log = log
+        self.clock = clock
+        self._since = 0.0
         #: every name its workers imported so far, in order
         self.names: tuple[str, ...] = ()
         self._keys: tuple[str, ...] = ()
@@ -44,6 +50,7 @@ class Learning:
         """The round's workers started, their progress in `files`: read their lists next."""
         if self.on:
             self._files = [imports.path_for(f) for f in files.values()]
+            self._since = self.clock()
 
     def tick(self) -> None:
         """Each duty tick: read the lists once all are there, and hand what they name on."""
@@ -51,9 +58,14 @@ class Learning:
             return
         if self._files:
             lists = [imports.read(f) for f in self._files]
-            if all(names is not None for names in lists):
-                self._files = []
-                self.names = imports.union([self.names, *(n for n in lists if n)])
+            if all(listed is not None for listed in lists):
+                final = all(listed.final for listed in lists if listed is not None)
+                if final or self.clock() - self._since >= imports.FINAL_WITHIN_S:
+                    # (past the wait, the lists written as the groups were made: until final)
+                    named = [listed.modules for listed in lists if listed is not None]
+                    self.names = imports.union([self.names, *named])
+                if final:
+                    self._files = []
         if not self.names or self._settled == self.names:
             return
         lesson = forkservers.learn(self.names, self._keys)

@@ -30,6 +30,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,6 +45,8 @@ _END = struct.Struct("<dd")
 _END_AT = _STEP.size + _EXTRA.size
 _LAYOUT_SIZE = _END_AT + _END.size
 ENV = "ROVE_PROGRESS_FILE"
+#: Called after each step reported (`rove.agent.imports`: a warm worker's imports settle)
+on_step: Callable[[], None] | None = None
 
 
 class Progress(NamedTuple):
@@ -117,6 +120,8 @@ def report(step: int, samples: float = 0.0, busy_s: float = 0.0, data_s: float =
         w.data_wait_s += data_s
         w.write_extra()
     _STEP.pack_into(w.map, 0, int(step), w.samples, now, w.busy_s)
+    if on_step is not None:
+        on_step()
 
 
 def checkpoint_blocked(seconds: float) -> None:

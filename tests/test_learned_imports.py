@@ -65,13 +65,15 @@ def test_a_workers_list_is_read_whole_and_its_bad_entries_are_left_out(tmp_path:
     assert path.name == "round1-local0.imports"
     assert imports.read(path) is None, "not written yet"
     imports.write(path, ["yaml", "yaml.cyaml"])
-    assert imports.read(path) == ("yaml", "yaml.cyaml")
+    assert imports.read(path) == imports.Listed(("yaml", "yaml.cyaml"), final=True)
+    imports.write(path, ["yaml"], final=False)
+    assert imports.read(path) == imports.Listed(("yaml",), final=False)
     assert not list(tmp_path.glob("*.tmp"))
     path.write_text(json.dumps({"modules": ["ok.mod", "not a name", "", 3, "os;rm"]}))
-    assert imports.read(path) == ("ok.mod",)
+    assert imports.read(path) == imports.Listed(("ok.mod",), final=True)
     for garbage in ("{", "[]", '{"modules": 3}', "null"):
         path.write_text(garbage)
-        assert imports.read(path) == (), garbage
+        assert imports.read(path) == imports.Listed((), final=True), garbage
     assert imports.union([("a", "b"), ("b", "c"), ()]) == ("a", "b", "c")
     assert imports.top("transformers.models.gpt2") == "transformers"
 
@@ -156,18 +158,17 @@ def test_a_module_that_a_forked_worker_could_not_use_is_refused_by_name(
     assert "noisy" not in taken["loaded"], "it stops at the first it refuses"  # type: ignore[operator]
 
 
-def test_a_watched_worker_writes_what_it_imported_once_its_steps_settled_or_it_ends(
-    tmp_path: Path,
-) -> None:
-    """In a real interpreter: a worker that reports FINAL_AFTER_STEPS steps writes its
-    list (within about a second), one whose script ends first writes it as it ends, and
-    without the agent's word nothing is watched."""
+def test_a_watched_worker_writes_what_it_imported_in_its_own_thread(tmp_path: Path) -> None:
+    """In a real interpreter, without a thread of its own: a worker writes its list as
+    its first process group is made (not final), then final at its FINAL_AFTER_STEPS-th
+    step, or as its script ends; without the agent's word nothing is watched."""
     from rove.agent import progress
 
     lib = tmp_path / "lib"
     (lib / "learnme").mkdir(parents=True)
     (lib / "learnme" / "__init__.py").write_text("from learnme import part\n")
     (lib / "learnme" / "part.py").write_text("X = 1\n")
+    (lib / "later.py").write_text("Z = 3\n")
     project = tmp_path / "project"
     project.mkdir()
     (project / "mine.py").write_text("Y = 2\n")
@@ -176,21 +177,25 @@ def test_a_watched_worker_writes_what_it_imported_once_its_steps_settled_or_it_e
         progress.create(prog)
         code = textwrap.dedent(
             f"""
-            import sys, time
+            import json, os, sys, threading
             sys.path[:0] = [{str(lib)!r}, {str(project)!r}]
-            from rove.agent import imports, progress
+            from rove.agent import groups, imports, progress
             watch = imports.watch(frozenset(sys.modules), {str(project / "script.py")!r})
+            assert threading.active_count() == 1, "no thread of its own"
             import learnme, mine
+            path = imports.path_for({str(prog)!r})
+            said = []
             if {case!r} == "steps":
+                groups.on_group()  # (as torch makes its first process group)
+                said.append(imports.read(path))
+                import later
                 for step in range(1, imports.FINAL_AFTER_STEPS + 1):
+                    said.append(imports.read(path))
                     progress.report(step)
-                deadline = time.monotonic() + 60
-                while not imports.path_for({str(prog)!r}).exists():
-                    assert time.monotonic() < deadline, "never written"
-                    time.sleep(0.05)
-                print("written by its thread")
+                assert progress.on_step is None and groups.on_group is None
             elif watch is not None:
                 watch.settle()
+            print(json.dumps(said))
             """
         )
         env = {**os.environ, progress.ENV: str(prog)}
@@ -204,9 +209,16 @@ def test_a_watched_worker_writes_what_it_imported_once_its_steps_settled_or_it_e
         if case == "off":
             assert learned is None
             continue
-        assert learned is not None and {"learnme", "learnme.part"} <= set(learned), learned
-        assert "mine" not in learned, "the script's own folder is not learned"
-        assert not any(n.startswith("rove") for n in learned), "(under the working folder)"
+        assert learned is not None and learned.final
+        assert {"learnme", "learnme.part"} <= set(learned.modules), learned
+        assert "mine" not in learned.modules, "the script's own folder is not learned"
+        assert not any(n.startswith("rove") for n in learned.modules), "(under the working folder)"
+        if case == "steps":
+            said = json.loads(out.stdout.strip().splitlines()[-1])
+            first, *while_stepping = said
+            assert first[1] is False and "later" not in first[0], "as its group was made"
+            assert all(s == first for s in while_stepping), "nothing until the last step"
+            assert "later" in learned.modules, "final: what it imported since"
 
 
 def _found_imported(name: str) -> None:
@@ -334,7 +346,8 @@ def test_the_agent_hands_on_its_workers_lists_once_all_are_written_and_says_what
     monkeypatch.setattr(forkservers, "learn", learn)
     monkeypatch.setenv("SAME_EVERYWHERE", "1")
     said = _Said()
-    learning = Learning(True, said)
+    now = [100.0]
+    learning = Learning(True, said, clock=lambda: now[0])
     envs = learning.prepare(
         {0: {"RANK": "0", "SAME_EVERYWHERE": "1"}, 1: {"RANK": "1", "SAME_EVERYWHERE": "1"}}
     )
@@ -344,10 +357,14 @@ def test_the_agent_hands_on_its_workers_lists_once_all_are_written_and_says_what
     imports.write(imports.path_for(files[0]), ["yaml", "yaml.cyaml"])
     learning.tick()
     assert asked == [], "not before every worker wrote its list"
-    imports.write(imports.path_for(files[1]), ["yaml", "jinja2"])
+    imports.write(imports.path_for(files[1]), ["yaml"], final=False)
+    learning.tick()
+    assert asked == [], "not before every list is final ..."
+    now[0] += imports.FINAL_WITHIN_S
+    imports.write(imports.path_for(files[1]), ["yaml", "jinja2"], final=False)
     learning.tick()
     names, keys = asked[0]
-    assert names == ("yaml", "yaml.cyaml", "jinja2")
+    assert names == ("yaml", "yaml.cyaml", "jinja2"), "... or the wait is over"
     assert set(keys) == {"RANK", imports.ENV, progress.ENV}, "what differs in the workers"
     assert said.lines[0][0] == "info" and "learns 3 modules" in said.lines[0][1]
     assert "(yaml, jinja2)" in said.lines[0][1]
