@@ -105,9 +105,12 @@ def learnable(
     for name, module in modules.items():
         if name in had or name.startswith("__") or not valid(name):
             continue
-        if getattr(module, "__name__", None) != name:
+        try:  # (a lazy module's attributes may import, or raise anything)
+            own_name, origin = getattr(module, "__name__", None), _origin(module)
+        except Exception:  # noqa: BLE001 - not learned
             continue
-        origin = _origin(module)
+        if own_name != name:
+            continue
         if origin is None:
             continue
         file = Path(origin)
@@ -188,12 +191,17 @@ class Watch:
         self.write(final=True)
 
     def write(self, final: bool) -> None:
+        """Write the list as it is now (never raises: it runs inside the user's script)."""
         if self.final:
             return
         self.final = final
-        names = learnable(sys.modules.copy(), self.had, self.own, installed_dirs())
-        with contextlib.suppress(OSError):  # (the round is over, its folder gone: moot)
+        try:
+            names = learnable(sys.modules.copy(), self.had, self.own, installed_dirs())
             write(self.path, names, final=final)
+        except OSError:
+            pass  # (the round is over, its folder gone: moot)
+        except Exception as exc:  # noqa: BLE001 - a restart imports afresh; the script goes on
+            print(f"rove: could not list this worker's imports: {exc!r}", file=sys.stderr)
 
 
 def watch(had: frozenset[str], script: str | None) -> Watch | None:

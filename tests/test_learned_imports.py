@@ -17,6 +17,11 @@ import pytest
 from rove.agent import imports
 
 
+class _Lazy(types.ModuleType):
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"importing {name} failed")
+
+
 def _module(name: str, file: str | None) -> types.ModuleType:
     m = types.ModuleType(name)
     if file is not None:
@@ -42,6 +47,7 @@ def test_what_a_worker_learned_leaves_out_the_servers_modules_its_own_code_and_a
         "__mp_main__": _module("__mp_main__", str(lib / "x.py")),
         "relative": _module("relative", "relative/path.py"),
         "jinja2": _module("jinja2", str(lib / "jinja2/__init__.py")),
+        "lazy": _Lazy("lazy"),  # (its attributes raise: skipped, nothing raised)
     }
     assert imports.learnable(modules, {"torch"}, [str(own)]) == ["yaml", "yaml.cyaml", "jinja2"]
     assert imports.learnable(modules, {"torch", "yaml"}, [str(own), str(lib / "jinja2")]) == [
