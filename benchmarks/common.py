@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +47,16 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM to `proc` (a launcher: it stops its job), SIGKILL after `timeout`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:

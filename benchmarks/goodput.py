@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import pid_alive, trace_rows
+from common import pid_alive, stop, trace_rows
 
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.process import logs
@@ -96,12 +96,7 @@ def inflict(
                 next_kill += interval
         time.sleep(0.05)
     stopped = time.time()
-    launcher.send_signal(signal.SIGTERM)
-    try:
-        launcher.wait(60)
-    except subprocess.TimeoutExpired:
-        launcher.kill()
-        launcher.wait()
+    stop(launcher)
     return began, stopped, kills
 
 

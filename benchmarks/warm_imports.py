@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import trace_rows, wait_for
+from common import stop, trace_rows, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "warm_imports_script.py"
@@ -54,13 +55,8 @@ def trial(case: str, work: Path, a: argparse.Namespace) -> dict[str, Any]:
         try:
             return _kill_and_measure(case, proc, trace, scratch, a)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            subprocess.run(["rm", "-rf", str(scratch)], check=False)
+            stop(proc)
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _kill_and_measure(
