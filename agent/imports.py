@@ -201,7 +201,9 @@ class Watch:
         except OSError:
             pass  # (the round is over, its folder gone: moot)
         except Exception as exc:  # noqa: BLE001 - a restart imports afresh; the script goes on
-            print(f"rove: could not list this worker's imports: {exc!r}", file=sys.stderr)
+            from rove.control.errors import plain
+
+            print(f"rove: could not list this worker's imports: {plain(exc)}", file=sys.stderr)
 
 
 def watch(had: frozenset[str], script: str | None) -> Watch | None:
