@@ -1,5 +1,5 @@
-"""A module whose import takes a minute: `--preload slow_import` keeps the warm server
-importing, for the signal tests."""
+"""A module whose import takes a minute: a full warm server preloading it keeps
+importing, for the starved-server tests of tests/test_warm.py."""
 
 import time
 
