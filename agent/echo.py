@@ -20,6 +20,7 @@ torch's own tee (`--tee`) is for users who ask for prefixed lines.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import shutil
@@ -30,8 +31,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import structlog
-from torch.distributed.elastic.multiprocessing import LogsSpecs
-from torch.distributed.elastic.multiprocessing.api import LogsDest
 
 from rove.control.history import joblogs
 
@@ -149,7 +148,18 @@ def redirect_to_pipes() -> None:
         os.close(pipe)
 
 
-class EchoedLogs(LogsSpecs):
+@dataclasses.dataclass
+class Dest:
+    """Where a round's workers write: each local rank's stdout and stderr pipe (empty
+    where the worker opens its own, `by_worker`) and its error file (torch's
+    `LogsDest`, without torch)."""
+
+    stdouts: dict[int, str] = dataclasses.field(default_factory=dict)
+    stderrs: dict[int, str] = dataclasses.field(default_factory=dict)
+    error_files: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+class EchoedLogs:
     """rove's default logs: each worker's stdout and stderr through a pipe into files
     under `folder` (one folder per round, files named by global rank), copied raw to
     the console for the local ranks in `local_ranks_filter` (all if None)."""
@@ -160,7 +170,6 @@ class EchoedLogs(LogsSpecs):
         local_ranks_filter: set[int] | None = None,
         max_bytes: int = MAX_BYTES_DEFAULT,
     ) -> None:
-        super().__init__(log_dir=str(folder), local_ranks_filter=local_ranks_filter)
         self.folder = folder
         self.echo_ranks = local_ranks_filter
         self.max_bytes = max_bytes
@@ -171,29 +180,16 @@ class EchoedLogs(LogsSpecs):
         #: (local rank, stream) -> the kept file, for the round just reified
         self.kept: dict[tuple[int, str], str] = {}
 
-    @classmethod
-    def instead_of(
-        cls, torch_logs: LogsSpecs | None, folder: Path, *, made_its_folder: bool, max_bytes: int
-    ) -> EchoedLogs:
-        """rove's logs in place of torch's `torch_logs`, whose console filter they keep.
-        Given no `--log-dir` (`made_its_folder`), torch's made an empty torchelastic_*
-        folder in the temporary folder for themselves (torchrun leaves one a run:
-        thousands in /tmp): it goes, unused."""
-        if made_its_folder and torch_logs is not None:
-            with contextlib.suppress(OSError):
-                Path(torch_logs.root_log_dir).rmdir()
-        return cls(folder, getattr(torch_logs, "_local_ranks_filter", None), max_bytes=max_bytes)
-
     @property
     def root_log_dir(self) -> str:
         return str(self.folder)
 
-    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+    def reify(self, envs: dict[int, dict[str, str]]) -> Dest:
         first = envs[min(envs)] if envs else {}
         round_dir = joblogs.round_folder(self.folder, first.get("ROVE_ROUND", "0"))
         shutil.rmtree(round_dir, ignore_errors=True)  # a rerun of the job name
         (round_dir / PIPES).mkdir(parents=True)
-        dest = LogsDest()
+        dest = Dest()
         self.kept = {}
         for local_rank, env in envs.items():
             rank = env.get("RANK", local_rank)

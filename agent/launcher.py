@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import structlog
-from torch.distributed.run import parse_min_max_nnodes
 
-from rove.agent import child, endings, faults, forkservers, managed, warm
+from rove.agent import child, endings, faults, forkservers, managed, torchrun_cli, warm
 from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
@@ -151,7 +150,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         _check_storage(args.checkpoint_dir)
     standalone = bool(args.standalone)
     try:
-        lo, hi = parse_min_max_nnodes(str(args.nnodes))
+        lo, hi = torchrun_cli.nnodes(str(args.nnodes))
     except ValueError as exc:
         raise ConfigError(
             f"--nnodes {args.nnodes}: use a number of nodes N or a range MIN:MAX, e.g. 2 or 1:4"
@@ -183,15 +182,14 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     launch, cmd, cmd_args = launch_config(args)
     job = _job_name(args)
     node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])
-    logs_specs = launch.logs_specs
-    if args.logs_specs is None and args.redirects in (None, "0") and args.tee in (None, "0"):
+    logs_specs = launch.torch_logs
+    if logs_specs is None:
         # the workers' output on the console byte for byte, as under torchrun, and kept
         # in the job's folder: a failure is diagnosed from it, `rove logs` reads it
         # (rove.agent.echo)
-        logs_specs = EchoedLogs.instead_of(
-            logs_specs,
+        logs_specs = EchoedLogs(
             (Path(args.log_dir) / job if args.log_dir else joblogs.folder(job)) / node,
-            made_its_folder=not args.log_dir,
+            launch.console_ranks,
             max_bytes=_log_max_bytes(),
         )
     params = ev.RdzvParams(

@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import msgspec
-from torch.distributed.run import parse_min_max_nnodes
 
+from rove.agent import torchrun_cli
 from rove.agent.config import AgentConfig
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
@@ -119,7 +119,7 @@ def policy(settings: Sequence[str]) -> ev.ScalePolicy:
 
 def workload(argv: Sequence[str], args: argparse.Namespace, cwd: str) -> ev.Workload:
     """What every node of a managed job runs, from `rove run`'s arguments."""
-    lo, hi = parse_min_max_nnodes(str(args.nnodes))
+    lo, hi = torchrun_cli.nnodes(str(args.nnodes))
     kept = node_argv(argv, args)
     return ev.Workload(
         argv=kept,

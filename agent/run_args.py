@@ -7,12 +7,9 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
 
-from torch.distributed.launcher.api import LaunchConfig
-from torch.distributed.run import config_from_args, get_args_parser
-
+from rove.agent import torchrun_cli
+from rove.agent.torchrun_cli import Launch
 from rove.control.errors import ConfigError
 from rove.control.flags import options as common
 
@@ -77,7 +74,7 @@ def warn_ignored(args: argparse.Namespace, parser: argparse.ArgumentParser) -> l
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = get_args_parser()
+    p = torchrun_cli.parser()
     p.prog = "rove run"
     p.description = DESCRIPTION
     _retell_torchrun_flags(p)
@@ -345,11 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def launch_config(
-    args: argparse.Namespace,
-) -> tuple[LaunchConfig, Callable[..., Any] | str, list[str]]:
-    """torchrun's launch configuration of `args` (its `config_from_args`), its errors
-    said in rove's words, and torch's console warnings as rove lines.
+def launch_config(args: argparse.Namespace) -> tuple[Launch, str | None, list[str]]:
+    """torchrun's launch configuration of `args` (`rove.agent.torchrun_cli.launch`),
+    its errors said in rove's words, and its console warning as a rove line.
 
     Raises:
         ConfigError: a bad --nproc-per-node or --nnodes, or `gpu` without CUDA.
@@ -360,12 +355,12 @@ def launch_config(
     )
     threads_set = "OMP_NUM_THREADS" in os.environ
     try:
-        # (torch's warnings here are torchrun's console, in its own format: the one that
-        # matters is said below as a rove line)
+        # (torch's own warnings, where it reads --nproc-per-node, are torchrun's console
+        # in its own format: the one that matters is said below as a rove line)
         torch_run = logging.getLogger("torch.distributed.run")
         quiet, torch_run.disabled = torch_run.disabled, True
         try:
-            launch, cmd, cmd_args = config_from_args(args)
+            launch, cmd, cmd_args = torchrun_cli.launch(args)
         finally:
             torch_run.disabled = quiet
     except ValueError as exc:

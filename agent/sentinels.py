@@ -13,10 +13,10 @@ import os
 
 class Sentinels:
     """What wakes the agent about its workers: one pidfd per worker (readable when it
-    exits, Linux 5.3+), and the read ends of their return queues (`_return_fds`).
+    exits, Linux 5.3+), and the read ends of their return queues (`return_fds`).
 
     The agent also looks once a second whatever happens (a backstop, in case torch's
-    internals change under `_return_fds`); where pidfds are not available it looks
+    internals change under `return_fds`); where pidfds are not available it looks
     every 0.1 s.
     """
 

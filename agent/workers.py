@@ -1,46 +1,54 @@
-"""The torch worker runtime: a node's workers started with torch's own machinery.
+"""The torch worker runtime: a node's workers, started as torchrun starts them.
 
-`torch.distributed.elastic.multiprocessing.start_processes` gives rove the
-same process handling as torchrun: log redirection and tee (`--redirects`,
-`--tee`, `--log-dir`), the `TORCHELASTIC_ERROR_FILE` that `@record` writes,
-and teardown of the other local workers when one fails. The agent waits on
-the processes themselves (a pidfd per worker, readable when it exits) instead
-of polling them.
+Warm workers with rove's logs (the default) are forked from the warm server by
+`rove.agent.procs.Forked`, which does what torch's function-entrypoint context does
+without importing torch in the agent; any other worker (`--no-warm-start`, torch's
+`--redirects`, `--tee`, `--logs-specs`) goes through torch's own `start_processes`
+(`rove.agent.torch_procs`). Either way the same process handling as torchrun: log
+redirection and tee, the `TORCHELASTIC_ERROR_FILE` that `@record` writes, and
+teardown of the other local workers when one fails. The agent waits on the
+processes themselves (a pidfd per worker, readable when it exits) instead of
+polling them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import threading
-import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import psutil
 import structlog
-from torch.distributed.elastic.multiprocessing import (
-    DefaultLogsSpecs,
-    LogsSpecs,
-    PContext,
-    RunProcsResult,
-    start_processes,
-)
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.utils.api import macros
 
 from rove.agent import progress
 from rove.agent.diagnosis import Diagnosis, classify, read_tail, where
 from rove.agent.echo import Echo, EchoedLogs
+from rove.agent.procs import NO_ERROR_FILE, Failure, Forked, Result, substitute
 from rove.agent.runtime import RootFailure, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
 from rove.agent.stuck import Activity
 from rove.control.catalogue.events import FailureKind
 
 log = structlog.get_logger("rove.agent")
+
+
+class Started(Protocol):
+    """A round's running workers (`rove.agent.procs.Forked`, or torch's context in
+    `rove.agent.torch_procs.TorchStarted`)."""
+
+    error_files: dict[int, str]
+    #: set once every function worker's return value was read (None: not a function's)
+    all_read: Any
+
+    def pids(self) -> dict[int, int]: ...
+    def return_fds(self) -> list[int]: ...
+    def poll(self) -> Result | None: ...
+    def close(self, death_sig: signal.Signals = ..., timeout: float = ...) -> None: ...
 
 
 class TorchRuntime(WorkerRuntime):
@@ -50,7 +58,7 @@ class TorchRuntime(WorkerRuntime):
         self,
         entrypoint: str | Callable[..., None],
         args: list[str],
-        logs_specs: LogsSpecs | None,
+        logs_specs: Any,
         progress_dir: Path,
         *,
         start_method: str = "spawn",
@@ -61,21 +69,24 @@ class TorchRuntime(WorkerRuntime):
         self.exit_grace_s = exit_grace_s
         self.entrypoint = entrypoint
         self.args = list(args)
-        self.logs_specs = logs_specs or DefaultLogsSpecs()
+        if logs_specs is None:
+            from rove.agent.torch_procs import default_logs
+
+            logs_specs = default_logs()
+        self.logs_specs = logs_specs
         if isinstance(self.logs_specs, EchoedLogs):
             # a function's workers open their pipes themselves (torch would open them
             # as seekable files): rove.agent.warm.run_script
             self.logs_specs.by_worker = callable(entrypoint)
         self.progress_dir = progress_dir
         self.start_method = start_method
-        self.pcontext: PContext | None = None
+        self.pcontext: Started | None = None
         self._echoes: list[Echo] = []
         self._round = 0
         self.progress_files: dict[int, Path] = {}
         #: pids killed after their work was done (lingering, or stuck on their way out)
         self._reaped: set[int] = set()
         self._lock = threading.Lock()  # start, poll and stop run in different threads
-        quiet_torch_tracebacks()
 
     @property
     def running(self) -> bool:
@@ -94,23 +105,27 @@ class TorchRuntime(WorkerRuntime):
             progress.create(path)
             files[local_rank] = path
             full_envs[local_rank] = {**env, progress.ENV: str(path)}
-        args = {lr: tuple(macros.substitute(self.args, str(lr))) for lr in envs}
+        args = {lr: substitute(self.args, lr) for lr in envs}
         with self._lock:
             assert self.pcontext is None, "the previous round's workers still run"
             self.progress_files = files
             self._reaped = set()
-            self.pcontext = start_processes(
-                name=self.name,
-                entrypoint=self.entrypoint,
-                args=args,
-                envs=full_envs,
-                logs_specs=self.logs_specs,
-                start_method=self.start_method,
-            )
+            self.pcontext = self._start(args, full_envs)
             self._round = round_
             if isinstance(self.logs_specs, EchoedLogs):
                 self._echoes = [Echo(self.logs_specs.take()).start()]
             return dict(self.pcontext.pids())
+
+    def _start(self, args: dict[int, tuple[Any, ...]], envs: dict[int, dict[str, str]]) -> Started:
+        if callable(self.entrypoint) and isinstance(self.logs_specs, EchoedLogs):
+            # warm workers with rove's logs: no torch in the agent (rove.agent.procs)
+            dest = self.logs_specs.reify(envs)
+            return Forked(self.entrypoint, args, envs, dest.error_files, self.start_method)
+        from rove.agent.torch_procs import TorchStarted
+
+        return TorchStarted(
+            self.name, self.entrypoint, args, envs, self.logs_specs, self.start_method
+        )
 
     def pids(self) -> dict[int, int]:
         pcontext = self.pcontext
@@ -119,7 +134,7 @@ class TorchRuntime(WorkerRuntime):
     async def wait(self) -> WorkersEnded:
         rnd = self._round
         pids = self.pids()
-        watched = Sentinels(pids, _return_fds(self.pcontext))
+        watched = Sentinels(pids, self.pcontext.return_fds() if self.pcontext else [])
         reaper = asyncio.create_task(self._reap_lingering(pids, self._reaped))
         try:
             while True:
@@ -137,14 +152,14 @@ class TorchRuntime(WorkerRuntime):
             reaper.cancel()
             watched.close()
 
-    def _kept(self, result: RunProcsResult, local_rank: int, stream: str) -> str | None:
+    def _kept(self, result: Result, local_rank: int, stream: str) -> str | None:
         """Where a worker's stdout or stderr is kept (torch knows at most the pipe)."""
         if isinstance(self.logs_specs, EchoedLogs):
             return self.logs_specs.kept.get((local_rank, stream))
         paths = result.stdouts if stream == "stdout" else result.stderrs
         return paths.get(local_rank) or None
 
-    def _was_done(self, failure: ProcessFailure) -> bool:
+    def _was_done(self, failure: Failure) -> bool:
         """A worker that ended badly after its work was done: killed by the agent once
         done (`_reaped`), or torn down by torch after its script had returned (when a
         peer that never returned was ended)."""
@@ -163,7 +178,7 @@ class TorchRuntime(WorkerRuntime):
         that could hold it; this is the backstop: after `exit_grace_s` such a process
         is killed (`reaped`); its work was done, so the round still counts as succeeded.
         """
-        finished = getattr(self.pcontext, "_worker_finished_event", None)
+        finished = self.pcontext.all_read if self.pcontext is not None else None
         if finished is None:
             return  # a subprocess context: torch waits with a timeout there
         while not finished.is_set():  # noqa: ASYNC110 - a multiprocessing Event, not asyncio's
@@ -180,15 +195,13 @@ class TorchRuntime(WorkerRuntime):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
-    def _poll(self) -> RunProcsResult | None:
+    def _poll(self) -> Result | None:
         """None while all run; else the result (the others are torn down first). Blocking."""
         with self._lock:
             pcontext = self.pcontext
             if pcontext is None:
                 return None
-            result = pcontext.wait(timeout=0)
-            if result is not None and result.failures:
-                _add_other_failures(pcontext, result)
+            result = pcontext.poll()
             if result is not None:
                 self.pcontext = None
                 self._stop_echo()
@@ -197,7 +210,7 @@ class TorchRuntime(WorkerRuntime):
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         with self._lock:
             if self.pcontext is not None:
-                self.pcontext.close(death_sig=sig, timeout=int(max(1, timeout_s)))
+                self.pcontext.close(sig, max(1.0, timeout_s))
                 self.pcontext = None
             self._stop_echo()
 
@@ -256,113 +269,28 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _return_fds(pcontext: PContext | None) -> list[int]:
-    """The read ends of the queues that a function-entrypoint context's workers return
-    through. Such a worker returns its value, then waits (alive) until the agent has
-    read every worker's: so a return, not only an exit, must wake the agent. Empty for
-    a subprocess context, or where torch's internals differ (exits still wake it)."""
-    queues = getattr(pcontext, "_ret_vals", None) or {}
-    fds = []
-    for queue in queues.values():
-        reader = getattr(queue, "_reader", None)
-        if reader is None:
-            return []
-        fds.append(reader.fileno())
-    return fds
+def _stamped(failure: Failure) -> bool:
+    """Whether the failure's timestamp is its error file's (else: when it was seen)."""
+    return failure.error_file != NO_ERROR_FILE
 
 
-def _add_other_failures(pcontext: PContext, result: RunProcsResult) -> None:
-    """Add the failures a function-entrypoint context leaves out of its result.
-
-    torch's multiprocessing context reports only the first failed process it
-    sees, often the survivor whose collective broke rather than the worker that
-    was killed. Every process that ended badly is added (they all ended before
-    the teardown was detected; one-second timestamps cannot order them), so
-    `root_failure` can pick the cause.
-    """
-    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
-    if not processes:
-        return  # a subprocess context: it reports every failure itself
-    earliest = min(f.timestamp for f in result.failures.values())
-    for local_rank, proc in enumerate(processes):
-        code = proc.exitcode
-        if local_rank in result.failures or code in (None, 0):
-            continue
-        failure = _failure(local_rank, proc.pid, code, pcontext.error_files.get(local_rank, ""))
-        if not _stamped(failure):
-            failure.timestamp = earliest
-        result.failures[local_rank] = failure
-
-
-def _stamped(failure: ProcessFailure) -> bool:
-    """Whether the failure's timestamp is its error file's (else: when torch noticed it)."""
-    return failure.error_file_data != {"message": "<NONE>"}
-
-
-def _failure(local_rank: int, pid: int, code: int, error_file: str) -> ProcessFailure:
-    """A `ProcessFailure`, without its error file when that cannot be read: a worker
-    torch terminated while `@record` was writing it leaves a cut file behind, and
-    torch's reader would raise (the agent once lost track of its workers that way)."""
-    try:
-        return ProcessFailure(local_rank=local_rank, pid=pid, exitcode=code, error_file=error_file)
-    except ValueError:  # json.JSONDecodeError: a file cut short
-        return ProcessFailure(local_rank=local_rank, pid=pid, exitcode=code, error_file="")
-
-
-class PreformattedTraceback(logging.Filter):
-    """Formats a record's traceback before torch's log formatter sees it, and leaves out
-    torch's report of a failed worker function (a second copy of its traceback).
-
-    torch's formatter imports `torch._dynamo` (about 1.4 s) the first time it
-    formats an exception, which it does when a worker fails: in the agent that
-    import would delay every first restart.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and record.msg.startswith("failed (exitcode"):
-            return False  # the agent says it, diagnosed; the worker printed its traceback
-        if record.exc_info:
-            record.exc_text = "".join(traceback.format_exception(*record.exc_info)).rstrip()
-            record.exc_info = None
-        return True
-
-
-class TeardownSaid(logging.Filter):
-    """Drops torch's "Terminating process N via signal SIGTERM" (one line per survivor,
-    in torch's logging format on rove's console): the agent says the round's end."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith("Terminating process"))
-
-
-def quiet_torch_tracebacks() -> None:
-    """Install `PreformattedTraceback` on torch's process-context logger, and
-    `TeardownSaid` on its spawn logger (idempotent)."""
-    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    if not any(isinstance(f, PreformattedTraceback) for f in logger.filters):
-        logger.addFilter(PreformattedTraceback())
-    spawn = logging.getLogger("torch.multiprocessing.spawn")
-    if not any(isinstance(f, TeardownSaid) for f in spawn.filters):
-        spawn.addFilter(TeardownSaid())
-
-
-def _symptom_rank(failure: ProcessFailure, diagnosis: Diagnosis) -> int:
+def _symptom_rank(failure: Failure, diagnosis: Diagnosis) -> int:
     """0 for a likely cause, 1 for a likely symptom of another worker's death."""
     if diagnosis.kind is FailureKind.COMMUNICATION:
         return 1  # a broken connection: usually a peer that died
-    if failure.exitcode == -signal.SIGTERM and not failure.error_file_data:
+    if failure.exitcode == -signal.SIGTERM and not _stamped(failure):
         return 2  # usually torch's own teardown of the survivors (one that raised is a cause)
     return 0
 
 
-def _torchs(result: RunProcsResult, local_rank: int, stream: str) -> str | None:
+def _torchs(result: Result, local_rank: int, stream: str) -> str | None:
     paths = result.stdouts if stream == "stdout" else result.stderrs
     return paths.get(local_rank) or None
 
 
 def root_failure(
-    result: RunProcsResult,
-    kept: Callable[[RunProcsResult, int, str], str | None] = _torchs,
+    result: Result,
+    kept: Callable[[Result, int, str], str | None] = _torchs,
 ) -> RootFailure | None:
     """The failure that started the teardown (`kept`: where a worker's "stdout" or
     "stderr" is kept: by default the file torch redirected it to).
@@ -376,7 +304,7 @@ def root_failure(
     the error file of the broken collective: such a failure is always a
     candidate, and on a tie a stamped one wins.
     """
-    failures: list[ProcessFailure] = list(result.failures.values())
+    failures: list[Failure] = list(result.failures.values())
     if not failures:
         return None
     earliest = min(f.timestamp for f in failures)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
 
 from rove.checkpoint import layout
@@ -105,6 +104,8 @@ class FlashEngine:
     def save(self, step: int, state: Any) -> SaveStats:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"a checkpoint step is a non-negative int, not {step!r}")
+        import torch  # (here: the agent reads and persists slots without torch)
+
         started = time.perf_counter()
         p = layout.plan(step, state)
         meta = layout.encode_meta(p.meta)

@@ -16,10 +16,15 @@ tensors). `plan()` splits it into
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are laid out or read back, not with this module: the
+# agent reads slots' metadata (`decode_meta`) and persists their bytes without torch.
 
 ALIGN = 64
 _TENSOR = 1
@@ -48,7 +53,7 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True):
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
     meta: Meta
-    sources: tuple[torch.Tensor, ...]
+    sources: tuple[Any, ...]  # the tensors, in the order of `meta.tensors`
 
 
 _meta_encoder = msgspec.msgpack.Encoder()
@@ -69,6 +74,8 @@ def aligned(n: int) -> int:
 
 def plan(step: int, state: Any) -> Plan:
     """The layout of `state`. Raises CheckpointLayoutError for unstorable values."""
+    import torch
+
     sources: list[torch.Tensor] = []
     entries: list[TensorEntry] = []
     offset = 0
@@ -128,6 +135,8 @@ def rebuild(meta: Meta, tensor: Callable[[int, TensorEntry], torch.Tensor]) -> A
 
 
 def dtype_of(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointLayoutError(f"unknown dtype {name} in a checkpoint")
@@ -139,6 +148,8 @@ def tensor_at(buffer: Any, entry: TensorEntry, *, copy: bool = True) -> torch.Te
 
     `copy=False` returns a view into `buffer`, valid as long as the buffer is.
     """
+    import torch
+
     dtype = dtype_of(entry.dtype)
     count = entry.nbytes // torch.empty((), dtype=dtype).element_size()
     if count == 0:

@@ -32,8 +32,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from rove.checkpoint.durable import CheckpointError
 
 MAGIC = b"ROVECKPT"
@@ -131,6 +129,8 @@ class Segment:
             raise ShmFullError(self.path.parent, size, exc) from exc
         finally:
             os.close(fd)
+        import torch  # (here: a reader of slots, the agent, needs no torch)
+
         torch.frombuffer(new, dtype=torch.uint8).zero_()  # touch every page now, not in a save
         tmp.replace(self.path)
         st = self.path.stat()

@@ -140,9 +140,7 @@ def test_read_tail_is_bounded(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_the_root_failure_is_the_cause_not_the_peer_whose_collective_broke(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from torch.distributed.elastic.multiprocessing import RunProcsResult
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
+    from rove.agent.procs import Failure, Result
     from rove.agent.workers import root_failure
 
     peer_log = tmp_path / "0.err"
@@ -153,12 +151,10 @@ def test_the_root_failure_is_the_cause_not_the_peer_whose_collective_broke(tmp_p
     killed_log = tmp_path / "1.err"
     killed_log.write_text("")
     # torch lists local rank 0 first, and both fail within the same second.
-    peer = ProcessFailure(local_rank=0, pid=100, exitcode=-6, error_file="<N/A>")
-    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>")
+    peer = Failure(local_rank=0, pid=100, exitcode=-6, error_file="<N/A>")
+    killed = Failure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>")
     killed.timestamp = peer.timestamp
-    result = RunProcsResult(
-        failures={0: peer, 1: killed}, stderrs={0: str(peer_log), 1: str(killed_log)}
-    )
+    result = Result(failures={0: peer, 1: killed}, stderrs={0: str(peer_log), 1: str(killed_log)})
     root = root_failure(result)
     assert root is not None and root.local_rank == 1
     assert root.diagnosis.kind is FailureKind.KILLED and "SIGKILL" in root.diagnosis.reason
@@ -167,9 +163,7 @@ def test_the_root_failure_is_the_cause_not_the_peer_whose_collective_broke(tmp_p
 def test_a_kill_torch_noticed_after_the_peers_error_file_still_is_the_cause(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Seen on a 2-core machine: the killed worker's peer wrote its error file (the broken
     collective) in second N; torch noticed the kill, which has no error file, in N+1."""
-    from torch.distributed.elastic.multiprocessing import RunProcsResult
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
+    from rove.agent.procs import Failure, Result
     from rove.agent.workers import root_failure
 
     error_file = tmp_path / "0.error.json"
@@ -177,18 +171,18 @@ def test_a_kill_torch_noticed_after_the_peers_error_file_still_is_the_cause(tmp_
     error_file.write_text(
         json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "100"}}})
     )
-    peer = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(error_file))
-    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>")
+    peer = Failure(local_rank=0, pid=100, exitcode=1, error_file=str(error_file))
+    killed = Failure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>")
     killed.timestamp = peer.timestamp + 1
-    result = RunProcsResult(failures={0: peer, 1: killed})
+    result = Result(failures={0: peer, 1: killed})
     root = root_failure(result)
     assert root is not None and root.local_rank == 1, root
     assert root.diagnosis.kind is FailureKind.KILLED
     # a later kill is still no cause against an earlier worker's own exception
     own = json.dumps({"message": {"message": "ValueError: bad", "extraInfo": {"timestamp": "100"}}})
     error_file.write_text(own)
-    raised = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(error_file))
-    root = root_failure(RunProcsResult(failures={0: raised, 1: killed}))
+    raised = Failure(local_rank=0, pid=100, exitcode=1, error_file=str(error_file))
+    root = root_failure(Result(failures={0: raised, 1: killed}))
     assert (
         root is not None and root.local_rank == 0 and root.diagnosis.kind is FailureKind.USER_ERROR
     )
@@ -196,13 +190,12 @@ def test_a_kill_torch_noticed_after_the_peers_error_file_still_is_the_cause(tmp_
 
 def _failure_without_error_file(tmp_path, tail: str):  # type: ignore[no-untyped-def]
     """A failure as torch reports it for a script without `@record` (no error file)."""
-    from torch.distributed.elastic.multiprocessing import RunProcsResult
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from rove.agent.procs import Failure, Result
 
     log = tmp_path / "0.err"
     log.write_text(tail)
-    failure = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file="<N/A>")
-    return RunProcsResult(failures={0: failure}, stderrs={0: str(log)})
+    failure = Failure(local_rank=0, pid=100, exitcode=1, error_file="<N/A>")
+    return Result(failures={0: failure}, stderrs={0: str(log)})
 
 
 def test_a_script_without_record_is_diagnosed_from_its_log_not_torchs_placeholder(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rove.agent import warm
-from rove.agent.workers import PreformattedTraceback
+from rove.agent.torch_procs import PreformattedTraceback
 from tests.support import rove_cli
 
 SCRIPT = Path(__file__).parent / "scripts" / "how_started.py"
@@ -38,9 +38,9 @@ def test_a_torch_traceback_is_formatted_before_torchs_formatter_sees_it() -> Non
 
 
 def test_torchs_teardown_lines_stay_off_the_console() -> None:
-    from rove.agent import workers
+    from rove.agent import torch_procs
 
-    workers.quiet_torch_tracebacks()
+    torch_procs.quiet_torch_tracebacks()
     spawn = logging.getLogger("torch.multiprocessing.spawn")
     said = []
 

@@ -1,7 +1,9 @@
 """The worker runtime port's contract, run against each way torch workers start.
 
 `fresh`: a new interpreter per worker (`python -u -m rove.agent.child --run script SCRIPT`);
-`warm`: a function entrypoint forked from the warm server. A TensorFlow runtime
+`warm`: a function entrypoint forked from the warm server, through torch's process
+context (torch's logs: `--tee`); `warm-echoed`: the same through rove's own
+(`rove.agent.procs`, rove's logs: the default of `rove run`). A TensorFlow runtime
 will pass the same suite.
 """
 
@@ -18,6 +20,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from rove.agent import warm
+from rove.agent.echo import EchoedLogs
 from rove.agent.runtime import WorkerRuntime
 from rove.agent.workers import TorchRuntime
 from rove.control.catalogue.events import FailureKind
@@ -41,7 +44,7 @@ if os.environ.get("LINGER_RANK") == str(rank):  # returns, then never exits
 """
 
 
-@pytest.fixture(params=["fresh", "warm"])
+@pytest.fixture(params=["fresh", "warm", "warm-echoed"])
 def runtime(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[WorkerRuntime]:
     made = _runtime(request.param, tmp_path)
     yield made
@@ -54,12 +57,12 @@ def _runtime(kind: str, tmp_path: Path) -> WorkerRuntime:
     script.write_text(SCRIPT)
     # as `rove run` sets them: stderr on the console and in a file, for the diagnosis
     logs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.NONE, tee=Std.ERR)
-    if kind == "warm":
+    if kind.startswith("warm"):
         warm.start(())
         return TorchRuntime(
             warm.run_script,
             ["script", str(script)],
-            logs,
+            EchoedLogs(tmp_path / "logs") if kind == "warm-echoed" else logs,
             tmp_path / "progress",
             start_method="forkserver",
         )
@@ -177,13 +180,40 @@ async def test_a_worker_stuck_after_its_script_returned_is_seen_and_ended_as_don
 def test_a_cut_error_file_of_a_terminated_worker_does_not_break_the_diagnosis(
     tmp_path: Path,
 ) -> None:
-    from rove.agent.workers import _failure
+    from rove.agent.procs import Failure
 
     cut = tmp_path / "error.json"
     cut.write_text('{"message": {"mess')
-    failure = _failure(1, 4242, -15, str(cut))
+    failure = Failure(1, 4242, -15, str(cut))
     assert (failure.local_rank, failure.exitcode) == (1, -15)
     assert failure.error_file == "<N/A>", "read as no error file (torch's placeholder)"
     whole = tmp_path / "whole.json"
     whole.write_text('{"message": {"message": "ValueError: x", "extraInfo": {"timestamp": "1"}}}')
-    assert _failure(0, 1, 1, str(whole)).error_file == str(whole)
+    assert Failure(0, 1, 1, str(whole)).error_file == str(whole)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        None,
+        {"message": {"message": "ValueError: x", "extraInfo": {"timestamp": "17"}}},
+        {"message": "RuntimeError: y", "timestamp": 23},
+    ],
+)
+def test_a_failure_reads_its_error_file_as_torch_does(tmp_path: Path, content: object) -> None:
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from rove.agent.procs import Failure
+
+    path = tmp_path / "error.json"
+    if content is not None:
+        path.write_text(json.dumps(content))
+    ours, theirs = Failure(0, 1, -9, str(path)), ProcessFailure(0, 1, -9, str(path))
+    assert ours.error_file == theirs.error_file
+    if content is None:  # (torch adds to its shared placeholder dict as it goes)
+        assert ours.error_file_data["message"] == theirs.error_file_data["message"]
+    else:
+        assert ours.error_file_data == theirs.error_file_data
+        assert ours.timestamp == theirs.timestamp
