@@ -418,8 +418,8 @@ class Agent:
         self.reports.start(r.round, restoring=r.restore_step is not None)
         self.exit_watch.new_round(r.round)
         self._notes = []
-        # torch's start_processes installs signal handlers of its own (they raise
-        # inside the event loop); the agent stops workers itself, so take them back.
+        # torch's start_processes (workers not forked by rove.agent.procs) installs signal
+        # handlers of its own (they raise inside the event loop); take them back.
         self.signals.install()
         self._round_event = r
         self.resumption.round_started(r)

@@ -1,8 +1,9 @@
 """`rove run`: a drop-in for `torchrun` whose jobs survive failures.
 
-It accepts torchrun's flags (torch's own parser, extended with rove's) and gives
-workers the environment torchrun gives them. Rendezvous, restarts and failure
-handling go through rove's event-sourced master instead of a c10d store.
+It accepts torchrun's flags (torchrun's parser, `rove.agent.torchrun_cli`, extended
+with rove's; no torch is imported here) and gives workers the environment torchrun
+gives them. Rendezvous, restarts and failure handling go through rove's
+event-sourced master instead of a c10d store.
 
     rove run --standalone --nproc-per-node 2 train.py          # one machine, one command
     rove run --nats nats://h:4222 --job j1 --nnodes 1:4 --node-id n1 --nproc-per-node 8 train.py
@@ -552,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warn_ignored(args, parser)
         try:
             cfg, standalone = agent_config(args)
-        except ValueError as exc:  # torch's config_from_args: bad --nnodes / --nproc-per-node
+        except ValueError as exc:  # torchrun's launch config: bad --nnodes / --nproc-per-node
             raise ConfigError(str(exc)) from exc
         store = embedded.job_store(cfg.job)
         if standalone and not args.nats and (pid := embedded.store_user(store)):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -116,15 +117,36 @@ def _worker(
     returned: Any,
     read: Any,
 ) -> None:
-    """A worker's body (in the forked process): what torch's context runs there."""
+    """A worker's body (in the forked process): what torch's context and its `@record`
+    run there. A fatal signal's Python traceback is printed (faulthandler, all
+    threads); `sys.exit(0)` (or `sys.exit()`) is a return; an exception writes the
+    error file and exits 1; a KeyboardInterrupt ends the process by SIGINT, as an
+    interpreter's main module does."""
     os.environ.update(env)
+    with contextlib.suppress(Exception):
+        faulthandler.enable(all_threads=True)
     try:
         value = fn(*args)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+        value = None
+    except KeyboardInterrupt:
+        _flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise
     except Exception as exc:  # noqa: BLE001 - any exception of the function ends the worker
         _record(exc)
         sys.exit(1)
     returned.put(value)
     read.wait()
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _record(exc: Exception) -> None:
@@ -165,8 +187,7 @@ class Forked:
                 process = ctx.Process(
                     target=_worker,
                     args=(fn, args[lr], envs[lr], self.returned[lr], self.all_read),
-                    name=f"worker{lr}",
-                    daemon=False,
+                    daemon=False,  # (and multiprocessing's own name, as under torch's)
                 )
                 process.start()
                 self.processes.append(process)

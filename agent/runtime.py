@@ -2,7 +2,7 @@
 
 The agent decides *when* workers start and stop (rounds, failures, signals);
 a `WorkerRuntime` knows *what* a worker is and how to run it: torch
-(`rove.agent.workers.TorchRuntime`: torch's own `start_processes`, the
+(`rove.agent.workers.TorchRuntime`: torchrun's way of starting workers, the
 `@record` error file, fresh or warm-started interpreters) or TensorFlow
 (`rove.agent.tf_runtime.TfRuntime`: a parameter-server round's chief, parameter
 servers and workers, a worker restarted in place).

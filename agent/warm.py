@@ -4,9 +4,10 @@ A restarted worker used to pay for a fresh interpreter and `import torch`
 (about 1.4 s of a 2.5 s restart on a 2-core machine) before it could rejoin.
 With warm start, every round's workers are forked from a multiprocessing
 *forkserver* that imported torch once (`rove.agent.forkservers`: a quick one that
-`rove run` starts before anything else, then a full one for restarts), through
-torch's own `start_processes` with a function entrypoint, so log redirection, tee
-and the `@record` error file behave as they do for torchrun's function entrypoints.
+`rove run` starts before anything else, then a full one for restarts), as torch's
+`start_processes` forks a function entrypoint (`rove.agent.procs`, or torch's own
+with torch's logs), so log redirection, tee and the `@record` error file behave as
+they do for torchrun's function entrypoints.
 
 In the forked worker, `run_script` does what `python -u SCRIPT ARGS` (or
 `python -u -m MODULE ARGS`) would: `sys.argv`, `sys.path[0]`, unbuffered
@@ -151,6 +152,11 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     watch = imports.watch(frozenset(sys.modules), target if kind == "script" else None)
     try:
         script.run(kind, target, argv)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+        # a return: torch's `@record` takes sys.exit(0) for one, but not sys.exit(),
+        # whose worker then exited without a value and its round never ended
     except Exception as exc:
         # on the worker's stderr, as a fresh interpreter prints it (torch's own report of
         # it, in the agent, is left out: the agent says what failed, diagnosed)

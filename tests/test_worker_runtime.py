@@ -38,6 +38,11 @@ if os.environ.get("FAIL_RANK") == str(rank):
     raise SystemExit(int(os.environ.get("CODE", "3")))
 if os.environ.get("RAISE_RANK") == str(rank):
     raise ValueError("rank refuses")
+if os.environ.get("EXIT0_RANK") == str(rank):
+    sys.exit(0 if rank else None)
+if os.environ.get("SEGV_RANK") == str(rank):
+    import signal
+    os.kill(os.getpid(), signal.SIGSEGV)
 if os.environ.get("LINGER_RANK") == str(rank):  # returns, then never exits
     import threading
     threading.Thread(target=time.sleep, args=(3600,)).start()
@@ -97,6 +102,15 @@ async def test_a_failed_worker_is_the_rounds_failure_and_the_others_are_torn_dow
     assert ended.failure is not None
     assert ended.failure.local_rank == 1 and ended.failure.exit_code == 3
     assert not runtime.running
+
+
+async def test_a_script_that_exits_0_has_returned(runtime: WorkerRuntime) -> None:
+    runtime.start(1, envs(2, EXIT0_RANK="0"))  # sys.exit(None) in rank 0
+    ended = await asyncio.wait_for(runtime.wait(), patience(120))
+    assert ended.failure is None
+    runtime.start(2, envs(2, EXIT0_RANK="1"))  # sys.exit(0) in rank 1
+    ended = await asyncio.wait_for(runtime.wait(), patience(120))
+    assert ended.failure is None
 
 
 async def test_a_python_error_is_diagnosed_from_the_log(runtime: WorkerRuntime) -> None:
@@ -175,6 +189,21 @@ async def test_a_worker_stuck_after_its_script_returned_is_seen_and_ended_as_don
     assert ended.failure is None, "its work was done: the round succeeded"
     assert not runtime.running
     assert not any(pid_alive(p) for p in pids.values())
+
+
+@pytest.mark.parametrize("kind", ["warm", "warm-echoed"])
+async def test_a_warm_worker_killed_by_a_fatal_signal_prints_its_python_stacks(
+    tmp_path: Path, kind: str
+) -> None:
+    """As torch's `@record` does for a function entrypoint: faulthandler is on."""
+    runtime = _runtime(kind, tmp_path)
+    try:
+        runtime.start(1, envs(1, SEGV_RANK="0"))
+        ended = await asyncio.wait_for(runtime.wait(), patience(120))
+    finally:
+        runtime.stop(signal.SIGKILL, 1.0)
+    assert ended.failure is not None and ended.failure.exit_code == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in ended.failure.log_tail
 
 
 def test_a_cut_error_file_of_a_terminated_worker_does_not_break_the_diagnosis(

@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rove.agent import forkservers
 
         forkservers.early_start(argv[1:])
-        # `rove run` has torchrun's parser (torch's own), so it parses its own arguments.
+        # `rove run` has torchrun's parser (rove.agent.torchrun_cli): it parses its own.
         from rove.agent.launcher import leave
         from rove.agent.launcher import main as run_main
 
