@@ -352,7 +352,8 @@ async def fetch_into(
                 f"asked for step {want.step} rank {want.rank} of {want.source}, "
                 f"was sent step {offer.step} rank {offer.rank} of {offer.source}"
             )
-        parts = land(offer)
+        # (in a thread: a fresh slot is allocated and every page of it touched first)
+        parts = await asyncio.to_thread(land, offer)
         if sum(len(p) for p in parts) != offer.size:
             raise CheckpointError(f"no room for the {offer.size} bytes of the replica")
         for part in parts:

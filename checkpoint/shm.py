@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rove.checkpoint.durable import CheckpointError
+from rove.checkpoint.memcopy import zero
 
 MAGIC = b"ROVECKPT"
 VERSION = 1
@@ -129,9 +130,7 @@ class Segment:
             raise ShmFullError(self.path.parent, size, exc) from exc
         finally:
             os.close(fd)
-        import torch  # (here: a reader of slots, the agent, needs no torch)
-
-        torch.frombuffer(new, dtype=torch.uint8).zero_()  # touch every page now, not in a save
+        zero(new)  # touch every page now, not in a save
         tmp.replace(self.path)
         st = self.path.stat()
         self.map, self.size, self.identity = new, size, (st.st_dev, st.st_ino)

@@ -1,15 +1,19 @@
-"""`rove.checkpoint.memcopy.copy_into`: the copy agents use for large buffers (a
-checkpoint's copy out of shared memory, a replica installed into a slot)."""
+"""`rove.checkpoint.memcopy`: the copy agents use for large buffers (a checkpoint's
+copy out of shared memory, a replica installed into a slot), and the zeroing that
+touches a fresh slot's pages, both without torch."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from rove.checkpoint.memcopy import copy_into
+from rove.checkpoint.memcopy import copy_into, zero
+from tests.support import patience
 
 
 def test_it_copies_between_bytearrays_views_and_a_shared_memory_mapping(tmp_path: Path) -> None:
@@ -38,3 +42,45 @@ def test_a_read_only_source_and_an_empty_copy_work_and_a_length_mismatch_is_refu
     copy_into(bytearray(), b"")
     with pytest.raises(ValueError, match="cannot copy 5 bytes into 4"):
         copy_into(bytearray(4), b"hello")
+
+
+def test_zero_clears_a_mapping_and_leaves_no_export_behind(tmp_path: Path) -> None:
+    with (tmp_path / "seg").open("w+b") as f:
+        f.write(os.urandom(2 << 20))
+        f.flush()
+        shm = mmap.mmap(f.fileno(), 2 << 20)
+        zero(shm)
+        assert shm[:] == bytes(2 << 20)
+        f.truncate(3 << 20)
+        shm.resize(3 << 20)  # no export of the mapping is left behind (else BufferError)
+        shm.close()
+    buf = bytearray(b"abc")
+    zero(buf)
+    assert buf == bytes(3)
+    zero(bytearray())
+
+
+def test_an_agent_allocates_and_fills_a_slot_without_importing_torch(tmp_path: Path) -> None:
+    """What an agent does with a replica it receives (a fresh slot, filled and sealed,
+    then read back raw) imports no torch: a torch import in its event loop held its
+    heartbeats for seconds on busy cores."""
+    probe = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from rove.checkpoint.engine import FlashEngine\n"
+        f"e = FlashEngine('j', 0, directory=Path({str(tmp_path)!r}))\n"
+        "meta, data, seal = e.receive(7, 16, 1 << 20)\n"
+        "meta[:] = bytes(16); data[:] = bytes(1 << 20); meta.release(); data.release()\n"
+        "seal(0)\n"
+        "assert e.newest() is not None and e.newest().step == 7, e.newest()\n"
+        "assert 'torch' not in sys.modules, 'a received slot imported torch'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+        check=False,
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
