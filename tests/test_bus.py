@@ -340,6 +340,39 @@ async def test_a_killed_embedded_server_is_started_again_on_its_port_with_its_st
     assert not server.alive(), "closing the bus stops it for good"
 
 
+async def test_a_keeper_whose_streams_cannot_be_put_back_says_so_and_still_tells_of_the_restart(
+    tmp_path: Path,
+) -> None:
+    """Each step after a start again says its own failure: the server runs again, so a
+    failed put-back of its streams is said as that (not as a failed start), and the
+    listeners (the agent's event of the restart) are told all the same."""
+    from rove.control.bus import embedded
+
+    server = EmbeddedServer(tmp_path / "nats")
+    server.start()
+    told: list[embedded.Restarted] = []
+
+    async def put_back() -> None:
+        raise RuntimeError("no streams today")
+
+    keeper = asyncio.create_task(embedded.keep(server, put_back, told=[told.append], check_s=0.05))
+    try:
+        first = server.pid
+        assert first is not None
+        with structlog.testing.capture_logs() as logs:
+            os.kill(first, signal.SIGKILL)
+            await eventually(lambda: told, timeout=60)
+        assert told[0].pid_before == first and told[0].pid == server.pid != first
+        said = [e["event"] for e in logs]
+        assert "the job's NATS server runs again, but putting back its streams failed" in said
+        assert not any("starting the job's NATS server again failed" in e for e in said), said
+    finally:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper
+        server.stop()
+
+
 async def test_publish_gives_up_after_its_total_deadline(tmp_path: Path) -> None:
     server = EmbeddedServer(tmp_path / "nats")
     server.start()

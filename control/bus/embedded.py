@@ -386,12 +386,25 @@ async def keep(
             continue
         try:
             restarted = await _start_again(server)
-            if then is not None:
-                await then()
-            for listener in list(told or ()):
-                listener(restarted)
         except Exception:  # a keeper that dies would leave the job without its bus
-            log.exception("keeping the job's NATS server running failed; trying again")
+            log.exception("starting the job's NATS server again failed; trying again")
+            continue
+        # Each step after the start says its own failure: the server runs again either
+        # way, and a listener is told even if the streams could not be put back.
+        if then is not None:
+            try:
+                await then()
+            except Exception:
+                log.exception(
+                    "the job's NATS server runs again, but putting back its streams failed"
+                )
+        for listener in list(told or ()):
+            try:
+                listener(restarted)
+            except Exception:
+                log.exception(
+                    f"the job's NATS server runs again, but telling {listener!r} so failed"
+                )
 
 
 async def _start_again(server: EmbeddedServer) -> Restarted:
