@@ -78,6 +78,12 @@ class TorchRuntime(WorkerRuntime):
             # a function's workers open their pipes themselves (torch would open them
             # as seekable files): rove.agent.warm.run_script
             self.logs_specs.by_worker = callable(entrypoint)
+        if not self._forked:
+            # torch's start_processes will start these workers: import it now, as the
+            # agent is built, not at its first round, where importing torch (1.4 s here,
+            # seconds on busy cores, much of it holding the GIL) would hold the agent's
+            # event loop and its heartbeats
+            import rove.agent.torch_procs  # noqa: F401
         self.progress_dir = progress_dir
         self.start_method = start_method
         self.pcontext: Started | None = None
@@ -116,8 +122,14 @@ class TorchRuntime(WorkerRuntime):
                 self._echoes = [Echo(self.logs_specs.take()).start()]
             return dict(self.pcontext.pids())
 
+    @property
+    def _forked(self) -> bool:
+        """Whether rove forks the workers itself (`rove.agent.procs`, no torch in the
+        agent): warm workers with rove's logs; any other through torch's."""
+        return callable(self.entrypoint) and isinstance(self.logs_specs, EchoedLogs)
+
     def _start(self, args: dict[int, tuple[Any, ...]], envs: dict[int, dict[str, str]]) -> Started:
-        if callable(self.entrypoint) and isinstance(self.logs_specs, EchoedLogs):
+        if self._forked and callable(self.entrypoint):  # (the second for mypy)
             # warm workers with rove's logs: no torch in the agent (rove.agent.procs)
             dest = self.logs_specs.reify(envs)
             return Forked(self.entrypoint, args, envs, dest.error_files, self.start_method)

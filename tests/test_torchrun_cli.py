@@ -160,6 +160,36 @@ def test_the_launcher_and_its_argument_errors_import_no_torch() -> None:
     assert "exit 2" in out.stdout and "--nnodes 0" in out.stderr
 
 
+def test_an_agent_whose_workers_torch_starts_imports_torch_when_built_not_in_its_first_round(
+    tmp_path: Path,
+) -> None:
+    """Workers that torch's start_processes starts (`--no-warm-start`, `--redirects`,
+    `--tee`) need torch in the agent: it is imported as the runtime is built, before
+    the agent's event loop runs its heartbeats, not at the first round inside it. Warm
+    workers with rove's logs (the default) never need it."""
+    probe = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from rove.agent import warm\n"
+        "from rove.agent.echo import EchoedLogs\n"
+        "from rove.agent.workers import TorchRuntime\n"
+        f"d = Path({str(tmp_path)!r})\n"
+        "TorchRuntime(warm.run_script, ['script', 'x.py'], EchoedLogs(d / 'l1'), d / 'p1')\n"
+        "assert 'torch' not in sys.modules, 'warm workers with rove logs imported torch'\n"
+        "TorchRuntime(sys.executable, ['x.py'], EchoedLogs(d / 'l2'), d / 'p2')\n"
+        "assert 'torch.distributed.elastic.multiprocessing' in sys.modules, 'not imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+        check=False,
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
 def _maps(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
