@@ -573,8 +573,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.auto_scale:
             forkservers.stop()  # its nodes are processes of their own, with theirs
             raw = list(argv) if argv is not None else sys.argv[1:]
-            return aio.run(managed.run_managed(args, cfg, raw))
-        return aio.run(_run(args, cfg, standalone, log_path))
+            return aio.run(managed.run_managed(args, cfg, raw), watch=f"rove run of job {cfg.job}")
+        return aio.run(
+            _run(args, cfg, standalone, log_path),
+            watch=f"the agent of node {cfg.node} of job {cfg.job}",
+        )
 
     return common.run_reporting("rove run", run)
 

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     subjects.check_name("pool", args.pool)
     agent_id = args.agent_id or common.process_id()
     subjects.check_name("agent", agent_id)
-    return aio.run(_run(args, agent_id))
+    return aio.run(_run(args, agent_id), watch=f"agent {agent_id}")
 
 
 async def _run(args: argparse.Namespace, agent_id: str) -> int:

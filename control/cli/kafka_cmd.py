@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--shard-records must be at least 1, got {args.shard_records}")
     if args.linger < 0:
         raise ConfigError(f"--linger must be 0 or more, got {args.linger}")
-    return aio.run(_run(args, bridge_id, dataset))
+    return aio.run(_run(args, bridge_id, dataset), watch=f"Kafka bridge {bridge_id}")
 
 
 async def _run(args: argparse.Namespace, bridge_id: str, dataset: str) -> int:

@@ -70,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     master_id = args.master_id or common.process_id()
     subjects.check_name("master id", master_id)
-    return aio.run(_run(args, master_id))
+    return aio.run(_run(args, master_id), watch=f"master {master_id}")
 
 
 async def _run(args: argparse.Namespace, master_id: str) -> int:

@@ -87,7 +87,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     if args.nodes_ca_secret and not args.tls_ca_secret:
         raise ConfigError("--nodes-ca-secret without --tls-ca-secret: give both for TLS")
-    return aio.run(_run(args))
+    return aio.run(_run(args), watch="the operator")
 
 
 async def _run(args: argparse.Namespace) -> int:

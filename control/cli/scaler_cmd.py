@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--create-interval must be 0 or more, got {args.create_interval}")
     if args.backend == "kubernetes" and not args.image:
         raise ConfigError("--backend kubernetes needs --image: the image the node pods run")
-    return aio.run(_run(args, scaler_id))
+    return aio.run(_run(args, scaler_id), watch=f"scaler {scaler_id}")
 
 
 def _backend(args: argparse.Namespace, bus: Bus, url: str) -> Backend:

@@ -27,19 +27,30 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
+def run(main: Coroutine[Any, Any, T], *, watch: str | None = None) -> T:
     """`asyncio.run(main)`, on a uvloop event loop when uvloop is importable; nats-py's
-    reconnection race is one warning line (`quiet_nats_reconnect_race`)."""
+    reconnection race is one warning line (`quiet_nats_reconnect_race`). A daemon names
+    itself in `watch` ("the agent of node n1"): its loop is then watched, and a call
+    that holds it for seconds is said with where (`rove.control.process.stalls`)."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_quieted(main))
-    return uvloop.run(_quieted(main))
+        return asyncio.run(_quieted(main, watch))
+    return uvloop.run(_quieted(main, watch))
 
 
-async def _quieted(main: Coroutine[Any, Any, T]) -> T:
+async def _quieted(main: Coroutine[Any, Any, T], watch: str | None) -> T:
     quiet_nats_reconnect_race(asyncio.get_running_loop())
-    return await main
+    if watch is None:
+        return await main
+    from rove.control.process import logs, stalls
+
+    watcher = stalls.LoopWatch(watch, logs.get("rove.loop"))
+    watcher.start()
+    try:
+        return await main
+    finally:
+        watcher.stop()
 
 
 def is_nats_reconnect_race(context: dict[str, Any]) -> bool:
