@@ -116,6 +116,14 @@ async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_ea
         ]
         assert len(await started(bus, job)) == 2, "no new round for a worker"
         assert os.kill(chief, 0) is None and os.kill(ps, 0) is None, "the rest untouched"
+        # The restarted worker took one of its node's spares; the next round (below) is
+        # to start every task from a spare, so the node must have them all again first.
+        # It starts the new one once the restarted worker serves: on busy cores, more
+        # than 12 steps after the kill (the other worker trains on meanwhile).
+        at_workers = next(r for r in runs.values() if "worker 0 ended (killed" in r.log())
+        await eventually(
+            lambda: at_workers.log().count("TensorFlow spares ready to start") >= 2, timeout=240
+        )
 
         # 2. the parameter server: a new round, restored from the last checkpoint
         os.kill(ps, signal.SIGKILL)
