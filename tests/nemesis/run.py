@@ -35,8 +35,6 @@ SCENARIOS = {
         ("node-partition", "master-pause", "disk-full", "checkpoint-corrupt"),
         Shape(samples=3200, step_sleep=0.25, node_netns=True, disk_mib=16),
     ),
-    # (not in the suite's one seed, for CI's time; `python -m tests.nemesis` and
-    # `make test-nemesis` run it)
     "cluster": Scenario(
         "cluster",
         ("nats-rolling", "nats-restart-all"),

@@ -44,6 +44,14 @@ async def test_the_job_rides_out_a_server_killed_a_quorum_lost_and_a_server_cut_
     await check(await run(SCENARIOS["bus"], tmp_path, seed))
 
 
+@pytest.mark.alone  # restarts every NATS server on its port, in turn and all at once
+@pytest.mark.parametrize("seed", seeds(1))
+async def test_the_job_rides_out_its_cluster_restarted_in_turn_and_all_at_once(
+    tmp_path: Path, seed: int
+) -> None:
+    await check(await run(SCENARIOS["cluster"], tmp_path, seed))
+
+
 @pytest.mark.parametrize("seed", seeds(1))
 async def test_the_job_rides_out_a_node_cut_off_a_paused_master_a_full_disk_and_a_corrupt_file(
     tmp_path: Path, seed: int
