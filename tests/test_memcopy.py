@@ -84,3 +84,36 @@ def test_an_agent_allocates_and_fills_a_slot_without_importing_torch(tmp_path: P
         check=False,
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_zero_in_parts_covers_every_byte_of_an_uneven_buffer_without_torch() -> None:
+    """Without torch (the agent) a large buffer is zeroed by several threads, a part
+    each: every byte, the parts' edges and the odd tail included."""
+    probe = (
+        "import sys\n"
+        "from rove.checkpoint import memcopy\n"
+        "n = 3 * memcopy.PART + 4099\n"
+        "buf = bytearray(b'\\xff') * n\n"
+        "memcopy.zero(buf)\n"
+        "assert buf.count(0) == n, 'not every byte zeroed'\n"
+        "assert 'torch' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        check=False,
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_zero_with_torch_imported_uses_it_and_leaves_no_export_behind(tmp_path: Path) -> None:
+    import torch  # (a worker's process: torch's threads fault the pages in)
+
+    assert torch.__version__
+    buf = bytearray(os.urandom(1 << 16))
+    zero(buf)
+    assert buf == bytes(1 << 16)
+    buf.extend(b"x")  # resizable again: no export of it is left behind (else BufferError)
