@@ -186,6 +186,21 @@ def patience(seconds: float) -> float:
     return seconds * max(1.0, load) * scale
 
 
+def fresh_python(code: str, timeout: float = 60) -> str:
+    """Run `code` in a fresh interpreter (this one's): what a process that imported
+    nothing else sees (`sys.modules`, threads). Fails the test unless it exits 0;
+    returns its stdout."""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=patience(timeout),
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 def launcher_env() -> dict[str, str]:
     """This environment without the suite's `OMP_NUM_THREADS` (conftest): what a user's
     shell gives a launcher, for tests that compare what launchers set themselves."""

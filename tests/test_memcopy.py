@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rove.checkpoint.memcopy import copy_into, zero
-from tests.support import patience
+from tests.support import fresh_python
 
 
 def test_it_copies_between_bytearrays_views_and_a_shared_memory_mapping(tmp_path: Path) -> None:
@@ -76,14 +74,7 @@ def test_an_agent_allocates_and_fills_a_slot_without_importing_torch(tmp_path: P
         "assert 'torch' not in sys.modules, 'a received slot imported torch'\n"
         "print('ok')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=patience(60),
-        check=False,
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    assert "ok" in fresh_python(probe, timeout=60)
 
 
 def test_zero_in_parts_covers_every_byte_of_an_uneven_buffer_without_torch() -> None:
@@ -99,14 +90,7 @@ def test_zero_in_parts_covers_every_byte_of_an_uneven_buffer_without_torch() -> 
         "assert 'torch' not in sys.modules\n"
         "print('ok')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
-        check=False,
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    assert "ok" in fresh_python(probe, timeout=120)
 
 
 def test_zero_with_torch_imported_uses_it_and_leaves_no_export_behind(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rove.agent import torchrun_cli
-from tests.support import RunProc, patience
+from tests.support import RunProc, fresh_python, patience
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -180,14 +180,7 @@ def test_an_agent_whose_workers_torch_starts_imports_torch_when_built_not_in_its
         "assert 'torch.distributed.elastic.multiprocessing' in sys.modules, 'not imported'\n"
         "print('ok')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=patience(60),
-        check=False,
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    assert "ok" in fresh_python(probe, timeout=60)
 
 
 def _maps(pid: int) -> str:
