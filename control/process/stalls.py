@@ -187,11 +187,11 @@ class LoopWatch:
         self._thread.start()
 
     def stop(self) -> None:
+        """The thread ends at its next look (not waited for: a daemon thread, it would
+        add up to a tick to every process's exit)."""
         self._stopping.set()
         if self._handle is not None:
             self._handle.cancel()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
 
     # ------------------------------------------------------------ on the loop
 
