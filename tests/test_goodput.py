@@ -230,6 +230,7 @@ def test_a_job_whose_workers_reported_no_step_has_no_goodput_to_say() -> None:
     r = gp.report(ledger, now=500.0)
     text = goodput_cmd.render(r, known=ledger.steps_reported)
     assert gp.NOT_KNOWN in text and "goodput 0.0%" not in text
+    assert "101.0 s, 2 rounds, 1 failure\n" in text  # (was "1 failures")
     data = goodput_cmd.as_json(r, known=False)
     assert data["goodput"] is None and data["steps_reported"] is False
     assert goodput_cmd.as_json(r)["goodput"] == pytest.approx(r.goodput, abs=1e-4)
