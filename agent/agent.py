@@ -58,7 +58,7 @@ from rove.control.bus.options import options_env
 from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.domain import tf_cluster
+from rove.control.domain import tf_cluster, words
 from rove.control.errors import RoveError
 from rove.control.process import aio
 
@@ -436,8 +436,8 @@ class Agent:
             )
         restore = restoring(r)  # (rove.agent.resumption says when they train again)
         self.log.info(
-            f"round {r.round}: started {len(pids)} workers as ranks "
-            f"{ranks[0]}-{ranks[-1]} of {r.world_size} ({r.reason}){restore}",
+            f"round {r.round}: started {words.counted(len(pids), 'worker')} as "
+            f"{words.ranks(ranks)} of {r.world_size} ({r.reason}){restore}",
             say=True,
             round=r.round,
             group_rank=group_rank,

@@ -21,6 +21,7 @@ from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
 from rove.control.catalogue import events as ev
+from rove.control.domain.words import counted
 from rove.control.errors import ConfigError
 from rove.control.flags import options as common
 from rove.control.master.runner import SupervisedMaster
@@ -89,8 +90,8 @@ def ps_nodes(args: argparse.Namespace, argv: Sequence[str], lo: int) -> ev.PsNod
         )
     if lo <= args.num_ps:
         raise ConfigError(
-            f"--nnodes counts the parameter servers' {args.num_ps} node"
-            f"{'s' if args.num_ps != 1 else ''} too: give at least {args.num_ps + 1} "
+            f"--nnodes counts the parameter servers' {counted(args.num_ps, 'node')} too: "
+            f"give at least {args.num_ps + 1} "
             "(the chief and the workers need one of their own)"
         )
     return ev.PsNodes(

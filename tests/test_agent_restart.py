@@ -164,3 +164,5 @@ def test_a_job_name_run_again_while_it_runs_is_refused_and_the_first_goes_on(
     out = "".join(seen) + rest
     assert first.returncode == 0, out[-3000:]
     assert "training from step 0 to 40" in out and "job twice finished" in out, out[-3000:]
+    # one worker a node is common (a GPU a node): the console counts it as one
+    assert "round 1: started 1 worker as rank 0 of 1 (1 of 1 node joined)" in out, out[-3000:]

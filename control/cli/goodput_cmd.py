@@ -18,6 +18,7 @@ from typing import Any
 from rove.control.bus.client import Bus
 from rove.control.domain import goodput as gp
 from rove.control.domain.goodput_svg import render as render_svg
+from rove.control.domain.words import counted
 from rove.control.errors import ConfigError
 from rove.control.flags import options as common
 from rove.control.history import runs
@@ -93,16 +94,11 @@ def as_json(r: gp.Report, *, known: bool = True) -> dict[str, Any]:
     }
 
 
-def _counted(n: int, noun: str) -> str:
-    """ "1 round", "2 rounds", "0 failures"."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def render(r: gp.Report, *, known: bool = True) -> str:
     state = f"ended {r.ended}" if r.ended else "running"
     lines = [
         f"job {r.job} ({state}): {_iso(r.start)} to {_iso(r.end)}, {r.total_s:.1f} s, "
-        f"{_counted(r.rounds, 'round')}, {_counted(len(r.failures), 'failure')}",
+        f"{counted(r.rounds, 'round')}, {counted(len(r.failures), 'failure')}",
         "",
         f"{'bucket':<22}{'seconds':>12}{'share':>9}",
     ]

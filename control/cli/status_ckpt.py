@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rove.control.domain.words import counted
 from rove.control.master.checkpoints import CkptState
 
 
@@ -40,7 +41,9 @@ def line(ck: dict[str, Any]) -> str:
     text = f"checkpoints: {committed}; in memory: {memory or '-'}"
     if ck["restored"] is not None:
         got = ck["restored"]
-        fetched = f", {got['fetched_ranks']} ranks fetched" if got["fetched_ranks"] else ""
+        fetched = (
+            f", {counted(got['fetched_ranks'], 'rank')} fetched" if got["fetched_ranks"] else ""
+        )
         text += f"; this round restored step {got['step']} from {got['source']}{fetched}"
     if ck["replicas"]:
         text += "; on peers: " + ", ".join(

@@ -18,6 +18,7 @@ from rove.control.catalogue import subjects
 from rove.control.cli import status_ckpt
 from rove.control.cli.format import NODE_ROWS, first_nodes, rest_line, some
 from rove.control.domain import shards
+from rove.control.domain.words import counted
 from rove.control.flags import options as common
 from rove.control.history import runs
 from rove.control.master import data, streams
@@ -250,7 +251,7 @@ def _round_line(view: dict[str, Any]) -> str:
         return f"ended after round {view['round']}; {restarts}" if view["round"] else "no round"
     if view["round_active"]:
         text = (
-            f"round {view['round']}: {len(view['members'])} nodes, world size "
+            f"round {view['round']}: {counted(len(view['members']), 'node')}, world size "
             f"{view['world_size']}; {restarts}"
         )
     elif view["round"]:

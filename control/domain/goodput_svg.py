@@ -8,6 +8,7 @@ from collections.abc import Callable
 from xml.sax.saxutils import escape
 
 from rove.control.domain.goodput import Bucket, Failure, Interval, Report
+from rove.control.domain.words import counted
 
 COLOURS = {
     Bucket.PRODUCTIVE: "#2e7d32",
@@ -55,7 +56,7 @@ def render(report: Report) -> str:
     parts.extend(_legend(report))
     title = (
         f"job {report.job}: goodput {report.goodput:.1%} over {_duration(report.total_s)}"
-        f" ({report.rounds} rounds, {len(report.failures)} failures)"
+        f" ({counted(report.rounds, 'round')}, {counted(len(report.failures), 'failure')})"
     )
     height = _BAR_Y + _BAR_H + 40 + 18 * ((len(Bucket) + 1) // 2)
     return "\n".join(

@@ -25,6 +25,7 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 
 from rove.control.catalogue.events import RoundMember, TfTask
+from rove.control.domain.words import counted
 
 CHIEF = "chief"
 PS = "ps"
@@ -45,7 +46,7 @@ def problem(world: int, num_ps: int) -> str | None:
     """Why a round of `world` processes cannot run a job of `num_ps` parameter servers."""
     if world < num_ps + 2:
         return (
-            f"a TensorFlow job with {num_ps} parameter server{'s' if num_ps != 1 else ''} "
+            f"a TensorFlow job with {counted(num_ps, 'parameter server')} "
             f"needs at least {num_ps + 2} processes (a chief, the parameter servers and a "
             f"worker); this round has {world}: add nodes or --nproc-per-node"
         )
@@ -75,9 +76,9 @@ def assign(
         names = ", ".join(m.node for m in hosts)
         if offered != num_ps:
             return (
-                f"the nodes that host parameter servers (--tf-role ps: {names}) run {offered} "
-                f"process{'es' if offered != 1 else ''} for {num_ps} parameter server"
-                f"{'s' if num_ps != 1 else ''} (--num-ps): a round waits until they match"
+                f"the nodes that host parameter servers (--tf-role ps: {names}) run "
+                f"{counted(offered, 'process', 'processes')} for "
+                f"{counted(num_ps, 'parameter server')} (--num-ps): a round waits until they match"
             )
     tasks = []
     ps_index, other = 0, 0

@@ -35,6 +35,7 @@ import msgspec
 from msgspec.structs import replace
 
 from rove.control.catalogue import events as ev
+from rove.control.domain.words import counted
 from rove.control.master.netcheck import Wait
 from rove.control.master.rdzv_state import RdzvState
 from rove.control.master.scaling import ScaleState, Slot, SlotPhase
@@ -203,8 +204,7 @@ def _fill(s: ScaleState, w: ev.Workload) -> Iterator[Plan]:
         )
         yield Plan(
             rule=ev.ScaleRule.INITIAL,
-            reason=f"start {s.target} node{'s' if s.target != 1 else ''} "
-            f"({w.resources.describe()} each{of_ps})",
+            reason=f"start {counted(s.target, 'node')} ({w.resources.describe()} each{of_ps})",
             cause="submitted",
             target=s.target,
             launch=nodes,
@@ -269,7 +269,7 @@ def _pending(s: ScaleState, w: ev.Workload, now: float) -> Iterator[Plan]:
         if len(live) > w.min_nodes and slot.role != ev.PS_ROLE:
             yield Plan(
                 rule=ev.ScaleRule.PENDING,
-                reason=f"{waited}: go on with {len(live) - 1} nodes",
+                reason=f"{waited}: go on with {counted(len(live) - 1, 'node')}",
                 cause=f"pending:{slot.node}",
                 target=max(w.min_nodes, s.target - 1),
                 remove=(slot.node,),

@@ -34,6 +34,7 @@ import msgspec
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import tf_cluster
+from rove.control.domain.words import counted
 from rove.control.master import netcheck
 from rove.control.master.rdzv_state import Failure, RdzvState, Waiter
 
@@ -151,10 +152,6 @@ def _finished(r: RdzvState) -> str | None:
         )
         return done + "".join(f"; {note}" for note in r.notes)
     return None
-
-
-def _nodes(n: int) -> str:
-    return f"{n} node{'s' if n != 1 else ''}"
 
 
 def _failure_text(f: Failure) -> str:
@@ -325,19 +322,19 @@ def _form(
             return checked
     if ready:
         if broken:
-            why = f"re-formed with {_nodes(size)} after a membership change"
+            why = f"re-formed with {counted(size, 'node')} after a membership change"
             cause = ev.RoundCause.REFORMED
         else:
             wanted = p.min_nodes if p.min_nodes == p.max_nodes else f"{p.min_nodes}-{p.max_nodes}"
             why = f"{size} of {wanted} node{'s' if p.max_nodes != 1 else ''} joined"
             cause = ev.RoundCause.FORMED
         return _round(r, pool[:size], liveness, cause=cause, reason=why)
-    here = f"{_nodes(len(pool))} here"
+    here = f"{counted(len(pool), 'node')} here"
     if broken and r.broken_since is not None:
         if now - r.broken_since > p.below_min_wait_s:
             return EndJob(
                 phase=ev.JobPhase.FAILED,
-                reason=f"only {_nodes(len(pool))} alive, fewer than the minimum "
+                reason=f"only {counted(len(pool), 'node')} alive, fewer than the minimum "
                 f"{p.min_nodes}, for {p.below_min_wait_s:g}s",
             )
         return Wait(

@@ -16,6 +16,7 @@ import msgspec
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import goodput as gp
+from rove.control.domain.words import counted
 from rove.control.master.state import JobState
 
 #: `.status.phase`: the job's phases, and two of the operator's own before there are
@@ -85,7 +86,9 @@ def status(
             "Running",
             running,
             "RoundActive" if running else ("Ended" if ended else "WaitingForNodes"),
-            f"round {r.round} of {len(r.members)} nodes" if running else state.phase.value,
+            f"round {r.round} of {counted(len(r.members), 'node')}"
+            if running
+            else state.phase.value,
             now,
         ),
         _condition(
@@ -184,7 +187,7 @@ def notable(event: ev.Event, seq: int) -> KubeEvent | None:
             seq=seq,
             type="Normal",
             reason="RoundFormed",
-            message=f"round {event.round}: {len(event.members)} nodes ({nodes}), "
+            message=f"round {event.round}: {counted(len(event.members), 'node')} ({nodes}), "
             f"world size {event.world_size}{restored}",
         )
     if isinstance(event, ev.NodeLost):

@@ -36,6 +36,7 @@ from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain.streaming import cut
+from rove.control.domain.words import counted
 from rove.control.errors import ConfigError, TemporaryError
 from rove.control.master import streams
 from rove.control.master.service import JobService
@@ -264,6 +265,7 @@ class KafkaBridge(JobService):
         for s in shards:
             self._published[s.partition] = max(self._published.get(s.partition, 0), s.end)
         self.log.info(
-            f"published {len(shards)} shards, {sum(s.records for s in shards)} records",
+            f"published {counted(len(shards), 'shard')}, "
+            f"{counted(sum(s.records for s in shards), 'record')}",
             partitions=sorted({s.partition for s in shards}),
         )

@@ -1,0 +1,23 @@
+"""Counts in the sentences rove says: "1 node", "2 nodes", "rank 0", "ranks 0-3".
+
+The console, `rove status`, `rove goodput` and the events' reasons count nodes, ranks,
+rounds and failures, and a job of one node or one worker a node is common (a
+standalone job, a GPU a node). Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and the noun, in the singular for exactly one: "1 node", "0 nodes",
+    "3 replicas" (`plural`: where adding an s does not make it)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def ranks(numbers: Sequence[int]) -> str:
+    """Consecutive ranks as a span: "rank 4", "ranks 0-3" (the first and the last)."""
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    return f"ranks {numbers[0]}-{numbers[-1]}"
