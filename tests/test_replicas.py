@@ -25,6 +25,7 @@ from rove.control.bus.client import Bus
 from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.cli import status_cmd
+from rove.control.domain.words import counted
 from rove.control.master import checkpoints as ckpt
 from tests import factories
 from tests.support import RunProc, eventually, stored_events
@@ -701,7 +702,9 @@ async def test_a_whole_node_lost_after_a_flash_save_resumes_from_its_peer_not_st
         assert {r["source"] for r in resumed_rows} == {"memory"}  # the peer's, now local
         assert "fetched rank" in b2.log() and f"of step {step} from na" in b2.log()
         status = rove_cli("status", "--job", job, "--nats", bus.url).stdout
-        assert f"restored step {step} from peer, {len(want)} ranks fetched" in status, status
+        assert f"restored step {step} from peer, {counted(len(want), 'rank')} fetched" in status, (
+            status
+        )
         goodput = rove_cli("goodput", "--job", job, "--nats", bus.url).stdout
         assert "1 from peer" in goodput, goodput
     finally:
