@@ -177,6 +177,20 @@ def test_with_restarts_off_a_failure_ends_the_job_saying_so() -> None:
     assert ended.reason.startswith("worker failed and restarts are off (--max-restarts 0); ")
 
 
+def test_with_one_restart_the_second_failure_ends_the_job_saying_its_one_restart_is_used() -> None:
+    sim = Sim(params(max_restarts=1))
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.exited("n1", 1, kind=FK.KILLED))
+    (d,) = sim.tick()
+    assert isinstance(d, ev.RoundCompleted)
+    sim.apply(factories.exited("n1", 2, kind=FK.KILLED))
+    (ended,) = sim.tick()
+    assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
+    assert ended.reason.startswith("worker failed and its one restart (--max-restarts 1) is used; ")
+
+
 def test_a_hardware_fault_excludes_the_node_and_the_rest_go_on() -> None:
     sim = Sim(params(min_nodes=1, max_nodes=2))
     sim.join("n1")

@@ -195,6 +195,8 @@ def _on_failure(
             reason=(
                 "worker failed and restarts are off (--max-restarts 0)"
                 if p.max_restarts == 0
+                else "worker failed and its one restart (--max-restarts 1) is used"
+                if p.max_restarts == 1
                 else f"worker failed and all {p.max_restarts} restarts (--max-restarts) are used"
             )
             + f"; last failure: {_failure_text(f)}",
