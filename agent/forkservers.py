@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 
 from rove.agent import imports
 from rove.agent.imports import top
+from rove.control.domain.words import counted
 from rove.control.process import tempdirs
 
 #: What a worker needs before its script's first line.
@@ -392,7 +393,9 @@ def promote() -> None:
     _servers.install(best)
     import structlog
 
-    learned = f" that learned {len(best.learned)} modules the workers imported" * bool(best.learned)
+    learned = f" that learned {counted(len(best.learned), 'module')} the workers imported" * bool(
+        best.learned
+    )
     structlog.get_logger(__name__).info(f"workers fork from the {best.kind} warm server{learned}")
     for old in superseded:
         if old is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rove.agent import forkservers, imports, progress
+from rove.control.domain.words import counted
 
 
 class Learning:
@@ -74,8 +75,9 @@ class Learning:
         if lesson.started:
             packages = imports.union([[imports.top(n) for n in lesson.new]])
             self.log.info(
-                f"the warm server for restarts learns {len(lesson.new)} modules the workers "
-                f"imported ({_some(packages)}): a restarted worker will find them imported",
+                f"the warm server for restarts learns {counted(len(lesson.new), 'module')} "
+                f"the workers imported ({_some(packages)}): a restarted worker will find them "
+                "imported",
                 modules=len(lesson.new),
             )
         if lesson.refused is not None:

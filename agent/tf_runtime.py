@@ -63,6 +63,7 @@ from rove.agent.diagnosis import Diagnosis, classify
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
 from rove.control.domain import tf_cluster
+from rove.control.domain.words import counted
 from rove.control.process import tempdirs
 
 log = structlog.get_logger("rove.agent")
@@ -382,7 +383,8 @@ class TfRuntime(WorkerRuntime):
         if task.role == tf_cluster.WORKER:
             diagnosis = Diagnosis(
                 found.kind,
-                f"{_title(task)} failed {task.restarts + 1} times in round {self._round} "
+                f"{_title(task)} failed {counted(task.restarts + 1, 'time')} "
+                f"in round {self._round} "
                 f"(--max-worker-restarts {self.max_restarts}): {found.reason}",
             )
         failure = RootFailure(task.local_rank, task.proc.pid, code, diagnosis, tail)

@@ -2,7 +2,8 @@
 contracts"):
 
 - `catalogue`: every event type and the subjects they travel on;
-- `domain`: pure rules beside the master's (shards, goodput, tf_cluster, streaming);
+- `domain`: pure rules beside the master's (shards, goodput, tf_cluster, streaming,
+  and the counts in rove's sentences);
 - `process`: what every process runs on (event loop, supervisor, logs, metrics);
 - `bus`: the JetStream client and its plumbing, the embedded server;
 - `flags`: command-line flags shared by `rove run` and the CLI;

@@ -133,8 +133,8 @@ def _failed(s: ScaleState, p: ev.ScalePolicy) -> FailJob | None:
     for slot in s.slots.values():
         if slot.phase in (SlotPhase.GONE, SlotPhase.FAILED) and slot.attempt + 1 >= p.max_attempts:
             return FailJob(
-                reason=f"slot {slot.slot} failed {slot.attempt + 1} times (max_attempts); "
-                f"last: {slot.node} {slot.reason}"
+                reason=f"slot {slot.slot} failed {counted(slot.attempt + 1, 'time')} "
+                f"(max_attempts); last: {slot.node} {slot.reason}"
             )
     return None
 
@@ -379,7 +379,7 @@ def _throughput(
                 rule=ev.ScaleRule.SHRINK,
                 reason=f"node {size} added {marginal:.2f} of a node's speed ({speed:.1f} vs "
                 f"{g.speed:.1f} samples/s), less than {p.min_marginal_speed:g}: back to "
-                f"{g.size} nodes, and no more growth",
+                f"{counted(g.size, 'node')}, and no more growth",
                 cause=f"shrink:{g.plan}",
                 target=g.size,
                 remove=(newest.node,),
