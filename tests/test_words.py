@@ -18,6 +18,7 @@ def test_ranks_are_one_rank_or_a_span() -> None:
     assert ranks([0]) == "rank 0"
     assert ranks((4,)) == "rank 4"
     assert ranks([0, 1, 2, 3]) == "ranks 0-3"
+    assert ranks([]) == "no rank"
 
 
 def test_a_tensorflow_round_that_cannot_run_counts_its_servers_right() -> None:

@@ -17,7 +17,11 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 
 
 def ranks(numbers: Sequence[int]) -> str:
-    """Consecutive ranks as a span: "rank 4", "ranks 0-3" (the first and the last)."""
+    """Consecutive ranks as a span: "rank 4", "ranks 0-3" (the first and the last);
+    "no rank" for none (never an IndexError in a sentence: an agent's round handler
+    once died of formatting an empty range)."""
+    if not numbers:
+        return "no rank"
     if len(numbers) == 1:
         return f"rank {numbers[0]}"
     return f"ranks {numbers[0]}-{numbers[-1]}"
