@@ -38,7 +38,7 @@ def test_make_demo_heals_an_injected_failure_from_memory_and_says_its_goodput(
     said = out.stdout + out.stderr
     assert out.returncode == 0, said[-4000:]
     assert "rove: injecting a fault (--inject-fault): SIGKILL to rank 1 at step 30" in said
-    assert "rove: worker rank 1 failed: killed" in said
+    assert "rove: worker rank 1 failed: killed by SIGKILL\n" in said  # (not "killed: killed")
     restored = re.search(r"they restore step (\d+) from memory", said)
     assert restored is not None, said[-4000:]
     step = int(restored.group(1))

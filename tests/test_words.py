@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rove.control.domain import tf_cluster
-from rove.control.domain.words import counted, ranks
+from rove.control.domain.words import counted, failure, ranks
 
 
 def test_one_of_anything_is_said_in_the_singular() -> None:
@@ -19,6 +19,13 @@ def test_ranks_are_one_rank_or_a_span() -> None:
     assert ranks((4,)) == "rank 4"
     assert ranks([0, 1, 2, 3]) == "ranks 0-3"
     assert ranks([]) == "no rank"
+
+
+def test_a_failure_says_its_kind_once() -> None:
+    assert failure("killed", "killed by SIGKILL") == "killed by SIGKILL"
+    assert failure("oom", "CUDA out of memory") == "oom: CUDA out of memory"
+    assert failure("segfault", "crashed with SIGSEGV") == "segfault: crashed with SIGSEGV"
+    assert failure("killed", "killedby") == "killed: killedby"
 
 
 def test_a_tensorflow_round_that_cannot_run_counts_its_servers_right() -> None:

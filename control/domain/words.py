@@ -1,4 +1,5 @@
-"""Counts in the sentences rove says: "1 node", "2 nodes", "rank 0", "ranks 0-3".
+"""Counts and failures in the sentences rove says: "1 node", "2 nodes", "rank 0",
+"ranks 0-3", "killed by SIGKILL".
 
 The console, `rove status`, `rove goodput` and the events' reasons count nodes, ranks,
 rounds and failures, and a job of one node or one worker a node is common (a
@@ -14,6 +15,13 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     """`n` and the noun, in the singular for exactly one: "1 node", "0 nodes",
     "3 replicas" (`plural`: where adding an s does not make it)."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def failure(kind: str, reason: str) -> str:
+    """A worker's failure as said: its kind and the reason ("oom: CUDA out of memory"),
+    the reason alone where it starts with the kind's word ("killed by SIGKILL", not
+    "killed: killed by SIGKILL")."""
+    return reason if reason.startswith(f"{kind} ") else f"{kind}: {reason}"
 
 
 def ranks(numbers: Sequence[int]) -> str:

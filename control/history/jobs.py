@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rove.control.bus import embedded, stored
 from rove.control.domain import goodput as gp
+from rove.control.domain import words
 from rove.control.errors import ConfigError
 from rove.control.master.state import JobState
 
@@ -65,7 +66,8 @@ def summarize(state: JobState, report: gp.Report) -> Summary:
         rounds=report.rounds,
         restarts=state.rdzv.restarts,
         last_failure=(
-            f"rank {failure.rank} on {failure.node}: {failure.kind.value}: {failure.reason}"
+            f"rank {failure.rank} on {failure.node}: "
+            f"{words.failure(failure.kind.value, failure.reason)}"
             if failure is not None
             else ""
         ),

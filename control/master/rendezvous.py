@@ -34,7 +34,7 @@ import msgspec
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import tf_cluster
-from rove.control.domain.words import counted
+from rove.control.domain.words import counted, failure
 from rove.control.master import netcheck
 from rove.control.master.rdzv_state import Failure, RdzvState, Waiter
 
@@ -155,7 +155,7 @@ def _finished(r: RdzvState) -> str | None:
 
 
 def _failure_text(f: Failure) -> str:
-    return f"rank {f.rank} on node {f.node}: {f.kind.value}: {f.reason}"
+    return f"rank {f.rank} on node {f.node}: {failure(f.kind.value, f.reason)}"
 
 
 def _on_failure(

@@ -16,7 +16,7 @@ import msgspec
 
 from rove.control.catalogue import events as ev
 from rove.control.domain import goodput as gp
-from rove.control.domain.words import counted
+from rove.control.domain import words
 from rove.control.master.state import JobState
 
 #: `.status.phase`: the job's phases, and two of the operator's own before there are
@@ -86,7 +86,7 @@ def status(
             "Running",
             running,
             "RoundActive" if running else ("Ended" if ended else "WaitingForNodes"),
-            f"round {r.round} of {counted(len(r.members), 'node')}"
+            f"round {r.round} of {words.counted(len(r.members), 'node')}"
             if running
             else state.phase.value,
             now,
@@ -187,7 +187,7 @@ def notable(event: ev.Event, seq: int) -> KubeEvent | None:
             seq=seq,
             type="Normal",
             reason="RoundFormed",
-            message=f"round {event.round}: {counted(len(event.members), 'node')} ({nodes}), "
+            message=f"round {event.round}: {words.counted(len(event.members), 'node')} ({nodes}), "
             f"world size {event.world_size}{restored}",
         )
     if isinstance(event, ev.NodeLost):
@@ -206,7 +206,8 @@ def notable(event: ev.Event, seq: int) -> KubeEvent | None:
             seq=seq,
             type="Warning",
             reason="WorkerFailed",
-            message=f"rank {event.rank} on {event.node}: {event.kind.value}: {event.reason}",
+            message=f"rank {event.rank} on {event.node}: "
+            f"{words.failure(event.kind.value, event.reason)}",
         )
     if isinstance(event, ev.JobEnded):
         ok = event.phase is ev.JobPhase.FINISHED
