@@ -494,8 +494,7 @@ class Agent:
         rank = self._first_rank() + root.local_rank
         self.resumption.interrupted()
         self.log.error(
-            f"worker rank {rank} failed: "
-            f"{words.failure(root.diagnosis.kind.value, root.diagnosis.reason)}",
+            f"worker rank {rank} failed: {root.diagnosis.said}",
             round=ended.round,
             rank=rank,
             exit_code=root.exit_code,

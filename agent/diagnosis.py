@@ -25,6 +25,7 @@ import signal as signal_module
 from typing import Any, NamedTuple
 
 from rove.control.catalogue.events import LOG_TAIL_BYTES, REASON_CHARS, FailureKind
+from rove.control.domain import words
 
 _HARDWARE = re.compile(
     r"\bXid\b|uncorrectable ECC|ECC error|GPU is lost|NVML_ERROR_GPU_IS_LOST|fallen off the bus"
@@ -56,6 +57,11 @@ _KILL_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
 class Diagnosis(NamedTuple):
     kind: FailureKind
     reason: str
+
+    @property
+    def said(self) -> str:
+        """As a sentence says it: "killed by SIGKILL", "oom: CUDA out of memory"."""
+        return words.failure(self.kind.value, self.reason)
 
 
 def signal_name(exit_code: int | None) -> str | None:

@@ -21,7 +21,7 @@ from rove.agent.facts import NodeFacts
 from rove.agent.runtime import RootFailure, TaskRestart
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
-from rove.control.domain import goodput, words
+from rove.control.domain import goodput
 from rove.control.errors import RoveError, plain
 from rove.control.history import runs
 from rove.control.process import metrics
@@ -41,7 +41,7 @@ def summary(node: str, rank: int, root: RootFailure) -> list[str]:
     lines = [
         f"root cause: rank {rank} (local rank {root.local_rank}, pid {root.pid}) "
         f"on node {node}, {how}",
-        f"  {words.failure(root.diagnosis.kind.value, root.diagnosis.reason)}",
+        f"  {root.diagnosis.said}",
     ]
     if root.where:
         lines.append(f"  at {root.where}")
