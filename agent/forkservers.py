@@ -393,8 +393,10 @@ def promote() -> None:
     _servers.install(best)
     import structlog
 
-    learned = f" that learned {counted(len(best.learned), 'module')} the workers imported" * bool(
-        best.learned
+    learned = (
+        f" that learned {counted(len(best.learned), 'module')} the workers imported"
+        if best.learned
+        else ""
     )
     structlog.get_logger(__name__).info(f"workers fork from the {best.kind} warm server{learned}")
     for old in superseded:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rove.control.catalogue import events as ev
 from tests import factories
 from tests.sim import Sim
@@ -166,29 +168,29 @@ def test_different_failures_are_retried_until_max_restarts() -> None:
     assert "segfault" in ended.reason
 
 
-def test_with_restarts_off_a_failure_ends_the_job_saying_so() -> None:
-    sim = Sim(params(max_restarts=0))
+@pytest.mark.parametrize(
+    ("max_restarts", "said"),
+    [
+        (0, "worker failed and restarts are off (--max-restarts 0); "),
+        (1, "worker failed and its one restart (--max-restarts 1) is used; "),
+    ],
+)
+def test_a_failure_past_few_restarts_ends_the_job_saying_how_many(
+    max_restarts: int, said: str
+) -> None:
+    """With restarts off the first failure ends the job; with one, the second does."""
+    sim = Sim(params(max_restarts=max_restarts))
     sim.join("n1")
     sim.join("n2")
     sim.tick()
-    sim.apply(factories.exited("n1", 1, kind=FK.KILLED))
+    for rnd in range(1, max_restarts + 1):
+        sim.apply(factories.exited("n1", rnd, kind=FK.KILLED))
+        (d,) = sim.tick()
+        assert isinstance(d, ev.RoundCompleted)
+    sim.apply(factories.exited("n1", max_restarts + 1, kind=FK.KILLED))
     (ended,) = sim.tick()
     assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
-    assert ended.reason.startswith("worker failed and restarts are off (--max-restarts 0); ")
-
-
-def test_with_one_restart_the_second_failure_ends_the_job_saying_its_one_restart_is_used() -> None:
-    sim = Sim(params(max_restarts=1))
-    sim.join("n1")
-    sim.join("n2")
-    sim.tick()
-    sim.apply(factories.exited("n1", 1, kind=FK.KILLED))
-    (d,) = sim.tick()
-    assert isinstance(d, ev.RoundCompleted)
-    sim.apply(factories.exited("n1", 2, kind=FK.KILLED))
-    (ended,) = sim.tick()
-    assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
-    assert ended.reason.startswith("worker failed and its one restart (--max-restarts 1) is used; ")
+    assert ended.reason.startswith(said)
 
 
 def test_a_hardware_fault_excludes_the_node_and_the_rest_go_on() -> None:
