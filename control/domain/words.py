@@ -20,8 +20,11 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 def failure(kind: str, reason: str) -> str:
     """A worker's failure as said: its kind and the reason ("oom: CUDA out of memory"),
     the reason alone where it starts with the kind's word ("killed by SIGKILL", not
-    "killed: killed by SIGKILL")."""
-    return reason if reason.startswith(f"{kind} ") else f"{kind}: {reason}"
+    "killed: killed by SIGKILL") or where the kind is "unknown", which tells nothing
+    ("exited with code 3", not "unknown: exited with code 3")."""
+    if kind == "unknown" or reason.startswith(f"{kind} "):
+        return reason
+    return f"{kind}: {reason}"
 
 
 def ranks(numbers: Sequence[int]) -> str:
