@@ -355,7 +355,6 @@ class Agent:
             case ev.JobEnded(phase=phase, reason=reason) if (
                 self.status.starts == 0 and item.ts < self._started_at
             ):
-                # an earlier run's end: this node's join starts the job's next run
                 self.log.info(
                     f"job {self.cfg.job} ended earlier ({phase.value}); its next run starts "
                     "with this node"
@@ -364,7 +363,8 @@ class Agent:
                 self._run = run
                 self.status.round = 0  # the new run's rounds count from 1 again
                 self.log.info(f"run {run} of job {self.cfg.job} started; joining it")
-                self._register()  # what this node said before belongs to the earlier run
+                self.checkpoints.found_again()  # (what it said before: the earlier run's)
+                self._register()
             case ev.JobEnded(phase=phase, reason=reason):
                 await self._stop_workers()
                 code = EXIT_FINISHED if phase is ev.JobPhase.FINISHED else EXIT_FAILED

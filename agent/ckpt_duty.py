@@ -117,6 +117,7 @@ class CheckpointDuty:
         #: persisting only while the master cannot have gone on without this node
         self.fence = StorageFence()
         self._fenced = False  # the fence was found closed (said once, and when it opens)
+        self._found: tuple[int, str] | None = None  # the committed step found, and where
 
     async def announce_found(self) -> None:
         """Before the node first joins: say the step an earlier run of the job left
@@ -141,7 +142,17 @@ class CheckpointDuty:
             "job: it goes on from there",
             say=True,
         )
-        self.facts.emit(ev.CkptFound(**self.facts.envelope(), step=step, location=storage.location))
+        self._found = (step, storage.location)
+        self.found_again()
+
+    def found_again(self) -> None:
+        """Say the step found committed (if any) again: the job's next run started as
+        this node joined, and the master left what it heard before behind with the run
+        that ended (without this a job stopped and run again under its name started
+        afresh beside its committed step)."""
+        if self._found is not None:
+            step, location = self._found
+            self.facts.emit(ev.CkptFound(**self.facts.envelope(), step=step, location=location))
 
     async def announce_memory(self, bus: Bus) -> None:
         """Before the node joins: the steps an earlier agent of this node left in the

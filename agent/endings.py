@@ -12,7 +12,9 @@ end `rove run` says the root cause of a failure (`summary`) and the job's goodpu
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+import uuid
 
 import structlog
 
@@ -24,12 +26,16 @@ from rove.control.catalogue import events as ev
 from rove.control.domain import goodput
 from rove.control.errors import RoveError, plain
 from rove.control.history import runs
+from rove.control.master.runner import SupervisedMaster
+from rove.control.master.state import JobState
 from rove.control.process import metrics
 
 log = structlog.get_logger("rove.run")
 
 #: How long the end of a job may wait for its events to say its goodput.
 GOODPUT_READ_S = 5.0
+#: How long a standalone job stopped by a signal waits for its master to end it.
+STOP_WAIT_S = 10.0
 
 
 def summary(node: str, rank: int, root: RootFailure) -> list[str]:
@@ -130,3 +136,37 @@ async def goodput_line(bus: Bus, job: str) -> str | None:
         f"goodput {100 * report.goodput:.1f}%: {trained:.1f}s of {report.total_s:.1f}s "
         f"trained the model it ends with{rest}"
     )
+
+
+async def stopped(
+    bus: Bus, job: str, node: str, master: SupervisedMaster, signum: int
+) -> tuple[str, JobState | None]:
+    """A standalone job's one node left on `signum` (Ctrl-C, `timeout`'s SIGTERM): no
+    other node can go on with it, so its master in this process ends it, `stopped`, as
+    `rove stop` would. Without this the stored job stayed `running` for good (`rove
+    status`: "the job fails unless nodes join", with no master left to decide it), and
+    a rerun under its name joined the old run. Returns the sentence of its end (the
+    master's reason names the step left durable) and the master's state as it ended
+    the job, or, if the master could not end it in `STOP_WAIT_S`, why not and None."""
+    name = signal.Signals(signum).name
+    try:
+        await bus.publish(
+            ev.StopRequested(
+                **ev.envelope(job, f"launcher:{node}", time.time(), "stop", uuid.uuid4().hex),
+                reason=f"rove run received {name}",
+            ),
+            deadline_s=STOP_WAIT_S,
+        )
+    except RoveError as exc:
+        return f"agent received {name}; the job's stop could not be recorded: {plain(exc)}", None
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        runner = master.runner
+        if runner is not None and runner.state.phase.terminal:
+            state = runner.state
+            return f"job {job} {state.phase.value}: {state.end_reason}", state
+        await asyncio.sleep(0.05)
+    return (
+        f"agent received {name}; its master did not end the job within {STOP_WAIT_S:.0f}s "
+        "(rove status tells where it stands)"
+    ), None

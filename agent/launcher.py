@@ -421,7 +421,15 @@ async def _run_job(
         # (--standalone: this process keeps the job's NATS server; each restart is a fact)
         bus.server_restarted.append(agent.facts.nats_server_restarted)
         code = await agent.run()
-        say(agent.status.end_reason)
+        if runner is not None and signals.received:
+            said, ended = await endings.stopped(bus, cfg.job, cfg.node, runner, signals.received[0])
+            if ended is not None and ended.ckpt.committed is not None:
+                # (the step its breakpoint persisted, committed as the job ended: recorded
+                # on storage by this node, as its agent would have, for the next run)
+                await agent.checkpoints.commit(ended.ckpt.committed, ended.rdzv.round)
+            say(said)
+        else:
+            say(agent.status.end_reason)
         if code != 0 and agent.status.failure is not None:
             for line in endings.summary(cfg.node, *agent.status.failure):
                 say(line)

@@ -5,7 +5,9 @@ Out-of-range numbers are refused before anything starts."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import pytest
 
 from rove.control.bus.embedded import EmbeddedServer
 from tests.support import (
+    TRAIN,
     MasterProc,
     RunProc,
     free_port,
@@ -131,6 +134,54 @@ def test_sigterm_while_training_is_passed_to_the_workers(tmp_path: Path) -> None
     job.signal(signal.SIGTERM)
     assert job.ended(within=60) == 128 + signal.SIGTERM
     assert {(out / f"{r}.signal").read_text() for r in "01"} == {"SIGTERM"}
+
+
+@pytest.mark.slow
+def test_a_standalone_job_stopped_by_ctrl_c_ends_stopped_and_a_rerun_goes_on_from_its_save(
+    tmp_path: Path,
+) -> None:
+    """Its one node gone, nobody else could go on with the job: it ends `stopped`, with
+    the step its breakpoint persisted committed (it used to stay `running` in its stored
+    history for good, the step persisted but never recorded as committed, and a rerun
+    under its name joined that run or started afresh beside the saved step)."""
+    ckpt = tmp_path / "ckpt"
+    args = ("--standalone", "--job", "cc", "--nproc-per-node", "1", "--checkpoint-dir", str(ckpt))
+    train = (str(TRAIN), "--data", "generated", "--ckpt-every", "5", "--log-every", "10")
+    job = Watched(
+        tmp_path,
+        "cc1",
+        *args,
+        "--save-at-breakpoint",
+        *train,
+        "--steps",
+        "100000",
+        *("--step-sleep", "0.02"),
+    )
+    job.wait_for(lambda: "step 20/" in job.run.log())
+    job.signal(signal.SIGINT, group=True)
+    assert job.ended(within=60) == 128 + signal.SIGINT
+    said = re.search(
+        r"rove: job cc stopped: rove run received SIGINT; its last checkpoint, step (\d+), "
+        r"is committed to storage",
+        job.run.log(),
+    )
+    assert said is not None, job.run.log()[-3000:]
+    saved = int(said[1])
+    assert saved >= 20
+    status = rove_cli("status", "--job", "cc", check=True).stdout
+    assert status.startswith("job cc: stopped (rove run received SIGINT"), status
+    rerun_at = time.time()
+    again = RunProc(tmp_path, "cc2", *args, *train, "--steps", str(saved + 10))
+    assert again.wait(120) == 0, again.log()[-3000:]
+    log = again.log()
+    assert f"found step {saved} committed in {ckpt}" in log
+    assert f"restored step {saved} from storage" in log, log[-3000:]
+    assert "rove: job cc finished" in log
+    (row,) = [
+        json.loads(line) for line in rove_cli("jobs", "--json", check=True).stdout.splitlines()
+    ]
+    assert (row["state"], row["rounds"]) == ("finished", 1), "the newest run's"
+    assert row["start"] >= rerun_at, "the newest run's start, not the first run's"
 
 
 @pytest.mark.slow
