@@ -152,4 +152,12 @@ _ready = os.environ.pop("ROVE_WARM_READY_FILE", None)
 if _ready:
     _exit_at_once_in(os.getpid())
     if _safe:
-        _write(Path(_ready), {"modules": list(sys.modules)})
+        try:
+            _write(Path(_ready), {"modules": list(sys.modules)})
+        except OSError as exc:
+            if not Path(_ready).parent.is_dir():
+                # its agent is gone, its folder with it (a job shorter than this server's
+                # imports): nobody waits for it. (It printed a traceback on the console of
+                # a job that had ended.)
+                os._exit(0)
+            print(f"rove: the warm server could not say it is ready: {plain(exc)}", file=sys.stderr)

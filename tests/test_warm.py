@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -402,3 +403,14 @@ async def test_a_starved_full_server_that_may_not_be_reniced_is_replaced(
         assert forkservers.escalate() is False, "once"
     finally:
         _stop_servers(forkservers)
+
+
+def test_a_warm_server_whose_agent_is_gone_ends_quietly(tmp_path: Path) -> None:
+    """A job shorter than its quick server's imports: the agent removed the server's
+    folder before it could say it was ready. It printed a traceback on the console of
+    the job that had ended; it now ends quietly."""
+    gone = tmp_path / "gone" / "ready"
+    code = "import rove.agent.warm_ready\nprint('went on')"
+    env = {**os.environ, "ROVE_WARM_READY_FILE": str(gone)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
