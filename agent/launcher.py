@@ -550,10 +550,18 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
+def _reworded(message: str) -> str:
+    """argparse's "the following arguments are required: training_script,
+    training_script_args" (torchrun's too) as what is missing."""
+    if "required: training_script" in message:
+        return "no training script given: rove run [options] SCRIPT [ARGS...]"
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     given = list(argv) if argv is not None else sys.argv[1:]
-    suggest.install(parser, given)
+    suggest.install(parser, given, _reworded)
     args = parser.parse_args(given)
     logs.configure()
 

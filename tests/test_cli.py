@@ -201,6 +201,13 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
         ),
         (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
         (
+            ["run", "--standalone", "--nproc-per-node", "2"],
+            common.EXIT_USAGE,
+            "rove run: no training script given: rove run [options] SCRIPT [ARGS...]; "
+            "see rove run --help",
+        ),
+        (["run", "--standalone", "--bogus", "x.py"], common.EXIT_USAGE, "unrecognized arguments"),
+        (
             ["run", "--nproc-per-node", "gpu", "examples/train.py"],
             common.EXIT_USAGE,
             "--nproc-per-node gpu: torch sees no CUDA GPU on this machine",
@@ -260,6 +267,7 @@ def test_user_mistakes_get_one_clear_line_and_an_exit_code(
     assert message in out.stderr
     assert "Traceback" not in out.stderr
     assert f"rove {args[0]}: rove {args[0]}" not in out.stderr, "the prefix is said once"
+    assert "usage:" not in out.stderr, "one line, not argparse's usage (45 lines for rove run)"
 
 
 def test_run_help_tells_what_rove_does_with_torchruns_flags() -> None:
