@@ -176,6 +176,11 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
         (["status", "--job", "j1"], common.EXIT_UNKNOWN_JOB, "no job 'j1' on this machine"),
         (["stop", "--job", "j1"], common.EXIT_USAGE, "no NATS server to connect to"),
         (["status", "--jbo", "j1"], common.EXIT_USAGE, "(did you mean: --jbo → --job?)"),
+        (
+            ["goodput"],
+            common.EXIT_USAGE,
+            "rove goodput: which job? give --job J (rove jobs lists the jobs kept on this machine)",
+        ),
         (["stauts", "--job", "j1"], common.EXIT_USAGE, "(did you mean: stauts → status?)"),
         (
             ["events", "--job", "j1", "--since", "yesterday", "--nats", "nats://x:1"],

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _reworded(message: str) -> str:
+    """argparse's "the following arguments are required: --job" as a question with
+    where to find the answer."""
+    if message.endswith("required: --job"):
+        return "which job? give --job J (rove jobs lists the jobs kept on this machine)"
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
@@ -78,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return leave(run_main(argv[1:]))
     parser = build_parser()
-    suggest.install(parser, argv)
+    suggest.install(parser, argv, _reworded)
     args = parser.parse_args(argv)
     # Daemons tell what they do; one-shot commands print their answer and only warnings.
     logs.configure(args.log_level or ("info" if args.command in _DAEMONS else "warning"))

@@ -57,4 +57,4 @@ def install(
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                install(sub, argv)
+                install(sub, argv, reword)
