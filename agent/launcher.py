@@ -37,7 +37,7 @@ from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.heartbeat import HEARTBEATS_PER_S, interval_for
-from rove.agent.run_args import build_parser, launch_config, warn_ignored
+from rove.agent.run_args import build_parser, launch_config, reworded, warn_ignored
 from rove.agent.script import unrunnable
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
@@ -550,18 +550,10 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _reworded(message: str) -> str:
-    """argparse's "the following arguments are required: training_script,
-    training_script_args" (torchrun's too) as what is missing."""
-    if "required: training_script" in message:
-        return "no training script given: rove run [options] SCRIPT [ARGS...]"
-    return message
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     given = list(argv) if argv is not None else sys.argv[1:]
-    suggest.install(parser, given, _reworded)
+    suggest.install(parser, given, reworded)
     args = parser.parse_args(given)
     logs.configure()
 

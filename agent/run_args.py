@@ -387,3 +387,11 @@ def launch_config(args: argparse.Namespace) -> tuple[Launch, str | None, list[st
     if launch.max_nodes < args.node_unit:
         raise ConfigError(f"--nnodes max {launch.max_nodes} is smaller than --node-unit")
     return launch, cmd, cmd_args
+
+
+def reworded(message: str) -> str:
+    """argparse's "the following arguments are required: training_script,
+    training_script_args" (torchrun's too) as what is missing."""
+    if "required: training_script" in message:
+        return "no training script given: rove run [options] SCRIPT [ARGS...]"
+    return message
