@@ -19,12 +19,12 @@ import time
 
 from rove.control.bus import embedded, records, stored
 from rove.control.bus.client import Bus
-from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp
 from rove.control.errors import RoveError, UnknownJobError
 from rove.control.flags import options as common
 from rove.control.history import jobs as jobs_mod
+from rove.control.history import runs
 from rove.control.master.evolve import evolve
 from rove.control.master.state import initial
 from rove.control.process import aio
@@ -77,22 +77,16 @@ async def summary(job: str) -> jobs_mod.Summary:
     try:
         args = _local_nats_args()
         state, ledger = initial(job), gp.Ledger()
-        # the newest run's: what follows a run's end belongs to the next run if one starts
-        # (its node's join comes first), as `rove goodput` and `rove status` read it
-        after_end: gp.Ledger | None = None
         async with await Bus.connect(common.bus_options(args, name="rove-jobs", job=job)) as bus:
+            # the newest run's goodput, as `rove goodput` reads it (the state's fold
+            # leaves the earlier runs behind itself)
+            newest = runs.span(await runs.starts(bus, job), None)
 
             def fold(rec: records.Recorded) -> None:
-                nonlocal state, ledger, after_end
-                run = state.run
+                nonlocal state
                 state = evolve(state, rec.event, rec.seq)
-                if state.run != run:
-                    ledger, after_end = after_end or gp.Ledger(), None
-                ledger.add(rec.event)
-                if after_end is not None:
-                    after_end.add(rec.event)
-                elif isinstance(rec.event, ev.JobEnded):
-                    after_end = gp.Ledger()
+                if runs.within(rec.seq, newest):
+                    ledger.add(rec.event)
 
             await bus.read(subjects.EVENTS_STREAM, subjects.job_events(job), fold)
     except RoveError as exc:
