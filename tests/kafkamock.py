@@ -60,6 +60,7 @@ class ClickStream:
         from tests.support import ROOT, _registered
 
         self.name = "click stream producer"
+        self.topic = topic
         self.log_path = log_dir / "producer.log"
         with self.log_path.open("wb") as err:
             self.proc = subprocess.Popen(
@@ -81,6 +82,23 @@ class ClickStream:
 
     def produced(self) -> bool:
         return "produced" in self.log()
+
+    async def more(self, records: int, rate: float) -> None:
+        """Write `records` more into the same cluster (a second producer, that one ends)."""
+        import asyncio
+
+        from tests.support import ROOT, patience
+
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, str(ROOT / "examples" / "online.py"), "produce"),
+            *("--bootstrap", self.bootstrap, "--topic", self.topic),
+            *("--records", str(records), "--rate", str(rate)),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), patience(records / rate + 60))
+        said = err.decode(errors="replace")
+        assert proc.returncode == 0 and f"produced {records}" in said, said[-3000:]
 
     def stop(self) -> int:
         self.proc.kill()

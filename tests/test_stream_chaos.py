@@ -77,9 +77,10 @@ async def test_every_produced_offset_once_through_worker_agent_master_and_bridge
 async def test_a_stream_scales_from_two_nodes_to_one_and_back(bus: Bus, tmp_path: Path) -> None:
     """One agent dies a quarter into the stream: the job goes on with one node, the agent
     comes back and the job grows to two nodes again, still exactly once."""
-    # (at half the rate: a busy machine took 30 s from the kill to the node's return, and
-    # the stream had ended by then: the job finished on one node during the last call)
-    worlds = await chaos(bus, tmp_path, 7, [("agent", RECORDS // 4)], rate=RATE / 2)
+    # (the second half of the stream is written once the node is back: a busy machine
+    # took 30 s from the kill to the node's return, by when a stream written at a fixed
+    # rate had ended, and the job had finished on one node during the last call)
+    worlds = await chaos(bus, tmp_path, 7, [("agent", RECORDS // 4)], held=RECORDS // 2)
     assert 2 in worlds and worlds[-1] == 4, f"scaled 4 -> 2 -> 4 ranks: {worlds}"
 
 
@@ -121,14 +122,15 @@ async def joined_or_ended(bus: Bus, node: str, since: float) -> str:
 
 
 async def chaos(
-    bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]], rate: float = RATE
+    bus: Bus, tmp_path: Path, seed: int, plan: list[tuple[str, int]], held: int = 0
 ) -> list[int]:
-    """Run the job while the stream is produced (`rate` records a second), doing each
+    """Run the job while the stream is produced (`RATE` records a second), doing each
     (action, at records trained) of `plan`; check the lineage; return the world size of
-    each round."""
+    each round. The last `held` records are written once every action is done (the job
+    cannot end before them)."""
     rnd = random.Random(seed)
     trace = tmp_path / "trace.jsonl"
-    stream = ClickStream(tmp_path, RECORDS, rate)
+    stream = ClickStream(tmp_path, RECORDS - held, RATE)
     masters = {
         m: MasterProc(bus.url, JOB, m, tmp_path, "--node-timeout", "4") for m in ("m1", "m2")
     }
@@ -201,6 +203,8 @@ async def chaos(
                     nodes[node].stop()
                     late.add(node)
             done_actions.append(action)
+        if held:
+            await stream.more(held, RATE)
         procs = [*everyone, *masters.values(), *bridges]
         codes = await finished(bus, JOB, {n: p for n, p in nodes.items() if n not in late}, procs)
         assert set(codes.values()) == {0}, {n: p.log()[-3000:] for n, p in nodes.items()}
