@@ -24,8 +24,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[torch]'
 	touch $@
 
-$(VENV)/.installed-tests: $(VENV)/.installed $(S3VENV)/.installed
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[torch,tests]'
+# (the S3 server's environment installs beside the test tools: two pips at once, about
+# 25 s less of CI on two cores; the recipe fails if either fails)
+$(VENV)/.installed-tests: $(VENV)/.installed
+	$(MAKE) --no-print-directory $(S3VENV)/.installed & s3=$$!; \
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[torch,tests]'; rc=$$?; \
+	wait $$s3 && exit $$rc
 	touch $@
 
 # The S3 server the object-store checkpoint tests run against (moto's, tests/s3server.py),
