@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from rove.control.catalogue import events as ev
 from rove.control.master.decide import decide
 from tests import factories
@@ -85,6 +87,40 @@ def test_status_says_when_nothing_was_ever_persisted() -> None:
     s.apply(factories.persisted("n2", 7, (2, 3)))
     s.tick()
     assert "committed step 7" in render(status_view(s.state, s.liveness, None, s.now))
+
+
+def test_status_of_an_ended_job_says_what_was_durable_and_what_was_in_memory_only() -> None:
+    """Once the job ended its shared memory is freed: no "yet", no "losing a node", and
+    the steps newer than the committed one are said to have been in memory only."""
+    from rove.control.cli.status_cmd import render, status_view
+
+    s = running()
+    s.apply(factories.in_memory("n1", 7, (0, 1)))
+    s.apply(factories.in_memory("n2", 7, (2, 3)))
+    s.apply(factories.succeeded("n1", 1))
+    s.apply(factories.succeeded("n2", 1))
+    s.tick()
+    assert s.state.phase is ev.JobPhase.FINISHED
+    s.apply(msgspec.structs.replace(factories.left("n1"), reason="job j1 finished: x"))
+    text = render(status_view(s.state, s.liveness, None, s.now))
+    assert (
+        "checkpoints: none persisted; the newest was in memory only: n1 step 7, n2 step 7" in text
+    )
+    assert "yet" not in text and "losing a node" not in text, text
+    assert "ended after round 1; no restart" in text, text
+    assert "* n1 left as the job ended" in text, text
+
+    s = running()
+    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+        s.apply(factories.persisted(node, 5, ranks))
+        s.apply(factories.in_memory(node, 5, ranks))
+    s.apply(factories.in_memory("n1", 6, (0, 1)))
+    s.tick()
+    s.apply(factories.succeeded("n1", 1))
+    s.apply(factories.succeeded("n2", 1))
+    s.tick()
+    text = render(status_view(s.state, s.liveness, None, s.now))
+    assert "checkpoints: committed step 5; newer steps were in memory only: n1 step 6" in text
 
 
 def rounds(s: Sim) -> list[ev.RoundCompleted]:

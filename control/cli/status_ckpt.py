@@ -26,25 +26,38 @@ def view(c: CkptState) -> dict[str, Any]:
     }
 
 
-def line(ck: dict[str, Any]) -> str:
-    """One line of what the checkpoints are ('' before any)."""
+def line(ck: dict[str, Any], ended: bool = False) -> str:
+    """One line of what the checkpoints are ('' before any). Of an `ended` job: what was
+    durable at its end, and which newer steps were in memory only (freed since)."""
     if not ck["in_memory"] and ck["committed_step"] is None:
         return ""
-    memory = ", ".join(f"{n} step {s}" for n, s in sorted(ck["in_memory"].items()))
-    committed = (
-        f"committed step {ck['committed_step']}"
-        if ck["committed_step"] is not None
-        else "nothing persisted yet: a lost node's steps come back only from its peers"
-        if ck["replicas"]
-        else "nothing persisted yet: losing a node loses its in-memory steps"
-    )
-    text = f"checkpoints: {committed}; in memory: {memory or '-'}"
+    committed = ck["committed_step"]
+    if ended:
+        newer = {n: s for n, s in ck["in_memory"].items() if committed is None or s > committed}
+        memory = ", ".join(f"{n} step {s}" for n, s in sorted(newer.items()))
+        text = "checkpoints: " + (
+            f"committed step {committed}" if committed is not None else "none persisted"
+        )
+        if memory:
+            text += f"; {'newer steps were' if committed is not None else 'the newest was'}"
+            text += f" in memory only: {memory}"
+    else:
+        memory = ", ".join(f"{n} step {s}" for n, s in sorted(ck["in_memory"].items()))
+        text = "checkpoints: " + (
+            f"committed step {committed}"
+            if committed is not None
+            else "nothing persisted yet: a lost node's steps come back only from its peers"
+            if ck["replicas"]
+            else "nothing persisted yet: losing a node loses its in-memory steps"
+        )
+        text += f"; in memory: {memory or '-'}"
     if ck["restored"] is not None:
         got = ck["restored"]
         fetched = (
             f", {counted(got['fetched_ranks'], 'rank')} fetched" if got["fetched_ranks"] else ""
         )
-        text += f"; this round restored step {got['step']} from {got['source']}{fetched}"
+        which = "its last round" if ended else "this round"
+        text += f"; {which} restored step {got['step']} from {got['source']}{fetched}"
     if ck["replicas"]:
         text += "; on peers: " + ", ".join(
             f"{n} step {r['step']} on {'+'.join(r['held_by'])}"

@@ -223,13 +223,17 @@ def _tf_lines(tf: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _why_lines(nodes: list[dict[str, Any]]) -> list[str]:
+def _why_lines(nodes: list[dict[str, Any]], ending: str = "") -> list[str]:
     """Why the nodes marked * in the table are as they are: one line per reason, the
-    nodes with the same one together (a table column would be as wide as the longest)."""
+    nodes with the same one together (a table column would be as wide as the longest).
+    A node that left saying the job's `ending` ("job J finished") left as the job ended:
+    the first line says how."""
     by_reason: dict[str, list[str]] = {}
     for n in nodes:
         if n["reason"]:
-            by_reason.setdefault(f"{n['status']}: {n['reason']}", []).append(n["node"])
+            as_ended = ending and n["reason"].startswith(f"{ending}:")
+            why = f"{n['status']} as the job ended" if as_ended else f"{n['status']}: {n['reason']}"
+            by_reason.setdefault(why, []).append(n["node"])
     return [f"* {', '.join(names)} {why}" for why, names in by_reason.items()]
 
 
@@ -248,7 +252,11 @@ def _mib(v: int | None) -> str:
 def _round_line(view: dict[str, Any]) -> str:
     restarts = f"{view['restarts']} of {view['max_restarts']} restarts used"
     if view["phase"] in _ENDED:
-        return f"ended after round {view['round']}; {restarts}" if view["round"] else "no round"
+        if not view["round"]:
+            return "no round"
+        return (
+            f"ended after round {view['round']}; {restarts if view['restarts'] else 'no restart'}"
+        )
     if view["round_active"]:
         text = (
             f"round {view['round']}: {counted(len(view['members']), 'node')}, world size "
@@ -508,7 +516,8 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
             f"last failure: rank {f['rank']} on {f['node']} in round {f['round']}: "
             f"{f['kind']}: {f['reason']}"
         )
-    line = status_ckpt.line(view["checkpoints"])
+    ended = view["phase"] in _ENDED
+    line = status_ckpt.line(view["checkpoints"], ended)
     if line:
         lines.append(line)
     for ds in view["datasets"]:
@@ -573,7 +582,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
         lines.append("no nodes have joined")
     if len(rows) < len(view["nodes"]):
         lines.append(rest_line(view["nodes"], len(rows)))
-    lines.extend(_why_lines(shown))
+    lines.extend(_why_lines(shown, f"job {view['job']} {view['phase']}" if ended else ""))
     if view["recent_rejections"]:
         lines.append("")
         lines.append("recently rejected messages:")
