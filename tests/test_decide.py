@@ -127,9 +127,12 @@ def test_a_node_that_joins_an_ended_job_starts_its_next_run_from_scratch() -> No
     s.tick()
     assert s.state.phase is ev.JobPhase.FINISHED
     assert s.tick(60) == [], "an ended job decides nothing while no node joins it"
+    s.apply(factories.left("n1"))  # what the first run's node said after its end
     s.join("n2", inc="i2")
+    joined_at = s.state.nodes["n2"].joined_seq
     (started,) = s.tick()
     assert isinstance(started, ev.RunStarted) and (started.run, started.node) == (2, "n2")
+    assert started.since == joined_at > s.state.ended_seq, "the run begins at n2's join"
     assert s.state.run == 2 and s.state.phase is ev.JobPhase.PENDING and not s.state.nodes
     assert (s.state.leader, s.state.epoch) == ("m1", 1), "the leadership goes on"
     assert s.state.counters.rounds == 1, "the counts go on"

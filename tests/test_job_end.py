@@ -198,6 +198,11 @@ async def test_a_rerun_under_an_ended_jobs_name_is_its_next_run_and_the_earlier_
     first = rove_cli("events", "--job", "again", "--run", "1", "--nats", bus.url, check=True)
     assert "node_joined" in first.stdout and "n1" in first.stdout
     assert "n2" not in first.stdout and "run_started" not in first.stdout
+    # n1 leaving after its run ended is its run's (it began the second run's goodput once)
+    assert "node_left" in first.stdout.splitlines()[-1], first.stdout
+    second_events = rove_cli("events", "--job", "again", "--run", "2", "--nats", bus.url)
+    assert "node_joined" in second_events.stdout.splitlines()[0], second_events.stdout
+    assert "n1" not in second_events.stdout, second_events.stdout
     second = rove_cli("status", "--job", "again", "--run", "2", "--nats", bus.url, check=True)
     assert second.stdout.startswith("job again (run 2): finished"), second.stdout
     assert "n2" in second.stdout and "n3" not in second.stdout

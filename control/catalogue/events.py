@@ -479,10 +479,14 @@ class JobEnded(Decision, tag="job_ended", frozen=True, kw_only=True):
 class RunStarted(Decision, tag="run_started", frozen=True, kw_only=True):
     """The job had ended and `node` joined it again (`rove run` under an ended job's
     name, as torchrun reruns an `--rdzv-id`): run number `run` of the job starts from
-    scratch. What came before it belongs to the earlier runs (`rove events --run N`)."""
+    scratch. What came before it belongs to the earlier runs (`rove events --run N`):
+    the run begins at `since`, the stream sequence of `node`'s join; what the earlier
+    run's nodes said after its end (their leaving) is the earlier run's. (`since` 0, in
+    events recorded before it was: the run begins right after the end before it.)"""
 
     run: int
     node: str
+    since: int = 0
 
 
 class EventRejected(Decision, tag="event_rejected", frozen=True, kw_only=True):

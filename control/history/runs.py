@@ -18,16 +18,20 @@ from rove.control.errors import ConfigError
 
 
 async def starts(bus: Bus, job: str) -> dict[int, int]:
-    """Run number -> the stream sequence it starts at: run 1 at 0, each later run right
-    after the end of the one before (the join that started it belongs to it)."""
+    """Run number -> the stream sequence it starts at: run 1 at 0, each later run at the
+    join that started it (`RunStarted.since`; what the nodes of the run before said after
+    its end, their leaving, is that run's). A run recorded without `since` starts right
+    after the end of the one before."""
     ends: list[int] = []
     found = {1: 0}
 
     def add(rec: records.Recorded) -> None:
-        if isinstance(rec.event, ev.JobEnded):
+        e = rec.event
+        if isinstance(e, ev.JobEnded):
             ends.append(rec.seq)
-        elif isinstance(rec.event, ev.RunStarted) and rec.event.run not in found:
-            found[rec.event.run] = max((e for e in ends if e < rec.seq), default=rec.seq - 1) + 1
+        elif isinstance(e, ev.RunStarted) and e.run not in found:
+            after_end = max((s for s in ends if s < rec.seq), default=rec.seq - 1) + 1
+            found[e.run] = e.since if after_end <= e.since < rec.seq else after_end
 
     await bus.read(subjects.EVENTS_STREAM, subjects.master(job, "*"), add)
     return found

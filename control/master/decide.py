@@ -129,11 +129,13 @@ def _next_run(state: JobState, now: float) -> list[ev.Decision]:
     if not joined:
         return []
     run = state.run + 1
+    first = min(joined, key=lambda n: n.joined_seq)
     return [
         ev.RunStarted(
             **ev.decision_envelope(state.job, state.epoch, state.leader, now, "run_started", run),
             run=run,
-            node=min(joined, key=lambda n: n.joined_seq).node,
+            node=first.node,
+            since=first.joined_seq,
         )
     ]
 
