@@ -173,6 +173,41 @@ async def test_a_feed_whose_consumer_dies_unhealed_is_resubscribed_and_loses_not
     await feed.stop()
 
 
+async def test_a_handler_that_raises_a_bug_is_said_with_its_traceback_and_ends_a_reader(
+    bus: Bus,
+) -> None:
+    """A handler's own bug (not a RoveError) on a message that arrives live: it used to
+    reach nats-py's error callback, said as "NATS client error" without a traceback,
+    and a reader waiting for the backlog waited for ever. Now the feed says it with the
+    stream, sequence and traceback, goes on with the next message, and a reader
+    (`Bus.read`, `Feed.settled`) raises it."""
+    got: list[str] = []
+
+    def handle(rec: records.Recorded | records.Rejection) -> None:
+        assert isinstance(rec, records.Recorded) and isinstance(rec.event, ev.NodeJoined)
+        if rec.event.node == "n2":
+            raise KeyError("a bug in the handler")
+        got.append(rec.event.node)
+
+    with structlog.testing.capture_logs() as logs:
+        feed = await bus.subscribe(
+            subjects.EVENTS_STREAM, subjects.job_events("j1"), handle, handle
+        )
+        for n in (1, 2, 3):
+            await bus.publish(factories.joined(f"n{n}", n=n))
+        await eventually(lambda: got == ["n1", "n3"], timeout=30)
+        await feed.stop()
+    assert isinstance(feed.error, KeyError) and feed.failed.is_set()
+    said = [e for e in logs if e["event"] == "a handler failed on a message; skipped"]
+    assert [(e["seq"], e["log_level"]) for e in said] == [(2, "error")], logs
+    assert isinstance(said[0]["exc_info"], KeyError)
+    assert not any(e["event"] == "NATS client error" for e in logs), logs
+    with pytest.raises(KeyError, match="a bug in the handler"):
+        await asyncio.wait_for(
+            bus.read(subjects.EVENTS_STREAM, subjects.job_events("j1"), handle), patience(30)
+        )
+
+
 async def test_publish_survives_a_server_restart_within_its_deadline(tmp_path: Path) -> None:
     port = free_port()
     server = EmbeddedServer(tmp_path / "nats", port=port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import time
@@ -104,6 +105,34 @@ async def test_events_follow_prints_new_events_as_they_arrive(bus: Bus) -> None:
     finally:
         proc.terminate()
         proc.wait(patience(10))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("events",), ("events", "--json"), ("events", "--follow"), ("status",)],
+    ids=["events", "json", "follow", "status"],
+)
+async def test_a_command_whose_reader_went_away_ends_quietly(
+    bus: Bus, command: tuple[str, ...]
+) -> None:
+    """`rove events --job J | head -1`: the reader closes the pipe. `rove events` used to
+    go on for ever, saying "NATS client error: Broken pipe" for each event, and `rove
+    status` printed a traceback; each ends now, with nothing on stderr and 141, as a
+    command killed by SIGPIPE."""
+    await seed(bus)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: every write fails
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "rove.control.cli.main"),
+            *(*command, "--job", "j1", "--nats", bus.url),
+            stdout=write,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    finally:
+        os.close(write)
+    _, err = await asyncio.wait_for(proc.communicate(), patience(60))
+    assert (proc.returncode, err.decode()) == (141, "")
 
 
 async def test_status_shows_leader_nodes_and_heartbeats(bus: Bus) -> None:

@@ -140,7 +140,7 @@ class Bus:
                 url = await asyncio.to_thread(server.start)
             except BaseException:
                 await asyncio.to_thread(server.stop)
-                _discard_scratch(options)
+                stored.discard_read_copy(options)
                 raise
         servers = bus_options.servers(url)
         try:
@@ -156,7 +156,7 @@ class Bus:
         except BaseException:
             if server is not None:
                 await asyncio.to_thread(server.stop)
-            _discard_scratch(options)
+            stored.discard_read_copy(options)
             raise
         bus = cls(nc, options, server)
         if options.create_streams:
@@ -178,7 +178,7 @@ class Bus:
         await connection.quiet_close(self.nc)
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
-        _discard_scratch(self.options)
+        stored.discard_read_copy(self.options)
 
     @property
     def stored_job(self) -> bool:
@@ -446,8 +446,9 @@ class Bus:
         Starts at `start_seq`, or at `start_time`, or with the newest message
         per subject (`last_per_subject`), else at the beginning. Handlers may
         be coroutines. A handler that raises a `RoveError` is logged with the
-        message's sequence and the feed goes on; anything else propagates
-        (nats-py reports it through the error callback).
+        message's sequence and the feed goes on; anything else is a bug, logged with
+        its traceback and kept in `feed.error` (a one-shot reader raises it:
+        `Feed.settled`), and the feed goes on; in the first catch-up it propagates.
         """
         target = await self.last_seq(stream, subject_filter)
         feed = Feed(sub=None, target_seq=target)
@@ -507,9 +508,13 @@ class Bus:
 
         async def on_msg(msg: Msg) -> None:
             seq, pending = ack_position(msg.reply)
-            result = deliver(seq, msg.subject, msg.data, pending)
-            if result is not None:
-                await result
+            try:
+                result = deliver(seq, msg.subject, msg.data, pending)
+                if result is not None:
+                    await result
+            except Exception as exc:  # noqa: BLE001 - a bug in a handler: said with its traceback
+                feed.handler_failed(exc, stream, seq, msg.subject)
+                mark(seq, pending)
 
         from_time = start_time is not None or last_per_subject
         if not from_time and target - first + 1 >= catchup.MIN_BACKLOG:
@@ -589,12 +594,6 @@ class Bus:
         return (dead letters are skipped: `rove events` shows them)."""
         feed = await self.subscribe(stream, subject_filter, on_recorded, lambda _rej: None)
         try:
-            await feed.caught_up.wait()
+            await feed.settled()
         finally:
             await feed.stop()
-
-
-def _discard_scratch(options: BusOptions) -> None:
-    """Delete the scratch copy of an ended job's store that `options` read from."""
-    if options.stored_job is not None and options.embedded_dir is not None:
-        stored.discard(options.embedded_dir)

@@ -80,8 +80,40 @@ class Feed:
     recheck: bool = False
     #: `sub` was unsubscribed and no new one could be made yet (the next look makes one)
     unsubscribed: bool = False
+    #: the first exception a handler raised that is not a `RoveError` (a bug)
+    error: BaseException | None = None
+    #: set with `error`: a one-shot reader waits for `caught_up` or this (`settled`)
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _told: list[Callable[[], None]] | None = None
+
+    def handler_failed(self, exc: BaseException, stream: str, seq: int, subject: str) -> None:
+        """A handler raised `exc` on message `seq`: say it with its traceback and what it
+        was reading (a long-lived reader goes on with the next message), and keep it for
+        a reader that waits (`settled`)."""
+        log.error(
+            "a handler failed on a message; skipped",
+            stream=stream,
+            seq=seq,
+            subject=subject,
+            exc_info=exc,
+        )
+        if self.error is None:
+            self.error = exc
+        self.failed.set()
+
+    async def settled(self) -> None:
+        """Wait until the backlog is delivered; raise what a handler raised meanwhile (a
+        reader whose handler fails would otherwise wait for ever, or read a hole)."""
+        caught_up = asyncio.ensure_future(self.caught_up.wait())
+        failed = asyncio.ensure_future(self.failed.wait())
+        try:
+            await asyncio.wait((caught_up, failed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            caught_up.cancel()
+            failed.cancel()
+        if self.error is not None:
+            raise self.error
 
     def hear_reconnections(self, listeners: list[Callable[[], None]]) -> None:
         """Be told of each reconnection (`listeners`: the client's, until `stop()`)."""

@@ -16,11 +16,15 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from rove.control.bus import embedded
 from rove.control.errors import ConfigError
 from rove.control.process import logs, tempdirs
+
+if TYPE_CHECKING:
+    from rove.control.bus.options import BusOptions
 
 log = logs.get("rove.stored")
 
@@ -92,3 +96,9 @@ class StoredJob:
 
 def discard(scratch: Path) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def discard_read_copy(options: BusOptions) -> None:
+    """Delete the scratch copy of an ended job's store that `options` read from."""
+    if options.stored_job is not None and options.embedded_dir is not None:
+        discard(options.embedded_dir)

@@ -75,18 +75,27 @@ async def _run(args: argparse.Namespace) -> int:
             (0, None) if args.run is None else runs.span(await runs.starts(bus, args.job), args.run)
         )
 
+        # set once whoever reads the output stopped (`rove events | head`): the feed's
+        # handler cannot end the command itself
+        gone = asyncio.Event()
+
+        def write(text: str) -> None:
+            if gone.is_set():
+                return
+            try:
+                out.write(text)
+                out.flush()
+            except BrokenPipeError:
+                gone.set()
+
         def show(rec: records.Recorded) -> None:
             if not matches(rec.event, types, args.node) or not runs.within(rec.seq, bounds):
                 return
-            if args.json:
-                out.write(event_json(rec).decode() + "\n")
-            else:
-                out.write(event_line(rec) + "\n")
-            out.flush()
+            write((event_json(rec).decode() if args.json else event_line(rec)) + "\n")
 
         def bad(rej: records.Rejection) -> None:
             if not args.json:
-                out.write(f"{'':23}  #{rej.seq:<6} {'?':<24} {'(unreadable)':<16} {rej.error}\n")
+                write(f"{'':23}  #{rej.seq:<6} {'?':<24} {'(unreadable)':<16} {rej.error}\n")
 
         start_time = None
         if args.since is not None:
@@ -97,15 +106,22 @@ async def _run(args: argparse.Namespace) -> int:
             subjects.EVENTS_STREAM, subjects.job_events(args.job), show, bad, start_time=start_time
         )
         try:
-            if args.follow and not bus.stored_job:
-                await asyncio.Event().wait()
-            else:
-                await feed.caught_up.wait()
-                if args.follow:
-                    print(
-                        f"rove events: job {args.job} has ended: nothing more will come",
-                        file=sys.stderr,
-                    )
+            live = args.follow and not bus.stored_job  # until interrupted, or the reader goes
+            ended = asyncio.ensure_future(asyncio.Event().wait() if live else feed.settled())
+            stopped = asyncio.ensure_future(gone.wait())
+            try:
+                await asyncio.wait((ended, stopped), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ended.cancel()
+                stopped.cancel()
+            if gone.is_set():
+                raise BrokenPipeError  # (the CLI ends quietly: common.run_reporting)
+            ended.result()  # what a handler raised, if one did
+            if args.follow:
+                print(
+                    f"rove events: job {args.job} has ended: nothing more will come",
+                    file=sys.stderr,
+                )
         finally:
             await feed.stop()
     return common.EXIT_OK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import re
@@ -26,6 +27,8 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_UNKNOWN_JOB = 4
 EXIT_INTERRUPTED = 130
+#: the reader of the output went away (`rove events | head`): as a process killed by SIGPIPE
+EXIT_READER_GONE = 128 + 13
 
 
 _EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
@@ -47,6 +50,12 @@ def run_reporting(command: str, fn: Callable[[], int]) -> int:
         return EXIT_INTERRUPTED
     except aio.Interrupted as exc:  # a signal while it waited for its bus to start
         return 128 + exc.signum
+    except BrokenPipeError:
+        # Whoever read the output stopped reading (`| head`): end quietly, as `cat` does,
+        # and let nothing more be written where nobody reads (Python's exit flushes).
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_READER_GONE
 
 
 def add_job_arg(p: argparse.ArgumentParser) -> None:
