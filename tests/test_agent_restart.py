@@ -20,7 +20,7 @@ import pytest
 from rove.control.catalogue import events as ev
 from rove.control.master import checkpoints as ckpt
 from tests import factories
-from tests.support import patience
+from tests.support import patience, rove_cli
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
@@ -93,6 +93,7 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     seen = []
+    follower = None
     try:
         assert first.stdout is not None
         deadline = time.monotonic() + patience(180)
@@ -103,9 +104,27 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
                 break
         else:
             raise AssertionError("".join(seen)[-3000:])
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "rove.control.cli.main", "events", "--job", "again", "-f"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert follower.stdout is not None
+        assert follower.stdout.readline(), "it reads the job's server"
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
+    assert follower is not None
+    try:  # a follow ends with the job's server, saying the job did not end
+        _, unsaid = follower.communicate(timeout=patience(30))
+    finally:
+        follower.kill()
+    assert follower.returncode == 0 and "stopped without the job ending" in unsaid, unsaid
+    assert "NATS" not in unsaid, unsaid
+    later = rove_cli("events", "--job", "again", "-f", env={"ROVE_HOME": env["ROVE_HOME"]})
+    assert "stopped without the job ending" in later.stderr, "its stored events say so too"
     left = sorted(p.name for p in tmp.glob("rove-*"))
     assert any(n.startswith("rove-warm-quick-") for n in left), left  # (its warm server's)
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=patience(300))

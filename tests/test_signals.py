@@ -158,8 +158,21 @@ def test_a_standalone_job_stopped_by_ctrl_c_ends_stopped_and_a_rerun_goes_on_fro
         *("--step-sleep", "0.02"),
     )
     job.wait_for(lambda: "step 20/" in job.run.log())
+    follower = subprocess.Popen(  # `rove events --follow` ends as the job does
+        [sys.executable, "-m", "rove.control.cli.main", "events", "--job", "cc", "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     job.signal(signal.SIGINT, group=True)
     assert job.ended(within=60) == 128 + signal.SIGINT
+    try:
+        followed, unsaid = follower.communicate(timeout=patience(30))
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, unsaid
+    assert unsaid == "rove events: job cc has ended: nothing more will come\n", unsaid
+    assert "job_ended" in followed and "phase=stopped" in followed, followed[-2000:]
     said = re.search(
         r"rove: job cc stopped: rove run received SIGINT; its last checkpoint, step (\d+), "
         r"is committed to storage",

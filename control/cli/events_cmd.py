@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import sys
 import time
 
-from rove.control.bus import records
+from rove.control.bus import records, stored
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
@@ -17,6 +18,9 @@ from rove.control.errors import ConfigError
 from rove.control.flags import options as common
 from rove.control.history import runs
 from rove.control.process import aio
+
+#: how often a follow of a job's own server looks whether it still answers
+SERVER_CHECK_S = 1.0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,8 +69,14 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace) -> int:
     options = common.bus_options(args, name="rove-events", job=args.job, daemon=args.follow)
+    # Following a job whose server is its own `rove run --standalone` on this machine:
+    # the server stops as the job ends; losing it is the end of the follow, not news.
+    own_server = args.follow and not args.nats and options.stored_job is None
+    if own_server:
+        options = dataclasses.replace(options, says_connection=False)
     types = set(args.types) if args.types else None
     out = sys.stdout
+    ended: list[bool] = [False]  # the newest run's job_ended was read
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
             raise common.no_such_job(bus, args.job)
@@ -89,6 +99,8 @@ async def _run(args: argparse.Namespace) -> int:
                 gone.set()
 
         def show(rec: records.Recorded) -> None:
+            if isinstance(rec.event, ev.JobEnded | ev.RunStarted):
+                ended[0] = isinstance(rec.event, ev.JobEnded)
             if not matches(rec.event, types, args.node) or not runs.within(rec.seq, bounds):
                 return
             write((event_json(rec).decode() if args.json else event_line(rec)) + "\n")
@@ -107,21 +119,38 @@ async def _run(args: argparse.Namespace) -> int:
         )
         try:
             live = args.follow and not bus.stored_job  # until interrupted, or the reader goes
-            ended = asyncio.ensure_future(asyncio.Event().wait() if live else feed.settled())
+            done = asyncio.ensure_future(
+                (_server_gone(args.job) if own_server else asyncio.Event().wait())
+                if live
+                else feed.settled()
+            )
             stopped = asyncio.ensure_future(gone.wait())
             try:
-                await asyncio.wait((ended, stopped), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((done, stopped), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                ended.cancel()
+                done.cancel()
                 stopped.cancel()
             if gone.is_set():
                 raise BrokenPipeError  # (the CLI ends quietly: common.run_reporting)
-            ended.result()  # what a handler raised, if one did
+            done.result()  # what a handler raised, if one did
             if args.follow:
                 print(
-                    f"rove events: job {args.job} has ended: nothing more will come",
+                    f"rove events: job {args.job} has ended: nothing more will come"
+                    if ended[0]
+                    else f"rove events: job {args.job}'s server on this machine stopped "
+                    "without the job ending (its rove run was killed?): nothing more will "
+                    "come; the same rove run command goes on with the job",
                     file=sys.stderr,
                 )
         finally:
             await feed.stop()
     return common.EXIT_OK
+
+
+async def _server_gone(job: str) -> None:
+    """Return once `job`'s own server on this machine no longer answers (its `rove run
+    --standalone` ended, and stopped it)."""
+    while True:  # (another process's state: looked at, as `rove logs --follow` does)
+        if await asyncio.to_thread(stored.running_url, job) is None:
+            return
+        await asyncio.sleep(SERVER_CHECK_S)
