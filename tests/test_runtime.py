@@ -777,7 +777,7 @@ async def test_a_full_disk_is_a_clear_event_training_goes_on_and_nothing_is_comm
             "nothing half-written is left"
         )
         status = rove_cli("status", "--job", JOB, "--nats", bus.url, check=True)
-        assert "nothing persisted yet" in status.stdout
+        assert "checkpoints: none persisted; the newest was in memory only" in status.stdout
         assert "persist failures (last: step" in status.stdout
     finally:
         master.stop()

@@ -76,7 +76,7 @@ async def _run(args: argparse.Namespace) -> int:
         options = dataclasses.replace(options, says_connection=False)
     types = set(args.types) if args.types else None
     out = sys.stdout
-    ended: list[bool] = [False]  # the newest run's job_ended was read
+    ended: list[bool] = [False]  # the newest run's job_ended was read (a live follow's)
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
             raise common.no_such_job(bus, args.job)
@@ -133,6 +133,8 @@ async def _run(args: argparse.Namespace) -> int:
             if gone.is_set():
                 raise BrokenPipeError  # (the CLI ends quietly: common.run_reporting)
             done.result()  # what a handler raised, if one did
+            if args.follow and not live:  # (`--since` may have passed over its end)
+                ended[0] = await runs.ended(bus, args.job)
             if args.follow:
                 print(
                     f"rove events: job {args.job} has ended: nothing more will come"

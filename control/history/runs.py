@@ -4,7 +4,7 @@ A job name can be run again, as torchrun runs an `--rdzv-id` again: a node that
 joins an ended job starts its next run (the master decides `run_started`; its fold
 leaves everything of the earlier runs behind). The events of all runs stay in the
 job's stream, so an earlier run stays readable: run N is the stretch of the stream
-after the end of run N-1 (run 1: from the beginning) up to the end of run N.
+from the join that started it (run 1: from the beginning) up to that of run N+1.
 """
 
 from __future__ import annotations
@@ -35,6 +35,19 @@ async def starts(bus: Bus, job: str) -> dict[int, int]:
 
     await bus.read(subjects.EVENTS_STREAM, subjects.master(job, "*"), add)
     return found
+
+
+async def ended(bus: Bus, job: str) -> bool:
+    """Whether the job's newest run has ended (its `job_ended` is the newest of those
+    and `run_started`)."""
+    newest: list[bool] = [False]
+
+    def add(rec: records.Recorded) -> None:
+        if isinstance(rec.event, ev.JobEnded | ev.RunStarted):
+            newest[0] = isinstance(rec.event, ev.JobEnded)
+
+    await bus.read(subjects.EVENTS_STREAM, subjects.master(job, "*"), add)
+    return newest[0]
 
 
 def span(found: dict[int, int], run: int | None) -> tuple[int, int | None]:
