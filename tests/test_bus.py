@@ -174,7 +174,7 @@ async def test_a_feed_whose_consumer_dies_unhealed_is_resubscribed_and_loses_not
 
 
 async def test_a_handler_that_raises_a_bug_is_said_with_its_traceback_and_ends_a_reader(
-    bus: Bus,
+    any_bus: Bus,
 ) -> None:
     """A handler's own bug (not a RoveError) on a message that arrives live: it used to
     reach nats-py's error callback, said as "NATS client error" without a traceback,
@@ -190,11 +190,11 @@ async def test_a_handler_that_raises_a_bug_is_said_with_its_traceback_and_ends_a
         got.append(rec.event.node)
 
     with structlog.testing.capture_logs() as logs:
-        feed = await bus.subscribe(
+        feed = await any_bus.subscribe(
             subjects.EVENTS_STREAM, subjects.job_events("j1"), handle, handle
         )
         for n in (1, 2, 3):
-            await bus.publish(factories.joined(f"n{n}", n=n))
+            await any_bus.publish(factories.joined(f"n{n}", n=n))
         await eventually(lambda: got == ["n1", "n3"], timeout=30)
         await feed.stop()
     assert isinstance(feed.error, KeyError) and feed.failed.is_set()
@@ -204,7 +204,7 @@ async def test_a_handler_that_raises_a_bug_is_said_with_its_traceback_and_ends_a
     assert not any(e["event"] == "NATS client error" for e in logs), logs
     with pytest.raises(KeyError, match="a bug in the handler"):
         await asyncio.wait_for(
-            bus.read(subjects.EVENTS_STREAM, subjects.job_events("j1"), handle), patience(30)
+            any_bus.read(subjects.EVENTS_STREAM, subjects.job_events("j1"), handle), patience(30)
         )
 
 

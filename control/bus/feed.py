@@ -32,7 +32,7 @@ import nats.js.errors
 
 from rove.control.bus import records
 from rove.control.errors import RoveError, plain
-from rove.control.process import logs
+from rove.control.process import aio, logs
 
 log = logs.get("rove.bus")
 
@@ -105,13 +105,8 @@ class Feed:
     async def settled(self) -> None:
         """Wait until the backlog is delivered; raise what a handler raised meanwhile (a
         reader whose handler fails would otherwise wait for ever, or read a hole)."""
-        caught_up = asyncio.ensure_future(self.caught_up.wait())
-        failed = asyncio.ensure_future(self.failed.wait())
-        try:
-            await asyncio.wait((caught_up, failed), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            caught_up.cancel()
-            failed.cancel()
+        with contextlib.suppress(aio.Stopped):
+            await aio.unless(self.failed, self.caught_up.wait())
         if self.error is not None:
             raise self.error
 

@@ -99,8 +99,7 @@ async def _run(args: argparse.Namespace) -> int:
                 gone.set()
 
         def show(rec: records.Recorded) -> None:
-            if isinstance(rec.event, ev.JobEnded | ev.RunStarted):
-                ended[0] = isinstance(rec.event, ev.JobEnded)
+            ended[0] = runs.ended_after(rec.event, ended[0])
             if not matches(rec.event, types, args.node) or not runs.within(rec.seq, bounds):
                 return
             write((event_json(rec).decode() if args.json else event_line(rec)) + "\n")
@@ -119,20 +118,15 @@ async def _run(args: argparse.Namespace) -> int:
         )
         try:
             live = args.follow and not bus.stored_job  # until interrupted, or the reader goes
-            done = asyncio.ensure_future(
-                (_server_gone(args.job) if own_server else asyncio.Event().wait())
-                if live
-                else feed.settled()
-            )
-            stopped = asyncio.ensure_future(gone.wait())
-            try:
-                await asyncio.wait((done, stopped), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                done.cancel()
-                stopped.cancel()
-            if gone.is_set():
-                raise BrokenPipeError  # (the CLI ends quietly: common.run_reporting)
-            done.result()  # what a handler raised, if one did
+            try:  # (raises what a handler raised, if one did)
+                await aio.unless(
+                    gone,
+                    (_server_gone(args.job) if own_server else asyncio.Event().wait())
+                    if live
+                    else feed.settled(),
+                )
+            except aio.Stopped:
+                raise BrokenPipeError from None  # (the CLI ends quietly: common.run_reporting)
             if args.follow and not live:  # (`--since` may have passed over its end)
                 ended[0] = await runs.ended(bus, args.job)
             if args.follow:

@@ -37,14 +37,20 @@ async def starts(bus: Bus, job: str) -> dict[int, int]:
     return found
 
 
+def ended_after(event: ev.Event, ended: bool) -> bool:
+    """Whether the job's newest run has ended once `event` is read, `ended` before it
+    (pure): its `job_ended` is the newest of those and `run_started`."""
+    if isinstance(event, ev.JobEnded | ev.RunStarted):
+        return isinstance(event, ev.JobEnded)
+    return ended
+
+
 async def ended(bus: Bus, job: str) -> bool:
-    """Whether the job's newest run has ended (its `job_ended` is the newest of those
-    and `run_started`)."""
+    """Whether the job's newest run has ended (`ended_after`, over its stored events)."""
     newest: list[bool] = [False]
 
     def add(rec: records.Recorded) -> None:
-        if isinstance(rec.event, ev.JobEnded | ev.RunStarted):
-            newest[0] = isinstance(rec.event, ev.JobEnded)
+        newest[0] = ended_after(rec.event, newest[0])
 
     await bus.read(subjects.EVENTS_STREAM, subjects.master(job, "*"), add)
     return newest[0]
