@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from rove.control.catalogue import events as ev
+from rove.control.domain import shards, words
 
 STATE_VERSION = 1
 
@@ -26,20 +27,47 @@ def saved_position(name: str, spec: ev.DatasetSpec, position: ev.DataPosition) -
     }
 
 
+#: What fixes a dataset's shards and their order (`rove.control.domain.shards`): a
+#: position carries over only to the same. The number of epochs does not change the
+#: order of the epochs before it, so a job resumed with more steps (and more epochs)
+#: goes on where it stood; `lease_s` changes nothing trained.
+ORDER_FIELDS = ("stream", "size", "shard_size", "seed", "shuffle")
+
+
 def read_position(state: dict[str, Any], name: str, spec: ev.DatasetSpec) -> ev.DataPosition:
-    """The position saved by `saved_position`, for the same dataset and parameters only.
+    """The position saved by `saved_position`, for the same dataset and shards only.
 
     Raises:
-        ValueError: it is another dataset's, or was saved with other parameters.
+        ValueError: it is another dataset's, was saved with other shards (another size,
+            shard size, seed or shuffle), or stands past the epochs `spec` has.
     """
     if state.get("dataset") != name:
         raise ValueError(
             f"this data position is for dataset {state.get('dataset')!r}, not {name!r}"
         )
     saved = msgspec.convert(state["spec"], ev.DatasetSpec)
-    if saved != spec:
+    differ = [f for f in ORDER_FIELDS if getattr(saved, f) != getattr(spec, f)]
+    if differ:
         raise ValueError(
-            f"the data position of {name} was saved with {saved}, but the data source has "
-            f"{spec}: positions only carry over to the same dataset parameters"
+            f"the data position of {name} was saved with {_fields(saved, differ)}, but the "
+            f"data source now has {_fields(spec, differ)}: a position carries over only to "
+            "the same shards (size, shard_size, seed, shuffle; the epochs may change). "
+            "Keep them as they were to resume, or train other data under another dataset "
+            "name, or another job name to start afresh"
         )
-    return msgspec.convert(state["position"], ev.DataPosition)
+    position = msgspec.convert(state["position"], ev.DataPosition)
+    top = max(
+        [*(last for _, last in position.done), *(r.key for r in position.partial)], default=-1
+    )
+    if not spec.stream and top >= shards.total(spec):
+        reached = shards.epoch_of(spec, top) + 1
+        raise ValueError(
+            f"the data position of {name} stands in epoch {reached}, past the "
+            f"{words.counted(spec.epochs, 'epoch')} the data source now has: give it at "
+            f"least {reached} epochs to resume there, or another job name to start afresh"
+        )
+    return position
+
+
+def _fields(spec: ev.DatasetSpec, names: list[str]) -> str:
+    return " ".join(f"{n}={getattr(spec, n)}" for n in names)

@@ -234,3 +234,27 @@ def test_a_state_that_grows_and_shrinks_mid_job_is_persisted_at_every_later_step
     assert json.loads((ckpt / "committed").read_text())["step"] == 14
     grown = sorted(ckpt.glob("step-00000008/rank-*.ckpt"))
     assert len(grown) == 2 and all(p.stat().st_size > 8_000_000 for p in grown), "whole"
+
+
+def test_a_job_run_again_with_more_steps_goes_on_from_its_step_and_its_data_position(
+    tmp_path: Path,
+) -> None:
+    """Training longer: the rerun asks for more epochs of the same shards, and goes on
+    from the committed step and the shards it had trained. (It failed on its first
+    step: "positions only carry over to the same dataset parameters".)"""
+    ckpt = tmp_path / "ckpt"
+    args = ("--standalone", "--job", "longer", "--checkpoint-dir", str(ckpt), str(TRAIN))
+    data = ("--samples", "640", "--shard-size", "32", "--ckpt-every", "5")  # 20 shards
+    first = RunProc(tmp_path, "first", *args, *data, "--steps", "10")  # 2 epochs
+    assert first.wait(120) == 0, first.log()[-3000:]
+    again = RunProc(tmp_path, "again", *args, *data, "--steps", "40")  # 5 epochs
+    assert again.wait(120) == 0, again.log()[-3000:]
+    log = again.log()
+    assert "restored step 10 from storage" in log, log[-3000:]
+    assert "rove: job longer finished" in log
+    events = _stored(tmp_path / "rove-home", "longer")
+    epochs = [e.spec.epochs for e in events if isinstance(e, ev.DatasetRegistered)]
+    assert (epochs[0], epochs[-1]) == (2, 5)
+    restored = [e for e in events if isinstance(e, ev.DataRestored) and e.step is not None]
+    assert restored, "the rerun's data follows its checkpoint's lineage"
+    assert (restored[-1].step, restored[-1].done_shards) == (10, 20), "a whole epoch done"
