@@ -4,6 +4,7 @@ in shared memory, and the round restores it from there: the pure rule, and a rea
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -116,15 +117,27 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
+    killed_at = time.time()
     assert follower is not None
     try:  # a follow ends with the job's server, saying the job did not end
         _, unsaid = follower.communicate(timeout=patience(30))
     finally:
         follower.kill()
-    assert follower.returncode == 0 and "stopped without the job ending" in unsaid, unsaid
+    cut = "was cut off (its rove run stopped without recording an end: killed"
+    assert follower.returncode == 0 and cut in unsaid, unsaid
     assert "NATS" not in unsaid, unsaid
-    later = rove_cli("events", "--job", "again", "-f", env={"ROVE_HOME": env["ROVE_HOME"]})
-    assert "stopped without the job ending" in later.stderr, "its stored events say so too"
+    home = {"ROVE_HOME": env["ROVE_HOME"]}
+    later = rove_cli("events", "--job", "again", "-f", env=home)
+    assert "was cut off" in later.stderr, "its stored events say so too"
+    # the stored job reads as cut off, not as running for ever
+    status = rove_cli("status", "--job", "again", env=home, check=True).stdout
+    assert status.startswith("job again: cut off while running (its rove run stopped"), status
+    assert "no master runs: nothing keeps the job's server" in status, status
+    (row,) = [json.loads(x) for x in rove_cli("jobs", "--json", env=home).stdout.splitlines()]
+    assert row["state"] == "cut off", row
+    assert row["start"] + row["seconds"] <= killed_at, "its time ends with its last event"
+    report = json.loads(rove_cli("goodput", "--job", "again", "--json", env=home).stdout)
+    assert report["cut_off"] is True and report["until"] <= killed_at, report
     left = sorted(p.name for p in tmp.glob("rove-*"))
     assert any(n.startswith("rove-warm-quick-") for n in left), left  # (its warm server's)
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=patience(300))
@@ -138,6 +151,8 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
     restored = re.search(r"they restore step (\d+) from memory", out)
     assert restored and int(restored[1]) in held and int(restored[1]) >= 5, out[-3000:]
     assert f"training from step {restored[1]} to 60" in out, out[-3000:]
+    (row,) = [json.loads(x) for x in rove_cli("jobs", "--json", env=home).stdout.splitlines()]
+    assert row["state"] == "finished", "the rerun went on with the run cut off, and ended it"
 
 
 def test_a_job_name_run_again_while_it_runs_is_refused_and_the_first_goes_on(

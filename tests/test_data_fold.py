@@ -535,11 +535,19 @@ def test_parked_stream_requests_get_shards_oldest_first_and_only_as_many_as_cut(
     assert "waiting for records" not in _status_line(data)
 
 
-def _status_line(data: Data) -> str:
-    """What `rove status` says of dataset d."""
-    from rove.control.cli.status_cmd import _dataset_line, _dataset_view
+def _status_line(data: Data, ended: bool = False) -> str:
+    """What `rove status` says of dataset d (of a job that has `ended`)."""
+    from rove.control.cli.status_data import dataset_line, dataset_view
 
-    return _dataset_line(_dataset_view(data.state.data, data.state.data.datasets["d"]))
+    return dataset_line(dataset_view(data.state.data, data.state.data.datasets["d"]), ended)
+
+
+def test_an_ended_jobs_dataset_line_does_not_count_the_leases_its_workers_took_along() -> None:
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2)))
+    data.register("c1", SPEC)
+    assert len(data.ask("c1", 3)) == 1
+    assert "0/20 shards done, 3 leased, 0 requeued" in _status_line(data)
+    assert "0/20 shards done, 0 requeued" in _status_line(data, ended=True)
 
 
 def test_a_request_parked_too_long_is_answered_empty_and_shards_cut_meanwhile_still_reach_it() -> (

@@ -209,7 +209,7 @@ async def test_a_rerun_under_an_ended_jobs_name_is_its_next_run_and_the_earlier_
     newest = rove_cli("status", "--job", "again", "--nats", bus.url, check=True)
     assert newest.stdout.startswith("job again (run 3): finished"), newest.stdout
     none = rove_cli("events", "--job", "again", "--run", "4", "--nats", bus.url)
-    assert none.returncode == 2 and "the job has run 3 time(s)" in none.stderr
+    assert none.returncode == 2 and "the job has run 3 times (runs 1-3)" in none.stderr
     master.stop()
 
 

@@ -349,7 +349,8 @@ async def test_a_script_that_raises_on_start_fails_after_the_first_restart_namin
     assert code == 1, log[-3000:]
     (verdict,) = [line for line in log.splitlines() if line.startswith("rove: job")][-1:]
     assert "the same user code error repeated after a restart" in verdict
-    assert "user_error: ValueError: learning rate must be positive, got -0.1" in verdict
+    assert "on node vm: ValueError: learning rate must be positive, got -0.1" in verdict
+    assert "user_error" not in verdict, "the kind's token is not said"
     assert log.count("round 2: started") == 1 and "round 3: started" not in log, "one restart"
 
 

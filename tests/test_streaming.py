@@ -68,11 +68,11 @@ def test_a_partition_behind_retention_resumes_at_its_low_watermark_and_the_gap_i
     assert st_.gaps == (streams.Gap(0, 100, 150),) and st_.gap_records == 50
     assert st_.next[0] == 200 and st_.count == 2
     # and `rove status` says it (its view of the gaps raised TypeError)
-    from rove.control.cli.status_cmd import _stream_line, _stream_view
+    from rove.control.cli.status_data import stream_line, stream_view
 
-    view = _stream_view(st_, now=10.0, committed=None)
+    view = stream_view(st_, now=10.0, committed=None)
     assert view["gaps"] == [[0, 100, 150]]
-    assert "50 records lost to retention before a shard covered them" in _stream_line(view)
+    assert "50 records lost to retention before a shard covered them" in stream_line(view)
 
 
 def test_a_repeat_from_a_restarted_bridge_is_ignored_and_keys_follow_fold_order() -> None:
@@ -245,7 +245,7 @@ def test_dead_letters_are_counted_and_the_newest_kept_for_status() -> None:
         count=1,
     )
     assert streams.on_undecodable(streams.StreamState(), stray) == streams.StreamState()
-    from rove.control.cli.status_cmd import _stream_line, _stream_view
+    from rove.control.cli.status_data import stream_line, stream_view
 
-    line = _stream_line(_stream_view(st_, now=10.0, committed=None))
+    line = stream_line(stream_view(st_, now=10.0, committed=None))
     assert "60 undecodable records skipped (dead letters; newest" in line and "p1@159" in line

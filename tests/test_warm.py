@@ -209,7 +209,7 @@ def _on_the_console_as_torchrun_and_a_root_cause(code: int, log: str) -> None:
     summary = log[log.index("rove: root cause: ") :].splitlines()
     assert summary[0].startswith("rove: root cause: rank 1 (local rank 1, pid "), summary
     assert summary[0].endswith(", exit code 1"), summary
-    assert summary[1] == "rove:   user_error: ValueError: rank 1 refuses on purpose"
+    assert summary[1] == "rove:   ValueError: rank 1 refuses on purpose"
     assert summary[2] == f"rove:   at {SCRIPT}:51"
     assert summary[3].startswith("rove:   its output: ") and summary[3].endswith("rank1.stderr")
     assert "/jobs/warmjob/logs/" in summary[3], "kept in the job's folder"

@@ -27,6 +27,7 @@ def test_a_failure_says_its_kind_once() -> None:
     assert failure("segfault", "crashed with SIGSEGV") == "segfault: crashed with SIGSEGV"
     assert failure("killed", "killedby") == "killed: killedby"
     assert failure("unknown", "exited with code 3") == "exited with code 3"
+    assert failure("user_error", "ValueError: bad config") == "ValueError: bad config"
 
 
 def test_a_tensorflow_round_that_cannot_run_counts_its_servers_right() -> None:

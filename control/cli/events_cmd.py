@@ -133,9 +133,9 @@ async def _run(args: argparse.Namespace) -> int:
                 print(
                     f"rove events: job {args.job} has ended: nothing more will come"
                     if ended[0]
-                    else f"rove events: job {args.job}'s server on this machine stopped "
-                    "without the job ending (its rove run was killed?): nothing more will "
-                    "come; the same rove run command goes on with the job",
+                    else f"rove events: job {args.job} was {runs.CUT_OFF} "
+                    f"({runs.CUT_OFF_WHY}): nothing more will come; the same rove run "
+                    "command goes on with the job",
                     file=sys.stderr,
                 )
         finally:

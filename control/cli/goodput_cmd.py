@@ -49,26 +49,29 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--until ({_iso(until)}) must be after --since ({_iso(since)})")
     if args.svg is not None and not args.svg.parent.is_dir():
         raise ConfigError(f"cannot write {args.svg}: {args.svg.parent} is not a directory")
-    ledger = aio.run(_read(args))
-    report = gp.report(ledger, now, since, until)
+    ledger, stored = aio.run(_read(args))
+    cut = args.run is None and runs.cut_off(stored, bool(ledger.ended))
+    # (a run cut off ends with its last event: its time does not grow while nothing runs)
+    report = gp.report(ledger, ledger.last_ts if cut else now, since, until)
     if args.svg is not None:
         args.svg.write_text(render_svg(report))
     known = ledger.steps_reported
     if args.json:
-        sys.stdout.write(json.dumps(as_json(report, known=known)) + "\n")
+        sys.stdout.write(json.dumps({**as_json(report, known=known), "cut_off": cut}) + "\n")
     else:
-        sys.stdout.write(render(report, known=known))
+        sys.stdout.write(render(report, known=known, cut_off=cut))
         if args.svg is not None:
             sys.stdout.write(f"timeline: {args.svg}\n")
     return common.EXIT_OK
 
 
-async def _read(args: argparse.Namespace) -> gp.Ledger:
+async def _read(args: argparse.Namespace) -> tuple[gp.Ledger, bool]:
+    """The ledger of the run asked for, and whether it was read from the job's store."""
     options = common.bus_options(args, name="rove-goodput", job=args.job)
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
             raise common.no_such_job(bus, args.job)
-        return await runs.ledger(bus, args.job, args.run)
+        return await runs.ledger(bus, args.job, args.run), bus.stored_job
 
 
 def _iso(ts: float) -> str:
@@ -94,8 +97,8 @@ def as_json(r: gp.Report, *, known: bool = True) -> dict[str, Any]:
     }
 
 
-def render(r: gp.Report, *, known: bool = True) -> str:
-    state = f"ended {r.ended}" if r.ended else "running"
+def render(r: gp.Report, *, known: bool = True, cut_off: bool = False) -> str:
+    state = f"ended {r.ended}" if r.ended else runs.CUT_OFF if cut_off else "running"
     lines = [
         f"job {r.job} ({state}): {_iso(r.start)} to {_iso(r.end)}, {r.total_s:.1f} s, "
         f"{counted(r.rounds, 'round')}, {counted(len(r.failures), 'failure')}",

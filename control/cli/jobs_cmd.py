@@ -13,6 +13,7 @@ and cached in its folder once it has ended.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -91,6 +92,10 @@ async def summary(job: str) -> jobs_mod.Summary:
             await bus.read(subjects.EVENTS_STREAM, subjects.job_events(job), fold)
     except RoveError as exc:
         return jobs_mod.Summary(job, "unreadable", None, 0.0, 0, 0, str(exc)[:200], None)
+    if runs.cut_off(not running, state.phase.terminal):
+        # (its time ends with its last event; not cached: a rerun goes on with this run)
+        cut = jobs_mod.summarize(state, gp.report(ledger, ledger.last_ts))
+        return dataclasses.replace(cut, state=runs.CUT_OFF)
     result = jobs_mod.summarize(state, gp.report(ledger, time.time()))
     if not running and state.phase.terminal:
         jobs_mod.cache(result)

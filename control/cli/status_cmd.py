@@ -15,13 +15,12 @@ from rove.control.bus import embedded, records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.cli import status_ckpt
+from rove.control.cli import status_ckpt, status_data
 from rove.control.cli.format import NODE_ROWS, first_nodes, rest_line, some
-from rove.control.domain import shards
+from rove.control.domain import words
 from rove.control.domain.words import counted
 from rove.control.flags import options as common
 from rove.control.history import runs
-from rove.control.master import data, streams
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder
 from rove.control.master.evolve import evolve
@@ -66,8 +65,12 @@ async def _run(args: argparse.Namespace) -> int:
         else:  # an earlier run: the fold up to the next run's start
             state, liveness, holder = await _fold_until(bus, args.job, until), {}, None
         stored = str(embedded.job_store(args.job)) if bus.stored_job else None
+        cut = until is None and runs.cut_off(bus.stored_job, state.phase.terminal)
+        heard = await runs.last_heard(bus, args.job) if cut else None
     view = status_view(state, liveness, holder, time.time())
     view["stored"] = stored
+    # (the newest run never ended, and nothing more will come to it: `runs.cut_off`)
+    view["cut_off"] = {"last_heard": heard} if cut else None
     if args.json:
         sys.stdout.write(json.dumps(view) + "\n")
     else:
@@ -154,10 +157,12 @@ def status_view(
         "excluded": dict(r.excluded.items()),
         "tensorflow": _tf_view(r),
         "checkpoints": status_ckpt.view(state.ckpt),
-        "datasets": [_dataset_view(state.data, ds) for ds in state.data.datasets.values()],
+        "datasets": [
+            status_data.dataset_view(state.data, ds) for ds in state.data.datasets.values()
+        ],
         "scaling": _scaling_view(state, decided.scale_waiting, now),
         "streams": [
-            _stream_view(st, now, state.ckpt.committed)
+            status_data.stream_view(st, now, state.ckpt.committed)
             for st in state.data.streams.streams.values()
         ],
         "network_check": (
@@ -271,40 +276,6 @@ def _round_line(view: dict[str, Any]) -> str:
     return text
 
 
-def _dataset_view(d: Any, ds: Any) -> dict[str, Any]:
-    total, done = data.total(d, ds), data.done_count(d, ds)
-    return {
-        "name": ds.name,
-        "spec": msgspec.to_builtins(ds.spec),
-        "shards": total,
-        "done": done,
-        "leased": len(ds.leases),
-        "todo": total - done - len(ds.leases),
-        # a stream's clients whose request waits in the master for records to be cut
-        "waiting_for_records": len(ds.parked),
-        "epoch": (
-            0
-            if ds.spec.stream or not total
-            else min(shards.epoch_of(ds.spec, min(ds.cursor, total - 1)), ds.spec.epochs - 1)
-        ),
-        "round": ds.round,
-        "restored_step": ds.step,
-        "requeued_total": ds.requeued_total,
-        "nodes": {
-            node: {
-                "shards": n.shards,
-                "samples": n.samples,
-                "samples_per_s": (
-                    round(n.samples / (n.last_ts - n.first_ts), 1)
-                    if n.last_ts > n.first_ts
-                    else None
-                ),
-            }
-            for node, n in sorted(ds.nodes.items())
-        },
-    }
-
-
 def _scaling_view(state: Any, waiting: Any, now: float) -> dict[str, Any] | None:
     s = state.scale
     w = s.workload
@@ -372,105 +343,6 @@ def _scaling_lines(sc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _stream_view(st: Any, now: float, committed: int | None) -> dict[str, Any]:
-    lag = streams.lag(st)
-    vector = streams.committed(st, committed)
-    trained = dict(st.saved[-1].offsets) if st.saved else {}
-    fresh = streams.freshness(st)
-    return {
-        "dataset": st.dataset,
-        "topic": st.topic,
-        "shards": st.count,
-        "records": st.records,
-        "partitions": {
-            str(w.partition): {
-                "high": w.high,
-                "cut": st.next.get(w.partition, w.low),
-                "lag": lag[w.partition],
-                "trained": trained.get(w.partition),
-            }
-            for w in st.watermarks
-        },
-        "saved_step": st.saved[-1].step if st.saved else None,
-        "freshness_s": round(fresh, 2) if fresh is not None else None,
-        "committed_offsets": dict(vector.offsets) if vector is not None else None,
-        "expired": [
-            [g.partition, g.start, g.end]
-            for g in streams.expired(st, vector or (st.saved[-1] if st.saved else None))
-        ],
-        "gaps": [[g.partition, g.start, g.end] for g in st.gaps],
-        "gap_records": st.gap_records,
-        "last_cut_age_s": round(now - st.last_ts, 1) if st.last_ts else None,
-        "pruned_shards": st.floor,
-        "undecodable": st.undecodable,
-        "dead_letters": [[x.partition, x.offset, x.error] for x in st.dead_letters],
-    }
-
-
-def _stream_line(st: dict[str, Any]) -> str:
-    parts = "; ".join(
-        f"p{p} {v['cut']}/{v['high']}" + (f" lag {v['lag']}" if v["lag"] else "")
-        for p, v in sorted(st["partitions"].items(), key=lambda kv: int(kv[0]))
-    )
-    gaps = (
-        f"; {st['gap_records']} records lost to retention before a shard covered them"
-        if st["gap_records"]
-        else ""
-    )
-    age = f", last cut {st['last_cut_age_s']:g}s ago" if st["last_cut_age_s"] is not None else ""
-    line = (
-        f"stream {st['dataset']} (topic {st['topic']}): {st['shards']} shards, "
-        f"{st['records']} records cut{age}; by partition, cut/high: {parts or 'none yet'}{gaps}"
-    )
-    if st["saved_step"] is not None:
-        trained = "; ".join(
-            f"p{p} {v['trained']}"
-            for p, v in sorted(st["partitions"].items(), key=lambda kv: int(kv[0]))
-            if v["trained"] is not None
-        )
-        fresh = (
-            f", freshness {st['freshness_s']:g}s (produced to trained)"
-            if st["freshness_s"] is not None
-            else ""
-        )
-        line += f"\n  trained up to (step {st['saved_step']}): {trained}{fresh}"
-    if st["undecodable"]:
-        newest = ", ".join(f"p{p}@{at}" for p, at, _ in st["dead_letters"][-5:])
-        error = st["dead_letters"][-1][2] if st["dead_letters"] else ""
-        line += (
-            f"\n  {st['undecodable']} undecodable records skipped (dead letters; newest "
-            f"{newest}): {error}"
-        )
-    for p, start, end in st["expired"]:
-        line += (
-            f"\n  ERROR: retention deleted p{p} {start}-{end} before the restore point "
-            "trained it: a restore would fail; keep the topic longer"
-        )
-    return line
-
-
-def _dataset_line(ds: dict[str, Any]) -> str:
-    per_node = "; ".join(
-        f"{node or '(no node)'} {n['shards']} shards"
-        + (f" {n['samples_per_s']:.0f} samples/s" if n["samples_per_s"] else "")
-        for node, n in ds["nodes"].items()
-    )
-    restored = (
-        f", restored from step {ds['restored_step']}" if ds["restored_step"] is not None else ""
-    )
-    return (
-        f"dataset {ds['name']}: epoch {ds['epoch'] + 1}/{ds['spec']['epochs']}, "
-        f"{ds['done']}/{ds['shards']} shards done, {ds['leased']} leased, "
-        f"{ds['requeued_total']} requeued{restored}"
-        + (
-            f", {ds['waiting_for_records']} waiting for records"
-            if ds.get("waiting_for_records")
-            else ""
-        )
-        + (f"; by node: {per_node}" if per_node else "")
-    )
-
-
 _ENDED = frozenset(p.value for p in ev.JobPhase if p.terminal)
 _NO_HOLDER = "nobody (failover in progress, or no master running)"
 
@@ -487,16 +359,33 @@ def _no_holder(view: dict[str, Any]) -> str:
     )
 
 
+def _phase(view: dict[str, Any]) -> str:
+    cut = view.get("cut_off")
+    if cut is None:
+        return f"{view['phase']}" + (f" ({view['end_reason']})" if view["end_reason"] else "")
+    heard = cut["last_heard"]
+    at = f"; its last event at {_local(heard)}" if heard is not None else ""
+    return (
+        f"{runs.CUT_OFF} while {view['phase']} ({runs.CUT_OFF_WHY}{at}). Run it again under "
+        "the same --job to go on from the newest step its nodes find"
+    )
+
+
+def _local(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
 def render(view: dict[str, Any], most: int | None = None) -> str:
     lines = [
         f"job {view['job']}"
         + (f" (run {view['run']})" if view.get("run", 1) > 1 else "")
-        + f": {view['phase']}"
-        + (f" ({view['end_reason']})" if view["end_reason"] else ""),
+        + f": {_phase(view)}",
         f"leader {view['leader'] or '(none elected yet)'}, epoch {view['epoch']}; "
         + (
             "no master runs: the job has ended"
             if view["phase"] in _ENDED and not view["lease_holder"]
+            else "no master runs: nothing keeps the job's server"
+            if view.get("cut_off")
             else f"lease held by {view['lease_holder'] or _no_holder(view)}"
         ),
         f"{view['counters']['events']} events folded (stream seq {view['applied_seq']}), "
@@ -514,16 +403,16 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
         f = view["last_failure"]
         lines.append(
             f"last failure: rank {f['rank']} on {f['node']} in round {f['round']}: "
-            f"{f['kind']}: {f['reason']}"
+            + words.failure(f["kind"], f["reason"])
         )
     ended = view["phase"] in _ENDED
     line = status_ckpt.line(view["checkpoints"], ended)
     if line:
         lines.append(line)
     for ds in view["datasets"]:
-        lines.append(_dataset_line(ds))
+        lines.append(status_data.dataset_line(ds, ended))
     for st in view["streams"]:
-        lines.append(_stream_line(st))
+        lines.append(status_data.stream_line(st))
     if view["scaling"] is not None:
         lines.extend(_scaling_lines(view["scaling"]))
     check = view["network_check"]

@@ -20,9 +20,11 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 def failure(kind: str, reason: str) -> str:
     """A worker's failure as said: its kind and the reason ("oom: CUDA out of memory"),
     the reason alone where it starts with the kind's word ("killed by SIGKILL", not
-    "killed: killed by SIGKILL") or where the kind is "unknown", which tells nothing
-    ("exited with code 3", not "unknown: exited with code 3")."""
-    if kind == "unknown" or reason.startswith(f"{kind} "):
+    "killed: killed by SIGKILL"), or where the kind's token would tell a person nothing
+    the reason does not: "unknown" ("exited with code 3"), and "user_error", whose
+    reason is the script's exception or its refused command line ("ValueError: bad
+    config", not "user_error: ValueError: bad config")."""
+    if kind in ("unknown", "user_error") or reason.startswith(f"{kind} "):
         return reason
     return f"{kind}: {reason}"
 

@@ -9,11 +9,14 @@ from the join that started it (run 1: from the beginning) up to that of run N+1.
 
 from __future__ import annotations
 
+import msgspec
+
 from rove.control.bus import records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import goodput as gp
+from rove.control.domain.words import counted
 from rove.control.errors import ConfigError
 
 
@@ -56,6 +59,35 @@ async def ended(bus: Bus, job: str) -> bool:
     return newest[0]
 
 
+#: what `rove status`, `rove jobs` and `rove goodput` call a newest run that never ended
+CUT_OFF = "cut off"
+
+#: what they say of it, and what to do
+CUT_OFF_WHY = (
+    "its rove run stopped without recording an end: killed, a second Ctrl-C, or its "
+    "machine went down"
+)
+
+
+def cut_off(stored: bool, ended: bool) -> bool:
+    """Whether the job's newest run was cut off (pure): its events are read from their
+    store on this machine, no rove run keeps its server, and they record no end. Nothing
+    more will come to it, until the job's name is run again: that goes on with this run,
+    from the newest step its nodes find (in memory, or on storage)."""
+    return stored and not ended
+
+
+async def last_heard(bus: Bus, job: str) -> float | None:
+    """When the newest of the job's events was recorded (None: none, or unreadable)."""
+    seq, data = await bus.last_message(subjects.EVENTS_STREAM, subjects.job_events(job))
+    if not seq:
+        return None
+    try:
+        return ev.decode(data).ts
+    except msgspec.DecodeError:
+        return None
+
+
 def span(found: dict[int, int], run: int | None) -> tuple[int, int | None]:
     """(first stream sequence of `run`, first sequence after it or None) from
     `starts`; `run` None is the newest run (pure).
@@ -66,7 +98,9 @@ def span(found: dict[int, int], run: int | None) -> tuple[int, int | None]:
     newest = max(found)
     run = newest if run is None else run
     if run not in found:
-        raise ConfigError(f"--run {run}: the job has run {newest} time(s) (runs 1-{newest})")
+        raise ConfigError(
+            f"--run {run}: the job has run {counted(newest, 'time')} (runs 1-{newest})"
+        )
     return found[run], found.get(run + 1)
 
 
