@@ -199,6 +199,7 @@ class DataClient:
                 client=self.client,
                 node=self.node,
                 rank=self.rank,
+                round=self.round,
             )
         )
 

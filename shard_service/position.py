@@ -27,13 +27,6 @@ def saved_position(name: str, spec: ev.DatasetSpec, position: ev.DataPosition) -
     }
 
 
-#: What fixes a dataset's shards and their order (`rove.control.domain.shards`): a
-#: position carries over only to the same. The number of epochs does not change the
-#: order of the epochs before it, so a job resumed with more steps (and more epochs)
-#: goes on where it stood; `lease_s` changes nothing trained.
-ORDER_FIELDS = ("stream", "size", "shard_size", "seed", "shuffle")
-
-
 def read_position(state: dict[str, Any], name: str, spec: ev.DatasetSpec) -> ev.DataPosition:
     """The position saved by `saved_position`, for the same dataset and shards only.
 
@@ -46,7 +39,7 @@ def read_position(state: dict[str, Any], name: str, spec: ev.DatasetSpec) -> ev.
             f"this data position is for dataset {state.get('dataset')!r}, not {name!r}"
         )
     saved = msgspec.convert(state["spec"], ev.DatasetSpec)
-    differ = [f for f in ORDER_FIELDS if getattr(saved, f) != getattr(spec, f)]
+    differ = shards.order_differs(saved, spec)  # (the number of epochs may change)
     if differ:
         raise ValueError(
             f"the data position of {name} was saved with {_fields(saved, differ)}, but the "

@@ -71,9 +71,10 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """`rove run --standalone` killed with SIGKILL (the launcher, its agent and master;
-    the workers follow), then the same command again: its agent finds the step the
-    killed one left in shared memory, and the job goes on from it, not from step 0.
-    The temporary folders the killed one could not remove, the second removes."""
+    the workers follow), then the same command again, with more steps (so more epochs
+    of its data): its agent finds the step the killed one left in shared memory, and
+    the job goes on from it, not from step 0. The temporary folders the killed one
+    could not remove, the second removes."""
     # (short: multiprocessing's sockets are made in it, and a path under pytest's
     # tmp_path is too long for one named for its process)
     tmp = Path(tempfile.mkdtemp(prefix="rv-", dir="/tmp"))
@@ -87,11 +88,15 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
     cmd = [
         *(sys.executable, "-m", "rove.control.cli.main", "run", "--standalone"),
         *("--job", "again", "--nproc-per-node", "2", str(TRAIN)),
-        *("--steps", "60", "--ckpt-every", "5", "--step-sleep", "0.05"),
-        *("--log-every", "5"),
+        *("--ckpt-every", "5", "--step-sleep", "0.05", "--log-every", "5"),
+        *("--samples", "1280"),  # 5 shards an epoch: 4 epochs for 60 steps, 5 for 80
     ]
     first = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*cmd, "--steps", "60"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     seen = []
     follower = None
@@ -140,7 +145,9 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
     assert report["cut_off"] is True and report["until"] <= killed_at, report
     left = sorted(p.name for p in tmp.glob("rove-*"))
     assert any(n.startswith("rove-warm-quick-") for n in left), left  # (its warm server's)
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=patience(300))
+    again = subprocess.run(  # (the same run goes on: its data registered anew, longer)
+        [*cmd, "--steps", "80"], env=env, capture_output=True, text=True, timeout=patience(300)
+    )
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-3000:]
     assert sorted(p.name for p in tmp.glob("rove-*")) == [], "the killed run's are gone too"
@@ -150,7 +157,7 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
     held = [int(s) for s in found[1].split(", ")]
     restored = re.search(r"they restore step (\d+) from memory", out)
     assert restored and int(restored[1]) in held and int(restored[1]) >= 5, out[-3000:]
-    assert f"training from step {restored[1]} to 60" in out, out[-3000:]
+    assert f"training from step {restored[1]} to 80" in out, out[-3000:]
     (row,) = [json.loads(x) for x in rove_cli("jobs", "--json", env=home).stdout.splitlines()]
     assert row["state"] == "finished", "the rerun went on with the run cut off, and ended it"
 

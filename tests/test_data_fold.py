@@ -32,10 +32,18 @@ class Data:
         self.n += 1
         return {"job": "j1", "id": f"{client}:{self.n}", "producer": client, "ts": self.sim.now}
 
-    def register(self, client: str, spec: ev.DatasetSpec = SPEC, name: str = "d") -> None:
+    def register(
+        self, client: str, spec: ev.DatasetSpec = SPEC, name: str = "d", round: int = 0
+    ) -> None:
         self.sim.apply(
-            ev.DatasetRegistered(**self._env(client), dataset=name, spec=spec, client=client)
-        )  # type: ignore[arg-type]
+            ev.DatasetRegistered(
+                **self._env(client),  # type: ignore[arg-type]
+                dataset=name,
+                spec=spec,
+                client=client,
+                round=round,
+            )
+        )
 
     def request(self, client: str, count: int, **kw: object) -> ev.ShardLeased | ev.DataRejected:
         answers = self.ask(client, count, **kw)
@@ -205,6 +213,37 @@ def test_a_new_round_rolls_the_dataset_back_to_the_restored_position(data: Data)
     assert any(isinstance(d, ev.DataRejected) and "round 1" in d.reason for d in old)
     stale = data.request("c1", 1, round=1)
     assert isinstance(stale, ev.DataRejected) and "finished round" in stale.reason
+
+
+def test_a_newer_round_may_ask_for_more_epochs_of_the_same_shards_and_goes_on_where_it_stood(
+    data: Data,
+) -> None:
+    """A job cut off and run again with more steps goes on with its run: its new round
+    registers more epochs. (It was refused: "use the same parameters".)"""
+    longer = ev.DatasetSpec(size=100, shard_size=10, epochs=5, seed=3, lease_s=60.0)
+    data.register("c1", SPEC, round=1)
+    a = data.request("c1", 3, round=1)
+    assert isinstance(a, ev.ShardLeased)
+    for ref in a.shards:
+        data.done("c1", ref, round=1)
+    data.register("c1", longer, round=1)  # the same round: not another spec
+    (rej,) = [d for d in data.sim.tick() if isinstance(d, ev.DataRejected)]
+    assert "registered with size=100 shard_size=10 epochs=2" in rej.reason
+    data.register("c2", longer, round=2)
+    data.register("c3", longer, round=2)  # every rank of the round registers
+    assert not [d for d in data.sim.tick() if isinstance(d, ev.DataRejected)]
+    assert data.state.data.datasets["d"].spec == longer
+    pos = ev.DataPosition(done=((0, 2),))
+    b = data.request("c2", 2, round=2, restore=pos, restore_step=3)
+    assert isinstance(b, ev.ShardLeased) and [r.key for r in b.shards] == [3, 4]
+    assert "3/50 shards done" in _status_line(data), "5 epochs of 10 shards"
+    data.register("c4", SPEC, round=1)  # a worker of the round before: refused
+    (stale,) = [d for d in data.sim.tick() if isinstance(d, ev.DataRejected)]
+    assert "registered with size=100 shard_size=10 epochs=5" in stale.reason
+    other = ev.DatasetSpec(size=100, shard_size=10, epochs=5, seed=4, lease_s=60.0)
+    data.register("c5", other, round=3)  # other shards: never
+    (refused,) = [d for d in data.sim.tick() if isinstance(d, ev.DataRejected)]
+    assert "seed=4" in refused.reason and data.state.data.datasets["d"].spec == longer
 
 
 @settings(max_examples=80, deadline=None)

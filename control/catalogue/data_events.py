@@ -66,13 +66,17 @@ class DataPosition(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class DatasetRegistered(Event, tag="dataset_registered", frozen=True, kw_only=True):
-    """A trainer declares `dataset` (idempotent; a different spec is rejected)."""
+    """A trainer declares `dataset` (idempotent; a different spec is rejected, but for
+    another number of epochs or lease time from a newer `round` than any before: a job
+    run again with more steps)."""
 
     dataset: str
     spec: DatasetSpec
     client: str
     node: str = ""
     rank: int = 0
+    #: the client's rendezvous round (0: not said, as before it was)
+    round: int = 0
 
 
 class ShardRequested(Event, tag="shard_requested", frozen=True, kw_only=True):

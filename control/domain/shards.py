@@ -50,6 +50,18 @@ def spec_problem(spec: DatasetSpec) -> str | None:
     return None
 
 
+#: What fixes a dataset's shards and their order: everything in a `DatasetSpec` but the
+#: number of epochs (the order of an epoch does not depend on how many follow it) and
+#: the lease time. A data position carries over to a spec with the same; so does a
+#: dataset's registration from a newer round (a job run again with more steps).
+ORDER_FIELDS = ("stream", "size", "shard_size", "seed", "shuffle")
+
+
+def order_differs(a: DatasetSpec, b: DatasetSpec) -> list[str]:
+    """The names of `ORDER_FIELDS` on which `a` and `b` differ."""
+    return [f for f in ORDER_FIELDS if getattr(a, f) != getattr(b, f)]
+
+
 def per_epoch(spec: DatasetSpec) -> int:
     return -(-spec.size // spec.shard_size)
 

@@ -101,6 +101,8 @@ class Rejection(msgspec.Struct, frozen=True, array_like=True):
 class Dataset(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     spec: ev.DatasetSpec
+    #: the newest round a registration said (its spec's epochs and lease time hold)
+    spec_round: int = 0
     round: int = 0
     step: int | None = None
     announce_restore: bool = False
@@ -195,13 +197,20 @@ def on_registered(d: DataState, e: ev.DatasetRegistered) -> DataState:
         return _reject(d, e.dataset, e.client, e.id, f"dataset {e.dataset}: {problem}")
     known = d.datasets.get(e.dataset)
     if known is None:
-        return _put(d, Dataset(name=e.dataset, spec=e.spec))
+        return _put(d, Dataset(name=e.dataset, spec=e.spec, spec_round=e.round))
     if known.spec == e.spec:
-        return d  # idempotent: every rank of every round registers
+        # idempotent: every rank of every round registers
+        return d if e.round <= known.spec_round else _put(d, replace(known, spec_round=e.round))
+    if e.round > known.spec_round and not shards.order_differs(known.spec, e.spec):
+        # the same shards in the same order, for more (or fewer) epochs or another lease
+        # time, from a newer round: the job run again with more steps. Its first request
+        # restores the position it goes on from (`restore`), within the new end.
+        return _put(d, replace(known, spec=e.spec, spec_round=e.round))
     reason = (
         f"dataset {e.dataset} is registered with {_describe(known.spec)}, but client "
-        f"{e.client} registers {_describe(e.spec)}: use the same parameters, or a new "
-        "dataset name for different data"
+        f"{e.client} registers {_describe(e.spec)}: use the same parameters (a newer "
+        "round may change only the epochs or the lease time), or a new dataset name for "
+        "different data"
     )
     d = _put(d, replace(known, bad_clients=known.bad_clients | {e.client}))
     return _reject(d, e.dataset, e.client, e.id, reason)
