@@ -21,3 +21,21 @@ def test_retention_keeps_the_newest_the_running_and_the_pinned() -> None:
     assert to_prune(folders, 0) == ["e", "c", "a"]
     assert to_prune(folders, 10) == []
     assert to_prune([_f("x", 1, running=True)], 0) == []
+
+
+def test_a_job_whose_workers_reported_no_step_lists_its_goodput_as_not_known() -> None:
+    """As `rove goodput` says "goodput not known" for it (it was listed as 0%)."""
+    from rove.control.domain import goodput as gp
+    from rove.control.history.jobs import render, summarize
+    from rove.control.master.state import initial
+    from tests import factories
+
+    ledger = gp.Ledger()
+    for e in (factories.joined("n1", ts=100.0), factories.left("n1", ts=110.0)):
+        ledger.add(e)
+    report = gp.report(ledger, 120.0)
+    assert report.total_s > 0 and not ledger.steps_reported
+    row = summarize(initial(factories.JOB), report, ledger.steps_reported)
+    assert row.goodput is None
+    (line,) = render([row], set()).splitlines()[1:]
+    assert " 0%" not in line and line.split()[-2:] == ["-", "-"], line

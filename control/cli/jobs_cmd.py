@@ -92,11 +92,12 @@ async def summary(job: str) -> jobs_mod.Summary:
             await bus.read(subjects.EVENTS_STREAM, subjects.job_events(job), fold)
     except RoveError as exc:
         return jobs_mod.Summary(job, "unreadable", None, 0.0, 0, 0, str(exc)[:200], None)
+    known = ledger.steps_reported
     if runs.cut_off(not running, state.phase.terminal):
         # (its time ends with its last event; not cached: a rerun goes on with this run)
-        cut = jobs_mod.summarize(state, gp.report(ledger, ledger.last_ts))
+        cut = jobs_mod.summarize(state, gp.report(ledger, ledger.last_ts), known)
         return dataclasses.replace(cut, state=runs.CUT_OFF)
-    result = jobs_mod.summarize(state, gp.report(ledger, time.time()))
+    result = jobs_mod.summarize(state, gp.report(ledger, time.time()), known)
     if not running and state.phase.terminal:
         jobs_mod.cache(result)
     return result

@@ -55,8 +55,10 @@ class Summary:
         return cls(**data)  # type: ignore[arg-type]
 
 
-def summarize(state: JobState, report: gp.Report) -> Summary:
-    """The summary of a job from its folded state and its goodput report (pure)."""
+def summarize(state: JobState, report: gp.Report, known: bool = True) -> Summary:
+    """The summary of a job from its folded state and its goodput report (pure);
+    `known`: whether its workers reported any step (`Ledger.steps_reported`): without
+    one, its goodput is not known (None, `-`), as `rove goodput` says, not 0 %."""
     failure = state.rdzv.failure or state.rdzv.last_failure
     return Summary(
         job=state.job,
@@ -71,7 +73,7 @@ def summarize(state: JobState, report: gp.Report) -> Summary:
             if failure is not None
             else ""
         ),
-        goodput=round(report.goodput, 4) if report.total_s > 0 else None,
+        goodput=round(report.goodput, 4) if known and report.total_s > 0 else None,
     )
 
 
