@@ -138,6 +138,7 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
     status = rove_cli("status", "--job", "again", env=home, check=True).stdout
     assert status.startswith("job again: cut off while running (its rove run stopped"), status
     assert "no master runs: nothing keeps the job's server" in status, status
+    assert " active as the job was cut off: not heard from since\n" in status, status
     (row,) = [json.loads(x) for x in rove_cli("jobs", "--json", env=home).stdout.splitlines()]
     assert row["state"] == "cut off", row
     assert row["start"] + row["seconds"] <= killed_at, "its time ends with its last event"

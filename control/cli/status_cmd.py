@@ -362,7 +362,7 @@ def _no_holder(view: dict[str, Any]) -> str:
 def _phase(view: dict[str, Any]) -> str:
     cut = view.get("cut_off")
     if cut is None:
-        return f"{view['phase']}" + (f" ({view['end_reason']})" if view["end_reason"] else "")
+        return str(view["phase"]) + (f" ({view['end_reason']})" if view["end_reason"] else "")
     heard = cut["last_heard"]
     at = f"; its last event at {_local(heard)}" if heard is not None else ""
     return (
@@ -448,10 +448,12 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
         "MEM",
     ]
     shown = first_nodes(view["nodes"], most)
+    # (a node still active as the job was cut off has not said anything since)
+    silent = [n["node"] for n in shown if view.get("cut_off") and n["status"] == "active"]
     rows = [
         [
             n["node"],
-            n["status"] + ("*" if n["reason"] else ""),
+            n["status"] + ("*" if n["reason"] or n["node"] in silent else ""),
             n["host"],
             str(n["pid"]),
             "-" if n["last_heartbeat_age_s"] is None else f"{n['last_heartbeat_age_s']:g}s ago",
@@ -472,6 +474,8 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
     if len(rows) < len(view["nodes"]):
         lines.append(rest_line(view["nodes"], len(rows)))
     lines.extend(_why_lines(shown, f"job {view['job']} {view['phase']}" if ended else ""))
+    if silent:
+        lines.append(f"* {', '.join(silent)} active as the job was cut off: not heard from since")
     if view["recent_rejections"]:
         lines.append("")
         lines.append("recently rejected messages:")
