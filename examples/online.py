@@ -151,9 +151,10 @@ def train(args: argparse.Namespace) -> None:
 
     log({"restored": step, "world": world, "trained": trained})
     if rank == 0:
+        plural = "" if world == 1 else "s"
         print(
-            f"online training on {world} workers from step {step}, {trained} records trained "
-            f"({flash.restored_from or 'fresh start'})",
+            f"online training on {world} worker{plural} from step {step}, "
+            f"{trained} records trained ({flash.restored_from or 'fresh start'})",
             flush=True,
         )
     loss_fn = nn.BCEWithLogitsLoss()

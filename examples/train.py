@@ -207,8 +207,9 @@ def main() -> None:
                 if start
                 else "a fresh start"
             )
+            plural = "" if world == 1 else "s"
             print(
-                f"training from step {start} to {args.steps} on {world} workers "
+                f"training from step {start} to {args.steps} on {world} worker{plural} "
                 f"(restart {restart}, {restored_from}; {args.checkpoint} checkpoints, "
                 f"{args.data} data)",
                 flush=True,

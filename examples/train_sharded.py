@@ -118,8 +118,9 @@ def main() -> None:
 
     log({"restored": step, "world": world, "source": flash.restored_from or "none"})
     if rank == 0:
+        plural = "" if world == 1 else "s"
         print(
-            f"training {args.epochs} epochs of {args.samples} samples on {world} workers "
+            f"training {args.epochs} epochs of {args.samples} samples on {world} worker{plural} "
             f"from step {step} ({flash.restored_from or 'fresh start'})",
             flush=True,
         )
