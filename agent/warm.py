@@ -38,6 +38,7 @@ from typing import Any
 
 from rove.agent import echo, forkservers, imports, script
 from rove.agent.self_process import die_with_parent
+from rove.control.errors import RoveError
 
 #: The warm server's pid, as every worker forked from it inherits it: this module is
 #: imported by the server itself before it forks (it is in every server's preload). (If
@@ -66,13 +67,17 @@ async def ready(interrupted: asyncio.Event) -> bool:
     forkservers.promote()
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
+    failed: list[BaseException] = []
 
     def finish() -> None:
         if not done.done():
             done.set_result(None)
 
     def wait() -> None:
-        wait_ready()
+        try:
+            wait_ready()
+        except (EOFError, OSError) as exc:  # the server ended: stopped as we leave, or died
+            failed.append(exc)  # (a thread's exception would be printed as a traceback)
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
             loop.call_soon_threadsafe(finish)
 
@@ -82,6 +87,11 @@ async def ready(interrupted: asyncio.Event) -> bool:
         await asyncio.wait([done, stop], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.cancel()
+    if failed and not interrupted.is_set():
+        raise RoveError(
+            f"the warm server ended before it had imported what it preloads "
+            f"({failed[0]!r}); run with --no-warm-start if it happens again"
+        ) from failed[0]
     return done.done() and not interrupted.is_set()
 
 
