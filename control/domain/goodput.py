@@ -51,8 +51,8 @@ from rove.control.catalogue import events as ev
 #: Said instead of a ratio where no worker reported a step (`Ledger.steps_reported`):
 #: no second can then be told productive.
 NOT_KNOWN = (
-    "goodput not known: the workers reported no steps (call "
-    "rove.agent.progress.report(step) in the training loop to see it)"
+    "goodput not known: the workers reported no step (the job ended before their first, "
+    "or the script does not call rove.agent.progress.report(step) in its training loop)"
 )
 
 
