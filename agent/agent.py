@@ -9,7 +9,8 @@ signals. Only it starts and stops workers, so they never race. Around it:
   runtime's `wait`, on pidfds) and hands their end to the actor;
 * the **duties** tick reports and persists checkpoints (`CheckpointDuty`),
   report the workers' progress as facts (`ProgressReports`), detect hangs (no
-  step progress for `--hang-timeout`) and learn what warm workers import (`Learning`);
+  step progress for `--hang-timeout`), learn what warm workers import (`Learning`)
+  and say a long wait for a round on the console (`RoundWait`);
 * the **heartbeat** (`Heartbeat`) publishes liveness, progress and resources.
 
 What a worker is, is the `WorkerRuntime`'s business (torch today). Facts go
@@ -33,7 +34,7 @@ from typing import Any
 
 import structlog
 
-from rove.agent import checkrun, child, progress, warm
+from rove.agent import checkrun, child, progress, round_wait, warm
 from rove.agent.ckpt_duty import CheckpointDuty, run_name
 from rove.agent.config import AgentConfig
 from rove.agent.endings import Endings
@@ -141,6 +142,8 @@ class Agent:
         self._group_rank: int | None = None
         self._hang_round = -1
         self.resumption = Resumption(lambda text, **kw: self.log.info(text, say=True, **kw), clock)
+        nats = "" if bus.server is not None else bus.url  # ("": the job's own server)
+        self.waiting = round_wait.RoundWait(self.log, cfg.params, cfg.job, nats, clock)
         self._checks_run: set[int] = set()
         #: its tasks: none dies silently (one that does ends the node with its traceback)
         self.tasks = aio.Supervisor(
@@ -330,7 +333,7 @@ class Agent:
             case Verdict(round=rnd) if rnd == self.status.round and self.workers.running:
                 await self._stuck(item)
             case checkrun.CheckResult():
-                self._check_reported(item)
+                checkrun.report(item, self.facts, self.log)
             case ev.MasterElected(epoch=epoch):
                 self.status.max_epoch = max(self.status.max_epoch, epoch)
             case ev.JobConfigured(spec=spec):
@@ -554,13 +557,6 @@ class Agent:
     async def _run_check(self, a: ev.NetworkCheckAssigned, group: ev.CheckGroup, rank: int) -> None:
         self._inbox.put_nowait(await checkrun.run_check(a, group, rank))
 
-    def _check_reported(self, result: checkrun.CheckResult) -> None:
-        outcome = "ok" if result.ok else f"failed: {result.error}"
-        self.log.info(
-            f"network check round {result.check_round}: {outcome}", elapsed_s=result.elapsed_s
-        )
-        self.facts.emit(checkrun.reported(result, self.facts.envelope()))
-
     async def _examine(self, suspect: Any) -> None:
         verdict = await self.exit_watch.examine(suspect)
         if verdict is not None:
@@ -572,6 +568,7 @@ class Agent:
         """Checkpoints reported and persisted, hangs detected, every `duty_s`."""
         while True:
             await asyncio.sleep(self.cfg.duty_s)
+            self.waiting.tick(self.status.phase)  # a wait for a round is said now and then
             if self.checkpoints.fence.needs_catch_up:  # (also for workers done behind it)
                 self.tasks.spawn(self.checkpoints.fence.probe(self.bus, self.cfg.job))
             if not self.workers.running or self.status.phase is not AgentPhase.RUNNING:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rove.agent.facts import NodeFacts
 from rove.control.catalogue import events as ev
 from rove.control.master import netcheck as policy
 
@@ -40,6 +41,13 @@ def my_place(
         if (node, incarnation) in pairs:
             return group, pairs.index((node, incarnation))
     return None
+
+
+def report(result: CheckResult, facts: NodeFacts, log: Any) -> None:
+    """Say the node's result in its log, and send it as the node's fact."""
+    outcome = "ok" if result.ok else f"failed: {result.error}"
+    log.info(f"network check round {result.check_round}: {outcome}", elapsed_s=result.elapsed_s)
+    facts.emit(reported(result, facts.envelope()))
 
 
 def reported(result: CheckResult, envelope: ev.NodeEnvelope) -> ev.NetworkCheckReported:
