@@ -89,6 +89,15 @@ def test_status_says_when_nothing_was_ever_persisted() -> None:
     assert "committed step 7" in render(status_view(s.state, s.liveness, None, s.now))
 
 
+def test_status_says_restarts_are_off_rather_than_0_of_0_used() -> None:
+    from rove.control.cli.status_cmd import render, status_view
+
+    view = status_view(running().state, {}, None, 0.0)
+    assert "; 0 of 3 restarts used" in render(view)
+    view["max_restarts"] = 0
+    assert "; restarts off (--max-restarts 0)" in render(view), render(view)
+
+
 def test_status_of_an_ended_job_says_what_was_durable_and_what_was_in_memory_only() -> None:
     """Once the job ended its shared memory is freed: no "yet", no "losing a node", and
     the steps newer than the committed one are said to have been in memory only."""

@@ -255,7 +255,11 @@ def _mib(v: int | None) -> str:
 
 
 def _round_line(view: dict[str, Any]) -> str:
-    restarts = f"{view['restarts']} of {view['max_restarts']} restarts used"
+    restarts = (
+        f"{view['restarts']} of {view['max_restarts']} restarts used"
+        if view["max_restarts"] or view["restarts"]
+        else "restarts off (--max-restarts 0)"
+    )
     if view["phase"] in _ENDED:
         if not view["round"]:
             return "no round"
