@@ -62,7 +62,7 @@ async def ended(bus: Bus, job: str) -> bool:
 #: what `rove status`, `rove jobs` and `rove goodput` call a newest run that never ended
 CUT_OFF = "cut off"
 
-#: what they say of it, and what to do
+#: why nothing more will come to it, as they say it
 CUT_OFF_WHY = (
     "its rove run stopped without recording an end: killed, a second Ctrl-C, or its "
     "machine went down"
