@@ -6,6 +6,7 @@ it records."""
 from __future__ import annotations
 
 import asyncio
+import types
 from pathlib import Path
 
 from structlog.testing import capture_logs
@@ -155,7 +156,8 @@ async def test_a_decision_the_agent_cannot_read_counts_as_acted_on_in_its_turn(
         job="j", node="n", addr="127.0.0.1", nproc=1, params=ev.RdzvParams(),
         entrypoint="train.py", args=[], logs_specs=None, state_dir=tmp_path, max_restarts=0,
     )  # fmt: skip
-    agent = Agent(object(), cfg)  # type: ignore[arg-type]  # (no bus is used here)
+    bus = types.SimpleNamespace(server=None, url="nats://127.0.0.1:4222")  # (only read)
+    agent = Agent(bus, cfg)  # type: ignore[arg-type]  # (no bus is used here)
     now = [0.0]
     fence = agent.checkpoints.fence = StorageFence(node_timeout_s=10, clock=lambda: now[0])
     fence.heard()
