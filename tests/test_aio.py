@@ -8,6 +8,7 @@ import gc
 import nats.aio.client
 import pytest
 
+from rove.control.errors import RoveError
 from rove.control.process import aio, logs
 from rove.control.process.aio import Supervisor, cancel_and_wait
 
@@ -50,9 +51,13 @@ class Log:
 
     def __init__(self) -> None:
         self.errors: list[tuple[str, BaseException | None]] = []
+        self.infos: list[tuple[str, BaseException | None]] = []
 
     def error(self, message: str, exc_info: BaseException | None = None) -> None:
         self.errors.append((message, exc_info))
+
+    def info(self, message: str, exc_info: BaseException | None = None) -> None:
+        self.infos.append((message, exc_info))
 
 
 async def test_a_kept_task_that_dies_is_logged_with_its_error_and_ends_the_component() -> None:
@@ -71,6 +76,29 @@ async def test_a_kept_task_that_dies_is_logged_with_its_error_and_ends_the_compo
     ]
     ((message, exc),) = log.errors
     assert "the agent's actor task ended" in message and isinstance(exc, IndexError)
+
+
+async def test_a_kept_task_that_ends_on_an_error_rove_names_says_it_without_internal_error() -> (
+    None
+):
+    """(A warm server that died unasked was said as "internal error: ..." though the
+    message said what happened and what to do.)"""
+    log, failures = Log(), []
+    sup = Supervisor("the agent", log, failures.append)
+
+    async def actor() -> None:
+        raise RoveError("the warm server ended; run with --no-warm-start")
+
+    await asyncio.gather(
+        sup.keep(asyncio.create_task(actor(), name="actor")), return_exceptions=True
+    )
+    await asyncio.sleep(0)
+    assert failures == [
+        "the agent's actor task ended: the warm server ended; run with --no-warm-start"
+    ]
+    assert log.errors == [], "said once, by the component's end"
+    ((_, exc),) = log.infos
+    assert isinstance(exc, RoveError), "its traceback is in the log"
 
 
 async def test_a_kept_task_that_returns_is_a_failure_too_but_not_once_stopping() -> None:

@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rove.control.errors import RoveError
+
 T = TypeVar("T")
 
 
@@ -185,7 +187,8 @@ class Supervisor:
     * `keep(task)`: a long-lived task (an actor, a consumer, an outbox). If it ends
       before `stop()` (an exception, or even a return), its traceback is logged with
       `log` and `on_failure(reason)` is called (once): the component ends with a clear
-      error instead of living on deaf.
+      error instead of living on deaf ("internal error: ..."; a `RoveError`, which
+      says what happened and what to do, is said as itself).
     * `spawn(coro)`: a short side task (a check, a look at a worker); its failure is
       logged with its traceback, and the component goes on.
     * `stop()`: the component is leaving; nothing ending from now on is a failure (it
@@ -224,9 +227,15 @@ class Supervisor:
         if task.cancelled() or self.stopping:
             return
         exc = task.exception()
+        self.stopping = True
+        if isinstance(exc, RoveError):  # a failure rove names (what happened, what to do):
+            # said once, by the owner's end (the traceback goes to the log)
+            said = f"{self.what}'s {task.get_name()} task ended: {exc}"
+            self.log.info(said, exc_info=exc)
+            self.on_failure(said)
+            return
         what = f"{type(exc).__name__}: {exc}" if exc is not None else "it returned"
         self.log.error(f"{self.what}'s {task.get_name()} task ended ({what})", exc_info=exc)
-        self.stopping = True
         self.on_failure(
             f"internal error: {self.what}'s {task.get_name()} task ended ({what}); "
             "see the log above"
