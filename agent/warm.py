@@ -34,11 +34,11 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from rove.agent import echo, forkservers, imports, script
 from rove.agent.self_process import die_with_parent
 from rove.control.errors import RoveError
+from rove.control.process import aio
 
 #: The warm server's pid, as every worker forked from it inherits it: this module is
 #: imported by the server itself before it forks (it is in every server's preload). (If
@@ -67,32 +67,37 @@ async def ready(interrupted: asyncio.Event) -> bool:
     forkservers.promote()
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-    failed: list[BaseException] = []
 
-    def finish() -> None:
-        if not done.done():
+    def finish(failed: BaseException | None) -> None:
+        if done.done():
+            return  # (cancelled: a signal came first)
+        if failed is None:
             done.set_result(None)
+        else:
+            done.set_exception(failed)
 
     def wait() -> None:
+        failed = None
         try:
             wait_ready()
         except (EOFError, OSError) as exc:  # the server ended: stopped as we leave, or died
-            failed.append(exc)  # (a thread's exception would be printed as a traceback)
+            failed = exc  # (a thread's exception would be printed as a traceback)
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
-            loop.call_soon_threadsafe(finish)
+            loop.call_soon_threadsafe(finish, failed)
 
     threading.Thread(target=wait, name="warm-ready", daemon=True).start()
-    stop: asyncio.Future[Any] = asyncio.ensure_future(interrupted.wait())
     try:
-        await asyncio.wait([done, stop], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-    if failed and not interrupted.is_set():
+        await aio.unless(interrupted, done)
+    except aio.Stopped:
+        return False
+    except (EOFError, OSError) as exc:
+        if interrupted.is_set():
+            return False
         raise RoveError(
             f"the warm server ended before it had imported what it preloads "
-            f"({failed[0]!r}); run with --no-warm-start if it happens again"
-        ) from failed[0]
-    return done.done() and not interrupted.is_set()
+            f"({exc!r}); run with --no-warm-start if it happens again"
+        ) from exc
+    return not interrupted.is_set()
 
 
 def wait_ready() -> None:
