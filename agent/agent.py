@@ -61,6 +61,7 @@ from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.domain import tf_cluster, words
 from rove.control.errors import RoveError
+from rove.control.flags.options import nats_flag
 from rove.control.process import aio
 
 log = structlog.get_logger("rove.agent")
@@ -142,8 +143,8 @@ class Agent:
         self._group_rank: int | None = None
         self._hang_round = -1
         self.resumption = Resumption(lambda text, **kw: self.log.info(text, say=True, **kw), clock)
-        nats = "" if bus.server is not None else bus.url  # ("": the job's own server)
-        self.waiting = round_wait.RoundWait(self.log, cfg.params, cfg.job, nats, clock)
+        status = f"rove status --job {cfg.job}{nats_flag(bus)}"  # (what names its waits)
+        self.waiting = round_wait.RoundWait(self.log, cfg.params, status, clock)
         self._checks_run: set[int] = set()
         #: its tasks: none dies silently (one that does ends the node with its traceback)
         self.tasks = aio.Supervisor(

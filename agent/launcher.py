@@ -412,7 +412,7 @@ async def _run_job(
             if args.kafka_bootstrap:
                 bridge = _bridge(bus, cfg, args)
                 bridge_task = asyncio.create_task(_serve(bridge), name="kafka bridge")
-        nats = "" if bus.server is not None else f" --nats {bus.url}"
+        nats = common.nats_flag(bus)
         say(
             f"job {cfg.job}, node {cfg.node}, NATS {bus.url}; watch it with: rove status "
             f"--job {cfg.job}{nats}; rove's log: {log_path}"

@@ -40,14 +40,14 @@ def waiting_line(waited_s: float, params: ev.RdzvParams, status: str) -> str:
 
 class RoundWait:
     """Told the agent's phase every duty tick (`tick`); says the wait on the console
-    (`log`'s `say`). `nats`: the URL the job's nodes share ("" for a job's own server)."""
+    (`log`'s `say`). `status`: the command that names what the round waits for."""
 
     def __init__(
-        self, log: Any, params: ev.RdzvParams, job: str, nats: str, clock: Callable[[], float]
+        self, log: Any, params: ev.RdzvParams, status: str, clock: Callable[[], float]
     ) -> None:
         self.log = log
         self.params = params
-        self.status = f"rove status --job {job}" + (f" --nats {nats}" if nats else "")
+        self.status = status
         self.clock = clock
         self._since: float | None = None
         self._next = 0.0

@@ -423,6 +423,12 @@ async def publish_command(
         return await bus.publish(make(f"{getpass.getuser()}@{socket.gethostname()}"))
 
 
+def nats_flag(bus: Bus) -> str:
+    """What a rove command on this machine needs to reach `bus`: nothing for a job's own
+    server (found by the job's folder), else ` --nats URL`."""
+    return "" if bus.server is not None else f" --nats {bus.url}"
+
+
 def no_such_job(bus: Bus, job: str) -> UnknownJobError:
     """The error of a reader that found no events of `job` on `bus`."""
     if bus.stored_job:
