@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from rove.agent import echo, forkservers, imports, script
 from rove.agent.self_process import die_with_parent
-from rove.control.errors import RoveError
+from rove.control.errors import RoveError, plain
 from rove.control.process import aio
 
 #: The warm server's pid, as every worker forked from it inherits it: this module is
@@ -95,7 +95,7 @@ async def ready(interrupted: asyncio.Event) -> bool:
             return False
         raise RoveError(
             f"the warm server ended before it had imported what it preloads "
-            f"({exc!r}); run with --no-warm-start if it happens again"
+            f"({plain(exc)}); run with --no-warm-start if it happens again"
         ) from exc
     return not interrupted.is_set()
 
