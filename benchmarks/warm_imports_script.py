@@ -31,7 +31,7 @@ from rove.agent.progress import report  # noqa: E402 (a no-op under torchrun)
 IMPORTS_S = time.monotonic() - _began
 
 
-class Trace(TrainerCallback):
+class Trace(TrainerCallback):  # type: ignore[misc]  # (transformers: not followed)
     def __init__(self, path: str, sleep: float) -> None:
         self.path = path
         self.sleep = sleep
