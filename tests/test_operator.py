@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import copy
 import re
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -465,6 +466,31 @@ async def test_an_invalid_rovejob_is_marked_and_told_not_run(bus: Bus) -> None:
         assert cluster.objects("deployments") == {} and cluster.objects("jobs") == {}
         assert "nnodes" in status_of(cluster)["conditions"][0]["message"]
         assert event_reasons(cluster) == ["InvalidSpec"]
+
+
+async def test_a_rovejob_created_while_the_operator_runs_is_seen_by_its_watch_which_ends_with_it(
+    bus: Bus,
+) -> None:
+    """A resync far away (60 s): only the watch wakes the reconcile within the deadline.
+    Stopped, the operator ends its watch at once rather than at the watch's timeout
+    (3 resyncs), holding the API server's connection until then."""
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        op = controller.Operator(bus, cluster.api(), NS, SITE, resync_s=60, status_every_s=0.2)
+        task = asyncio.create_task(op.run())
+
+        def watches() -> list[Any]:
+            return [r for r in list(emulator) if r.method.value == "GET" and "watch" in r.params]
+
+        await eventually(lambda: watches(), timeout=30)
+        await create(cluster, rovejob())
+        await eventually(lambda: len(cluster.objects("deployments")) == 2, timeout=30)
+        op.stop()
+        await asyncio.wait_for(task, 30)
+        await eventually(
+            lambda: not any(t.name == "rove-operator-watch" for t in threading.enumerate()),
+            timeout=20,  # (the watch asks for 180 s)
+        )
 
 
 def _role() -> dict[tuple[str, str], set[str]]:

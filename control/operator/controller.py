@@ -30,12 +30,11 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import structlog
 import urllib3.exceptions
 from kubernetes import client as k8s
-from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
 from rove.control.bus import records
@@ -150,6 +149,9 @@ class Operator:
         self._failed: str | None = None
         self._tasks = aio.Supervisor("the operator", log, self._fail)
         self._watch_stop = threading.Event()
+        #: the watch's response while it is read (`_stop_watch` shuts its socket down)
+        self._watch_resp: urllib3.BaseHTTPResponse | None = None
+        self._watch_lock = threading.Lock()
         #: how long one watch request lasts before the next is opened
         self._watch_s = max(1.0, min(300.0, 3 * resync_s))
 
@@ -179,7 +181,7 @@ class Operator:
             await self._stopping.wait()
         finally:
             self._tasks.stop()
-            self._watch_stop.set()
+            self._stop_watch()
             # a reconcile may be waiting (for the bus, for the API server): it ends here,
             # not after the replicas it uses are stopped
             await aio.cancel_and_wait(loops)
@@ -201,29 +203,50 @@ class Operator:
 
     def _watching(self, loop: asyncio.AbstractEventLoop) -> None:
         while not self._watch_stop.is_set():
-            w = k8s_watch.Watch()  # type: ignore[no-untyped-call]
             try:
-                for _ in w.stream(  # type: ignore[no-untyped-call]
-                    self.custom.list_namespaced_custom_object,
+                # Any line of it is a change: it only wakes the reconcile, which reads
+                # every RoveJob afresh (a 410 Gone is a line too, and ends the watch).
+                # Unloaded, the client's answer is urllib3's response, read as it comes.
+                answer = self.custom.list_namespaced_custom_object(
                     rj.GROUP,
                     rj.VERSION,
                     self.namespace,
                     rj.PLURAL,
+                    watch=True,
+                    _preload_content=False,
                     timeout_seconds=int(self._watch_s),
-                    # (the client's own bound too: a quiet watch ends, and so does this
-                    # thread soon after the operator stops)
+                    # (the client's own bound too: a server that never ends a quiet
+                    # watch has it opened again)
                     _request_timeout=(10, self._watch_s + 5),
-                ):
-                    if self._watch_stop.is_set():
-                        break
-                    loop.call_soon_threadsafe(self._wake.set)
+                )
+                resp = cast(urllib3.BaseHTTPResponse, answer)
+                with self._watch_lock:
+                    self._watch_resp = resp
+                try:
+                    if not self._watch_stop.is_set():  # (a stop between: no shutdown came)
+                        for _ in resp.stream(amt=None, decode_content=False):
+                            loop.call_soon_threadsafe(self._wake.set)
+                finally:
+                    with self._watch_lock:
+                        self._watch_resp = None
+                    resp.release_conn()
             except urllib3.exceptions.ReadTimeoutError:
                 continue  # a quiet watch: open the next one
             except (ApiException, ValueError, *_TRANSIENT) as exc:  # resync covers it
+                if self._watch_stop.is_set():
+                    return  # (the stop's shutdown of its socket)
                 log.warning("the watch of RoveJobs broke; opening it again", error=str(exc))
                 self._watch_stop.wait(min(self.resync_s, 5.0))
-            finally:
-                w.stop()  # type: ignore[no-untyped-call]
+
+    def _stop_watch(self) -> None:
+        """End the watch thread now: a read it blocks in ends with its socket's shutdown
+        (else it would hold a connection to the API server until the watch's timeout)."""
+        self._watch_stop.set()
+        with self._watch_lock:
+            resp = self._watch_resp
+            if resp is not None:
+                with contextlib.suppress(ValueError, RuntimeError, OSError):  # (ended meanwhile)
+                    resp.shutdown()
 
     async def _reconcile_loop(self) -> None:
         while not self._stopping.is_set():
