@@ -34,7 +34,7 @@ from tests.support import (
     rove_cli,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "examples" / "train_sharded.py"
 SAMPLES = 600
@@ -218,6 +218,7 @@ async def test_rove_scale_grows_a_running_job_to_two_nodes_then_shrinks_it_to_on
     assert_exactly_once(tmp_path, samples)
 
 
+@pytest.mark.alone  # judges speed: a node slower than the others by a margin
 async def test_a_straggler_is_replaced(
     bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
@@ -240,6 +241,7 @@ async def test_a_straggler_is_replaced(
     assert_exactly_once(tmp_path)
 
 
+@pytest.mark.alone  # judges speed: each node added must add its share of throughput
 async def test_a_job_grows_from_the_pool_while_nodes_pay_and_never_beyond_max(
     bus: Bus, url: str, master: MasterProc, tmp_path: Path
 ) -> None:
