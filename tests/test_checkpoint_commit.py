@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
+import pytest
 
 from rove.control.catalogue import events as ev
 from rove.control.master.decide import decide
@@ -130,6 +133,32 @@ def test_status_of_an_ended_job_says_what_was_durable_and_what_was_in_memory_onl
     s.tick()
     text = render(status_view(s.state, s.liveness, None, s.now))
     assert "checkpoints: committed step 5; newer steps were in memory only: n1 step 6" in text
+
+
+def test_status_of_a_cut_off_job_says_until_when_a_rerun_restores_its_steps_from_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job whose `rove run` was killed left its newest steps in its nodes' shared
+    memory, which the next agent there reclaims once the grace after the run's last
+    touch has passed: the status says which steps, and until when."""
+    from rove.control.cli.status_cmd import render, status_view
+
+    monkeypatch.setenv("ROVE_SHM_GRACE_S", "600")
+    s = running()
+    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+        s.apply(factories.persisted(node, 5, ranks))
+        s.apply(factories.in_memory(node, 5, ranks))
+    s.apply(factories.in_memory("n1", 6, (0, 1)))
+    s.tick()
+    view = status_view(s.state, s.liveness, None, s.now)
+    view["cut_off"] = {"last_heard": 1_000_000.0}
+    text = render(view)
+    until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1_000_600.0))
+    assert (
+        "checkpoints: committed step 5; in its nodes' shared memory: n1 step 6, kept for a "
+        f"rerun to restore until about {until} (ROVE_SHM_GRACE_S)"
+    ) in text, text
+    assert "losing a node" not in text and "yet" not in text, text
 
 
 def rounds(s: Sim) -> list[ev.RoundCompleted]:

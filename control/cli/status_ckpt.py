@@ -26,9 +26,11 @@ def view(c: CkptState) -> dict[str, Any]:
     }
 
 
-def line(ck: dict[str, Any], ended: bool = False) -> str:
+def line(ck: dict[str, Any], ended: bool = False, kept_until: str | None = None) -> str:
     """One line of what the checkpoints are ('' before any). Of an `ended` job: what was
-    durable at its end, and which newer steps were in memory only (freed since)."""
+    durable at its end, and which newer steps were in memory only (freed since). Of a job
+    cut off (`kept_until`, when its nodes' shared memory may be reclaimed): which steps a
+    rerun can still restore from memory, and until when."""
     if not ck["in_memory"] and ck["committed_step"] is None:
         return ""
     committed = ck["committed_step"]
@@ -41,6 +43,17 @@ def line(ck: dict[str, Any], ended: bool = False) -> str:
         if memory:
             text += f"; {'newer steps were' if committed is not None else 'the newest was'}"
             text += f" in memory only: {memory}"
+    elif kept_until is not None:
+        newer = {n: s for n, s in ck["in_memory"].items() if committed is None or s > committed}
+        memory = ", ".join(f"{n} step {s}" for n, s in sorted(newer.items()))
+        text = "checkpoints: " + (
+            f"committed step {committed}" if committed is not None else "none persisted"
+        )
+        if memory:
+            text += (
+                f"; in its nodes' shared memory: {memory}, kept for a rerun to restore until"
+                f" about {kept_until} (ROVE_SHM_GRACE_S), then the next job there may reclaim it"
+            )
     else:
         memory = ", ".join(f"{n} step {s}" for n, s in sorted(ck["in_memory"].items()))
         text = "checkpoints: " + (

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from rove.checkpoint import shm_owner
 from rove.control.bus import embedded, records
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
@@ -410,7 +411,12 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
             + words.failure(f["kind"], f["reason"])
         )
     ended = view["phase"] in _ENDED
-    line = status_ckpt.line(view["checkpoints"], ended)
+    cut = view.get("cut_off")
+    heard = None if cut is None else cut["last_heard"]
+    # (a dead run's slots stay in /dev/shm for the grace after its last touch, about its
+    # last event: the next agent on the node reclaims them then)
+    kept = None if heard is None else _local(heard + shm_owner.grace_s())
+    line = status_ckpt.line(view["checkpoints"], ended, kept)
     if line:
         lines.append(line)
     for ds in view["datasets"]:
