@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from rove.control.bus.client import Bus
 from rove.control.bus.embedded import EmbeddedServer
+from rove.control.catalogue import events as ev
 from rove.control.flags import options as common
 from tests import factories
 from tests.support import free_port, patience, rove_cli
@@ -105,6 +107,64 @@ async def test_events_follow_prints_new_events_as_they_arrive(bus: Bus) -> None:
     finally:
         proc.terminate()
         proc.wait(patience(10))
+
+
+async def test_events_until_end_follows_a_shared_nats_until_the_newest_run_ends(
+    any_bus: Bus,
+) -> None:
+    """`--until-end` against a shared NATS: a run that ended before is no end (a new run
+    started); the follow ends with the newest run's end, saying how, exit 1 for a failure
+    (0 for a finished job). A plain `--follow` there goes on (the job may run again)."""
+    bus = any_bus  # (one server, and the 3-node cluster users deploy)
+    for e in (
+        factories.elected("m1", 1),
+        factories.joined("n1"),
+        factories.ended(1, ev.JobPhase.FINISHED),
+        factories.run_started(1),
+    ):
+        await bus.publish(e)
+    base = [sys.executable, "-m", "rove.control.cli.main", "events", "--job", "j1"]
+    base += ["--nats", bus.url]
+    until = subprocess.Popen(
+        [*base, "--until-end"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    plain = subprocess.Popen(
+        [*base, "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert until.stdout is not None
+        while "run_started" not in await asyncio.to_thread(until.stdout.readline):
+            pass  # (the history read: the first run's end is no end of the follow)
+        assert until.poll() is None, "the newest run has not ended"
+        failed = msgspec.structs.replace(
+            factories.ended(1, ev.JobPhase.FAILED), id="ended-2", reason="rank 1 on n1: boom"
+        )
+        await bus.publish(failed)
+        out, err = await asyncio.to_thread(until.communicate, timeout=patience(30))
+        assert until.returncode == 1, (out, err)
+        assert "job_ended" in out.splitlines()[-1], out
+        assert err.endswith(
+            "rove events: job j1 has ended (failed: rank 1 on n1: boom): nothing more will come\n"
+        ), err
+        assert plain.poll() is None, "a plain follow of a shared NATS goes on"
+        # the job already ended: it reads to the end and says so, exit 0 for a finished one
+        await bus.publish(factories.run_started(1, run=3))
+        await bus.publish(
+            msgspec.structs.replace(factories.ended(1, ev.JobPhase.FINISHED), id="e3")
+        )
+        done = subprocess.run(
+            [*base, "--until-end", "--type", "node_joined"],
+            capture_output=True,
+            text=True,
+            timeout=patience(30),
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count("node_joined") == 1, done.stdout
+        assert "has ended (finished: enough)" in done.stderr, done.stderr
+    finally:
+        for p in (until, plain):
+            p.kill()
+            p.wait(patience(10))
 
 
 @pytest.mark.parametrize(

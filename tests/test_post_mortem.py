@@ -103,9 +103,11 @@ async def test_an_ended_job_reads_as_it_did_while_it_ran(tmp_path: Path) -> None
     assert "read from the job's stored events" in text.stdout
     assert "no master runs: the job has ended" in text.stdout
     follow = _read(home, "events", "--follow")
-    assert follow.returncode == 0 and "has ended: nothing more will come" in follow.stderr
-    later = _read(home, "events", "--follow", "--since", "0s")  # its end not among those read
-    assert later.stdout == "" and "has ended: nothing more will come" in later.stderr
+    assert follow.returncode == 0 and "has ended (finished" in follow.stderr, follow.stderr
+    assert follow.stderr.endswith("): nothing more will come\n"), follow.stderr
+    later = _read(home, "events", "--until-end", "--since", "0s")  # its end not among those read
+    assert later.returncode == 0 and later.stdout == "", "finished: 0, and nothing newer"
+    assert "has ended (finished" in later.stderr, later.stderr
 
     first = _read(home, "logs", "--round", "1", "--rank", "1", "--stream", "stderr")
     assert first.returncode == 0 and "RuntimeError: the first attempt fails" in first.stdout

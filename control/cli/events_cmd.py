@@ -28,6 +28,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     common.add_job_arg(p)
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument(
+        "--until-end",
+        action="store_true",
+        help="follow until the job's newest run has ended, even on a shared NATS (implies "
+        "--follow); exit 0 if it finished, 1 if it failed, was stopped or was cut off",
+    )
+    p.add_argument(
         "--since",
         type=common.moment,
         metavar="WHEN",
@@ -64,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.node:
         subjects.check_name("node", args.node)
+    if args.until_end:
+        args.follow = True
     return aio.run(_run(args))
 
 
@@ -76,7 +84,9 @@ async def _run(args: argparse.Namespace) -> int:
         options = dataclasses.replace(options, says_connection=False)
     types = set(args.types) if args.types else None
     out = sys.stdout
-    ended: list[bool] = [False]  # the newest run's job_ended was read (a live follow's)
+    # the newest run's end as read so far (a live follow's); `end_read` set while it is
+    end: list[ev.JobEnded | None] = [None]
+    end_read = asyncio.Event()
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
             raise common.no_such_job(bus, args.job)
@@ -99,7 +109,8 @@ async def _run(args: argparse.Namespace) -> int:
                 gone.set()
 
         def show(rec: records.Recorded) -> None:
-            ended[0] = runs.ended_after(rec.event, ended[0])
+            end[0] = runs.end_after(rec.event, end[0])
+            (end_read.clear if end[0] is None else end_read.set)()
             if not matches(rec.event, types, args.node) or not runs.within(rec.seq, bounds):
                 return
             write((event_json(rec).decode() if args.json else event_line(rec)) + "\n")
@@ -116,31 +127,51 @@ async def _run(args: argparse.Namespace) -> int:
         feed = await bus.subscribe(
             subjects.EVENTS_STREAM, subjects.job_events(args.job), show, bad, start_time=start_time
         )
+
+        async def until_end() -> None:
+            await feed.settled()
+            if end[0] is None and args.since is not None:  # (it may have passed over the end)
+                end[0] = await runs.newest_end(bus, args.job)
+            while end[0] is None:  # (a new run's start clears it again)
+                await end_read.wait()
+
         try:
             live = args.follow and not bus.stored_job  # until interrupted, or the reader goes
             try:  # (raises what a handler raised, if one did)
                 await aio.unless(
                     gone,
-                    (_server_gone(args.job) if own_server else asyncio.Event().wait())
+                    (
+                        _server_gone(args.job)
+                        if own_server
+                        else until_end()
+                        if args.until_end
+                        else asyncio.Event().wait()
+                    )
                     if live
                     else feed.settled(),
                 )
             except aio.Stopped:
                 raise BrokenPipeError from None  # (the CLI ends quietly: common.run_reporting)
             if args.follow and not live:  # (`--since` may have passed over its end)
-                ended[0] = await runs.ended(bus, args.job)
+                end[0] = await runs.newest_end(bus, args.job)
             if args.follow:
-                print(
-                    f"rove events: job {args.job} has ended: nothing more will come"
-                    if ended[0]
-                    else f"rove events: job {args.job} was {runs.CUT_OFF} "
-                    f"({runs.CUT_OFF_WHY}): nothing more will come; the same rove run "
-                    "command goes on with the job",
-                    file=sys.stderr,
-                )
+                print(_ending(args.job, end[0]), file=sys.stderr)
         finally:
             await feed.stop()
+    if args.until_end and (end[0] is None or end[0].phase is not ev.JobPhase.FINISHED):
+        return common.EXIT_FAILED
     return common.EXIT_OK
+
+
+def _ending(job: str, end: ev.JobEnded | None) -> str:
+    """What a follow says as it ends: how the job's newest run ended, or that it was cut off."""
+    if end is None:
+        return (
+            f"rove events: job {job} was {runs.CUT_OFF} ({runs.CUT_OFF_WHY}): nothing more "
+            "will come; the same rove run command goes on with the job"
+        )
+    how = f"{end.phase}: {end.reason}" if end.reason else str(end.phase)
+    return f"rove events: job {job} has ended ({how}): nothing more will come"
 
 
 async def _server_gone(job: str) -> None:

@@ -40,23 +40,24 @@ async def starts(bus: Bus, job: str) -> dict[int, int]:
     return found
 
 
-def ended_after(event: ev.Event, ended: bool) -> bool:
-    """Whether the job's newest run has ended once `event` is read, `ended` before it
-    (pure): its `job_ended` is the newest of those and `run_started`."""
-    if isinstance(event, ev.JobEnded | ev.RunStarted):
-        return isinstance(event, ev.JobEnded)
-    return ended
+def end_after(event: ev.Event, end: ev.JobEnded | None) -> ev.JobEnded | None:
+    """The end of the job's newest run once `event` is read, `end` before it (pure): its
+    `job_ended` if that is the newest of those and `run_started`, else None."""
+    if isinstance(event, ev.JobEnded):
+        return event
+    return None if isinstance(event, ev.RunStarted) else end
 
 
-async def ended(bus: Bus, job: str) -> bool:
-    """Whether the job's newest run has ended (`ended_after`, over its stored events)."""
-    newest: list[bool] = [False]
+async def newest_end(bus: Bus, job: str) -> ev.JobEnded | None:
+    """The end of the job's newest run (`end_after`, over its stored events): None while
+    it runs, or if it was cut off."""
+    end: list[ev.JobEnded | None] = [None]
 
     def add(rec: records.Recorded) -> None:
-        newest[0] = ended_after(rec.event, newest[0])
+        end[0] = end_after(rec.event, end[0])
 
     await bus.read(subjects.EVENTS_STREAM, subjects.master(job, "*"), add)
-    return newest[0]
+    return end[0]
 
 
 #: what `rove status`, `rove jobs` and `rove goodput` call a newest run that never ended
