@@ -229,6 +229,7 @@ class Operator:
                 finally:
                     with self._watch_lock:
                         self._watch_resp = None
+                    resp.close()  # (read or not to its end: the connection is not reused)
                     resp.release_conn()
             except urllib3.exceptions.ReadTimeoutError:
                 continue  # a quiet watch: open the next one
