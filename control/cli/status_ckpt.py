@@ -34,22 +34,16 @@ def line(ck: dict[str, Any], ended: bool = False, kept_until: str | None = None)
     if not ck["in_memory"] and ck["committed_step"] is None:
         return ""
     committed = ck["committed_step"]
-    if ended:
+    if ended or kept_until is not None:
         newer = {n: s for n, s in ck["in_memory"].items() if committed is None or s > committed}
         memory = ", ".join(f"{n} step {s}" for n, s in sorted(newer.items()))
         text = "checkpoints: " + (
             f"committed step {committed}" if committed is not None else "none persisted"
         )
-        if memory:
+        if memory and ended:
             text += f"; {'newer steps were' if committed is not None else 'the newest was'}"
             text += f" in memory only: {memory}"
-    elif kept_until is not None:
-        newer = {n: s for n, s in ck["in_memory"].items() if committed is None or s > committed}
-        memory = ", ".join(f"{n} step {s}" for n, s in sorted(newer.items()))
-        text = "checkpoints: " + (
-            f"committed step {committed}" if committed is not None else "none persisted"
-        )
-        if memory:
+        elif memory:
             text += (
                 f"; in its nodes' shared memory: {memory}, kept for a rerun to restore until"
                 f" about {kept_until} (ROVE_SHM_GRACE_S), then the next job there may reclaim it"
