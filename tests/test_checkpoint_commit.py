@@ -79,6 +79,17 @@ def test_commit_decisions_have_stable_ids() -> None:
     assert a == b and len(a) == 1
 
 
+def step_5_committed_and_n1_at_6() -> Sim:
+    """A running job of two nodes: step 5 persisted by both, step 6 in n1's memory only."""
+    s = running()
+    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
+        s.apply(factories.persisted(node, 5, ranks))
+        s.apply(factories.in_memory(node, 5, ranks))
+    s.apply(factories.in_memory("n1", 6, (0, 1)))
+    s.tick()
+    return s
+
+
 def test_status_says_when_nothing_was_ever_persisted() -> None:
     from rove.control.cli.status_cmd import render, status_view
 
@@ -122,12 +133,7 @@ def test_status_of_an_ended_job_says_what_was_durable_and_what_was_in_memory_onl
     assert "ended after round 1; no restart" in text, text
     assert "* n1 left as the job ended" in text, text
 
-    s = running()
-    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
-        s.apply(factories.persisted(node, 5, ranks))
-        s.apply(factories.in_memory(node, 5, ranks))
-    s.apply(factories.in_memory("n1", 6, (0, 1)))
-    s.tick()
+    s = step_5_committed_and_n1_at_6()
     s.apply(factories.succeeded("n1", 1))
     s.apply(factories.succeeded("n2", 1))
     s.tick()
@@ -144,12 +150,7 @@ def test_status_of_a_cut_off_job_says_until_when_a_rerun_restores_its_steps_from
     from rove.control.cli.status_cmd import render, status_view
 
     monkeypatch.setenv("ROVE_SHM_GRACE_S", "600")
-    s = running()
-    for node, ranks in (("n1", (0, 1)), ("n2", (2, 3))):
-        s.apply(factories.persisted(node, 5, ranks))
-        s.apply(factories.in_memory(node, 5, ranks))
-    s.apply(factories.in_memory("n1", 6, (0, 1)))
-    s.tick()
+    s = step_5_committed_and_n1_at_6()
     view = status_view(s.state, s.liveness, None, s.now)
     view["cut_off"] = {"last_heard": 1_000_000.0}
     text = render(view)
