@@ -128,28 +128,27 @@ async def _run(args: argparse.Namespace) -> int:
             subjects.EVENTS_STREAM, subjects.job_events(args.job), show, bad, start_time=start_time
         )
 
-        async def until_end() -> None:
-            await feed.settled()
-            if end[0] is None and args.since is not None:  # (it may have passed over the end)
-                end[0] = await runs.newest_end(bus, args.job)
-            while end[0] is None:  # (a new run's start clears it again)
-                await end_read.wait()
+        live = args.follow and not bus.stored_job  # until interrupted, or the reader goes
+
+        async def read() -> None:
+            """Until what the command reads: what is stored now, a job's own server gone,
+            the newest run's end (`--until-end`), or for ever."""
+            if not live:
+                await feed.settled()
+            elif own_server:
+                await _server_gone(args.job)
+            elif args.until_end:
+                await feed.settled()
+                if end[0] is None and args.since is not None:  # (it may have passed the end)
+                    end[0] = await runs.newest_end(bus, args.job)
+                while end[0] is None:  # (a new run's start clears it again)
+                    await end_read.wait()
+            else:
+                await asyncio.Event().wait()
 
         try:
-            live = args.follow and not bus.stored_job  # until interrupted, or the reader goes
             try:  # (raises what a handler raised, if one did)
-                await aio.unless(
-                    gone,
-                    (
-                        _server_gone(args.job)
-                        if own_server
-                        else until_end()
-                        if args.until_end
-                        else asyncio.Event().wait()
-                    )
-                    if live
-                    else feed.settled(),
-                )
+                await aio.unless(gone, read())
             except aio.Stopped:
                 raise BrokenPipeError from None  # (the CLI ends quietly: common.run_reporting)
             if args.follow and not live:  # (`--since` may have passed over its end)
