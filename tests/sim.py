@@ -14,7 +14,7 @@ from rove.control.catalogue import events as ev
 from rove.control.master.decide import decide
 from rove.control.master.evolve import evolve
 from rove.control.master.netcheck import Wait
-from rove.control.master.silence import replaces
+from rove.control.master.silence import Heard, replaces
 from rove.control.master.state import JobState, initial
 from tests import factories
 
@@ -28,6 +28,8 @@ class Sim:
         self.decisions: list[ev.Decision] = []
         self.announced: set[str] = set()
         self.liveness: dict[str, ev.Heartbeat] = {}
+        #: when the leader heard each node live, by its clock (none: judged by the stamps)
+        self.heard: dict[str, Heard] = {}
         #: why the rendezvous waits, and why no scale plan is made, after the last tick
         self.waiting: Wait | None = None
         self.scale_waiting: Wait | None = None
@@ -43,7 +45,9 @@ class Sim:
         self.now += seconds
         out: list[ev.Decision] = []
         for _ in range(10):
-            ds, self.waiting, self.scale_waiting = decide(self.state, self.liveness, self.now)
+            ds, self.waiting, self.scale_waiting = decide(
+                self.state, self.liveness, self.now, heard=self.heard
+            )
             ds = [d for d in ds if not (isinstance(d, ev.ShardLeased) and d.id in self.announced)]
             if not ds:
                 break

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rove.control.catalogue import events as ev
 from rove.control.master.decide import decide
-from rove.control.master.silence import Silence, replaces
+from rove.control.master.silence import Heard, Silence, replaces
 from tests import factories
 from tests.sim import Sim
 
@@ -21,26 +22,56 @@ steps = st.one_of(
     st.tuples(st.just("leave"), nodes, st.just("")),
     st.tuples(st.just("wait"), st.sampled_from([0.5, 3.0, 9.9, 10.0, 10.1, 25.0]), st.just("")),
     st.tuples(st.just("tick"), st.just(""), st.just("")),
+    st.tuples(st.just("skew"), nodes, st.sampled_from([-60.0, -5.0, 0.0, 5.0, 60.0])),
+    st.tuples(st.just("take over"), st.just(""), st.just("")),
 )
 
 
 class Watched(Sim):
-    """A simulated leader that keeps a `Silence` as the runner does."""
+    """A simulated leader that keeps a `Silence` and hears its nodes as the runner and
+    its replica do: each node stamps its events by its own clock (`skew` seconds off the
+    leader's), and the leader notes when it heard each (`heard`)."""
 
     def __init__(self) -> None:
         self.silence = Silence()
+        self.skew: dict[str, float] = {}
         super().__init__(ev.RdzvParams(min_nodes=1, max_nodes=6), node_timeout=TIMEOUT)
-        self.silence.start(self.state)
+        self.silence.start(self.state, self.now)
+
+    def stamp(self, node: str) -> float:
+        return self.now + self.skew.get(node, 0.0)
 
     def apply(self, event: ev.Event) -> None:
         super().apply(event)
         if isinstance(event, ev.NodeJoined):
-            self.silence.joined(event)
+            self.heard[event.node] = Heard(event.incarnation, self.now)
+            self.silence.joined(event, self.now)
+
+    def join(self, node: str, *, inc: str = "i1", **_: object) -> None:
+        self.apply(factories.joined(node, inc=inc, ts=self.stamp(node)))
+        self.apply(factories.rdzv(node, inc=inc, ts=self.stamp(node), params=self.params))
+        self.beat(node, inc=inc)
+
+    def beat(self, node: str, *, inc: str = "i1") -> None:
+        seq = self.liveness[node].seq + 1 if node in self.liveness else 1
+        hb = factories.heartbeat(node, inc=inc, seq=seq, ts=self.stamp(node))
+        record = self.state.nodes.get(node)
+        if replaces(self.liveness.get(node), hb, record.incarnation if record else None):
+            self.liveness[node] = hb
+            self.heard[node] = Heard(inc, self.now)
+
+    def take_over(self) -> None:
+        """A new leader: it has heard nobody live yet (the nodes' stamps are all it has)."""
+        self.heard = {}
+        self.silence.start(self.state, self.now)
 
     def lost_both_ways(self) -> tuple[set[str], set[str]]:
-        suspects = self.silence.suspects(self.state, self.liveness, self.now, TIMEOUT)
-        by_heap = decide(self.state, self.liveness, self.now, suspects=suspects).decisions
-        by_scan = decide(self.state, self.liveness, self.now).decisions
+        heard = self.heard
+        suspects = self.silence.suspects(self.state, self.liveness, self.now, TIMEOUT, heard)
+        by_heap = decide(
+            self.state, self.liveness, self.now, suspects=suspects, heard=heard
+        ).decisions
+        by_scan = decide(self.state, self.liveness, self.now, heard=heard).decisions
         return _lost(by_heap), _lost(by_scan)
 
 
@@ -61,6 +92,10 @@ def test_the_heap_finds_the_nodes_a_scan_of_every_node_finds(history: list[tuple
             sim.apply(factories.left(a, inc=sim.state.nodes[a].incarnation, ts=sim.now))
         elif op == "wait":
             sim.now += a
+        elif op == "skew":
+            sim.skew[a] = b  # that node's clock is off by b from now on
+        elif op == "take over":
+            sim.take_over()
         heap, scan = sim.lost_both_ways()
         assert heap == scan
         if op == "tick":
@@ -114,3 +149,30 @@ def test_an_old_incarnation_still_beating_never_hides_the_current_ones_heartbeat
     assert not replaces(sim.liveness["n1"], early, "i2")
     assert replaces(sim.liveness["n1"], early, "i3")
     assert replaces(sim.liveness["n1"], early, None), "a node the state does not know: by time"
+
+
+@pytest.mark.parametrize("skew", [-60.0, 60.0])
+def test_a_node_is_judged_by_when_the_leader_hears_it_not_by_its_own_clock(skew: float) -> None:
+    """A node whose clock is a minute behind the master's stamps every heartbeat a
+    minute old: judged by its stamps it was lost at every join (the job never formed).
+    One a minute ahead stamps them in the future: judged by them, its death was seen a
+    minute late."""
+    sim = Watched()
+    sim.skew["n1"] = skew
+    sim.join("n1")
+    sim.now += TIMEOUT - 1
+    sim.beat("n1")
+    sim.now += TIMEOUT - 1  # heard a timeout less a second ago, its stamps a minute off
+    assert sim.lost_both_ways() == (set(), set())
+    sim.now += 1.1  # silent for a node timeout by the leader's clock
+    assert sim.lost_both_ways() == ({"n1"}, {"n1"})
+    (lost,) = [d for d in sim.tick() if isinstance(d, ev.NodeLost)]
+    assert lost.last_seen == sim.now - TIMEOUT - 0.1, "when it was heard, by the leader's clock"
+
+
+def test_a_new_leader_that_has_heard_nobody_yet_judges_by_their_stamps() -> None:
+    sim = Watched()
+    sim.join("n1")
+    sim.take_over()
+    sim.now += TIMEOUT + 0.1
+    assert sim.lost_both_ways() == ({"n1"}, {"n1"})

@@ -29,7 +29,7 @@ from rove.control.catalogue import events as ev
 from rove.control.master import checkpoints as ckpt
 from rove.control.master import data_due, netcheck, optimizer
 from rove.control.master import rendezvous as rdzv
-from rove.control.master.silence import last_heard
+from rove.control.master.silence import NOT_HEARD, Heard, last_heard
 from rove.control.master.state import JobState, NodeRecord, NodeStatus
 
 
@@ -49,18 +49,20 @@ def decide(
     *,
     suspects: Collection[str] | None = None,
     hearing_since: float = 0.0,
+    heard: Mapping[str, Heard] = NOT_HEARD,
 ) -> Decided:
     """What the leader decides now. `suspects`: the only nodes that may be lost (the
     runner's `Silence` finds them at the cost of those that are silent); None looks at
     every node. `hearing_since`: since when this leader could hear heartbeats (its
-    connection to NATS came back then; `now` while it is away)."""
+    connection to NATS came back then; `now` while it is away). `heard`: when it last
+    heard each node live, by its own clock (`silence.last_heard`)."""
 
     if state.phase.terminal:
         return Decided(_next_run(state, now), None)
     if state.spec is None:
         return Decided([], None)
     decisions: list[ev.Decision] = []
-    decisions.extend(_lost_nodes(state, liveness, now, suspects, hearing_since))
+    decisions.extend(_lost_nodes(state, liveness, now, suspects, hearing_since, heard))
     decisions.extend(_stop(state, now))
     waiting = scale_waiting = None
     if not decisions and state.scale.workload is not None:
@@ -304,6 +306,7 @@ def _lost_nodes(
     now: float,
     suspects: Collection[str] | None,
     hearing_since: float,
+    heard: Mapping[str, Heard],
 ) -> list[ev.Decision]:
     assert state.spec is not None
     timeout = state.spec.node_timeout_s
@@ -322,7 +325,7 @@ def _lost_nodes(
     for node in nodes:
         if node.status is not NodeStatus.ACTIVE:
             continue
-        last_seen = last_heard(node, liveness)
+        last_seen = last_heard(node, liveness, heard)
         if now - last_seen > timeout:
             lost.append(
                 ev.NodeLost(

@@ -14,6 +14,7 @@ stops when it steps down.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import nats.errors
@@ -27,11 +28,16 @@ from rove.control.catalogue import subjects
 from rove.control.errors import LostEventsError, RoveError
 from rove.control.master import continuity, snapshots
 from rove.control.master.evolve import evolve
-from rove.control.master.silence import replaces
+from rove.control.master.silence import Heard, replaces
 from rove.control.master.state import JobState, initial
 from rove.control.process import aio
 
 log = structlog.get_logger("rove.replica")
+
+#: How far off a node's clock is said to be, at the least (`Replica._skewed`).
+SKEW_SAID_S = 5.0
+#: At most one line every this many seconds says so.
+SKEW_SAY_EVERY_S = 60.0
 
 
 class Replica:
@@ -52,6 +58,7 @@ class Replica:
         use_snapshot: bool | Callable[[snapshots.Loaded], bool] = True,
         heartbeats: bool = True,
         live_heartbeats: bool = True,
+        clock: Callable[[], float] = time.time,
         on_applied: Callable[[records.Recorded], None] | None = None,
         on_rejected: Callable[[records.Rejection], None] | None = None,
         on_snapshot: Callable[[snapshots.Loaded], None] | None = None,
@@ -63,8 +70,16 @@ class Replica:
         #: False: the newest stored heartbeat of each node only (`rove status`, which
         #: reads the job once), no live subscription
         self.live_heartbeats = live_heartbeats
+        self.clock = clock
         self.state: JobState = initial(job)
         self.liveness: dict[str, ev.Heartbeat] = {}
+        #: when each node was last heard live, by this process's clock: its newest live
+        #: heartbeat's arrival (and a leader's `heard_from` at a join); what a leader
+        #: judges silence by (`silence.last_heard`), whatever the node's clock says
+        self.heard: dict[str, Heard] = {}
+        #: the nodes whose clocks are off, and when that was last said (`_skewed`)
+        self._skewed_nodes: dict[str, float] = {}
+        self._skew_said_at = -SKEW_SAY_EVERY_S
         self.snapshot_seq = 0
         #: Newest event-stream sequence handled, folded or rejected.
         self.seen_seq = 0
@@ -175,7 +190,7 @@ class Replica:
     async def unfollow_heartbeats(self) -> None:
         """Stop following heartbeats and forget them (a master stepping down)."""
         await self._stop_heartbeats()
-        self.liveness = {}
+        self.liveness, self.heard = {}, {}
 
     async def stop(self) -> None:
         """Stop following (what was folded and heard stays readable)."""
@@ -230,7 +245,11 @@ class Replica:
     def _live_heartbeat(self, subject: str, payload: bytes) -> None:
         hb = records.read_heartbeat(self.job, subject, payload)
         if type(hb) is ev.Heartbeat:
-            self._heard(hb)
+            if self._heard(hb):
+                at = self.clock()
+                self.heard[hb.node] = Heard(hb.incarnation, at)
+                if self._skewed_nodes or not -SKEW_SAID_S < at - hb.ts < SKEW_SAID_S:
+                    self._skewed(hb, at)
         elif subject not in self._looking:
             # a live message has no stream sequence: the stored one is read again, and
             # what is wrong with it recorded as any stored message is (one look at a
@@ -257,7 +276,7 @@ class Replica:
         if isinstance(rec.event, ev.Heartbeat):
             self._heard(rec.event)
 
-    def _heard(self, hb: ev.Heartbeat) -> None:
+    def _heard(self, hb: ev.Heartbeat) -> bool:
         # the newest: by its sequence within an incarnation, else by its time (the
         # stored ones read after the live ones began may be older than those), never
         # an old incarnation's over the node's current one's (`silence.replaces`)
@@ -265,6 +284,44 @@ class Replica:
         current = record.incarnation if record is not None else None
         if replaces(self.liveness.get(hb.node), hb, current):
             self.liveness[hb.node] = hb
+            return True
+        return False
+
+    def heard_from(self, node: str, incarnation: str, at: float) -> None:
+        """`node`'s `incarnation` was heard live `at` (this process's clock)."""
+        self.heard[node] = Heard(incarnation, at)
+
+    def _skewed(self, hb: ev.Heartbeat, at: float) -> None:
+        """Say that a node's clock is off from this process's by `SKEW_SAID_S` or more,
+        as its live heartbeat's stamp and arrival tell (the arrival's delay included:
+        milliseconds): once per node while it stays off, and at most one line every
+        `SKEW_SAY_EVERY_S` (with how many others are off: a thousand skewed nodes are
+        one line, not a thousand)."""
+        skew = at - hb.ts
+        if abs(skew) < SKEW_SAID_S:
+            if self._skewed_nodes:
+                self._skewed_nodes.pop(hb.node, None)
+            return
+        if hb.node in self._skewed_nodes:
+            return
+        self._skewed_nodes[hb.node] = skew
+        now = time.monotonic()
+        if now < self._skew_said_at + SKEW_SAY_EVERY_S:
+            return
+        self._skew_said_at = now
+        way = "behind" if skew > 0 else "ahead of"
+        others = len(self._skewed_nodes) - 1
+        also = f" (and {others} other nodes' by {SKEW_SAID_S:.0f}s or more)" if others else ""
+        log.warning(
+            f"node {hb.node}'s clock is {abs(skew):.1f}s {way} this master's{also}, by their "
+            "heartbeats' stamps against their arrival: rove judges a node's silence by when "
+            "it hears it, but the times a node stamps (its steps, a rendezvous' last call) "
+            "are off by as much; set the machines' clocks right (NTP: chrony, timedatectl)",
+            job=self.job,
+            node=hb.node,
+            skew_s=round(skew, 3),
+            nodes_off=others + 1,
+        )
 
     def _reject(self, rej: records.Rejection) -> None:
         if rej.stream == subjects.EVENTS_STREAM and rej.seq <= self.seen_seq:

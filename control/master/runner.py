@@ -148,7 +148,9 @@ class MasterRunner(JobService):
             self.stop()
         self._inflight.pop(rec.event.id, None)
         if isinstance(rec.event, ev.NodeJoined) and self.role == "leader":
-            self.silence.joined(rec.event)
+            at = self.clock()  # heard now, whatever the node's clock stamped
+            self.replica.heard_from(rec.event.node, rec.event.incarnation, at)
+            self.silence.joined(rec.event, at)
         self.metrics.observe(rec.event, self.state)
         if type(rec.event) in _WAKE_ON:
             self.wake()  # a data client waits for its answer: decide now
@@ -285,7 +287,7 @@ class MasterRunner(JobService):
         self._announced = {}  # a new leader announces every pending lease again
         await self.replica.wait_applied(seq, timeout_s=self.lease.ttl_s)
         await self.replica.follow_heartbeats()  # the newest of every node, then live
-        self.silence.start(self.state)
+        self.silence.start(self.state, self.clock())
         self.role = "leader"
         self.log.info(
             "elected leader",
@@ -362,12 +364,15 @@ class MasterRunner(JobService):
         now = self.clock()
         # lost nodes: only those silent for the node timeout are looked at (a scan of
         # every node cost 0.1 s a tick at 25,000 nodes)
-        liveness, spec = self.replica.liveness, self.state.spec
+        liveness, heard, spec = self.replica.liveness, self.replica.heard, self.state.spec
         suspects = (
-            self.silence.suspects(self.state, liveness, now, spec.node_timeout_s) if spec else []
+            self.silence.suspects(self.state, liveness, now, spec.node_timeout_s, heard)
+            if spec
+            else []
         )
+        hearing = self._hearing.since()
         decisions, waiting, scale_waiting = decide(
-            self.state, liveness, now, suspects=suspects, hearing_since=self._hearing.since()
+            self.state, liveness, now, suspects=suspects, hearing_since=hearing, heard=heard
         )
         self._say_why_waiting(waiting)
         self._say_why_no_plan(scale_waiting)

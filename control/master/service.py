@@ -60,6 +60,7 @@ class JobService(abc.ABC):
             bus,
             job,
             heartbeats=self.follows_heartbeats,
+            clock=clock,
             on_applied=self.on_event,
             on_rejected=self.on_rejected,
             on_snapshot=self.on_snapshot,
