@@ -18,7 +18,7 @@ import pytest
 import structlog
 from nats.js.api import DiscardPolicy, StorageType
 
-from rove.control.bus import records, streams
+from rove.control.bus import lease_bucket, records, streams
 from rove.control.bus.client import Bus, BusOptions, Fence
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.bus.feed import Feed, StreamMark, stalled
@@ -30,6 +30,7 @@ from rove.control.errors import (
     FencedError,
     NotAuthorizedError,
     PublishDeadlineError,
+    TemporaryError,
 )
 from tests import factories
 from tests.support import Cluster, eventually, free_port, patience
@@ -57,6 +58,23 @@ async def test_streams_and_lease_bucket_are_created_idempotently(bus: Bus) -> No
     } <= names
     _kv, ttl = await bus.lease_bucket()
     assert ttl == pytest.approx(2.0)
+
+
+async def test_a_lease_bucket_not_found_as_its_status_is_read_is_found_or_made_again(
+    bus: Bus,
+) -> None:
+    """On a fresh cluster a bucket just made may be "stream not found" for a moment by
+    the next server asked: a `rove master` died of that NotFoundError as the job's first
+    nodes made the streams. Here the bucket's stream really goes between finding it
+    and reading its status: one try says so as a TemporaryError (retried), and the
+    bus's call finds or makes it again."""
+    kv, _ttl = await bus.lease_bucket()
+    await bus.js.delete_key_value(subjects.LEASE_BUCKET)
+    with pytest.raises(TemporaryError, match="the lease bucket's stream: stream not found"):
+        await lease_bucket.open(bus.js, bus.options, kv)
+    again, ttl = await bus.lease_bucket()  # its handle was the gone bucket's: made again
+    assert ttl == pytest.approx(2.0)
+    assert (await again.status()).bucket == subjects.LEASE_BUCKET
 
 
 async def test_a_retried_publish_with_the_same_id_is_stored_once(any_bus: Bus) -> None:

@@ -33,13 +33,20 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     Header,
-    KeyValueConfig,
-    StorageType,
     StreamConfig,
 )
 from nats.js.kv import KeyValue
 
-from rove.control.bus import catchup, connection, embedded, records, retry, stored, streams
+from rove.control.bus import (
+    catchup,
+    connection,
+    embedded,
+    lease_bucket,
+    records,
+    retry,
+    stored,
+    streams,
+)
 from rove.control.bus import options as bus_options
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.bus.feed import STALL_CHECK_S, Feed, RejectionLog, StreamMark, nothing_since
@@ -53,6 +60,7 @@ from rove.control.errors import (
     FencedError,
     PermissionDeniedError,
     RoveError,
+    TemporaryError,
 )
 from rove.control.process import aio, logs, metrics
 
@@ -205,7 +213,7 @@ class Bus:
         """Create rove's streams and lease bucket, or leave them as they are."""
         for cfg in self.stream_configs():
             await self._retry(functools.partial(self._ensure_stream, cfg), deadline_s=30.0)
-        await self._retry(self._ensure_lease_bucket, deadline_s=30.0)
+        await self.lease_bucket()
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         assert cfg.name is not None
@@ -222,35 +230,21 @@ class Bus:
             if exc.err_code != 10058:
                 raise
 
-    async def _ensure_lease_bucket(self) -> None:
-        try:
-            self._lease_kv = await self.js.key_value(subjects.LEASE_BUCKET)
-            return
-        except nats.js.errors.BucketNotFoundError:
-            pass
-        try:
-            self._lease_kv = await self.js.create_key_value(
-                KeyValueConfig(
-                    bucket=subjects.LEASE_BUCKET,
-                    history=1,
-                    ttl=self.options.lease_ttl_s,
-                    replicas=self.options.replicas,
-                    storage=StorageType.FILE,
-                )
-            )
-        except nats.js.errors.BadRequestError as exc:
-            if exc.err_code != 10058:
-                raise
-            self._lease_kv = await self.js.key_value(subjects.LEASE_BUCKET)
-
     async def lease_bucket(self) -> tuple[KeyValue, float]:
-        """The leader-lease bucket and its actual TTL in seconds."""
-        if self._lease_kv is None:
-            await self._retry(self._ensure_lease_bucket, deadline_s=30.0)
-        assert self._lease_kv is not None
-        status = await self._lease_kv.status()
-        ttl = status.ttl or self.options.lease_ttl_s
-        return self._lease_kv, float(ttl)
+        """The leader-lease bucket and its actual TTL in seconds (`lease_bucket.open`,
+        retried)."""
+
+        async def once() -> tuple[KeyValue, float]:
+            try:
+                kv, ttl = await lease_bucket.open(self.js, self.options, self._lease_kv)
+            except TemporaryError:
+                self._lease_kv = None  # found or made again at the next try
+                raise
+            self._lease_kv = kv
+            return kv, ttl
+
+        found: tuple[KeyValue, float] = await self._retry(once, deadline_s=30.0)
+        return found
 
     # ------------------------------------------------------------------ publishing
 
