@@ -78,7 +78,7 @@ class Replica:
         #: judges silence by (`silence.last_heard`), whatever the node's clock says
         self.heard: dict[str, Heard] = {}
         #: the nodes whose clocks are off, and when that was last said (`_skewed`)
-        self._skewed_nodes: dict[str, float] = {}
+        self._skewed_nodes: set[str] = set()
         self._skew_said_at = -SKEW_SAY_EVERY_S
         self.snapshot_seq = 0
         #: Newest event-stream sequence handled, folded or rejected.
@@ -300,11 +300,11 @@ class Replica:
         skew = at - hb.ts
         if abs(skew) < SKEW_SAID_S:
             if self._skewed_nodes:
-                self._skewed_nodes.pop(hb.node, None)
+                self._skewed_nodes.discard(hb.node)
             return
         if hb.node in self._skewed_nodes:
             return
-        self._skewed_nodes[hb.node] = skew
+        self._skewed_nodes.add(hb.node)
         now = time.monotonic()
         if now < self._skew_said_at + SKEW_SAY_EVERY_S:
             return

@@ -36,8 +36,8 @@ from rove.control.master.state import JobState, NodeRecord, NodeStatus
 
 
 class Heard(msgspec.Struct, frozen=True, gc=False):
-    """When a leader last heard one of a node's incarnation live, by its own clock (a
-    Struct: made for every heartbeat, 40 ns against a NamedTuple's 200)."""
+    """When a leader last heard a node's incarnation live, by its own clock (a Struct:
+    made for every heartbeat, 40 ns against a NamedTuple's 200)."""
 
     incarnation: str
     at: float
