@@ -119,6 +119,41 @@ def test_a_worker_failure_restarts_the_same_members_in_a_new_round() -> None:
     assert "rank 3 on node n2" in rnd.reason
 
 
+def test_a_kill_reported_after_its_peers_broken_connection_is_the_rounds_cause() -> None:
+    """Regression (CI): a SIGKILLed rank's gloo peer reported `communication` a few
+    milliseconds before the kill's own report; the round restarted "after rank 2 on
+    node n1: communication" and the restart metric's label said so."""
+    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(
+        factories.exited(
+            "n1", 1, rank=0, kind=FK.COMMUNICATION, reason="gloo: reset by peer", ts=sim.now
+        )
+    )
+    sim.apply(factories.exited("n2", 1, rank=3, kind=FK.KILLED, ts=sim.now))
+    sim.apply(factories.exited("n1", 1, rank=1, kind=FK.COMMUNICATION, ts=sim.now))
+    failure = sim.state.rdzv.failure
+    assert failure is not None
+    assert (failure.node, failure.rank, failure.kind) == ("n2", 3, FK.KILLED)
+    (rnd,) = sim.wait(1, "n1", "n2")
+    assert isinstance(rnd, ev.RoundCompleted) and rnd.restart_count == 1
+    assert "rank 3 on node n2" in rnd.reason and "killed" in rnd.reason
+
+
+def test_the_first_of_two_real_failures_stays_the_rounds_cause() -> None:
+    sim = Sim(params())
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.exited("n2", 1, rank=3, kind=FK.OOM, ts=sim.now))
+    sim.apply(factories.exited("n1", 1, rank=0, kind=FK.KILLED, ts=sim.now))
+    sim.apply(factories.exited("n1", 1, rank=1, kind=FK.COMMUNICATION, ts=sim.now))
+    failure = sim.state.rdzv.failure
+    assert failure is not None and (failure.node, failure.kind) == ("n2", FK.OOM)
+
+
 def test_a_round_gets_a_fresh_store_port() -> None:
     sim = Sim(params())
     sim.join("n1")

@@ -171,8 +171,8 @@ def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
         return r
     if e.node not in r.failed_nodes:
         r = replace(r, failed_nodes=r.failed_nodes.set(e.node, True))
-    if r.failure is not None:
-        return r  # the first failure of a round decides
+    if r.failure is not None and not _explains(e, r.failure):
+        return r  # the first failure of a round decides, unless a cause follows a symptom
     failure = Failure(
         round=e.round,
         ts=e.ts,
@@ -183,6 +183,19 @@ def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
         reason=e.reason,
     )
     return replace(r, failure=failure)
+
+
+def _explains(e: ev.WorkerExited, symptom: Failure) -> bool:
+    """Whether `e` names the cause of a round's failure that was only its symptom.
+
+    A broken connection (`communication`) is what a peer's rank sees when another
+    rank dies; the dead rank's own report can reach the stream a moment later (its
+    agent saw the exit, then wrote). The round is decided on the cause: the restart's
+    reason, its metric's label and `rove status` name the rank that was killed.
+    """
+    return (
+        symptom.kind is ev.FailureKind.COMMUNICATION and e.kind is not ev.FailureKind.COMMUNICATION
+    )
 
 
 def on_workers_succeeded(r: RdzvState, e: ev.WorkersSucceeded) -> RdzvState:
