@@ -30,6 +30,10 @@ class Sim:
         self.liveness: dict[str, ev.Heartbeat] = {}
         #: when the leader heard each node live, by its clock (none: judged by the stamps)
         self.heard: dict[str, Heard] = {}
+        #: how far each node's clock is ahead of the leader's (its stamps are off by it)
+        self.skews: dict[str, float] = {}
+        #: what the leader measured of them, as the replica does (`skew.ClockOff`)
+        self.clock_off: dict[str, float] = {}
         #: why the rendezvous waits, and why no scale plan is made, after the last tick
         self.waiting: Wait | None = None
         self.scale_waiting: Wait | None = None
@@ -46,7 +50,7 @@ class Sim:
         out: list[ev.Decision] = []
         for _ in range(10):
             ds, self.waiting, self.scale_waiting = decide(
-                self.state, self.liveness, self.now, heard=self.heard
+                self.state, self.liveness, self.now, heard=self.heard, clock_off=self.clock_off
             )
             ds = [d for d in ds if not (isinstance(d, ev.ShardLeased) and d.id in self.announced)]
             if not ds:
@@ -76,20 +80,31 @@ class Sim:
         ports: tuple[int, ...] | None = None,
         tf_role: str = "",
     ) -> None:
-        self.apply(factories.joined(node, inc=inc, ts=self.now))
+        self.apply(factories.joined(node, inc=inc, ts=self.stamp(node)))
         joined = factories.rdzv(
-            node, inc=inc, ts=self.now, nproc=nproc, params=self.params, ports=ports
+            node, inc=inc, ts=self.stamp(node), nproc=nproc, params=self.params, ports=ports
         )
         self.apply(msgspec.structs.replace(joined, tf_role=tf_role) if tf_role else joined)
         self.beat(node, inc=inc)
 
     def beat(self, node: str, *, inc: str = "i1") -> None:
         seq = self.liveness[node].seq + 1 if node in self.liveness else 1
-        hb = factories.heartbeat(node, inc=inc, seq=seq, ts=self.now)
+        hb = factories.heartbeat(node, inc=inc, seq=seq, ts=self.stamp(node))
         record = self.state.nodes.get(node)
         # kept as the replica keeps it (an old incarnation's never hides the current's)
         if replaces(self.liveness.get(node), hb, record.incarnation if record else None):
             self.liveness[node] = hb
+
+    def skew(self, node: str, ahead: float, *, measured: bool = True) -> None:
+        """`node`'s clock reads `ahead` seconds ahead of the leader's (behind if negative);
+        `measured`: the leader has heard its live heartbeats, and knows it."""
+        self.skews[node] = ahead
+        if measured:
+            self.clock_off[node] = -ahead
+
+    def stamp(self, node: str) -> float:
+        """Now, by `node`'s clock."""
+        return self.now + self.skews.get(node, 0.0)
 
     def rounds(self) -> list[ev.RoundCompleted]:
         return [d for d in self.decisions if isinstance(d, ev.RoundCompleted)]

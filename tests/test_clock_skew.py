@@ -1,7 +1,8 @@
-"""A node whose clock is off from the master's is judged by when the master hears it:
-one a few minutes behind trains (it was declared lost at every join, and the job never
-formed), and one a few minutes ahead is declared lost a node timeout after it died (not
-minutes later). On one NATS server and on a 3-node cluster."""
+"""A node whose clock is off from the master's is judged by when the master hears it,
+and the times it stamps are read on the master's clock: one a few minutes behind trains
+(it was declared lost at every join, and the job never formed); one a few minutes ahead
+forms its round after the last call (not minutes later) and is declared lost a node
+timeout after it died (not minutes later). On one NATS server and on a 3-node cluster."""
 
 from __future__ import annotations
 
@@ -82,18 +83,25 @@ async def test_a_node_whose_clock_is_minutes_behind_the_masters_trains(
     master.stop()
 
 
-async def test_a_node_whose_clock_is_minutes_ahead_is_lost_a_node_timeout_after_it_dies(
+async def test_a_node_minutes_ahead_forms_its_round_on_time_and_is_lost_on_time(
     nats_url: str, tmp_path: Path
 ) -> None:
     job = "ahead"
     master = MasterProc(nats_url, job, "m1", tmp_path, "--node-timeout", str(TIMEOUT_S))
     train = ("--steps", "100000", "--step-sleep", "0.05")
-    early = _node(tmp_path, nats_url, job, "n1", SKEW_S, *train, nnodes="1:2")
-    right = _node(tmp_path, nats_url, job, "n2", 0.0, *train, nnodes="1:2")
+    early = _node(
+        tmp_path, nats_url, job, "n1", SKEW_S, *train, "--last-call-timeout", "2", nnodes="1:2"
+    )
     deadline = time.monotonic() + patience(180)
-    while not any("step 20/" in node.log() for node in (early, right)):  # rank 0 says it
-        assert time.monotonic() < deadline, right.log()[-3000:]
+    while "step 20/" not in early.log():
+        assert time.monotonic() < deadline, early.log()[-3000:] + master.log()[-3000:]
         time.sleep(0.2)
+    # Its join is stamped three minutes ahead: read on the master's clock, the round of
+    # one formed after the last call (2 s), not three minutes later
+    events = await _events(nats_url, job)
+    (asked, *_) = [e for e in events if isinstance(e, ev.RdzvJoined)]
+    (formed, *_) = [e for e in events if isinstance(e, ev.RoundCompleted)]
+    assert formed.ts < asked.ts - SKEW_S / 2, (formed.ts, asked.ts)
     early.kill()  # SIGKILL: no node_left; its workers die with it
     # Judged by its stamps (three minutes ahead), it was declared lost three minutes
     # after it died; judged by when it was last heard, a node timeout after
@@ -105,5 +113,4 @@ async def test_a_node_whose_clock_is_minutes_ahead_is_lost_a_node_timeout_after_
         lost = [e for e in await _events(nats_url, job) if isinstance(e, ev.NodeLost)]
     assert [e.node for e in lost] == ["n1"]
     assert lost[0].last_seen < time.time(), "when it was last heard, by the master's clock"
-    right.stop()
     master.stop()

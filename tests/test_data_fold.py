@@ -743,6 +743,43 @@ def test_a_request_folded_after_its_lease_would_have_expired_is_answered_lapsed(
     assert isinstance(again, ev.ShardLeased) and [r.key for r in again.shards] == [0, 1]
 
 
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_node_whose_clock_is_far_behind_keeps_its_leases(measured: bool) -> None:
+    """Its request is stamped eleven minutes back, longer than a lease (30 s here, 600
+    by default): read on the leader's clock once its heartbeats tell how far off it is,
+    its grant stands and its leases last; a leader that has not measured it yet takes
+    the request for one held through an outage, its grant expired before it was said."""
+    sim = Sim(ev.RdzvParams(min_nodes=1, max_nodes=2))
+    data = Data(sim)
+    data.register("c1")
+    sim.skew("na", -660.0, measured=measured)
+    req = ev.ShardRequested(
+        job="j1",
+        id="c1:behind",
+        producer="c1",
+        ts=sim.stamp("na"),
+        dataset="d",
+        client="c1",
+        request=7,
+        count=2,
+        node="na",
+    )
+    sim.apply(req)
+    leased = [
+        d for d in data.answers("c1", sim.tick()) if isinstance(d, ev.ShardLeased) and d.shards
+    ]
+    if not measured:
+        assert leased == []  # expired before it was announced
+        return
+    (answer,) = leased
+    assert not answer.lapsed and [r.key for r in answer.shards] == [0, 1]
+    sim.tick(SPEC.lease_s / 2)
+    assert not [d for d in sim.decisions if isinstance(d, ev.ShardRequeued)]
+    sim.tick(SPEC.lease_s)  # never renewed: its leases expire a lease after they were made
+    (requeued,) = [d for d in sim.decisions if isinstance(d, ev.ShardRequeued)]
+    assert requeued.reason == "lease_expired" and [r.key for r in requeued.shards] == [0, 1]
+
+
 def test_a_pruned_shard_whose_lease_is_requeued_is_not_leased_again() -> None:
     """A shard a committed checkpoint trained (pruned) whose acknowledgement never came:
     its lease expiring gives it back to no one (the fold raised KeyError leasing it)."""

@@ -159,6 +159,36 @@ async def test_a_live_heartbeat_that_is_not_one_or_is_on_another_nodes_subject_i
         await replica.stop()
 
 
+async def test_a_nodes_clock_off_is_measured_from_its_live_heartbeats(bus: Bus) -> None:
+    """Arrival (the replica's clock) minus stamp, for the nodes off by `SKEW_SAID_S` or
+    more: what the leader adds to their stamps (`skew`). A node whose clock is set right
+    is dropped."""
+    replica = Replica(bus, JOB, clock=lambda: 1000.0)
+    await replica.start()
+    try:
+        for seq, ts in [(1, 940.0), (2, 941.5)]:  # a minute behind, then set a little
+            await bus.nc.publish(
+                subjects.heartbeat(JOB, "n1"), ev.encode(factories.heartbeat("n1", seq=seq, ts=ts))
+            )
+            await eventually(lambda seq=seq: _seq(replica, "n1") == seq)  # type: ignore[misc]
+            assert replica.clock_off == {"n1": 1000.0 - ts}
+        await bus.nc.publish(
+            subjects.heartbeat(JOB, "n2"), ev.encode(factories.heartbeat("n2", ts=999.9))
+        )
+        await bus.nc.publish(
+            subjects.heartbeat(JOB, "n1"), ev.encode(factories.heartbeat("n1", seq=3, ts=999.0))
+        )
+        await eventually(lambda: _seq(replica, "n1") == 3 and "n2" in replica.liveness)
+        assert replica.clock_off == {}
+    finally:
+        await replica.stop()
+
+
+def _seq(replica: Replica, node: str) -> int:
+    hb = replica.liveness.get(node)
+    return hb.seq if hb is not None else 0
+
+
 def test_read_heartbeat_takes_what_read_takes() -> None:
     hb = factories.heartbeat("n1", seq=3)
     payload, subject = ev.encode(hb), subjects.heartbeat(JOB, "n1")

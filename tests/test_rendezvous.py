@@ -154,6 +154,48 @@ def test_the_first_of_two_real_failures_stays_the_rounds_cause() -> None:
     assert failure is not None and (failure.node, failure.kind) == ("n2", FK.OOM)
 
 
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_node_minutes_ahead_waits_the_last_call_not_its_skew(measured: bool) -> None:
+    """Its join is stamped three minutes ahead: read on the leader's clock once its
+    heartbeats tell how far off it is; a leader that has not measured it yet waits the
+    skew out (the behaviour before)."""
+    sim = Sim(params(min_nodes=1, max_nodes=2, last_call_s=5.0))
+    sim.skew("n1", 180.0, measured=measured)
+    sim.join("n1")
+    assert sim.tick() == []
+    waiting = sim.waiting
+    assert waiting is not None and waiting.until is not None
+    assert waiting.until == pytest.approx(sim.now + 5.0 + (0.0 if measured else 180.0))
+    formed = sim.wait(5.5, "n1")
+    assert [ev.kind(d) for d in formed] == (["round_completed"] if measured else [])
+
+
+def test_nodes_ask_to_join_in_order_of_the_leaders_clock() -> None:
+    """A node whose clock is behind stamps its join earlier than one that joined
+    before it: on the leader's clock it is second, and waits for the next round."""
+    sim = Sim(params(min_nodes=1, max_nodes=1, last_call_s=0.0), node_timeout=120)
+    sim.skew("n2", -60.0)
+    sim.join("n1")
+    sim.now += 0.5
+    sim.join("n2")
+    sim.tick()
+    assert sim.members() == ["n1"]
+
+
+def test_a_communication_failure_stamped_ahead_is_settled_by_heartbeats_after_it() -> None:
+    """The failing node's clock is a minute ahead: the others' heartbeats after the
+    failure are after it on the leader's clock, though stamped a minute before it."""
+    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
+    sim.skew("n1", 60.0)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    sim.apply(factories.exited("n1", 1, kind=FK.COMMUNICATION, ts=sim.stamp("n1")))
+    assert sim.tick() == []
+    (rnd,) = sim.wait(1, "n1", "n2")
+    assert isinstance(rnd, ev.RoundCompleted) and rnd.restart_count == 1
+
+
 def test_a_round_gets_a_fresh_store_port() -> None:
     sim = Sim(params())
     sim.join("n1")

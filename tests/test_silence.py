@@ -29,28 +29,19 @@ steps = st.one_of(
 
 class Watched(Sim):
     """A simulated leader that keeps a `Silence` and hears its nodes as the runner and
-    its replica do: each node stamps its events by its own clock (`skew` seconds off the
-    leader's), and the leader notes when it heard each (`heard`)."""
+    its replica do: each node stamps its events by its own clock (`skews`: seconds off
+    the leader's), and the leader notes when it heard each (`heard`)."""
 
     def __init__(self) -> None:
         self.silence = Silence()
-        self.skew: dict[str, float] = {}
         super().__init__(ev.RdzvParams(min_nodes=1, max_nodes=6), node_timeout=TIMEOUT)
         self.silence.start(self.state, self.now)
-
-    def stamp(self, node: str) -> float:
-        return self.now + self.skew.get(node, 0.0)
 
     def apply(self, event: ev.Event) -> None:
         super().apply(event)
         if isinstance(event, ev.NodeJoined):
             self.heard[event.node] = Heard(event.incarnation, self.now)
             self.silence.joined(event, self.now)
-
-    def join(self, node: str, *, inc: str = "i1", **_: object) -> None:
-        self.apply(factories.joined(node, inc=inc, ts=self.stamp(node)))
-        self.apply(factories.rdzv(node, inc=inc, ts=self.stamp(node), params=self.params))
-        self.beat(node, inc=inc)
 
     def beat(self, node: str, *, inc: str = "i1") -> None:
         seq = self.liveness[node].seq + 1 if node in self.liveness else 1
@@ -93,7 +84,7 @@ def test_the_heap_finds_the_nodes_a_scan_of_every_node_finds(history: list[tuple
         elif op == "wait":
             sim.now += a
         elif op == "skew":
-            sim.skew[a] = b  # that node's clock is off by b from now on
+            sim.skews[a] = b  # that node's clock is off by b from now on
         elif op == "take over":
             sim.take_over()
         heap, scan = sim.lost_both_ways()
@@ -158,7 +149,7 @@ def test_a_node_is_judged_by_when_the_leader_hears_it_not_by_its_own_clock(skew:
     One a minute ahead stamps them in the future: judged by them, its death was seen a
     minute late."""
     sim = Watched()
-    sim.skew["n1"] = skew
+    sim.skews["n1"] = skew
     sim.join("n1")
     sim.now += TIMEOUT - 1
     sim.beat("n1")

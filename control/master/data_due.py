@@ -10,6 +10,7 @@ import msgspec
 
 from rove.control.catalogue import events as ev
 from rove.control.master.data import PARK_S, Dataset, DataState, Grant, Lease, Parked, Rejection
+from rove.control.master.skew import ON_TIME, ClockOff, ours
 
 
 class Announce(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,9 +53,15 @@ DataIntent = Announce | AnnounceRestore | Requeue | Reject
 
 
 def due(
-    d: DataState, current_round: int, lost_nodes: frozenset[str], now: float
+    d: DataState,
+    current_round: int,
+    lost_nodes: frozenset[str],
+    now: float,
+    clock_off: ClockOff = ON_TIME,
 ) -> list[DataIntent]:
-    """What to announce now, for `decide` to wrap into decisions."""
+    """What to announce now, for `decide` to wrap into decisions. A lease's deadline, a
+    grant's and a parked request's time are the requesting node's stamps: read on the
+    leader's clock (`clock_off`, `skew`)."""
     out: list[DataIntent] = [Reject(rejection=r) for r in d.rejections]
     for ds in d.datasets.values():
         if ds.announce_restore:
@@ -67,26 +74,27 @@ def due(
                     partial_shards=ds.restored_partial,
                 )
             )
-        out.extend(_announcements(ds, now))
+        out.extend(_announcements(ds, now, clock_off))
         out.extend(
             Announce(dataset=ds.name, grant=_empty(w, ds.spec.lease_s, now), unparked=True)
             for w in ds.parked.values()
-            if now - w.since >= PARK_S
+            if now - ours(clock_off, w.node, w.since) >= PARK_S
         )
-        out.extend(_requeues(ds, current_round, lost_nodes, now))
+        out.extend(_requeues(ds, current_round, lost_nodes, now, clock_off))
     return out
 
 
-def _announcements(ds: Dataset, now: float) -> list[Announce]:
+def _announcements(ds: Dataset, now: float, clock_off: ClockOff) -> list[Announce]:
     """The grants of `ds` no client confirmed yet. One whose leases expired first (its
     request was folded late, after an outage; or no master announced it in time) is
     announced as lapsed, with no shards, for one more `lease_s`: a live client asks at
     least every `lease_s / 3` and confirms it; one that never does is gone."""
     out = []
     for g in ds.grants.values():
-        if g.deadline >= now:
+        deadline = g.deadline + clock_off.get(g.node, 0.0) if clock_off else g.deadline
+        if deadline >= now:
             out.append(Announce(dataset=ds.name, grant=g))
-        elif now - g.deadline <= ds.spec.lease_s:
+        elif now - deadline <= ds.spec.lease_s:
             void = Grant(g.client, g.request, g.node, g.rank, (), g.deadline, False)
             out.append(Announce(dataset=ds.name, grant=void, lapsed=True))
     return out
@@ -97,7 +105,7 @@ def _empty(want: Parked, lease_s: float, now: float) -> Grant:
 
 
 def _requeues(
-    ds: Dataset, current_round: int, lost_nodes: frozenset[str], now: float
+    ds: Dataset, current_round: int, lost_nodes: frozenset[str], now: float, clock_off: ClockOff
 ) -> list[Requeue]:
     groups: dict[tuple[str, ev.RequeueReason], list[tuple[int, Lease]]] = {}
     for key, lease in ds.leases.items():
@@ -105,7 +113,9 @@ def _requeues(
             reason = ev.RequeueReason.NODE_LOST
         elif 0 < lease.round < current_round:
             reason = ev.RequeueReason.ROUND_RESTARTED
-        elif lease.deadline < now:
+        elif (
+            lease.deadline + clock_off.get(lease.node, 0.0) if clock_off else lease.deadline
+        ) < now:
             reason = ev.RequeueReason.LEASE_EXPIRED
         else:
             continue

@@ -27,7 +27,7 @@ from msgspec.structs import replace
 
 from rove.control.catalogue import events as ev
 from rove.control.master import checkpoints as ckpt
-from rove.control.master import data_due, netcheck, optimizer
+from rove.control.master import data_due, netcheck, optimizer, skew
 from rove.control.master import rendezvous as rdzv
 from rove.control.master.silence import NOT_HEARD, Heard, last_heard
 from rove.control.master.state import JobState, NodeRecord, NodeStatus
@@ -50,12 +50,15 @@ def decide(
     suspects: Collection[str] | None = None,
     hearing_since: float = 0.0,
     heard: Mapping[str, Heard] = NOT_HEARD,
+    clock_off: skew.ClockOff = skew.ON_TIME,
 ) -> Decided:
     """What the leader decides now. `suspects`: the only nodes that may be lost (the
     runner's `Silence` finds them at the cost of those that are silent); None looks at
     every node. `hearing_since`: since when this leader could hear heartbeats (its
     connection to NATS came back then; `now` while it is away). `heard`: when it last
-    heard each node live, by its own clock (`silence.last_heard`)."""
+    heard each node live, by its own clock (`silence.last_heard`). `clock_off`: the nodes
+    whose clocks are off its own, by how much (their stamped times are read on its clock:
+    `skew`)."""
 
     if state.phase.terminal:
         return Decided(_next_run(state, now), None)
@@ -77,7 +80,13 @@ def decide(
         }
         leaving = optimizer.leaving(state.scale)
         outcome = rdzv.decide(
-            state.rdzv, rdzv.Alive(live), liveness, now, leaving, settle=bool(state.ckpt.memory)
+            state.rdzv,
+            rdzv.Alive(live),
+            liveness,
+            now,
+            leaving,
+            settle=bool(state.ckpt.memory),
+            clock_off=clock_off,
         )
         if isinstance(outcome, netcheck.Wait):
             waiting = outcome
@@ -89,7 +98,7 @@ def decide(
         # agents persisted it before saying their workers finished), and says so.
         commits = _commit(state, now)
         decisions = [*commits, *(_ending(state, d, commits) for d in decisions)]
-    decisions.extend(_data(state, now))
+    decisions.extend(_data(state, now, clock_off))
     return Decided(decisions, waiting, scale_waiting)
 
 
@@ -197,13 +206,13 @@ def _rendezvous(state: JobState, intent: rdzv.Intent, now: float) -> ev.Decision
             )
 
 
-def _data(state: JobState, now: float) -> list[ev.Decision]:
+def _data(state: JobState, now: float, clock_off: skew.ClockOff) -> list[ev.Decision]:
     if not state.data.datasets and not state.data.rejections:
         return []
     lost = frozenset(n.node for n in state.nodes.values() if n.status is not NodeStatus.ACTIVE)
     return [
         _data_decision(state, intent, now)
-        for intent in data_due.due(state.data, state.rdzv.round, lost, now)
+        for intent in data_due.due(state.data, state.rdzv.round, lost, now, clock_off)
     ]
 
 

@@ -37,6 +37,7 @@ from rove.control.domain import tf_cluster
 from rove.control.domain.words import counted, failure
 from rove.control.master import netcheck
 from rove.control.master.rdzv_state import Failure, RdzvState, Waiter
+from rove.control.master.skew import ON_TIME, ClockOff, ours
 
 # --------------------------------------------------------------------------- decide
 
@@ -99,6 +100,7 @@ def decide(
     now: float,
     leaving: frozenset[str] = frozenset(),
     settle: bool = False,
+    clock_off: ClockOff = ON_TIME,
 ) -> Outcome:
     """The one rendezvous action due now, or why there is none (`Wait`).
 
@@ -109,6 +111,8 @@ def decide(
     that what each said it holds is its last word (a healthy node's newest report
     could lag its memory by several steps, and the step chosen be one it had already
     overwritten: every rank then failed to restore, and the job started over).
+    `clock_off`: the nodes whose clocks are off the leader's, by how much; the times they
+    stamped (when they asked to join, when their workers failed) are read on its clock.
 
     The caller turns an intent into a decision event with its envelope
     (`decide.py`); a `Wait` is logged when its reason changes and shown by
@@ -128,10 +132,10 @@ def decide(
                 reason=f"{_failure_text(r.failure)}; a scale plan relaunches node "
                 f"{r.failure.node}: the round re-forms once it has left"
             )
-        return _on_failure(r, p, alive, liveness, now, settle)
+        return _on_failure(r, p, alive, liveness, now, settle, clock_off)
     if r.active:
-        return _scale_up(r, p, alive, liveness, now)
-    return _form(r, p, alive, liveness, now)
+        return _scale_up(r, p, alive, liveness, now, clock_off)
+    return _form(r, p, alive, liveness, now, clock_off)
 
 
 def _finished(r: RdzvState) -> str | None:
@@ -165,9 +169,11 @@ def _on_failure(
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
     settle: bool,
+    clock_off: ClockOff,
 ) -> Outcome:
     f = r.failure
     assert f is not None
+    at = ours(clock_off, f.node, f.ts)  # when it failed, on the leader's clock
     last = r.last_failure
     if f.kind is ev.FailureKind.USER_ERROR and last is not None and last.signature == f.signature:
         return EndJob(
@@ -175,7 +181,7 @@ def _on_failure(
             reason=f"the same user code error repeated after a restart: {_failure_text(f)}",
         )
     if f.kind is ev.FailureKind.COMMUNICATION:
-        unheard = _unheard_since(r, f.ts, liveness)
+        unheard = _unheard_since(r, at, liveness, clock_off)
         if unheard:
             # A broken connection is often the symptom of a peer that died: wait until
             # every member has proven alive after it (then restart), or a member is
@@ -205,11 +211,11 @@ def _on_failure(
     unheard = sorted(
         m.node for m in members if m.node not in r.failed_nodes and m.node not in r.succeeded
     )
-    if settle and len(members) > 1 and unheard and now - f.ts < SETTLE_S:
+    if settle and len(members) > 1 and unheard and now - at < SETTLE_S:
         return Wait(
             reason=f"{_failure_text(f)}: waiting for {', '.join(unheard)} to report its "
             "workers' end (what it holds in memory) before restarting",
-            until=f.ts + SETTLE_S,
+            until=at + SETTLE_S,
         )
     pool = [_as_waiter(m, r, liveness) for m in members]
     return _round(
@@ -225,12 +231,15 @@ def _on_failure(
 SETTLE_S = 5.0
 
 
-def _unheard_since(r: RdzvState, ts: float, liveness: Mapping[str, ev.Heartbeat]) -> list[str]:
-    """Members with no heartbeat after `ts` from their current incarnation."""
+def _unheard_since(
+    r: RdzvState, ts: float, liveness: Mapping[str, ev.Heartbeat], clock_off: ClockOff
+) -> list[str]:
+    """Members with no heartbeat after `ts` (the leader's clock) from their current
+    incarnation."""
     unheard = []
     for m in r.members:
         hb = liveness.get(m.node)
-        if hb is None or hb.incarnation != m.incarnation or hb.ts <= ts:
+        if hb is None or hb.incarnation != m.incarnation or ours(clock_off, m.node, hb.ts) <= ts:
             unheard.append(m.node)
     return unheard
 
@@ -249,10 +258,18 @@ def _as_waiter(m: ev.RoundMember, r: RdzvState, liveness: Mapping[str, ev.Heartb
     )
 
 
-def _waiting_alive(r: RdzvState, alive: Alive) -> list[Waiter]:
+def _waiting_alive(r: RdzvState, alive: Alive, clock_off: ClockOff) -> list[Waiter]:
+    """The waiting nodes that are alive, by when they asked to join (the leader's clock)."""
     ws = [
         w for w in r.waiting.values() if alive(w.node, w.incarnation) and w.node not in r.excluded
     ]
+    if clock_off:
+        ws = [
+            msgspec.structs.replace(w, since=ours(clock_off, w.node, w.since))
+            if w.node in clock_off
+            else w
+            for w in ws
+        ]
     return sorted(ws, key=lambda w: (w.since, w.node))
 
 
@@ -267,9 +284,10 @@ def _scale_up(
     alive: Alive,
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
+    clock_off: ClockOff,
 ) -> Outcome:
     members = {m.node for m in r.members}
-    newcomers = [w for w in _waiting_alive(r, alive) if w.node not in members]
+    newcomers = [w for w in _waiting_alive(r, alive, clock_off) if w.node not in members]
     if not newcomers:
         return RUNNING
     names = ", ".join(w.node for w in newcomers)
@@ -302,6 +320,7 @@ def _form(
     alive: Alive,
     liveness: Mapping[str, ev.Heartbeat],
     now: float,
+    clock_off: ClockOff,
 ) -> Outcome:
     old = [
         _as_waiter(m, r, liveness)
@@ -309,7 +328,7 @@ def _form(
         if alive(m.node, m.incarnation) and m.node not in r.excluded
     ]
     old_nodes = {w.node for w in old}
-    pool = old + [w for w in _waiting_alive(r, alive) if w.node not in old_nodes]
+    pool = old + [w for w in _waiting_alive(r, alive, clock_off) if w.node not in old_nodes]
     size = _size(len(pool), p)
     broken = r.broken_since is not None
     first = min((w.since for w in pool if w.node not in old_nodes), default=now)

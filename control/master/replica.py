@@ -29,13 +29,12 @@ from rove.control.errors import LostEventsError, RoveError
 from rove.control.master import continuity, snapshots
 from rove.control.master.evolve import evolve
 from rove.control.master.silence import Heard, replaces
+from rove.control.master.skew import SKEW_SAID_S
 from rove.control.master.state import JobState, initial
 from rove.control.process import aio
 
 log = structlog.get_logger("rove.replica")
 
-#: How far off a node's clock is said to be, at the least (`Replica._skewed`).
-SKEW_SAID_S = 5.0
 #: At most one line every this many seconds says so.
 SKEW_SAY_EVERY_S = 60.0
 
@@ -77,8 +76,9 @@ class Replica:
         #: heartbeat's arrival (and a leader's `heard_from` at a join); what a leader
         #: judges silence by (`silence.last_heard`), whatever the node's clock says
         self.heard: dict[str, Heard] = {}
-        #: the nodes whose clocks are off, and when that was last said (`_skewed`)
-        self._skewed_nodes: set[str] = set()
+        #: the nodes whose clocks are off this process's by `SKEW_SAID_S` or more: by
+        #: how much, from their newest live heartbeats (`skew`; said by `_skewed`)
+        self.clock_off: dict[str, float] = {}
         self._skew_said_at = -SKEW_SAY_EVERY_S
         self.snapshot_seq = 0
         #: Newest event-stream sequence handled, folded or rejected.
@@ -248,7 +248,7 @@ class Replica:
             if self._heard(hb):
                 at = self.clock()
                 self.heard[hb.node] = Heard(hb.incarnation, at)
-                if self._skewed_nodes or not -SKEW_SAID_S < at - hb.ts < SKEW_SAID_S:
+                if self.clock_off or not -SKEW_SAID_S < at - hb.ts < SKEW_SAID_S:
                     self._skewed(hb, at)
         elif subject not in self._looking:
             # a live message has no stream sequence: the stored one is read again, and
@@ -292,31 +292,34 @@ class Replica:
         self.heard[node] = Heard(incarnation, at)
 
     def _skewed(self, hb: ev.Heartbeat, at: float) -> None:
-        """Say that a node's clock is off from this process's by `SKEW_SAID_S` or more,
-        as its live heartbeat's stamp and arrival tell (the arrival's delay included:
-        milliseconds): once per node while it stays off, and at most one line every
+        """Record by how much a node's clock is off this process's, when by `SKEW_SAID_S`
+        or more, as its live heartbeat's stamp and arrival tell (the arrival's delay
+        included: milliseconds), for the leader's decisions (`skew`). Say so once per
+        node while it stays off, and at most one line every
         `SKEW_SAY_EVERY_S` (with how many others are off: a thousand skewed nodes are
         one line, not a thousand)."""
         skew = at - hb.ts
         if abs(skew) < SKEW_SAID_S:
-            if self._skewed_nodes:
-                self._skewed_nodes.discard(hb.node)
+            if self.clock_off:
+                self.clock_off.pop(hb.node, None)
             return
-        if hb.node in self._skewed_nodes:
+        known = hb.node in self.clock_off
+        self.clock_off[hb.node] = skew
+        if known:
             return
-        self._skewed_nodes.add(hb.node)
         now = time.monotonic()
         if now < self._skew_said_at + SKEW_SAY_EVERY_S:
             return
         self._skew_said_at = now
         way = "behind" if skew > 0 else "ahead of"
-        others = len(self._skewed_nodes) - 1
+        others = len(self.clock_off) - 1
         also = f" (and {others} other nodes' by {SKEW_SAID_S:.0f}s or more)" if others else ""
         log.warning(
             f"node {hb.node}'s clock is {abs(skew):.1f}s {way} this master's{also}, by their "
-            "heartbeats' stamps against their arrival: rove judges a node's silence by when "
-            "it hears it, but the times a node stamps (its steps, a rendezvous' last call) "
-            "are off by as much; set the machines' clocks right (NTP: chrony, timedatectl)",
+            "heartbeats' stamps against their arrival: rove reads its silence, rendezvous "
+            "and data leases on this master's clock, but the times of its steps and "
+            "failures (rove goodput, rove events) are off by as much; set the machines' "
+            "clocks right (NTP: chrony, timedatectl)",
             job=self.job,
             node=hb.node,
             skew_s=round(skew, 3),

@@ -372,10 +372,15 @@ class MasterRunner(JobService):
         )
         hearing = self._hearing.since()
         decisions, waiting, scale_waiting = decide(
-            self.state, liveness, now, suspects=suspects, hearing_since=hearing, heard=heard
+            self.state,
+            liveness,
+            now,
+            suspects=suspects,
+            hearing_since=hearing,
+            heard=heard,
+            clock_off=self.replica.clock_off,
         )
-        self._say_why_waiting(waiting)
-        self._say_why_no_plan(scale_waiting)
+        self._say_why_not(waiting, scale_waiting)
         # Decisions one at a time, in order, except a run of lost nodes: independent of
         # each other (10% of 25,000 nodes lost at once is 2,500 of them), they go
         # together, as do the answers to data clients after the decisions. Those a
@@ -396,9 +401,8 @@ class MasterRunner(JobService):
         await self._publish_together(answers)
         await self._announce(leases)
         # Dead letters after the decisions, a burst per sender in one, a few per tick: a
-        # flood of garbage never delays a decision (each dead letter was once a fenced,
-        # fsynced write of its own, ahead of them). A rejection is forgotten only when its
-        # dead letter comes back folded.
+        # flood of garbage never delays a decision (each was once a fenced write of its
+        # own, ahead of them). A rejection is forgotten when its dead letter is folded.
         bursts = sorted(self._unrecorded.values(), key=lambda burst: burst[0].seq)
         for burst in bursts[:DEAD_LETTERS_PER_TICK]:
             await self._publish(
@@ -409,17 +413,15 @@ class MasterRunner(JobService):
         if self._snapshot_due(now):
             await self._write_snapshot()
 
-    def _say_why_waiting(self, waiting: Wait | None) -> None:
-        """Log why the rendezvous waits, once each time the reason changes."""
+    def _say_why_not(self, waiting: Wait | None, scale_waiting: Wait | None) -> None:
+        """Log why the rendezvous waits, and why the optimiser plans nothing yet, once
+        each time a reason changes."""
         reason = waiting.reason if waiting is not None else ""
         if reason != self._waiting:
             self._waiting = reason
             if reason:
                 self.log.info(f"not yet: {reason}", round=self.state.rdzv.round)
-
-    def _say_why_no_plan(self, waiting: Wait | None) -> None:
-        """Log why the optimiser plans nothing yet, once each time the reason changes."""
-        reason = waiting.reason if waiting is not None else ""
+        reason = scale_waiting.reason if scale_waiting is not None else ""
         if reason != self._scale_waiting:
             self._scale_waiting = reason
             if reason:
