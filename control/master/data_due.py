@@ -108,14 +108,18 @@ def _requeues(
     ds: Dataset, current_round: int, lost_nodes: frozenset[str], now: float, clock_off: ClockOff
 ) -> list[Requeue]:
     groups: dict[tuple[str, ev.RequeueReason], list[tuple[int, Lease]]] = {}
+    # a lease expired once its deadline, on the leader's clock, has passed; none that
+    # has is later than `bound` (a node ahead stamps deadlines later than they are), so
+    # the leases of a job whose clocks agree cost what they did
+    bound = now - min(0.0, *clock_off.values()) if clock_off else now
     for key, lease in ds.leases.items():
         if lease.node in lost_nodes:
             reason = ev.RequeueReason.NODE_LOST
         elif 0 < lease.round < current_round:
             reason = ev.RequeueReason.ROUND_RESTARTED
-        elif (
-            lease.deadline + clock_off.get(lease.node, 0.0) if clock_off else lease.deadline
-        ) < now:
+        elif lease.deadline < bound and (
+            not clock_off or lease.deadline + clock_off.get(lease.node, 0.0) < now
+        ):
             reason = ev.RequeueReason.LEASE_EXPIRED
         else:
             continue
