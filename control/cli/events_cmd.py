@@ -151,7 +151,7 @@ async def _run(args: argparse.Namespace) -> int:
                 await aio.unless(gone, read())
             except aio.Stopped:
                 raise BrokenPipeError from None  # (the CLI ends quietly: common.run_reporting)
-            if args.follow and not live:  # (`--since` may have passed over its end)
+            if args.follow and not live and args.since is not None:  # (past its end?)
                 end[0] = await runs.newest_end(bus, args.job)
             if args.follow:
                 print(_ending(args.job, end[0]), file=sys.stderr)
