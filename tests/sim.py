@@ -87,13 +87,16 @@ class Sim:
         self.apply(msgspec.structs.replace(joined, tf_role=tf_role) if tf_role else joined)
         self.beat(node, inc=inc)
 
-    def beat(self, node: str, *, inc: str = "i1") -> None:
+    def beat(self, node: str, *, inc: str = "i1") -> bool:
+        """A heartbeat of `node`, stamped by its clock; whether it became its newest."""
         seq = self.liveness[node].seq + 1 if node in self.liveness else 1
         hb = factories.heartbeat(node, inc=inc, seq=seq, ts=self.stamp(node))
         record = self.state.nodes.get(node)
         # kept as the replica keeps it (an old incarnation's never hides the current's)
         if replaces(self.liveness.get(node), hb, record.incarnation if record else None):
             self.liveness[node] = hb
+            return True
+        return False
 
     def skew(self, node: str, ahead: float, *, measured: bool = True) -> None:
         """`node`'s clock reads `ahead` seconds ahead of the leader's (behind if negative);

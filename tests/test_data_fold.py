@@ -51,15 +51,16 @@ class Data:
         return answers[0]
 
     def ask(self, client: str, count: int, **kw: object) -> list[ev.ShardLeased | ev.DataRejected]:
-        """Request `count` shards; the answers the next tick gives `client` (none while
-        a stream's request is parked)."""
+        """Request `count` shards, stamped by the node's clock (`Sim.stamp`); the answers
+        the next tick gives `client` (none while a stream's request is parked)."""
+        node = str(kw.pop("node", "na"))
         req = ev.ShardRequested(
-            **self._env(client),  # type: ignore[arg-type]
+            **{**self._env(client), "ts": self.sim.stamp(node)},  # type: ignore[arg-type]
             dataset=kw.pop("dataset", "d"),  # type: ignore[arg-type]
             client=client,
             request=self.n,
             count=count,
-            node=kw.pop("node", "na"),  # type: ignore[arg-type]
+            node=node,
             **kw,  # type: ignore[arg-type]
         )
         self.sim.apply(req)
@@ -753,21 +754,7 @@ def test_a_node_whose_clock_is_far_behind_keeps_its_leases(measured: bool) -> No
     data = Data(sim)
     data.register("c1")
     sim.skew("na", -660.0, measured=measured)
-    req = ev.ShardRequested(
-        job="j1",
-        id="c1:behind",
-        producer="c1",
-        ts=sim.stamp("na"),
-        dataset="d",
-        client="c1",
-        request=7,
-        count=2,
-        node="na",
-    )
-    sim.apply(req)
-    leased = [
-        d for d in data.answers("c1", sim.tick()) if isinstance(d, ev.ShardLeased) and d.shards
-    ]
+    leased = [d for d in data.ask("c1", 2, node="na") if isinstance(d, ev.ShardLeased) and d.shards]
     if not measured:
         assert leased == []  # expired before it was announced
         return

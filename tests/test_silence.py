@@ -43,13 +43,11 @@ class Watched(Sim):
             self.heard[event.node] = Heard(event.incarnation, self.now)
             self.silence.joined(event, self.now)
 
-    def beat(self, node: str, *, inc: str = "i1") -> None:
-        seq = self.liveness[node].seq + 1 if node in self.liveness else 1
-        hb = factories.heartbeat(node, inc=inc, seq=seq, ts=self.stamp(node))
-        record = self.state.nodes.get(node)
-        if replaces(self.liveness.get(node), hb, record.incarnation if record else None):
-            self.liveness[node] = hb
-            self.heard[node] = Heard(inc, self.now)
+    def beat(self, node: str, *, inc: str = "i1") -> bool:
+        if not super().beat(node, inc=inc):
+            return False
+        self.heard[node] = Heard(inc, self.now)
+        return True
 
     def take_over(self) -> None:
         """A new leader: it has heard nobody live yet (the nodes' stamps are all it has)."""

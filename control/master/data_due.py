@@ -91,7 +91,7 @@ def _announcements(ds: Dataset, now: float, clock_off: ClockOff) -> list[Announc
     least every `lease_s / 3` and confirms it; one that never does is gone."""
     out = []
     for g in ds.grants.values():
-        deadline = g.deadline + clock_off.get(g.node, 0.0) if clock_off else g.deadline
+        deadline = ours(clock_off, g.node, g.deadline)
         if deadline >= now:
             out.append(Announce(dataset=ds.name, grant=g))
         elif now - deadline <= ds.spec.lease_s:
