@@ -60,15 +60,18 @@ demo-control-plane: $(VENV)/.installed
 # The quick tests run four at a time (pytest-xdist; they mostly wait on servers and
 # subprocesses: two at a time kept 0.75 of the two cores busy, 153 s against 107 s),
 # then the slow multi-process ones two at a time (CPU-bound: three at a time saved a
-# tenth and made every test slower), then those that judge speed (marked `alone`:
-# stragglers, hangs, the network check) or restart NATS nodes on their ports one at a time.
+# tenth and made every test slower), then those that restart NATS servers on their ports
+# (marked `restarts_nats`: beside other slow tests they made them fail) in two lanes of
+# their own (`xdist_group`: they use about 0.6 of a core together), then those that judge
+# speed or time a recovery (marked `alone`: stragglers, hangs, the network check) one at a time.
 # Bytecode is cached while the tests run (PYTHONDONTWRITEBYTECODE emptied where the
 # environment sets it): every test starts rove processes, and each compiled rove's
 # modules and the tests' rewritten asserts afresh (the quick tests took 7% longer).
 test: export PYTHONDONTWRITEBYTECODE :=
 test: lint
 	$(BIN)/python -m pytest -m "not slow" -n 4 $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m "slow and not alone" -n 2 --dist worksteal $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "slow and not alone and not restarts_nats" -n 2 --dist worksteal $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m restarts_nats -n 2 --dist loadgroup $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m alone $(PYTEST_ARGS)
 
 # The nemesis (tests/nemesis: NATS servers killed and cut off, a paused master, a full

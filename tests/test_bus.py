@@ -303,7 +303,8 @@ async def test_a_feed_of_a_memory_stream_lost_with_its_server_reads_the_new_one(
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # restarts NATS nodes on their ports: nothing beside it
+@pytest.mark.restarts_nats
+@pytest.mark.xdist_group("nats-a")
 async def test_a_feed_of_a_memory_stream_whose_every_server_restarted_reads_it_from_its_start(
     nats_cluster: Cluster,
 ) -> None:

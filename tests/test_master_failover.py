@@ -248,7 +248,8 @@ async def test_a_leader_puts_the_memory_streams_back_as_its_one_server_restarts(
         server.stop()
 
 
-@pytest.mark.alone  # restarts NATS on its port: nothing beside it
+@pytest.mark.restarts_nats
+@pytest.mark.xdist_group("nats-a")
 async def test_a_leader_cut_off_from_nats_past_the_node_timeout_loses_no_live_node(
     tmp_path: Path,
 ) -> None:
@@ -297,7 +298,8 @@ async def test_a_leader_cut_off_from_nats_past_the_node_timeout_loses_no_live_no
         server.stop()
 
 
-@pytest.mark.alone  # restarts NATS nodes on their ports: nothing beside it
+@pytest.mark.restarts_nats
+@pytest.mark.xdist_group("nats-b")
 async def test_a_master_started_while_the_cluster_has_no_quorum_waits_and_then_leads(
     nats_cluster: Cluster, tmp_path: Path
 ) -> None:

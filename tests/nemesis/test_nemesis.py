@@ -36,7 +36,8 @@ async def check(outcome: Outcome) -> None:
     assert all(r.survived for r in outcome.rows), [r for r in outcome.rows if not r.survived]
 
 
-@pytest.mark.alone  # restarts NATS servers on their ports; a network namespace
+@pytest.mark.restarts_nats  # kills and starts NATS servers on their ports; a network namespace
+@pytest.mark.xdist_group("nats-a")
 @pytest.mark.parametrize("seed", seeds(1))
 async def test_the_job_rides_out_a_server_killed_a_quorum_lost_and_a_server_cut_off(
     tmp_path: Path, seed: int
@@ -44,7 +45,8 @@ async def test_the_job_rides_out_a_server_killed_a_quorum_lost_and_a_server_cut_
     await check(await run(SCENARIOS["bus"], tmp_path, seed))
 
 
-@pytest.mark.alone  # restarts every NATS server on its port, in turn and all at once
+@pytest.mark.restarts_nats  # restarts every NATS server on its port, in turn and all at once
+@pytest.mark.xdist_group("nats-b")
 @pytest.mark.parametrize("seed", seeds(1))
 async def test_the_job_rides_out_its_cluster_restarted_in_turn_and_all_at_once(
     tmp_path: Path, seed: int
