@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -73,6 +74,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                 report.sections.append(
                     (f"stacks of {proc.name} (pid {proc.proc.pid})", support.stacks(proc.proc.pid))
                 )
+
+
+#: UTC+05:30 all year (a POSIX zone: no tz database needed): a local time shown as UTC,
+#: or read as UTC, is off by an amount no rounding hides
+ZONE = "XST-5:30"
+
+
+@pytest.fixture
+def zone_ahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """This process, and the processes it starts, in `ZONE`."""
+    monkeypatch.setenv("TZ", ZONE)
+    time.tzset()
+    yield ZONE
+    monkeypatch.undo()
+    time.tzset()
 
 
 @pytest.fixture

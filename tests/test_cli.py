@@ -419,6 +419,35 @@ def test_durations(text: str, seconds: float) -> None:
     assert common.duration(text) == pytest.approx(seconds)
 
 
+def test_a_time_without_a_zone_is_local_and_one_with_a_zone_is_its_own(zone_ahead: str) -> None:
+    utc = dt.datetime(2026, 11, 23, 10, 32, tzinfo=dt.UTC).timestamp()
+    at = common.moment_at
+    assert at(common.moment("2026-11-23 10:32:00"), 0) == utc - 5.5 * 3600
+    assert at(common.moment("2026-11-23T10:32"), 0) == utc - 5.5 * 3600
+    assert at(common.moment("2026-11-23T10:32:00Z"), 0) == utc
+    assert at(common.moment("2026-11-23T10:32:00+01:00"), 0) == utc - 3600
+
+
+async def test_a_time_rove_events_printed_given_to_since_means_the_same_time(
+    bus: Bus, zone_ahead: str
+) -> None:
+    """Copied from `rove events`' output (local time) into `--since`, on a machine whose
+    zone is not UTC: it starts the listing at that event, not hours off."""
+    await bus.publish(factories.joined("old", ts=time.time()))
+    await asyncio.sleep(1.0)
+    await bus.publish(factories.joined("new", n=1, ts=time.time()))
+    listed = await asyncio.to_thread(rove_cli, "events", "--job", "j1", "--nats", bus.url)
+    [line] = [x for x in listed.stdout.splitlines() if "node=new" in x]
+    printed = line[:23]  # 2026-12-06 21:42:28.123
+    assert dt.datetime.fromisoformat(printed).astimezone().utcoffset() == dt.timedelta(
+        hours=5, minutes=30
+    )
+    out = await asyncio.to_thread(
+        rove_cli, "events", "--job", "j1", "--nats", bus.url, "--since", printed
+    )
+    assert "node=new" in out.stdout and "node=old" not in out.stdout, out.stdout
+
+
 async def test_status_and_events_show_scale_plans_and_their_outcomes(bus: Bus) -> None:
     now = time.time()
     await bus.publish(factories.elected("m1", 7, ts=now))

@@ -236,6 +236,17 @@ def test_a_job_whose_workers_reported_no_step_has_no_goodput_to_say() -> None:
     assert goodput_cmd.as_json(r)["goodput"] == pytest.approx(r.goodput, abs=1e-4)
 
 
+def test_the_table_shows_local_times_with_their_offset(zone_ahead: str) -> None:
+    """As `rove events` does: a failure's time in the table is the one `rove events` showed
+    for it (the job's start and end carry the offset)."""
+    from rove.control.cli import goodput_cmd
+
+    text = goodput_cmd.render(gp.report(gp.of_events(one_failure()), now=500.0))
+    assert "1970-01-01T05:30:00+05:30 to 1970-01-01T05:31:41+05:30" in text, text
+    [failure] = [line for line in text.splitlines() if "worker_exited" in line]
+    assert failure.startswith("  05:30:52  worker_exited"), failure
+
+
 def many_nodes(nodes: int, seconds: float) -> list[ev.Event]:
     """A job of `nodes` nodes each reporting every 5 s (a few ms apart) for `seconds`,
     at 2 steps a second: one worker killed halfway, the second round restoring a step

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=common.moment,
         metavar="WHEN",
         help="only events newer than this: a duration back from now (30s, 10m, 2h) or an "
-        "ISO-8601 time (2026-11-23T10:32:00Z)",
+        "ISO-8601 time, local unless it names a zone ('2026-11-23 10:32', 2026-11-23T10:32Z)",
     )
     p.add_argument(
         "--type",

@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "goodput", help="a job's goodput and badput, from its events", description=__doc__
     )
     common.add_job_arg(p)
-    when = "a duration back from now (30s, 10m, 2h) or an ISO-8601 time"
+    when = (
+        "a duration back from now (30s, 10m, 2h) or an ISO-8601 time, local unless it names a zone"
+    )
     p.add_argument("--since", type=common.moment, metavar="WHEN", help=f"window start: {when}")
     p.add_argument("--until", type=common.moment, metavar="WHEN", help=f"window end: {when}")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -75,7 +77,8 @@ async def _read(args: argparse.Namespace) -> tuple[gp.Ledger, bool]:
 
 
 def _iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="seconds")
+    """Local time with its offset: as `rove events` shows times, and unambiguous."""
+    return dt.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
 
 
 def as_json(r: gp.Report, *, known: bool = True) -> dict[str, Any]:
@@ -117,6 +120,6 @@ def render(r: gp.Report, *, known: bool = True, cut_off: bool = False) -> str:
     if r.failures:
         lines += ["", "failures:"]
         for f in r.failures:
-            when = dt.datetime.fromtimestamp(f.ts, dt.UTC).strftime("%H:%M:%S")
+            when = dt.datetime.fromtimestamp(f.ts).strftime("%H:%M:%S")  # (local, as above)
             lines.append(f"  {when}  {f.what:<15} {f.node:<14} {f.reason}")
     return "\n".join(lines) + "\n"

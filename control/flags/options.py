@@ -298,7 +298,9 @@ def duration(text: str) -> float:
 
 
 def moment(text: str) -> dt.datetime | float:
-    """An ISO-8601 time (UTC if it names no zone), or a duration back from now (`duration`)."""
+    """An ISO-8601 time, or a duration back from now (`duration`). A time that names no
+    zone is this machine's local time, as `rove events` and `rove goodput` show times (so
+    a time copied from their output means what it said there)."""
     try:
         return duration(text)
     except argparse.ArgumentTypeError:
@@ -308,9 +310,10 @@ def moment(text: str) -> dt.datetime | float:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"invalid time {text!r}: give a duration back from now (e.g. 10m) or an "
-            "ISO-8601 time (e.g. 2026-11-23T10:32:00Z)"
+            "ISO-8601 time, local unless it names a zone (e.g. '2026-11-23 10:32:00' or "
+            "2026-11-23T10:32:00Z)"
         ) from None
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+    return when if when.tzinfo is not None else when.astimezone()
 
 
 def moment_at(when: dt.datetime | float, now: float) -> float:
