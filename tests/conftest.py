@@ -82,12 +82,16 @@ ZONE = "XST-5:30"
 
 
 @pytest.fixture
-def zone_ahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """This process, and the processes it starts, in `ZONE`."""
-    monkeypatch.setenv("TZ", ZONE)
+def zone_ahead() -> Iterator[str]:
+    """This process, and the processes it starts, in `ZONE`; its own zone again after."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = ZONE
     time.tzset()
     yield ZONE
-    monkeypatch.undo()
+    if before is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = before
     time.tzset()
 
 

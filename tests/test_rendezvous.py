@@ -22,6 +22,18 @@ def params(**kw: object) -> ev.RdzvParams:
     return ev.RdzvParams(**{**base, **kw})  # type: ignore[arg-type]
 
 
+def two_in_round_1(skews: dict[str, float] | None = None) -> Sim:
+    """n1 and n2 training in round 1 (1-2 nodes, a 10 s node timeout); `skews`: how far
+    ahead each node's clock is, measured by the leader."""
+    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
+    for node, ahead in (skews or {}).items():
+        sim.skew(node, ahead)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    return sim
+
+
 def test_a_round_completes_as_soon_as_max_nodes_have_joined() -> None:
     sim = Sim(params())
     sim.join("n1")
@@ -72,10 +84,7 @@ def test_ranks_keep_a_stable_order_across_rounds() -> None:
 
 
 def test_a_lost_node_means_a_new_round_without_it_while_at_least_min_remain() -> None:
-    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
-    sim.join("n1")
-    sim.join("n2")
-    sim.tick()
+    sim = two_in_round_1()
     decisions = sim.wait(11, "n1")  # n2 silent past the timeout
     kinds = [ev.kind(d) for d in decisions]
     assert kinds == ["node_lost", "round_completed"]
@@ -123,10 +132,7 @@ def test_a_kill_reported_after_its_peers_broken_connection_is_the_rounds_cause()
     """Regression (CI): a SIGKILLed rank's gloo peer reported `communication` a few
     milliseconds before the kill's own report; the round restarted "after rank 2 on
     node n1: communication" and the restart metric's label said so."""
-    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
-    sim.join("n1")
-    sim.join("n2")
-    sim.tick()
+    sim = two_in_round_1()
     sim.apply(
         factories.exited(
             "n1", 1, rank=0, kind=FK.COMMUNICATION, reason="gloo: reset by peer", ts=sim.now
@@ -185,11 +191,7 @@ def test_nodes_ask_to_join_in_order_of_the_leaders_clock() -> None:
 def test_a_communication_failure_stamped_ahead_is_settled_by_heartbeats_after_it() -> None:
     """The failing node's clock is a minute ahead: the others' heartbeats after the
     failure are after it on the leader's clock, though stamped a minute before it."""
-    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
-    sim.skew("n1", 60.0)
-    sim.join("n1")
-    sim.join("n2")
-    sim.tick()
+    sim = two_in_round_1({"n1": 60.0})
     sim.apply(factories.exited("n1", 1, kind=FK.COMMUNICATION, ts=sim.stamp("n1")))
     assert sim.tick() == []
     (rnd,) = sim.wait(1, "n1", "n2")
@@ -340,10 +342,7 @@ def test_the_first_joiner_fixes_the_rendezvous_settings() -> None:
 
 
 def test_a_communication_failure_waits_for_proof_that_every_member_is_alive() -> None:
-    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
-    sim.join("n1")
-    sim.join("n2")
-    sim.tick()
+    sim = two_in_round_1()
     sim.apply(
         factories.exited(
             "n1", 1, kind=FK.COMMUNICATION, reason="gloo: connection closed", ts=sim.now
@@ -355,10 +354,7 @@ def test_a_communication_failure_waits_for_proof_that_every_member_is_alive() ->
 
 
 def test_a_communication_failure_caused_by_a_dead_peer_costs_no_restart() -> None:
-    sim = Sim(params(min_nodes=1, max_nodes=2), node_timeout=10)
-    sim.join("n1")
-    sim.join("n2")
-    sim.tick()
+    sim = two_in_round_1()
     sim.apply(
         factories.exited(
             "n1", 1, kind=FK.COMMUNICATION, reason="gloo: connection closed", ts=sim.now
