@@ -1,6 +1,11 @@
-"""Which job folders retention keeps (pure)."""
+"""Which job folders retention keeps (pure); the summaries `rove jobs` caches."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
 
 from rove.control.history.jobs import Folder, to_prune
 
@@ -39,3 +44,22 @@ def test_a_job_whose_workers_reported_no_step_lists_its_goodput_as_not_known() -
     assert row.goodput is None
     (line,) = render([row], set()).splitlines()[1:]
     assert " 0%" not in line and line.split()[-2:] == ["-", "-"], line
+
+
+def test_a_summary_cached_by_an_older_rove_is_not_shown_but_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Summaries cached before `rove jobs` said `-` for a job without steps kept `0%`
+    for ever: a cached summary is used only if this rove's `summarize` made it."""
+    from rove.control.history.jobs import SUMMARY, Summary, cache, cached
+
+    monkeypatch.setenv("ROVE_HOME", str(tmp_path))
+    (tmp_path / "jobs" / "j").mkdir(parents=True)
+    row = Summary("j", "finished", 100.0, 1.5, 1, 0, "", None)
+    cache(row)
+    assert cached("j") == row, "this rove's own summary is used as it was cached"
+    old = {**row.to_json(), "goodput": 0.0}  # as cached before the version was kept
+    (tmp_path / "jobs" / "j" / SUMMARY).write_text(json.dumps(old))
+    assert cached("j") is None, "an older rove's summary is read again from the events"
+    (tmp_path / "jobs" / "j" / SUMMARY).write_text(json.dumps(["not", "a", "summary"]))
+    assert cached("j") is None

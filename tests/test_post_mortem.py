@@ -167,6 +167,11 @@ def _jobs_and_retention(home: Path) -> None:
     assert listed[0]["restarts"] == 1 and "first attempt fails" in listed[0]["last_failure"]
     assert (home / "jobs" / "pm" / "summary.json").is_file(), "cached once ended"
     assert _jobs_json(home) == listed, "the cached summary says the same"
+    cached = home / "jobs" / "pm" / "summary.json"
+    stale = {**json.loads(cached.read_text()), "rounds": 9, "goodput": 0.0}
+    del stale["version"]  # as an older rove cached it
+    cached.write_text(json.dumps(stale))
+    assert _jobs_json(home) == listed, "an older rove's summary is read again from the events"
 
     jobs = home / "jobs"
     for age, name in enumerate(["old1", "old2", "old3", "old4"], start=1):

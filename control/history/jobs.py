@@ -32,6 +32,11 @@ from rove.control.master.state import JobState
 KEEP_DEFAULT = 20
 PIN = "pinned"
 SUMMARY = "summary.json"
+#: The version of `summarize` a cached summary was made by: raise it whenever what
+#: `summarize` says of the same events changes, so that the summaries cached by an
+#: older rove are read again from their events instead of shown as they were (those
+#: cached before it said `-` for a job whose workers reported no step kept `0%`)
+SUMMARY_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -155,9 +160,14 @@ def _last_used(path: Path) -> float:
 
 
 def cached(job: str) -> Summary | None:
+    """The job's cached summary; None if there is none, it is unreadable, or an older
+    `summarize` made it (`SUMMARY_VERSION`)."""
     try:
-        return Summary.from_json(json.loads((embedded.job_dir(job) / SUMMARY).read_text()))
-    except (OSError, ValueError, TypeError):
+        data = json.loads((embedded.job_dir(job) / SUMMARY).read_text())
+        if data.pop("version", None) != SUMMARY_VERSION:
+            return None
+        return Summary.from_json(data)
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -166,7 +176,7 @@ def cache(summary: Summary) -> None:
     path = embedded.job_dir(summary.job) / SUMMARY
     partial = path.with_suffix(".partial")
     try:
-        partial.write_text(json.dumps(summary.to_json()))
+        partial.write_text(json.dumps({"version": SUMMARY_VERSION, **summary.to_json()}))
         partial.replace(path)
     except OSError:
         partial.unlink(missing_ok=True)
