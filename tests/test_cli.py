@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -218,6 +219,40 @@ async def test_status_json_is_one_object(bus: Bus) -> None:
     assert {n["node"]: n["status"] for n in view["nodes"]} == {"n1": "active", "n2": "lost"}
     assert view["nodes"][0]["step"] == 42
     assert view["counters"]["nodes_lost"] == 1
+
+
+async def test_status_reads_a_skewed_nodes_heartbeat_on_the_servers_clock_and_says_so(
+    any_bus: Bus,
+) -> None:
+    """A node whose clock is three minutes behind beat a second ago: `rove status` said
+    "180s ago" (and one ahead "-180s ago"), reading the node's stamp on the reader's
+    clock. It reads when the server stored the heartbeat, and names the clocks that are
+    off by how much."""
+    now = time.time()
+    await any_bus.publish(factories.elected("m1", 1, ts=now))
+    await any_bus.publish(factories.configured(1, 30.0))
+    for n, node in enumerate(("n1", "n2", "n3")):
+        await any_bus.publish(factories.joined(node, ts=now, n=n))
+    await any_bus.publish(factories.heartbeat("n1", ts=time.time() - 180.0, step=7))  # behind
+    await any_bus.publish(factories.heartbeat("n2", ts=time.time() + 120.0, step=7))  # ahead
+    await any_bus.publish(factories.heartbeat("n3", ts=time.time(), step=7))
+    out = await asyncio.to_thread(
+        rove_cli, "status", "--job", "j1", "--nats", any_bus.url, "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    nodes = {n["node"]: n for n in json.loads(out.stdout)["nodes"]}
+    for node in ("n1", "n2", "n3"):
+        assert 0 <= nodes[node]["last_heartbeat_age_s"] < 60, nodes[node]
+    assert nodes["n1"]["clock_off_s"] == pytest.approx(180.0, abs=30)
+    assert nodes["n2"]["clock_off_s"] == pytest.approx(-120.0, abs=30)
+    assert nodes["n3"]["clock_off_s"] is None
+    assert all(n["status"] == "active" for n in nodes.values()), "none read as silent"
+    text = (
+        await asyncio.to_thread(rove_cli, "status", "--job", "j1", "--nats", any_bus.url)
+    ).stdout
+    (line,) = [x for x in text.splitlines() if x.startswith("clocks off")]
+    assert re.search(r": n1 1[0-9.]+s behind, n2 1[0-9.]+s ahead \(", line), text
+    assert "n3" not in line and "NTP" in line, text
 
 
 async def test_stop_asks_the_job_to_stop(bus: Bus) -> None:

@@ -50,7 +50,7 @@ from rove.control.bus import (
 from rove.control.bus import options as bus_options
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.bus.feed import STALL_CHECK_S, Feed, RejectionLog, StreamMark, nothing_since
-from rove.control.bus.natsclient import RoveNatsClient, ack_position
+from rove.control.bus.natsclient import RoveNatsClient, ack_position, stored_time
 from rove.control.bus.options import BusOptions as BusOptions  # (Bus.connect takes them)
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import parts, subjects
@@ -434,11 +434,14 @@ class Bus:
         start_seq: int | None = None,
         start_time: dt.datetime | None = None,
         last_per_subject: bool = False,
+        stored_times: bool = False,
     ) -> Feed:
         """Deliver every stored and future message matching `subject_filter`, in order.
 
         Starts at `start_seq`, or at `start_time`, or with the newest message
-        per subject (`last_per_subject`), else at the beginning. Handlers may
+        per subject (`last_per_subject`), else at the beginning. `stored_times`: each
+        `Recorded` says when the server stored it (`stored`; not in a bulk catch-up,
+        which `last_per_subject` never takes). Handlers may
         be coroutines. A handler that raises a `RoveError` is logged with the
         message's sequence and the feed goes on; anything else is a bug, logged with
         its traceback and kept in `feed.error` (a one-shot reader raises it:
@@ -465,7 +468,7 @@ class Bus:
         joiner = parts.Joiner()
 
         def deliver(
-            seq: int, subject: str, data: bytes, pending: int = -1
+            seq: int, subject: str, data: bytes, pending: int = -1, stored: float = 0.0
         ) -> Awaitable[None] | None:
             """Hand one stored message to its handler; an awaitable if the handler is async.
 
@@ -474,7 +477,7 @@ class Bus:
             """
             if seq <= feed.last_seq:
                 return None  # handed over from the bulk catch-up; already delivered
-            item = records.read(stream, seq, subject, data)
+            item = records.read(stream, seq, subject, data, stored)
             if type(item) is records.Recorded and type(item.event) in parts.JOINED:
                 try:
                     whole = joiner.take(item.event)
@@ -502,8 +505,9 @@ class Bus:
 
         async def on_msg(msg: Msg) -> None:
             seq, pending = ack_position(msg.reply)
+            stored = stored_time(msg.reply) if stored_times else 0.0
             try:
-                result = deliver(seq, msg.subject, msg.data, pending)
+                result = deliver(seq, msg.subject, msg.data, pending, stored)
                 if result is not None:
                     await result
             except Exception as exc:  # noqa: BLE001 - a bug in a handler: said with its traceback

@@ -7,7 +7,8 @@ changes nats-py's internals is caught:
   times faster (nats-py checks each character of each header name with a
   generator; every stored rove event carries `Nats-Msg-Id`);
 * `ack_position` reads the stream sequence and pending count from a JetStream
-  delivery's reply subject without building nats-py's `Msg.metadata` objects;
+  delivery's reply subject without building nats-py's `Msg.metadata` objects (and
+  `stored_time` the time it was stored);
 * `RoveNatsClient.raw_deliveries` lets one subscription receive messages
   straight from the protocol parser, without a `Msg`, a header dict, a queue
   or a task switch per message. `rove.control.bus.catchup` uses it for bulk
@@ -54,6 +55,14 @@ def ack_position(reply: str | bytes) -> tuple[int, int]:
     if len(tokens) == 9:
         return int(tokens[5]), int(tokens[8])
     return int(tokens[7]), int(tokens[10])
+
+
+def stored_time(reply: str | bytes) -> float:
+    """When the server stored a JetStream delivery's message, by its clock (Unix
+    seconds), from its reply subject (`<ts>`, in nanoseconds: `ack_position`). Apart
+    from `ack_position`, as only some readers want it: it costs a delivery 0.2 µs."""
+    tokens = reply.split(b"." if isinstance(reply, bytes) else ".")  # type: ignore[arg-type]
+    return int(tokens[7] if len(tokens) == 9 else tokens[9]) / 1e9
 
 
 def delivery_sequences(reply: bytes) -> tuple[int, int, int]:

@@ -24,6 +24,10 @@ class Recorded(NamedTuple):
     seq: int
     subject: str
     event: ev.AnyEvent
+    #: when the server stored it, by the server's clock (Unix seconds; 0.0: not read:
+    #: only a feed asked for it reads it, `Bus.subscribe`'s `stored_times`): unlike
+    #: `event.ts`, not the publisher's clock
+    stored: float = 0.0
 
 
 class Rejection(NamedTuple):
@@ -36,7 +40,9 @@ class Rejection(NamedTuple):
     payload: bytes
 
 
-def read(stream: str, seq: int, subject: str, payload: bytes) -> Recorded | Rejection:
+def read(
+    stream: str, seq: int, subject: str, payload: bytes, stored: float = 0.0
+) -> Recorded | Rejection:
     try:
         event = ev.decode(payload)
     except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
@@ -47,7 +53,7 @@ def read(stream: str, seq: int, subject: str, payload: bytes) -> Recorded | Reje
         subjects.check_subject(event, subject)
     except InvalidEventError as exc:
         return Rejection(stream, seq, subject, str(exc), payload)
-    return Recorded(stream, seq, subject, event)
+    return Recorded(stream, seq, subject, event, stored)
 
 
 _heartbeat = msgspec.msgpack.Decoder(ev.Heartbeat)

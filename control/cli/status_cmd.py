@@ -22,10 +22,12 @@ from rove.control.domain import words
 from rove.control.domain.words import counted
 from rove.control.flags import options as common
 from rove.control.history import runs
+from rove.control.master import skew
 from rove.control.master.decide import decide
 from rove.control.master.election import Holder, current_holder
 from rove.control.master.evolve import evolve
 from rove.control.master.replica import Replica
+from rove.control.master.silence import NOT_HEARD, Heard, last_heard
 from rove.control.master.state import JobState, initial
 from rove.control.process import aio
 
@@ -63,15 +65,17 @@ async def _run(args: argparse.Namespace) -> int:
             await replica.start()
             await replica.stop()
             state, liveness = replica.state, replica.liveness
+            heard, clock_off = replica.heard, replica.clock_off
         else:  # an earlier run: the fold up to the next run's start
             state, liveness, holder = await _fold_until(bus, args.job, until), {}, None
+            heard, clock_off = {}, {}
         stored = str(embedded.job_store(args.job)) if bus.stored_job else None
         cut = until is None and runs.cut_off(bus.stored_job, state.phase.terminal)
-        heard = await runs.last_heard(bus, args.job) if cut else None
-    view = status_view(state, liveness, holder, time.time())
+        last_event = await runs.last_heard(bus, args.job) if cut else None
+    view = status_view(state, liveness, holder, time.time(), heard=heard, clock_off=clock_off)
     view["stored"] = stored
     # (the newest run never ended, and nothing more will come to it: `runs.cut_off`)
-    view["cut_off"] = {"last_heard": heard} if cut else None
+    view["cut_off"] = {"last_heard": last_event} if cut else None
     if args.json:
         sys.stdout.write(json.dumps(view) + "\n")
     else:
@@ -93,14 +97,25 @@ async def _fold_until(bus: Bus, job: str, until: int) -> JobState:
 
 
 def status_view(
-    state: JobState, liveness: Mapping[str, ev.Heartbeat], holder: Holder | None, now: float
+    state: JobState,
+    liveness: Mapping[str, ev.Heartbeat],
+    holder: Holder | None,
+    now: float,
+    *,
+    heard: Mapping[str, Heard] = NOT_HEARD,
+    clock_off: skew.ClockOff = skew.ON_TIME,
 ) -> dict[str, Any]:
-    """Everything `rove status` shows, as plain data (pure)."""
+    """Everything `rove status` shows, as plain data (pure). `heard`: when each node's
+    newest heartbeat was stored, by the server's clock; `clock_off`: the nodes whose
+    clocks are off the server's, by how much (`Replica` without live heartbeats). A
+    node's heartbeat age and what the leader waits for are read on the server's clock,
+    as the leader reads them on its own, not on the node's."""
     nodes = []
     for n in sorted(state.nodes.values(), key=lambda r: r.node):
         hb = liveness.get(n.node)
         fresh = hb is not None and hb.incarnation == n.incarnation
         ranks = hb.ranks if fresh and hb else ()
+        off = clock_off.get(n.node)
         nodes.append(
             {
                 "node": n.node,
@@ -109,8 +124,12 @@ def status_view(
                 "pid": n.pid,
                 "incarnation": n.incarnation,
                 "reason": n.reason,
-                "last_heartbeat_age_s": round(now - hb.ts, 1) if fresh and hb else None,
+                "last_heartbeat_age_s": (
+                    round(now - last_heard(n, liveness, heard), 1) if fresh and hb else None
+                ),
                 # (None: no heartbeat of this incarnation to tell, e.g. a node that left)
+                # seconds to add to its clock to read the server's (None: within 5 s)
+                "clock_off_s": round(off, 1) if off is not None else None,
                 "ranks": len(ranks) if fresh else None,
                 # (its workers' newest step: live from its heartbeat, else the last
                 # one they reported, e.g. of an ended job)
@@ -122,7 +141,7 @@ def status_view(
         )
     r = state.rdzv
     failure = r.failure or r.last_failure
-    decided = decide(state, liveness, now)
+    decided = decide(state, liveness, now, heard=heard, clock_off=clock_off)
     waiting = decided.waiting
     return {
         "job": state.job,
@@ -241,6 +260,24 @@ def _why_lines(nodes: list[dict[str, Any]], ending: str = "") -> list[str]:
             why = f"{n['status']} as the job ended" if as_ended else f"{n['status']}: {n['reason']}"
             by_reason.setdefault(why, []).append(n["node"])
     return [f"* {', '.join(names)} {why}" for why, names in by_reason.items()]
+
+
+def _clock_lines(nodes: list[dict[str, Any]]) -> list[str]:
+    """The nodes whose clocks are off the NATS server's (by 5 s or more): their
+    heartbeat ages are read on the server's clock, but the times they stamp (their
+    steps, their failures in `rove events`) are off by as much."""
+    off = [
+        f"{n['node']} {abs(n['clock_off_s']):g}s {'behind' if n['clock_off_s'] > 0 else 'ahead'}"
+        for n in nodes
+        if n.get("clock_off_s") is not None
+    ]
+    if not off:
+        return []
+    return [
+        f"clocks off the NATS server's: {some(off)} (their heartbeats' stamps against when "
+        "they were stored); the times they stamp are off by as much: set the machines' "
+        "clocks right (NTP: chrony, timedatectl)"
+    ]
 
 
 def _cell(v: Any) -> str:
@@ -486,6 +523,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
     lines.extend(_why_lines(shown, f"job {view['job']} {view['phase']}" if ended else ""))
     if silent:
         lines.append(f"* {', '.join(silent)} active as the job was cut off: not heard from since")
+    lines.extend(_clock_lines(view["nodes"]))
     if view["recent_rejections"]:
         lines.append("")
         lines.append("recently rejected messages:")

@@ -74,10 +74,13 @@ class Replica:
         self.liveness: dict[str, ev.Heartbeat] = {}
         #: when each node was last heard live, by this process's clock: its newest live
         #: heartbeat's arrival (and a leader's `heard_from` at a join); what a leader
-        #: judges silence by (`silence.last_heard`), whatever the node's clock says
+        #: judges silence by (`silence.last_heard`), whatever the node's clock says.
+        #: Without live heartbeats: when the server stored its newest, by the server's
+        #: clock (`_stored_heartbeat`)
         self.heard: dict[str, Heard] = {}
         #: the nodes whose clocks are off this process's by `SKEW_SAID_S` or more: by
-        #: how much, from their newest live heartbeats (`skew`; said by `_skewed`)
+        #: how much, from their newest live heartbeats (`skew`; said by `_skewed`);
+        #: without live heartbeats, off the server's, from their newest stored ones
         self.clock_off: dict[str, float] = {}
         self._skew_said_at = -SKEW_SAY_EVERY_S
         self.snapshot_seq = 0
@@ -155,6 +158,7 @@ class Replica:
                 self._heartbeat,
                 self._reject,
                 last_per_subject=True,
+                stored_times=not self.live_heartbeats,  # (`_stored_heartbeat`)
             ),
             what=f"the heartbeats of job {self.job}",
             deadline_s=30.0,
@@ -273,8 +277,25 @@ class Replica:
             self._reject(item)
 
     def _heartbeat(self, rec: records.Recorded) -> None:
-        if isinstance(rec.event, ev.Heartbeat):
-            self._heard(rec.event)
+        hb = rec.event
+        # (the newest is kept whatever reads it; a reader of the stored ones only, `rove
+        # status`, also hears the node by when it was stored)
+        newest = isinstance(hb, ev.Heartbeat) and self._heard(hb)
+        if newest and not self.live_heartbeats and rec.stored:
+            assert isinstance(hb, ev.Heartbeat)
+            self._stored_heartbeat(hb, rec.stored)
+
+    def _stored_heartbeat(self, hb: ev.Heartbeat, stored: float) -> None:
+        """A reader of the stored heartbeats only (`rove status`) hears a node when the
+        server stored its newest, by the server's clock, and measures the node's clock
+        against it, as a leader does against a live heartbeat's arrival: its silence and
+        its stamps then read as the leader reads them, whatever the node's clock says."""
+        self.heard[hb.node] = Heard(hb.incarnation, stored)
+        off = stored - hb.ts
+        if abs(off) >= SKEW_SAID_S:
+            self.clock_off[hb.node] = off
+        else:
+            self.clock_off.pop(hb.node, None)
 
     def _heard(self, hb: ev.Heartbeat) -> bool:
         # the newest: by its sequence within an incarnation, else by its time (the
