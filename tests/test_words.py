@@ -1,9 +1,10 @@
-"""The counts in rove's sentences: one node is "1 node", not "1 nodes"."""
+"""The counts and times in rove's sentences: one node is "1 node", not "1 nodes"."""
 
 from __future__ import annotations
 
 from rove.control.domain import tf_cluster
-from rove.control.domain.words import counted, failure, ranks
+from rove.control.domain.words import counted, failure, local_time, ranks
+from rove.control.flags.options import moment, moment_at
 
 
 def test_one_of_anything_is_said_in_the_singular() -> None:
@@ -33,3 +34,11 @@ def test_a_failure_says_its_kind_once() -> None:
 def test_a_tensorflow_round_that_cannot_run_counts_its_servers_right() -> None:
     assert "with 1 parameter server needs at least 3 processes" in str(tf_cluster.problem(2, 1))
     assert "with 2 parameter servers needs" in str(tf_cluster.problem(3, 2))
+
+
+def test_a_time_is_shown_in_the_local_zone_in_a_form_since_reads_back(zone_ahead: str) -> None:
+    """`rove events`, `rove status` and `rove jobs` show one form, which `--since` reads
+    back as the same moment (in a zone 5:30 ahead of UTC)."""
+    assert local_time(0.0) == "1970-01-01 05:30:00"
+    assert local_time(0.125, millis=True) == "1970-01-01 05:30:00.125"
+    assert moment_at(moment(local_time(1_800_000_000.0)), 0.0) == 1_800_000_000.0

@@ -10,6 +10,7 @@ import msgspec
 
 from rove.control.bus.records import Recorded
 from rove.control.catalogue import events as ev
+from rove.control.domain import words
 from rove.control.process.logs import SHOWN as SHOWN
 from rove.control.process.logs import some as some
 
@@ -63,7 +64,7 @@ def _launch(n: ev.NodeLaunch) -> str:
 
 def event_line(rec: Recorded) -> str:
     e = rec.event
-    when = dt.datetime.fromtimestamp(e.ts).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    when = words.local_time(e.ts, millis=True)
     fields = " ".join(
         f"{k}={_value(v)}" for k, v in key_fields(e).items() if v not in (None, "", ())
     )

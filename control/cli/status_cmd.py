@@ -406,15 +406,11 @@ def _phase(view: dict[str, Any]) -> str:
     if cut is None:
         return str(view["phase"]) + (f" ({view['end_reason']})" if view["end_reason"] else "")
     heard = cut["last_heard"]
-    at = f"; its last event at {_local(heard)}" if heard is not None else ""
+    at = f"; its last event at {words.local_time(heard)}" if heard is not None else ""
     return (
         f"{runs.CUT_OFF} while {view['phase']} ({runs.CUT_OFF_WHY}{at}). Run it again under "
         "the same --job to go on from the newest step its nodes find"
     )
-
-
-def _local(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def render(view: dict[str, Any], most: int | None = None) -> str:
@@ -452,7 +448,7 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
     heard = None if cut is None else cut["last_heard"]
     # (a dead run's slots stay in /dev/shm for the grace after its last touch, about its
     # last event: the next agent on the node reclaims them then)
-    kept = None if heard is None else _local(heard + shm_owner.grace_s())
+    kept = None if heard is None else words.local_time(heard + shm_owner.grace_s())
     line = status_ckpt.line(view["checkpoints"], ended, kept)
     if line:
         lines.append(line)

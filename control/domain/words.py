@@ -1,5 +1,5 @@
-"""Counts and failures in the sentences rove says: "1 node", "2 nodes", "rank 0",
-"ranks 0-3", "killed by SIGKILL".
+"""Counts, failures and times in the sentences rove says: "1 node", "2 nodes", "rank 0",
+"ranks 0-3", "killed by SIGKILL", "2026-11-23 10:32:00".
 
 The console, `rove status`, `rove goodput` and the events' reasons count nodes, ranks,
 rounds and failures, and a job of one node or one worker a node is common (a
@@ -8,6 +8,7 @@ standalone job, a GPU a node). Pure.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Sequence
 
 
@@ -38,3 +39,11 @@ def ranks(numbers: Sequence[int]) -> str:
     if len(numbers) == 1:
         return f"rank {numbers[0]}"
     return f"ranks {numbers[0]}-{numbers[-1]}"
+
+
+def local_time(ts: float, *, millis: bool = False) -> str:
+    """A Unix time as `rove events`, `rove status` and `rove jobs` show it: this
+    machine's local time, "2026-11-23 10:32:00" (`millis`: "10:32:00.125"), a form
+    `--since` and `--until` read back (`options.moment`)."""
+    shown = dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return shown[:-3] if millis else shown[:-7]

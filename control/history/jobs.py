@@ -197,17 +197,13 @@ def pin(job: str, on: bool = True) -> None:
 
 def render(rows: Sequence[Summary], pinned: set[str]) -> str:
     """The table `rove jobs` prints (pure)."""
-    import datetime as dt
-
     header = (
         f"{'JOB':<24} {'STATE':<9} {'STARTED':<19} {'TOOK':>8} {'ROUNDS':>6} "
         f"{'RESTARTS':>8} {'GOODPUT':>7}  LAST FAILURE"
     )
     lines = [header]
     for r in rows:
-        started = (
-            dt.datetime.fromtimestamp(r.start).strftime("%Y-%m-%d %H:%M:%S") if r.start else "-"
-        )
+        started = words.local_time(r.start) if r.start else "-"
         took = _took(r.seconds)
         good = f"{r.goodput:.0%}" if r.goodput is not None else "-"
         name = r.job + (" *" if r.job in pinned else "")
