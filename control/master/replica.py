@@ -76,7 +76,7 @@ class Replica:
         #: heartbeat's arrival (and a leader's `heard_from` at a join); what a leader
         #: judges silence by (`silence.last_heard`), whatever the node's clock says.
         #: Without live heartbeats: when the server stored its newest, by the server's
-        #: clock (`_stored_heartbeat`)
+        #: clock (`_heartbeat`)
         self.heard: dict[str, Heard] = {}
         #: the nodes whose clocks are off this process's by `SKEW_SAID_S` or more: by
         #: how much, from their newest live heartbeats (`skew`; said by `_skewed`);
@@ -158,7 +158,7 @@ class Replica:
                 self._heartbeat,
                 self._reject,
                 last_per_subject=True,
-                stored_times=not self.live_heartbeats,  # (`_stored_heartbeat`)
+                stored_times=not self.live_heartbeats,  # (`_heartbeat`)
             ),
             what=f"the heartbeats of job {self.job}",
             deadline_s=30.0,
@@ -278,24 +278,14 @@ class Replica:
 
     def _heartbeat(self, rec: records.Recorded) -> None:
         hb = rec.event
-        # (the newest is kept whatever reads it; a reader of the stored ones only, `rove
-        # status`, also hears the node by when it was stored)
-        newest = isinstance(hb, ev.Heartbeat) and self._heard(hb)
-        if newest and not self.live_heartbeats and rec.stored:
-            assert isinstance(hb, ev.Heartbeat)
-            self._stored_heartbeat(hb, rec.stored)
-
-    def _stored_heartbeat(self, hb: ev.Heartbeat, stored: float) -> None:
-        """A reader of the stored heartbeats only (`rove status`) hears a node when the
-        server stored its newest, by the server's clock, and measures the node's clock
-        against it, as a leader does against a live heartbeat's arrival: its silence and
-        its stamps then read as the leader reads them, whatever the node's clock says."""
-        self.heard[hb.node] = Heard(hb.incarnation, stored)
-        off = stored - hb.ts
-        if abs(off) >= SKEW_SAID_S:
-            self.clock_off[hb.node] = off
-        else:
-            self.clock_off.pop(hb.node, None)
+        if not isinstance(hb, ev.Heartbeat) or not self._heard(hb):
+            return
+        if not self.live_heartbeats and rec.stored:
+            # a reader of the stored heartbeats only (`rove status`) hears a node when the
+            # server stored its newest, by the server's clock, and measures the node's
+            # clock against it as a leader does against a live heartbeat's arrival
+            self.heard[hb.node] = Heard(hb.incarnation, rec.stored)
+            self._clock_measured(hb, rec.stored)
 
     def _heard(self, hb: ev.Heartbeat) -> bool:
         # the newest: by its sequence within an incarnation, else by its time (the
@@ -312,6 +302,19 @@ class Replica:
         """`node`'s `incarnation` was heard live `at` (this process's clock)."""
         self.heard[node] = Heard(incarnation, at)
 
+    def _clock_measured(self, hb: ev.Heartbeat, at: float) -> bool:
+        """Keep by how much `hb`'s node's clock is off, from its stamp and when it was
+        heard (`at`), when by `SKEW_SAID_S` or more, else forget it; whether it is newly
+        off."""
+        skew = at - hb.ts
+        if abs(skew) < SKEW_SAID_S:
+            if self.clock_off:
+                self.clock_off.pop(hb.node, None)
+            return False
+        known = hb.node in self.clock_off
+        self.clock_off[hb.node] = skew
+        return not known
+
     def _skewed(self, hb: ev.Heartbeat, at: float) -> None:
         """Record by how much a node's clock is off this process's, when by `SKEW_SAID_S`
         or more, as its live heartbeat's stamp and arrival tell (the arrival's delay
@@ -319,15 +322,9 @@ class Replica:
         node while it stays off, and at most one line every
         `SKEW_SAY_EVERY_S` (with how many others are off: a thousand skewed nodes are
         one line, not a thousand)."""
-        skew = at - hb.ts
-        if abs(skew) < SKEW_SAID_S:
-            if self.clock_off:
-                self.clock_off.pop(hb.node, None)
+        if not self._clock_measured(hb, at):
             return
-        known = hb.node in self.clock_off
-        self.clock_off[hb.node] = skew
-        if known:
-            return
+        skew = self.clock_off[hb.node]
         now = time.monotonic()
         if now < self._skew_said_at + SKEW_SAY_EVERY_S:
             return
