@@ -7,6 +7,8 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from rove.agent import torchrun_cli
 from rove.agent.torchrun_cli import Launch
@@ -53,6 +55,73 @@ IGNORED = {
 }
 
 
+class ScriptArgsParser(argparse.ArgumentParser):
+    """A parser whose words after the training script are the script's, untouched.
+
+    argparse reads every word that starts with `-` as a flag of its own before it
+    places the positionals, so a script's flag that abbreviates several of rove's
+    (`train.py --a 1`: "ambiguous option: --a could match --auto-config, ...") ended
+    the run before it began. torchrun's parser does the same with fewer flags
+    (`--max`). This one finds the script first, as a person reads the line: the
+    first word that is neither a flag nor a flag's value, or the word after `--`.
+    A line it cannot read that way (an unknown or ambiguous flag before the script)
+    is left to argparse, which says what is wrong."""
+
+    def script_at(self, argv: Sequence[str], lenient: bool = False) -> int | None:
+        """The index of the training script in `argv`, or None. `lenient` (to place a
+        mistake, not to run): an unknown flag is read as taking no value, as argparse
+        reads it, and an ambiguous one as its candidates read."""
+        i = 0
+        while i < len(argv):
+            word = argv[i]
+            if word == "--":
+                return i + 1 if i + 1 < len(argv) else None
+            if not word.startswith("-") or word == "-":
+                return i
+            name, eq, _ = word.partition("=")
+            candidates = self._flags(name)
+            if not candidates and not word.startswith("--"):
+                words = self._shorts(word[1:])
+                if words is None and not lenient:
+                    return None  # an unknown letter: argparse says which
+                i += words or 1
+                continue
+            if len(candidates) != 1 and not lenient:
+                return None  # unknown or ambiguous: argparse says which
+            i += 1 if eq or all(a.nargs == 0 for a in candidates) else 2
+        return None
+
+    def _shorts(self, letters: str) -> int | None:
+        """How many words short flags run together take (`-mv`: 1, `-r3`: 1, `-vr`
+        followed by its value: 2), or None where a letter is no flag."""
+        for at, letter in enumerate(letters):
+            action = self._option_string_actions.get("-" + letter)
+            if action is None:
+                return None
+            if action.nargs != 0:
+                return 1 if letters[at + 1 :] else 2
+        return 1
+
+    def _flags(self, name: str) -> list[argparse.Action]:
+        """The action `name` names, or those whose flags it abbreviates."""
+        if name in self._option_string_actions:
+            return [self._option_string_actions[name]]
+        if not (self.allow_abbrev and name.startswith("--")):
+            return []
+        return [a for flag, a in self._option_string_actions.items() if flag.startswith(name)]
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        at = self.script_at(argv)
+        if at is None:
+            return super().parse_known_args(argv, namespace)
+        parsed, extra = super().parse_known_args(argv[: at + 1], namespace)
+        parsed.training_script_args = argv[at + 1 :]
+        return parsed, extra
+
+
 def _retell_torchrun_flags(p: argparse.ArgumentParser) -> None:
     for action in p._actions:
         if action.dest in _RETOLD:
@@ -73,10 +142,13 @@ def warn_ignored(args: argparse.Namespace, parser: argparse.ArgumentParser) -> l
     return named
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = torchrun_cli.parser()
-    p.prog = "rove run"
-    p.description = DESCRIPTION
+def build_parser() -> ScriptArgsParser:
+    p = ScriptArgsParser(
+        prog="rove run",
+        description=DESCRIPTION,
+        parents=[torchrun_cli.parser()],
+        add_help=False,
+    )
     _retell_torchrun_flags(p)
     g = p.add_argument_group("rove")
     g.add_argument(

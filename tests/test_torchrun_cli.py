@@ -219,3 +219,60 @@ def test_a_warm_jobs_launcher_never_maps_torch(tmp_path: Path) -> None:
     assert run.wait() == 0
     log = run.log_path.read_text()
     assert "rank 0 saw torch" in log and "rank 1 saw torch" in log
+
+
+@pytest.mark.parametrize(
+    ("argv", "script", "its_args"),
+    [
+        (["train.py", "--a", "1"], "train.py", ["--a", "1"]),  # abbreviates --auto-*, ...
+        (
+            ["--nproc-per-node", "2", "t.py", "--max", "3", "--job", "x"],
+            "t.py",
+            ["--max", "3", "--job", "x"],
+        ),
+        (
+            ["--job=j", "-r3", "-m", "pkg.train", "--nnodes", "4", "-m"],
+            "pkg.train",
+            ["--nnodes", "4", "-m"],
+        ),
+        (["-mv", "pkg.train", "--kafka"], "pkg.train", ["--kafka"]),
+        (["--standalone", "--", "t.py", "--", "--x"], "t.py", ["--", "--x"]),
+        (["--nproc-per-nod", "2", "t.py", "-h"], "t.py", ["-h"]),  # rove's own flag abbreviated
+    ],
+)
+def test_rove_runs_parser_leaves_the_scripts_words_to_the_script(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], script: str, its_args: list[str]
+) -> None:
+    """argparse read a script's `--a` as an abbreviation of rove's flags and ended the
+    run ("ambiguous option: --a could match --auto-config, ...")."""
+    from rove.agent.run_args import build_parser
+
+    _no_pet(monkeypatch)
+    parsed = build_parser().parse_args(argv)
+    assert (parsed.training_script, parsed.training_script_args) == (script, its_args)
+    assert parsed.job in (None, "j")
+    assert parsed.nnodes == "1:1", "the script's --nnodes is the script's"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--nproc", "2", "t.py", "--lr", "1"], "ambiguous option: --nproc could match"),
+        (
+            ["--jbo", "j", "t.py", "--lr", "1"],
+            "unrecognized arguments: --jbo (did you mean: --jbo → --job?)",
+        ),
+    ],
+)
+def test_a_mistake_before_the_script_is_named_and_the_scripts_flags_are_not_guessed_at(
+    capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    from rove.agent.run_args import build_parser
+    from rove.control.flags import suggest
+
+    parser = build_parser()
+    suggest.install(parser, argv)
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert said in err and "--lr" not in err, err

@@ -94,7 +94,9 @@ def _ended_as_an_interpreter_ends(tmp_path: Path, reports: dict[str, dict[str, o
 def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
     tmp_path: Path,
 ) -> None:
-    code, log = _run(tmp_path)  # warm start is the default
+    # the script's own flags, spelled as rove's or abbreviating several of them
+    mine = ("--a", "1", "--job", "x", "--nproc-per-node", "9", "-m", "--", "--max")
+    code, log = _run(tmp_path, script_args=mine)  # warm start is the default
     assert code == 0, log[-3000:]
     reports = _reports(tmp_path)
     assert sorted(reports) == ["0", "1"]
@@ -102,7 +104,7 @@ def test_warm_workers_start_with_torch_imported_and_run_the_script_as_main(
         assert r["start_method"] == "fork", "the platform default, not the server's"
         assert r["torch_preloaded"] is True, "forked from the warm server"
         assert r["name"] == "__main__"
-        assert r["argv"] == [str(SCRIPT), str(tmp_path)]
+        assert r["argv"] == [str(SCRIPT), str(tmp_path), *mine]
         assert r["path0"] == str(SCRIPT.parent)
         assert r["threads"] == 2, "OMP_NUM_THREADS applied in the forked worker"
         assert f"-u {SCRIPT} {tmp_path}" in str(r["cmdline"]), "ps and pkill -f see the script"

@@ -16,10 +16,14 @@ def hint(parser: argparse.ArgumentParser, message: str, argv: Sequence[str]) -> 
     """`message` with a "did you mean" for each unknown flag of `argv` and a mistyped
     choice (a command), when one is near."""
     known = list(parser._option_string_actions)
+    script_at = getattr(parser, "script_at", None)  # `rove run`: the script's words are its own
+    at = script_at(argv, lenient=True) if script_at is not None else None
     guesses = []
-    for token in argv:
+    for token in argv[:at]:
         flag = token.split("=", 1)[0]
-        if flag.startswith("-") and flag not in known and not _is_number(flag):
+        if _known(flag, known) or _is_number(flag):
+            continue
+        if flag.startswith("-"):
             near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
             if near:
                 guesses.append(f"{flag} → {near[0]}")
@@ -30,6 +34,14 @@ def hint(parser: argparse.ArgumentParser, message: str, argv: Sequence[str]) -> 
         if near:
             guesses.append(f"{choice.group(1)} → {near[0]}")
     return message + (f" (did you mean: {', '.join(guesses)}?)" if guesses else "")
+
+
+def _known(flag: str, known: list[str]) -> bool:
+    """A flag, an abbreviation of flags (argparse names those it could be) or a short
+    flag with its value attached (`-r3`)."""
+    if flag in known or (flag.startswith("--") and any(k.startswith(flag) for k in known)):
+        return True
+    return not flag.startswith("--") and flag[:2] in known
 
 
 def _is_number(text: str) -> bool:
