@@ -35,6 +35,7 @@ import threading
 import traceback
 import types
 import weakref
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +53,24 @@ def unrunnable(path: Path) -> str | None:
             return None
         return "is a folder without a __main__.py: give the script file in it"
     return "not found"
+
+
+def syntax_error(path: Path) -> str | None:
+    """Why a script file this Python would run does not compile, said after its name
+    (None: it compiles, or is no source file: a zip, a folder, unreadable bytes, which
+    the worker reports). Every worker would fail on it, and each restart again."""
+    if not path.is_file() or zipfile.is_zipfile(path):
+        return None
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        return (
+            f"does not compile: {type(exc).__name__}: {exc.msg} (line {exc.lineno}); "
+            "fix it and run again"
+        )
+    except (ValueError, OSError):
+        return None
+    return None
 
 
 def run(kind: str, target: str, argv: Sequence[str]) -> None:

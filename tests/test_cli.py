@@ -399,6 +399,34 @@ def test_user_mistakes_get_one_clear_line_and_an_exit_code(
     assert "usage:" not in out.stderr, "one line, not argparse's usage (45 lines for rove run)"
 
 
+def test_a_script_that_does_not_compile_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """Its workers failed, then failed again after a restart, and only then did the
+    job fail ("the same user code error repeated")."""
+    script = tmp_path / "broken.py"
+    script.write_text("import os\n\nx = (\n")
+    home = tmp_path / "home"
+    out = rove_cli(
+        "run", "--standalone", "--max-restarts", "3", str(script), env={"ROVE_HOME": str(home)}
+    )
+    assert out.returncode == common.EXIT_USAGE, out.stderr
+    assert (
+        f"rove run: training script {script} does not compile: SyntaxError: '(' was never "
+        "closed (line 3); fix it and run again"
+    ) in out.stderr
+    assert "round 1" not in out.stderr and not (home / "jobs").exists(), "no job started"
+    # a script of another Python (PYTHON_EXEC) is that Python's to read
+    other = rove_cli(
+        "run",
+        "--standalone",
+        str(script),
+        env={"ROVE_HOME": str(home), "PYTHON_EXEC": "/no/such/python"},
+    )
+    assert "does not compile" not in other.stderr
+    assert (home / "jobs").exists(), "a job that starts has a folder there"
+
+
 def test_run_help_tells_what_rove_does_with_torchruns_flags() -> None:
     out = rove_cli("run", "--help", check=True).stdout
     flat = " ".join(out.split())
