@@ -236,7 +236,7 @@ def test_a_job_whose_workers_reported_no_step_has_no_goodput_to_say() -> None:
     assert goodput_cmd.as_json(r)["goodput"] == pytest.approx(r.goodput, abs=1e-4)
 
 
-def test_the_table_shows_local_times_with_their_offset(zone_ahead: str) -> None:
+def test_the_table_and_the_picture_show_local_times_with_their_offset(zone_ahead: str) -> None:
     """As `rove events` does: a failure's time in the table is the one `rove events` showed
     for it (the job's start and end carry the offset)."""
     from rove.control.cli import goodput_cmd
@@ -245,6 +245,12 @@ def test_the_table_shows_local_times_with_their_offset(zone_ahead: str) -> None:
     assert "1970-01-01T05:30:00+05:30 to 1970-01-01T05:31:41+05:30" in text, text
     [failure] = [line for line in text.splitlines() if "worker_exited" in line]
     assert failure.startswith("  05:30:52  worker_exited"), failure
+    # the picture too (it said UTC: a failure at 05:30:52 here was drawn at 00:00:52)
+    from rove.control.domain.goodput_svg import render as render_svg
+
+    picture = render_svg(gp.report(gp.of_events(one_failure()), now=500.0))
+    assert "1970-01-01T05:30:00+05:30 to 1970-01-01T05:31:41+05:30</text>" in picture
+    assert "worker_exited on " in picture and " at 1970-01-01T05:30:52+05:30: " in picture, picture
 
 
 def many_nodes(nodes: int, seconds: float) -> list[ev.Event]:

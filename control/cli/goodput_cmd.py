@@ -18,7 +18,7 @@ from typing import Any
 from rove.control.bus.client import Bus
 from rove.control.domain import goodput as gp
 from rove.control.domain.goodput_svg import render as render_svg
-from rove.control.domain.words import counted
+from rove.control.domain.words import counted, local_iso
 from rove.control.errors import ConfigError
 from rove.control.flags import options as common
 from rove.control.history import runs
@@ -48,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
         None if w is None else common.moment_at(w, now) for w in (args.since, args.until)
     )
     if since is not None and until is not None and until <= since:
-        raise ConfigError(f"--until ({_iso(until)}) must be after --since ({_iso(since)})")
+        raise ConfigError(
+            f"--until ({local_iso(until)}) must be after --since ({local_iso(since)})"
+        )
     if args.svg is not None and not args.svg.parent.is_dir():
         raise ConfigError(f"cannot write {args.svg}: {args.svg.parent} is not a directory")
     ledger, stored = aio.run(_read(args))
@@ -76,11 +78,6 @@ async def _read(args: argparse.Namespace) -> tuple[gp.Ledger, bool]:
         return await runs.ledger(bus, args.job, args.run), bus.stored_job
 
 
-def _iso(ts: float) -> str:
-    """Local time with its offset: as `rove events` shows times, and unambiguous."""
-    return dt.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
-
-
 def as_json(r: gp.Report, *, known: bool = True) -> dict[str, Any]:
     """`known`: whether any worker reported a step; without one, `goodput` is null."""
     return {
@@ -103,7 +100,7 @@ def as_json(r: gp.Report, *, known: bool = True) -> dict[str, Any]:
 def render(r: gp.Report, *, known: bool = True, cut_off: bool = False) -> str:
     state = f"ended {r.ended}" if r.ended else runs.CUT_OFF if cut_off else "running"
     lines = [
-        f"job {r.job} ({state}): {_iso(r.start)} to {_iso(r.end)}, {r.total_s:.1f} s, "
+        f"job {r.job} ({state}): {local_iso(r.start)} to {local_iso(r.end)}, {r.total_s:.1f} s, "
         f"{counted(r.rounds, 'round')}, {counted(len(r.failures), 'failure')}",
         "",
         f"{'bucket':<22}{'seconds':>12}{'share':>9}",

@@ -3,12 +3,11 @@ above it, each failure marked, and a legend with each bucket's share (pure text 
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Callable
 from xml.sax.saxutils import escape
 
 from rove.control.domain.goodput import Bucket, Failure, Interval, Report
-from rove.control.domain.words import counted
+from rove.control.domain.words import counted, local_iso
 
 COLOURS = {
     Bucket.PRODUCTIVE: "#2e7d32",
@@ -67,7 +66,7 @@ def render(report: Report) -> str:
             f'<rect width="{_W}" height="{height}" fill="white"/>',
             f'<text x="{_LEFT}" y="24" font-size="15" font-weight="bold">{escape(title)}</text>',
             f'<text x="{_LEFT}" y="42" font-size="11" fill="#546e7a">'
-            f"{_when(lo)} to {_when(hi)} UTC</text>",
+            f"{local_iso(lo)} to {local_iso(hi)}</text>",
             *parts,
             "</svg>",
             "",
@@ -99,7 +98,7 @@ def _segment(iv: Interval, x: Callable[[float], float]) -> list[str]:
 def _failure(fl: Failure, x: Callable[[float], float]) -> str:
     px = x(fl.ts)
     y = _BAR_Y + _BAR_H
-    label = f"{fl.what} on {fl.node} at {_when(fl.ts)}: {fl.reason}"
+    label = f"{fl.what} on {fl.node} at {local_iso(fl.ts)}: {fl.reason}"
     return (
         f'<path d="M{px:.1f},{y + 2} l-5,9 h10 z" fill="#b71c1c">'
         f"<title>{escape(label)}</title></path>"
@@ -128,7 +127,3 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.2f} h"
-
-
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")

@@ -47,3 +47,9 @@ def local_time(ts: float, *, millis: bool = False) -> str:
     `--since` and `--until` read back (`options.moment`)."""
     shown = dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S.%f")
     return shown[:-3] if millis else shown[:-7]
+
+
+def local_iso(ts: float) -> str:
+    """A Unix time as `rove goodput` and its `--svg` picture give a job's span: local
+    time with its offset, "2026-11-23T10:32:00+05:30", unambiguous where it is read."""
+    return dt.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
