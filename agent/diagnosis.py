@@ -4,7 +4,8 @@ The agent classifies every failed worker from its exit code or signal, the
 error file that torch's `@record` writes, and the tail of its log:
 
     user_error     a Python exception in the training script (type and message kept),
-                   or its command line refused (argparse's `error:` line, exit code 2)
+                   or its command line refused (argparse's `error:` line, exit code 2),
+                   or its module missing (`python -m`'s "No module named", exit code 1)
     oom            host or CUDA out of memory
     killed         SIGKILL / SIGTERM from outside (OOM killer, an operator, a preemption)
     segfault       SIGSEGV, SIGBUS, SIGILL, SIGFPE, or SIGABRT without a known cause
@@ -49,6 +50,12 @@ _EXCEPTION_LINE = re.compile(
 _TRACEBACK = "Traceback (most recent call last):"
 #: argparse's last words, with exit code 2: `train.py: error: unrecognized arguments: ...`
 _USAGE_ERROR = re.compile(r"^(?:\[[\w.-]+\]:)?(\S+: error: .+)$", re.MULTILINE)
+
+#: Python's words for `python -m NAME` without a module NAME, with exit code 1
+_NO_MODULE = re.compile(
+    r"^(?:\[[\w.-]+\]:)?\S+: (No module named \S+|Error while finding module specification .+)$",
+    re.MULTILINE,
+)
 
 _SEGFAULT_SIGNALS = {"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"}
 _KILL_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
@@ -174,6 +181,9 @@ def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") 
         return Diagnosis(FailureKind.SEGFAULT, f"crashed with {sig}")
     if exception:
         return Diagnosis(FailureKind.USER_ERROR, _clip(exception))
+    missing = _NO_MODULE.findall(log_tail) if exit_code == 1 else []
+    if missing:
+        return Diagnosis(FailureKind.USER_ERROR, _clip(f"python -m: {missing[-1]}"))
     usage = _USAGE_ERROR.findall(log_tail) if exit_code == 2 else []
     if usage:
         return Diagnosis(

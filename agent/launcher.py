@@ -38,7 +38,7 @@ from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.heartbeat import HEARTBEATS_PER_S, interval_for
 from rove.agent.run_args import build_parser, launch_config, reworded, warn_ignored
-from rove.agent.script import syntax_error, unrunnable
+from rove.agent.script import refused
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
@@ -174,14 +174,10 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
             f"{args.nnodes}: drop --nnodes, or run every node with --nats URL (docs/runtime.md)"
         )
     tf_ps = _tf_ps(args, standalone)
-    script = Path(args.training_script)
     if args.run_path and (args.module or args.no_python):
         raise ConfigError("--run-path runs a script file: it cannot go with -m or --no-python")
-    why = None if args.module or args.no_python else unrunnable(script)
-    if not why and not (args.module or args.no_python or os.environ.get("PYTHON_EXEC")):
-        why = syntax_error(script)  # (a worker's own Python, PYTHON_EXEC, may read it)
-    if why:
-        raise ConfigError(f"training script {args.training_script} {why}")
+    if why := refused(args.training_script, module=args.module, no_python=args.no_python):
+        raise ConfigError(why)
     launch, cmd, cmd_args = launch_config(args)
     job = _job_name(args)
     node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])

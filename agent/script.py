@@ -26,6 +26,7 @@ import atexit
 import builtins
 import gc
 import importlib.machinery
+import importlib.util
 import io
 import os
 import runpy
@@ -73,6 +74,38 @@ def syntax_error(path: Path) -> str | None:
     return None
 
 
+def refused(target: str, *, module: bool, no_python: bool) -> str | None:
+    """Why `rove run` cannot start `target` (None: it can): a script not found or that
+    does not compile, a module whose top-level package is nowhere on the path. The
+    source is left to the workers' Python where another one runs them (`PYTHON_EXEC`)."""
+    if no_python:
+        return None
+    if module:
+        top = target.split(".", 1)[0]
+        if not _findable(top):
+            return (
+                f"no module {top} to run with -m {target}, here ({Path.cwd()}) or on "
+                "the Python path: run from the folder that holds it, or set PYTHONPATH"
+            )
+        return None
+    why = unrunnable(Path(target))
+    if not why and not os.environ.get("PYTHON_EXEC"):
+        why = syntax_error(Path(target))
+    return f"training script {target} {why}" if why else None
+
+
+def _findable(top: str) -> bool:
+    """Whether a worker's `python -m` finds the top-level module `top` (the working
+    folder first, as a worker puts it); nothing is imported."""
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        return bool(top) and importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.pop(0)
+
+
 def run(kind: str, target: str, argv: Sequence[str]) -> None:
     """Run `target` (a script path, or a module name when `kind` is "module") as
     `__main__` with `argv`; raises what the script raised, after the ending."""
@@ -86,6 +119,7 @@ def run(kind: str, target: str, argv: Sequence[str]) -> None:
     try:
         if kind == "module":
             sys.path.insert(0, str(Path.cwd()))
+            _find_module(target)
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.path.insert(0, str(Path(target).resolve().parent))
@@ -107,6 +141,20 @@ def run(kind: str, target: str, argv: Sequence[str]) -> None:
         end(main)
         if succeeded:
             progress.script_ended()
+
+
+def _find_module(name: str) -> None:
+    """Exit as `python -m NAME` exits when there is no module NAME: one line and status
+    1, not a traceback through runpy that ends "at <frozen runpy>:142"."""
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError as exc:  # a package on its way is missing
+        if not (exc.name and (name + ".").startswith(exc.name + ".")):
+            raise
+        found = False
+    if not found:
+        print(f"{sys.executable}: No module named {name}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def _run_file(main: types.ModuleType, path: str) -> None:

@@ -343,6 +343,11 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
         ),
         (["run", "--standalone", "no/such/train.py"], common.EXIT_USAGE, "not found"),
         (
+            ["run", "--standalone", "-m", "no_such_pkg.train"],
+            common.EXIT_USAGE,
+            "rove run: no module no_such_pkg to run with -m no_such_pkg.train, here (",
+        ),
+        (
             ["run", "--standalone", "docs"],
             common.EXIT_USAGE,
             "training script docs is a folder without a __main__.py: give the script file in it",
@@ -425,6 +430,31 @@ def test_a_script_that_does_not_compile_is_refused_before_anything_starts(
     )
     assert "does not compile" not in other.stderr
     assert (home / "jobs").exists(), "a job that starts has a folder there"
+
+
+def test_a_module_in_the_working_folder_runs_and_one_missing_fails_in_pythons_words(
+    tmp_path: Path,
+) -> None:
+    """A worker's `python -m` without its module said it with a traceback through runpy
+    ("at <frozen runpy>:142"); now as python says it, and the job's failure names it."""
+    # (tests.scripts is found from the working folder, as by python -m: nothing installs it)
+    ran = rove_cli(
+        "run",
+        "--standalone",
+        "-m",
+        "tests.scripts.print_env",
+        str(tmp_path),
+        env={"ROVE_HOME": str(tmp_path)},
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert (tmp_path / "rank-0.json").exists()
+    out = rove_cli(
+        "run", "--standalone", "-m", "tests.no_such_module", env={"ROVE_HOME": str(tmp_path)}
+    )
+    assert out.returncode == common.EXIT_FAILED, out.stderr
+    assert f"{sys.executable}: No module named tests.no_such_module\n" in out.stderr
+    assert "Traceback" not in out.stderr and "runpy" not in out.stderr, out.stderr
+    assert "failed: python -m: No module named tests.no_such_module" in out.stderr
 
 
 def test_run_help_tells_what_rove_does_with_torchruns_flags() -> None:

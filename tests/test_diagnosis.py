@@ -79,6 +79,21 @@ TRACEBACK = """[default0]:Traceback (most recent call last):
             FailureKind.USER_ERROR,
             "its command line was refused: train.py: error: unrecognized arguments: --steps 100",
         ),
+        (  # python -m without its module (rove's workers say it as python does)
+            1,
+            None,
+            "/usr/bin/python3: No module named pkg.trian\n",
+            FailureKind.USER_ERROR,
+            "python -m: No module named pkg.trian",
+        ),
+        (
+            1,
+            None,
+            "[1]:/usr/bin/python3: Error while finding module specification for 'a.b' "
+            "(ModuleNotFoundError: No module named 'a')\n",
+            FailureKind.USER_ERROR,
+            "python -m: Error while finding module specification for 'a.b'",
+        ),
         (  # the same words with another exit code: not argparse's
             3,
             None,
