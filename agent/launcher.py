@@ -129,18 +129,11 @@ def _check_storage(location: str) -> None:
         storage = open_storage(location)
     except StorageError as exc:
         raise ConfigError(f"--checkpoint-dir: {exc}") from exc
-    if isinstance(storage, FileStorage):
-        root = storage.root
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            if not os.access(root, os.W_OK | os.X_OK):
-                raise PermissionError(f"this user cannot write in {root}")
-        except OSError as exc:
-            raise ConfigError(
-                f"--checkpoint-dir {location}: {exc.strerror or exc}"
-                f"{f': {exc.filename}' if exc.filename else ''}; give a directory this user "
-                "can create and write (or an object store URL: s3://, gs://, az://)"
-            ) from exc
+    if isinstance(storage, FileStorage) and (why := common.unwritable(storage.root)):
+        raise ConfigError(
+            f"--checkpoint-dir {location}: {why}; give a directory this user can create "
+            "and write (or an object store URL: s3://, gs://, az://)"
+        )
 
 
 def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
@@ -149,6 +142,13 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     _check_ranges(args)
     if args.checkpoint_dir:
         _check_storage(args.checkpoint_dir)
+    if why := common.unwritable(embedded.rove_home()):
+        raise ConfigError(
+            f"rove keeps its jobs' events and logs in {embedded.rove_home()} ($ROVE_HOME, "
+            f"else ~/.rove): {why}; set ROVE_HOME to a folder this user can create and write"
+        )
+    if args.log_dir and (why := common.unwritable(Path(args.log_dir))):
+        raise ConfigError(f"--log-dir {args.log_dir}: {why}; give a folder this user can write")
     standalone = bool(args.standalone)
     try:
         lo, hi = torchrun_cli.nnodes(str(args.nnodes))

@@ -364,6 +364,12 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
             "give a directory this user can create and write",
         ),
         (
+            ["run", "--standalone", "--log-dir", "/proc/rove-logs", "examples/train.py"],
+            common.EXIT_USAGE,
+            "rove run: --log-dir /proc/rove-logs: No such file or directory: /proc/rove-logs; "
+            "give a folder this user can write",
+        ),
+        (
             ["run", "--standalone", "--tf-role", "ps", "examples/train.py"],
             common.EXIT_USAGE,
             "--tf-role is for a TensorFlow job: add --tf-ps",
@@ -455,6 +461,17 @@ def test_a_module_in_the_working_folder_runs_and_one_missing_fails_in_pythons_wo
     assert f"{sys.executable}: No module named tests.no_such_module\n" in out.stderr
     assert "Traceback" not in out.stderr and "runpy" not in out.stderr, out.stderr
     assert "failed: python -m: No module named tests.no_such_module" in out.stderr
+
+
+def test_a_rove_home_that_cannot_be_written_is_said_in_one_line() -> None:
+    """(It was a traceback of pathlib's mkdir, chained five times.)"""
+    out = rove_cli("run", "--standalone", "examples/train.py", env={"ROVE_HOME": "/proc/rove"})
+    assert out.returncode == common.EXIT_USAGE
+    assert out.stderr == (
+        "rove run: rove keeps its jobs' events and logs in /proc/rove ($ROVE_HOME, else "
+        "~/.rove): No such file or directory: /proc/rove; set ROVE_HOME to a folder this "
+        "user can create and write\n"
+    )
 
 
 def test_run_help_tells_what_rove_does_with_torchruns_flags() -> None:
