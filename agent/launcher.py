@@ -51,6 +51,7 @@ from rove.control.flags import suggest
 from rove.control.history import joblogs, jobs
 from rove.control.master.runner import SupervisedMaster
 from rove.control.process import aio, logs, metrics
+from rove.control.process.folders import unwritable
 
 if TYPE_CHECKING:
     from rove.control.services.kafka_bridge import KafkaBridge
@@ -129,7 +130,7 @@ def _check_storage(location: str) -> None:
         storage = open_storage(location)
     except StorageError as exc:
         raise ConfigError(f"--checkpoint-dir: {exc}") from exc
-    if isinstance(storage, FileStorage) and (why := common.unwritable(storage.root)):
+    if isinstance(storage, FileStorage) and (why := unwritable(storage.root)):
         raise ConfigError(
             f"--checkpoint-dir {location}: {why}; give a directory this user can create "
             "and write (or an object store URL: s3://, gs://, az://)"
@@ -142,12 +143,8 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     _check_ranges(args)
     if args.checkpoint_dir:
         _check_storage(args.checkpoint_dir)
-    if why := common.unwritable(embedded.rove_home()):
-        raise ConfigError(
-            f"rove keeps its jobs' events and logs in {embedded.rove_home()} ($ROVE_HOME, "
-            f"else ~/.rove): {why}; set ROVE_HOME to a folder this user can create and write"
-        )
-    if args.log_dir and (why := common.unwritable(Path(args.log_dir))):
+    embedded.check_home()
+    if args.log_dir and (why := unwritable(Path(args.log_dir))):
         raise ConfigError(f"--log-dir {args.log_dir}: {why}; give a folder this user can write")
     standalone = bool(args.standalone)
     try:

@@ -465,13 +465,16 @@ def test_a_module_in_the_working_folder_runs_and_one_missing_fails_in_pythons_wo
 
 def test_a_rove_home_that_cannot_be_written_is_said_in_one_line() -> None:
     """(It was a traceback of pathlib's mkdir, chained five times.)"""
-    out = rove_cli("run", "--standalone", "examples/train.py", env={"ROVE_HOME": "/proc/rove"})
-    assert out.returncode == common.EXIT_USAGE
-    assert out.stderr == (
-        "rove run: rove keeps its jobs' events and logs in /proc/rove ($ROVE_HOME, else "
-        "~/.rove): No such file or directory: /proc/rove; set ROVE_HOME to a folder this "
-        "user can create and write\n"
+    said = (
+        "rove keeps its jobs' events and logs in /proc/rove ($ROVE_HOME, else ~/.rove): No "
+        "such file or directory: /proc/rove; set ROVE_HOME to a folder this user can create "
+        "and write\n"
     )
+    out = rove_cli("run", "--standalone", "examples/train.py", env={"ROVE_HOME": "/proc/rove"})
+    assert (out.returncode, out.stderr) == (common.EXIT_USAGE, f"rove run: {said}")
+    # a master with its own NATS server keeps the server's store there
+    out = rove_cli("master", "--job", "j1", env={"ROVE_HOME": "/proc/rove"})
+    assert (out.returncode, out.stderr) == (common.EXIT_USAGE, f"rove master: {said}")
 
 
 def test_run_help_tells_what_rove_does_with_torchruns_flags() -> None:

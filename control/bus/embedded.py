@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 from rove.control.errors import BusUnavailableError, ConfigError
 from rove.control.process import logs
+from rove.control.process.folders import unwritable
 
 log = logs.get("rove.embedded")
 
@@ -129,6 +130,8 @@ class EmbeddedServer:
 
     def _start(self, timeout_s: float) -> str:
         binary = nats_server_binary()
+        if self.store_dir.is_relative_to(rove_home()):
+            check_home()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._hold_store()
         ports_dir = self.store_dir / "ports"
@@ -467,6 +470,16 @@ def store_user(store_dir: Path) -> int | None:
 def rove_home() -> Path:
     """Where rove keeps local state: `$ROVE_HOME`, else `~/.rove`."""
     return Path(os.environ.get("ROVE_HOME") or Path.home() / ".rove")
+
+
+def check_home() -> None:
+    """ConfigError, said as what to do, when this user cannot create or write rove's
+    folder (it holds every job's events and logs on this machine)."""
+    if why := unwritable(rove_home()):
+        raise ConfigError(
+            f"rove keeps its jobs' events and logs in {rove_home()} ($ROVE_HOME, else "
+            f"~/.rove): {why}; set ROVE_HOME to a folder this user can create and write"
+        )
 
 
 def job_dir(job: str) -> Path:

@@ -349,18 +349,6 @@ def positive(text: str) -> float:
     return value
 
 
-def unwritable(folder: Path) -> str | None:
-    """Why this user cannot create the folder `folder` and write in it (None: it can,
-    and it exists now): the system's words and the path they are about."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError(f"this user cannot write in {folder}")
-    except OSError as exc:
-        return f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}"
-    return None
-
-
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNIT = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
