@@ -463,7 +463,7 @@ def test_a_module_in_the_working_folder_runs_and_one_missing_fails_in_pythons_wo
     assert "failed: python -m: No module named tests.no_such_module" in out.stderr
 
 
-def test_a_rove_home_that_cannot_be_written_is_said_in_one_line() -> None:
+def test_a_rove_home_that_cannot_be_written_is_said_in_one_line(tmp_path: Path) -> None:
     """(It was a traceback of pathlib's mkdir, chained five times.)"""
     said = (
         "rove keeps its jobs' events and logs in /proc/rove ($ROVE_HOME, else ~/.rove): No "
@@ -475,6 +475,15 @@ def test_a_rove_home_that_cannot_be_written_is_said_in_one_line() -> None:
     # a master with its own NATS server keeps the server's store there
     out = rove_cli("master", "--job", "j1", env={"ROVE_HOME": "/proc/rove"})
     assert (out.returncode, out.stderr) == (common.EXIT_USAGE, f"rove master: {said}")
+    # a home it can write, where the job's store cannot be made (a file in its place)
+    store = tmp_path / "jobs" / "j1" / "nats"
+    store.parent.mkdir(parents=True)
+    store.write_text("")
+    out = rove_cli("master", "--job", "j1", env={"ROVE_HOME": str(tmp_path)})
+    assert (out.returncode, out.stderr) == (
+        common.EXIT_USAGE,
+        f"rove master: cannot keep the NATS server's store in {store}: File exists: {store}\n",
+    )
 
 
 def test_run_help_tells_what_rove_does_with_torchruns_flags() -> None:

@@ -131,8 +131,9 @@ class EmbeddedServer:
     def _start(self, timeout_s: float) -> str:
         binary = nats_server_binary()
         if self.store_dir.is_relative_to(rove_home()):
-            check_home()
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+            check_home()  # (rove's own folder, said as such)
+        if why := unwritable(self.store_dir):
+            raise ConfigError(f"cannot keep the NATS server's store in {self.store_dir}: {why}")
         self._hold_store()
         ports_dir = self.store_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
