@@ -21,9 +21,7 @@ def hint(parser: argparse.ArgumentParser, message: str, argv: Sequence[str]) -> 
     guesses = []
     for token in argv[:at]:
         flag = token.split("=", 1)[0]
-        if _known(flag, known) or _is_number(flag):
-            continue
-        if flag.startswith("-"):
+        if flag.startswith("-") and not _known(flag, known) and not _is_number(flag):
             near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
             if near:
                 guesses.append(f"{flag} → {near[0]}")
@@ -39,9 +37,9 @@ def hint(parser: argparse.ArgumentParser, message: str, argv: Sequence[str]) -> 
 def _known(flag: str, known: list[str]) -> bool:
     """A flag, an abbreviation of flags (argparse names those it could be) or a short
     flag with its value attached (`-r3`)."""
-    if flag in known or (flag.startswith("--") and any(k.startswith(flag) for k in known)):
-        return True
-    return not flag.startswith("--") and flag[:2] in known
+    if flag.startswith("--"):
+        return any(k.startswith(flag) for k in known)
+    return flag in known or flag[:2] in known
 
 
 def _is_number(text: str) -> bool:
