@@ -65,7 +65,11 @@ class ScriptArgsParser(argparse.ArgumentParser):
     (`--max`). This one finds the script first, as a person reads the line: the
     first word that is neither a flag nor a flag's value, or the word after `--`.
     A line it cannot read that way (an unknown or ambiguous flag before the script)
-    is left to argparse, which says what is wrong."""
+    is left to argparse, which says what is wrong.
+
+    An abbreviation of two spellings of one flag is that flag: `--nproc` is
+    `--nproc-per-node` (or `--nproc_per_node`), where Python 3.11's argparse, and
+    torchrun on it, call it ambiguous."""
 
     def script_at(self, argv: Sequence[str], lenient: bool = False) -> int | None:
         """The index of the training script in `argv`, or None. `lenient` (to place a
@@ -108,7 +112,15 @@ class ScriptArgsParser(argparse.ArgumentParser):
             return [self._option_string_actions[name]]
         if not (self.allow_abbrev and name.startswith("--")):
             return []
-        return [a for flag, a in self._option_string_actions.items() if flag.startswith(name)]
+        found = [a for flag, a in self._option_string_actions.items() if flag.startswith(name)]
+        return list({id(a): a for a in found}.values())
+
+    def _get_option_tuples(self, option_string: str) -> list[tuple[Any, ...]]:
+        """argparse's readings of an abbreviated flag, one per action (see the class)."""
+        readings: dict[int, tuple[Any, ...]] = {}
+        for reading in super()._get_option_tuples(option_string):
+            readings.setdefault(id(reading[0]), reading)
+        return list(readings.values())
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: Any = None

@@ -238,6 +238,7 @@ def test_a_warm_jobs_launcher_never_maps_torch(tmp_path: Path) -> None:
         (["-mv", "pkg.train", "--kafka"], "pkg.train", ["--kafka"]),
         (["--standalone", "--", "t.py", "--", "--x"], "t.py", ["--", "--x"]),
         (["--nproc-per-nod", "2", "t.py", "-h"], "t.py", ["-h"]),  # rove's own flag abbreviated
+        (["--nproc", "2", "t.py", "--nproc", "3"], "t.py", ["--nproc", "3"]),
     ],
 )
 def test_rove_runs_parser_leaves_the_scripts_words_to_the_script(
@@ -254,10 +255,25 @@ def test_rove_runs_parser_leaves_the_scripts_words_to_the_script(
     assert parsed.nnodes == "1:1", "the script's --nnodes is the script's"
 
 
+@pytest.mark.parametrize("argv", [["--nproc", "2", "t.py"], ["--nproc=2", "t.py"]])
+def test_an_abbreviation_of_both_spellings_of_one_flag_is_that_flag(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    """`--nproc` abbreviates --nproc-per-node and --nproc_per_node: one flag, which
+    Python 3.11's argparse (and torchrun on it) called ambiguous."""
+    from rove.agent.run_args import build_parser
+
+    _no_pet(monkeypatch)
+    assert build_parser().parse_args(argv).nproc_per_node == "2"
+
+
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["--nproc", "2", "t.py", "--lr", "1"], "ambiguous option: --nproc could match"),
+        (
+            ["--no", "2", "t.py", "--lr", "1"],
+            "ambiguous option: --no could match --no-python, --node-rank, --node-id,",
+        ),
         (
             ["--jbo", "j", "t.py", "--lr", "1"],
             "unrecognized arguments: --jbo (did you mean: --jbo → --job?)",
