@@ -353,9 +353,11 @@ class Agent:
                 self.log.warning("the master lost sight of this node; joining again")
                 await self._stop_workers()
                 self._register()
-            case ev.NodeExcluded(node=node, incarnation=inc) if self.facts.is_me(node, inc):
+            case ev.NodeExcluded() | ev.NodeReplaced() if self.facts.is_me(
+                item.node, item.incarnation
+            ):
                 await self._stop_workers()
-                self._finish(EXIT_FAILED, f"node {node} was excluded: {item.reason}")
+                self._finish(EXIT_FAILED, item.ending)
             case ev.JobEnded(phase=phase, reason=reason) if (
                 self.status.starts == 0 and item.ts < self._started_at
             ):

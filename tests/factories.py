@@ -230,6 +230,17 @@ def excluded(node: str, epoch: int, *, inc: str = "i1", job: str = JOB) -> ev.No
     )
 
 
+def replaced(node: str, epoch: int, *, inc: str = "i1", by: str = "i2") -> ev.NodeReplaced:
+    return ev.NodeReplaced(
+        **ev.decision_envelope(JOB, epoch, "m1", 100.0, "replaced", node, inc),
+        node=node,
+        incarnation=inc,
+        by_incarnation=by,
+        by_host=f"host-{node}",
+        by_pid=1001,
+    )
+
+
 def one_of_each() -> list[ev.Event]:
     return [
         *v1_events(),
@@ -239,6 +250,7 @@ def one_of_each() -> list[ev.Event]:
         succeeded("n1", 1),
         round_completed(1, 7, "n1"),
         excluded("n1", 7),
+        replaced("n1", 7),
     ]
 
 

@@ -156,3 +156,43 @@ def test_a_node_that_joined_before_the_job_ended_starts_no_run() -> None:
     s.tick()
     assert s.state.phase is ev.JobPhase.FINISHED
     assert s.tick(60) == [] and s.state.run == 1
+
+
+def replaced(decisions: list[ev.Decision]) -> list[tuple[str, str, str]]:
+    return [
+        (d.node, d.incarnation, d.by_incarnation)
+        for d in decisions
+        if isinstance(d, ev.NodeReplaced)
+    ]
+
+
+def test_an_agent_whose_node_another_joined_as_is_told_once_and_the_newest_stays() -> None:
+    """Two `rove run` under one node id (one machine, no --node-id) waited for each other
+    without end, the master's table flipping between them. The newest agent takes the
+    node's place and the older one is told so, once: it leaves."""
+    state = running(
+        factories.joined("n1", inc="i1", ts=100.0),
+        factories.joined("n1", inc="i2", ts=101.0, n=1),
+        factories.joined("n1", inc="i3", ts=102.0, n=2),  # a third, before any was told
+    )
+    hb = {"n1": factories.heartbeat("n1", inc="i3", ts=102.0)}
+    told = decide(state, hb, now=103.0)
+    assert replaced(told) == [("n1", "i1", "i3"), ("n1", "i2", "i3")]
+    first = next(d for d in told if isinstance(d, ev.NodeReplaced))
+    assert (first.by_host, first.by_pid) == ("host-n1", 1002)
+    assert "need their own --node-id" in first.ending and "pid 1002 on host-n1" in first.ending
+    assert [d.id for d in told] == [d.id for d in decide(state, hb, now=104.0)]
+    for i, d in enumerate(told):
+        state = evolve(state, d, 100 + i)
+    assert replaced(decide(state, hb, now=105.0)) == []
+    assert state.nodes["n1"].incarnation == "i3" and state.nodes["n1"].status.value == "active"
+
+
+def test_an_agent_that_joins_again_as_itself_or_after_its_node_left_replaces_no_one() -> None:
+    rejoined = running(factories.joined("n1", ts=100.0), factories.joined("n1", ts=101.0, n=1))
+    after_leaving = running(
+        factories.joined("n1", ts=100.0), factories.left("n1"), factories.joined("n1", inc="i2")
+    )
+    for state in (rejoined, after_leaving):
+        hb = {"n1": factories.heartbeat("n1", inc=state.nodes["n1"].incarnation, ts=101.0)}
+        assert replaced(decide(state, hb, now=102.0)) == []

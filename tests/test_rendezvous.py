@@ -330,8 +330,12 @@ def test_an_agent_restart_breaks_the_round_and_it_is_re_formed() -> None:
     sim.join("n2")
     sim.tick()
     sim.join("n2", inc="i2")  # the agent on n2 restarted: new incarnation
-    (rnd,) = sim.tick()
+    rnd, told = sim.tick()
     assert [(m.node, m.incarnation) for m in rnd.members] == [("n1", "i1"), ("n2", "i2")]  # type: ignore[attr-defined]
+    assert isinstance(told, ev.NodeReplaced) and (told.incarnation, told.by_incarnation) == (
+        "i1",
+        "i2",
+    ), "the earlier agent, if it still runs, is told to leave"
 
 
 def test_the_first_joiner_fixes_the_rendezvous_settings() -> None:

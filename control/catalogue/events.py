@@ -28,6 +28,11 @@ from typing import Final
 import msgspec
 
 # re-exported (`x as x`): callers import every event from here
+from rove.control.catalogue.check_events import CheckGroup as CheckGroup
+from rove.control.catalogue.check_events import NetworkCheckAssigned as NetworkCheckAssigned
+from rove.control.catalogue.check_events import NetworkCheckCompleted as NetworkCheckCompleted
+from rove.control.catalogue.check_events import NetworkCheckReported as NetworkCheckReported
+from rove.control.catalogue.check_events import NodeCheck as NodeCheck
 from rove.control.catalogue.ckpt_events import CkptCommitted as CkptCommitted
 from rove.control.catalogue.ckpt_events import CkptFailed as CkptFailed
 from rove.control.catalogue.ckpt_events import CkptFound as CkptFound
@@ -169,23 +174,6 @@ class RdzvParams(msgspec.Struct, frozen=True, kw_only=True):
     tf_ps: int = 0
 
 
-class CheckGroup(msgspec.Struct, frozen=True, kw_only=True):
-    """Nodes that run the network check together; the first one hosts the store."""
-
-    nodes: tuple[str, ...]
-    incarnations: tuple[str, ...]
-    master_addr: str
-    master_port: int
-
-
-class NodeCheck(msgspec.Struct, frozen=True, kw_only=True):
-    """One node's network-check result over the check rounds."""
-
-    node: str
-    failures: int
-    best_s: float | None
-
-
 class RoundMember(msgspec.Struct, frozen=True, kw_only=True):
     """One node's place in a rendezvous round: its group rank is its index."""
 
@@ -322,17 +310,6 @@ class WorkerExited(NodeFact, tag="worker_exited", frozen=True, kw_only=True):
     log_tail: str = ""
 
 
-class NetworkCheckReported(NodeFact, tag="network_check_reported", frozen=True, kw_only=True):
-    """`node`'s result in network-check round `check_round`."""
-
-    check_round: int
-    ok: bool
-    elapsed_s: float
-    matmul_s: float = 0.0
-    allreduce_s: float = 0.0
-    error: str = ""
-
-
 class TrainingProgress(NodeFact, tag="training_progress", frozen=True, kw_only=True):
     """How far `node`'s workers got in `round`: the slowest local rank's `step` and when
     the newest step ended (`at`); the round's first reported step and when it ended;
@@ -428,16 +405,6 @@ class RoundCompleted(Decision, tag="round_completed", frozen=True, kw_only=True)
     parts: int = 0
 
 
-class NetworkCheckAssigned(Decision, tag="network_check_assigned", frozen=True, kw_only=True):
-    """Check round `check_round` (0, then 1): each group times a matmul and an allreduce."""
-
-    check_round: int
-    groups: tuple[CheckGroup, ...]
-    timeout_s: float
-    #: on the wire only: the groups travelled in this many `event_part`s before it
-    parts: int = 0
-
-
 class EventPart(Decision, tag="event_part", frozen=True, kw_only=True):
     """Part `index` of the items of the decision `whole` (its id, a `kind` event that
     follows its parts), split because the whole would not fit one message; readers
@@ -452,21 +419,40 @@ class EventPart(Decision, tag="event_part", frozen=True, kw_only=True):
     field: str = ""
 
 
-class NetworkCheckCompleted(Decision, tag="network_check_completed", frozen=True, kw_only=True):
-    """Verdict of the network check: faulty nodes failed both rounds; stragglers are
-    slower than twice the median."""
-
-    results: tuple[NodeCheck, ...]
-    faulty: tuple[str, ...]
-    stragglers: tuple[str, ...]
-
-
 class NodeExcluded(Decision, tag="node_excluded", frozen=True, kw_only=True):
     """`node` is taken out of the job (faulty hardware, failed checks)."""
 
     node: str
     incarnation: str
     reason: str
+
+    @property
+    def ending(self) -> str:
+        """Why the excluded agent ends, in its words."""
+        return f"node {self.node} was excluded: {self.reason}"
+
+
+class NodeReplaced(Decision, tag="node_replaced", frozen=True, kw_only=True):
+    """Another agent (`by_incarnation`, process `by_pid` on `by_host`) joined as `node`
+    while `incarnation` was in the job: the newest agent of a node takes its place, and
+    the older one, if it still runs, leaves. So two agents that share a node id (two
+    `rove run` on one machine without `--node-id`, machines with the same host name)
+    are told so, where they would wait for each other without end."""
+
+    node: str
+    incarnation: str
+    by_incarnation: str
+    by_host: str
+    by_pid: int
+
+    @property
+    def ending(self) -> str:
+        """Why the replaced agent ends, in its words."""
+        return (
+            f"another agent joined job {self.job} as node {self.node} (pid {self.by_pid} on "
+            f"{self.by_host}), so this one leaves. Several `rove run` of one job, on one "
+            "machine or on machines with the same host name, need their own --node-id"
+        )
 
 
 class JobEnded(Decision, tag="job_ended", frozen=True, kw_only=True):
@@ -527,6 +513,7 @@ AnyEvent = (
     | WorkersSucceeded
     | RoundCompleted
     | NodeExcluded
+    | NodeReplaced
     | CkptCommitted
     | CkptFailed
     | CkptPersisted

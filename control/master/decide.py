@@ -99,7 +99,29 @@ def decide(
         commits = _commit(state, now)
         decisions = [*commits, *(_ending(state, d, commits) for d in decisions)]
     decisions.extend(_data(state, now, clock_off))
+    decisions.extend(_replaced(state, now))
     return Decided(decisions, waiting, scale_waiting)
+
+
+def _replaced(state: JobState, now: float) -> list[ev.Decision]:
+    """Each agent that a newer one of its node took the place of is told so: if it still
+    runs (a second agent under the same node id), it leaves, rather than the two waiting
+    for each other."""
+    told: list[ev.Decision] = []
+    for node, incarnations in state.replaced.items():
+        newest = state.nodes[node]
+        told.extend(
+            ev.NodeReplaced(
+                **_envelope(state, now, "replaced", node, incarnation),
+                node=node,
+                incarnation=incarnation,
+                by_incarnation=newest.incarnation,
+                by_host=newest.host,
+                by_pid=newest.pid,
+            )
+            for incarnation in incarnations
+        )
+    return told
 
 
 def _scale(state: JobState, intent: optimizer.Plan | optimizer.FailJob, now: float) -> ev.Decision:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import immutables
 from msgspec.structs import replace
 
 from rove.control.catalogue import events as ev
@@ -109,6 +110,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 applied_seq=seq,
                 rdzv=_rdzv_unless_ended(state, rdzv.on_node_joined, event),
                 nodes=state.nodes.set(event.node, record),
+                replaced=_replaced(state, event),
                 phase=phase,
                 counters=replace(c, events=c.events + 1, nodes_joined=c.nodes_joined + 1),
             )
@@ -223,6 +225,13 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 counters=replace(c, events=c.events + 1),
                 applied_seq=seq,
             )
+        case ev.NodeReplaced():
+            return replace(
+                state,
+                replaced=_told(state.replaced, event),
+                counters=replace(c, events=c.events + 1),
+                applied_seq=seq,
+            )
         case ev.NodeExcluded():
             node = state.nodes.get(event.node)
             nodes = state.nodes
@@ -247,3 +256,26 @@ def _rdzv_unless_ended(
     """The rendezvous after `event`; frozen once the job ended (a node started again
     under a finished job's name is told so and leaves: no round re-forms)."""
     return state.rdzv if state.phase.terminal else fold(state.rdzv, event)
+
+
+def _replaced(state: JobState, joined: ev.NodeJoined) -> immutables.Map[str, tuple[str, ...]]:
+    """The incarnations still to be told they were replaced, once `joined` is folded: the
+    node's earlier one too, if it was active under another incarnation."""
+    earlier = state.nodes.get(joined.node)
+    if (
+        earlier is None
+        or earlier.status is not NodeStatus.ACTIVE
+        or earlier.incarnation == joined.incarnation
+    ):
+        return state.replaced
+    untold = state.replaced.get(joined.node, ())
+    return state.replaced.set(joined.node, (*untold, earlier.incarnation))
+
+
+def _told(
+    replaced: immutables.Map[str, tuple[str, ...]], told: ev.NodeReplaced
+) -> immutables.Map[str, tuple[str, ...]]:
+    untold = tuple(i for i in replaced.get(told.node, ()) if i != told.incarnation)
+    if untold:
+        return replaced.set(told.node, untold)
+    return replaced.delete(told.node) if told.node in replaced else replaced

@@ -103,6 +103,10 @@ class JobState(msgspec.Struct, frozen=True, kw_only=True):
     run_seq: int = 0
     #: when the newest decision folded was made (a master's clock; 0 before any)
     decided_at: float = 0.0
+    #: node -> its earlier incarnations that were active when a newer one joined, and
+    #: have not been told yet (`node_replaced`): another agent under the same node id,
+    #: or one that restarted without leaving
+    replaced: immutables.Map[str, tuple[str, ...]] = msgspec.field(default_factory=immutables.Map)
 
 
 def initial(job: str) -> JobState:
