@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
-from rove.agent import child, endings, faults, forkservers, managed, torchrun_cli, warm
+from rove.agent import child, endings, faults, forkservers, managed, warm
 from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.heartbeat import HEARTBEATS_PER_S, interval_for
-from rove.agent.run_args import build_parser, launch_config, reworded, warn_ignored
+from rove.agent.run_args import build_parser, launch_config, node_range, reworded, warn_ignored
 from rove.agent.script import refused
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
@@ -147,14 +147,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     if args.log_dir and (why := unwritable(Path(args.log_dir))):
         raise ConfigError(f"--log-dir {args.log_dir}: {why}; give a folder this user can write")
     standalone = bool(args.standalone)
-    try:
-        lo, hi = torchrun_cli.nnodes(str(args.nnodes))
-    except ValueError as exc:
-        raise ConfigError(
-            f"--nnodes {args.nnodes}: use a number of nodes N or a range MIN:MAX, e.g. 2 or 1:4"
-        ) from exc
-    if not 0 < lo <= hi:
-        raise ConfigError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+    lo, hi = node_range(args.nnodes)
     if not standalone and not args.nats and hi == 1 and not args.auto_scale:
         # torchrun's one-node command lines (no rendezvous flags, a static --master-addr,
         # a c10d endpoint): one machine, so rove's embedded default serves it

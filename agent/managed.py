@@ -15,8 +15,8 @@ from pathlib import Path
 
 import msgspec
 
-from rove.agent import torchrun_cli
 from rove.agent.config import AgentConfig
+from rove.agent.run_args import build_parser, node_range
 from rove.control.bus import auth, embedded
 from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
@@ -70,7 +70,6 @@ def node_argv(argv: Sequence[str], args: argparse.Namespace) -> tuple[str, ...]:
 def ps_argv(argv: Sequence[str]) -> tuple[str, ...]:
     """The arguments of a node that hosts one parameter server: the workload's, with
     `--tf-role ps --nproc-per-node 1` after its flags (the last of a flag counts)."""
-    from rove.agent.run_args import build_parser
 
     parsed = build_parser().parse_args(list(argv))
     script_at = len(argv) - len(parsed.training_script_args) - 1
@@ -120,7 +119,7 @@ def policy(settings: Sequence[str]) -> ev.ScalePolicy:
 
 def workload(argv: Sequence[str], args: argparse.Namespace, cwd: str) -> ev.Workload:
     """What every node of a managed job runs, from `rove run`'s arguments."""
-    lo, hi = torchrun_cli.nnodes(str(args.nnodes))
+    lo, hi = node_range(args.nnodes)
     kept = node_argv(argv, args)
     return ev.Workload(
         argv=kept,

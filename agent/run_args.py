@@ -426,6 +426,23 @@ def build_parser() -> ScriptArgsParser:
     return p
 
 
+def node_range(nnodes: object) -> tuple[int, int]:
+    """--nnodes as (MIN, MAX), as torchrun reads it.
+
+    Raises:
+        ConfigError: neither N nor MIN:MAX, or not 0 < MIN <= MAX.
+    """
+    try:
+        lo, hi = torchrun_cli.nnodes(str(nnodes))
+    except ValueError as exc:
+        raise ConfigError(
+            f"--nnodes {nnodes}: use a number of nodes N or a range MIN:MAX, e.g. 2 or 1:4"
+        ) from exc
+    if not 0 < lo <= hi:
+        raise ConfigError(f"--nnodes {nnodes}: need 0 < MIN <= MAX")
+    return lo, hi
+
+
 def launch_config(args: argparse.Namespace) -> tuple[Launch, str | None, list[str]]:
     """torchrun's launch configuration of `args` (`rove.agent.torchrun_cli.launch`),
     its errors said in rove's words, and its console warning as a rove line.

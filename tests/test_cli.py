@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime as dt
 import json
@@ -495,6 +496,21 @@ def test_run_help_tells_what_rove_does_with_torchruns_flags() -> None:
     for flag in ("--rdzv-backend", "--rdzv-endpoint", "--master-addr", "--master-port"):
         after = options[options.index(flag) :]
         assert "ignored by rove" in after[:300], f"{flag} says it is ignored"
+
+
+@pytest.mark.parametrize("command", ["jobs", "submit", "auth"])
+def test_a_commands_help_keeps_its_examples_one_to_a_line(command: str) -> None:
+    """argparse re-wrapped the descriptions: `rove jobs --help` ran its five example
+    command lines and what each does into one paragraph."""
+    from rove.control.cli.main import build_parser
+
+    parser = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices[command]
+    assert parser.description is not None
+    examples = [x for x in parser.description.splitlines() if x.startswith("    rove ")]
+    out = rove_cli(command, "--help", check=True).stdout.splitlines()
+    assert examples and all(x in out for x in examples), out
 
 
 def test_an_ignored_torchrun_flag_is_named_in_a_warning() -> None:

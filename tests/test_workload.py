@@ -62,6 +62,32 @@ def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script() -> Non
     assert done.returncode == 2 and "--policy grow=yes: use KEY=VALUE" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        # (a traceback: torchrun's reading of --nnodes raised ValueError)
+        (["--", "--nnodes", "x"], "rove submit: --nnodes x: use a number of nodes N or a range"),
+        (["--", "--nnodes", "3:1"], "rove submit: --nnodes 3:1: need 0 < MIN <= MAX"),
+        # (accepted: each node failed on it)
+        (["--", "--nproc-per-node", "0"], "rove submit: --nproc-per-node 0: use a number"),
+        # (45 lines of `rove run`'s usage, then "bad arguments" without which)
+        (
+            ["--", "--jbo", "3"],
+            "rove submit: bad `rove run` arguments after --: unrecognized arguments: --jbo "
+            "(did you mean: --jbo → --job?)",
+        ),
+        # (`rove: unrecognized arguments: --nnodes`, and nothing on where they go)
+        (["--nnodes", "2"], "`rove submit` takes the job's `rove run` arguments after --"),
+    ],
+)
+def test_submit_says_a_mistake_in_the_jobs_rove_run_arguments_in_one_line(
+    given: list[str], said: str
+) -> None:
+    done = rove_cli("submit", "--job", "j", "--nats", "nats://127.0.0.1:1", *given, str(SHARDED))
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+
+
 def test_nodes_of_an_auto_scaled_job_get_the_launchers_flags_but_its_own() -> None:
     from rove.agent.managed import node_argv
     from rove.agent.run_args import build_parser

@@ -62,14 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
         operator_cmd,
     ):
         module.add_parser(sub)
+    for command in sub.choices.values():  # (their descriptions are wrapped, with examples)
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
     return p
 
 
-def _reworded(message: str) -> str:
+def _reworded(message: str, argv: Sequence[str]) -> str:
     """argparse's "the following arguments are required: --job" as a question with
-    where to find the answer."""
+    where to find the answer; `rove submit`'s `rove run` flags given before `--`."""
     if message.endswith("required: --job"):
         return "which job? give --job J (rove jobs lists the jobs kept on this machine)"
+    if argv[:1] == ["submit"] and message.startswith("unrecognized arguments"):
+        return (
+            f"{message}: `rove submit` takes the job's `rove run` arguments after --, e.g. "
+            "rove submit --job j1 --nats URL -- --nnodes 1:4 train.py"
+        )
     return message
 
 
@@ -86,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return leave(run_main(argv[1:]))
     parser = build_parser()
-    suggest.install(parser, argv, _reworded)
+    suggest.install(parser, argv, lambda message: _reworded(message, argv))
     args = parser.parse_args(argv)
     # Daemons tell what they do; one-shot commands print their answer and only warnings.
     logs.configure(args.log_level or ("info" if args.command in _DAEMONS else "warning"))

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import ConfigError
 from rove.control.flags import options as common
+from rove.control.flags import suggest
 from rove.control.process import aio
 
 
@@ -40,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def build(args: argparse.Namespace) -> ev.Workload:
     """The workload from `rove submit`'s arguments (validated as `rove run` would)."""
     from rove.agent import managed  # torch's parser: only when submitting
-    from rove.agent.run_args import build_parser
+    from rove.agent.run_args import build_parser, node_range, reworded
     from rove.agent.script import unrunnable
 
     argv = list(args.run_args)
@@ -49,10 +51,13 @@ def build(args: argparse.Namespace) -> ev.Workload:
     if not argv:
         raise ConfigError("nothing to run: give `rove run` arguments after --, e.g. -- train.py")
     parser = build_parser()
-    try:
-        parsed = parser.parse_args(argv)
-    except SystemExit as exc:
-        raise ConfigError(f"bad `rove run` arguments after --: {' '.join(argv)}") from exc
+
+    def refuse(message: str) -> NoReturn:  # (argparse's usage of `rove run` is 45 lines)
+        said = suggest.hint(parser, reworded(message), argv)
+        raise ConfigError(f"bad `rove run` arguments after --: {said}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    parsed = parser.parse_args(argv)
     head = argv[: len(argv) - len(parsed.training_script_args) - 1]
     for flag in ("--standalone", "--auto-scale", "--node-id", "--job", "--nats"):
         if any(a == flag or a.startswith(flag + "=") for a in head):
@@ -60,6 +65,13 @@ def build(args: argparse.Namespace) -> ev.Workload:
                 f"{flag} does not belong after --: the scaler gives each node its --job, "
                 "--node-id and --nats"
             )
+    node_range(parsed.nnodes)
+    nproc = str(parsed.nproc_per_node)
+    if not (nproc.isdigit() and int(nproc) > 0) and not nproc.isidentifier():
+        raise ConfigError(
+            f"--nproc-per-node {nproc}: use a number of workers of at least 1, or auto, cpu "
+            "or gpu (read on each node)"
+        )
     cwd = (args.cwd or Path.cwd()).resolve()
     script = Path(parsed.training_script)
     why = None if parsed.module or parsed.no_python else unrunnable(cwd / script)
