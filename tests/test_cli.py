@@ -605,3 +605,27 @@ async def test_status_and_events_show_scale_plans_and_their_outcomes(bus: Bus) -
     )
     [line] = events.stdout.splitlines()
     assert "rule=oom" in line and "launch='n0-a1(4 GiB)'" in line and "remove=n0-a0" in line
+
+
+def test_status_gives_a_node_that_left_the_last_step_its_workers_reported() -> None:
+    """A finished job's node showed step 26, its last heartbeat's, where its workers had
+    reported step 30 as they ended (`training_progress`, after the heartbeat)."""
+    from rove.control.cli.status_cmd import status_view
+    from rove.control.master.evolve import evolve
+    from rove.control.master.state import initial
+
+    state = initial("j1")
+    for seq, e in enumerate(
+        [
+            factories.elected("m1", 1),
+            factories.configured(1, 30.0),
+            factories.joined("n1"),
+            factories.progressed("n1", 1, 30, 110.0),
+        ],
+        start=1,
+    ):
+        state = evolve(state, e, seq)
+    beat = {"n1": factories.heartbeat("n1", ts=109.0, step=26)}
+    assert status_view(state, beat, None, 111.0)["nodes"][0]["step"] == 26, "live: its beat"
+    state = evolve(state, factories.left("n1"), 5)
+    assert status_view(state, beat, None, 111.0)["nodes"][0]["step"] == 30

@@ -28,7 +28,7 @@ from rove.control.master.election import Holder, current_holder
 from rove.control.master.evolve import evolve
 from rove.control.master.replica import Replica
 from rove.control.master.silence import NOT_HEARD, Heard, last_heard
-from rove.control.master.state import JobState, initial
+from rove.control.master.state import JobState, NodeStatus, initial
 from rove.control.process import aio
 
 
@@ -131,9 +131,11 @@ def status_view(
                 # seconds to add to its clock to read the server's (None: within 5 s)
                 "clock_off_s": round(off, 1) if off is not None else None,
                 "ranks": len(ranks) if fresh else None,
-                # (its workers' newest step: live from its heartbeat, else the last
-                # one they reported, e.g. of an ended job)
-                "step": max((r.step for r in ranks), default=n.step),
+                # (its workers' newest step: live from its heartbeat; of a node that
+                # left or was lost, the last one they reported, after its last beat)
+                "step": n.step
+                if n.step is not None and n.status is not NodeStatus.ACTIVE
+                else max((r.step for r in ranks), default=n.step),
                 "samples_per_s": round(sum(r.samples_per_s for r in ranks), 1) if ranks else None,
                 "cpu_percent": hb.cpu_percent if fresh and hb else None,
                 "mem_used_bytes": hb.mem_used_bytes if fresh and hb else None,
