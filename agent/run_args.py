@@ -107,13 +107,13 @@ class ScriptArgsParser(argparse.ArgumentParser):
         return 1
 
     def _flags(self, name: str) -> list[argparse.Action]:
-        """The action `name` names, or those whose flags it abbreviates."""
+        """The action `name` names, or those whose flags it abbreviates (as argparse
+        reads them: one per action)."""
         if name in self._option_string_actions:
             return [self._option_string_actions[name]]
         if not (self.allow_abbrev and name.startswith("--")):
             return []
-        found = [a for flag, a in self._option_string_actions.items() if flag.startswith(name)]
-        return list({id(a): a for a in found}.values())
+        return [reading[0] for reading in self._get_option_tuples(name)]
 
     def _get_option_tuples(self, option_string: str) -> list[tuple[Any, ...]]:
         """argparse's readings of an abbreviated flag, one per action (see the class)."""
