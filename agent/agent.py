@@ -34,14 +34,14 @@ from typing import Any
 
 import structlog
 
-from rove.agent import checkrun, child, progress, round_wait, warm
+from rove.agent import checkrun, child, ports, progress, round_wait, warm
 from rove.agent.ckpt_duty import CheckpointDuty, run_name
 from rove.agent.config import AgentConfig
 from rove.agent.endings import Endings
 from rove.agent.exit_watch import ExitWatch, Verdict
 from rove.agent.facts import NodeFacts
 from rove.agent.faults import FaultPlan
-from rove.agent.heartbeat import Heartbeat, free_ports
+from rove.agent.heartbeat import Heartbeat
 from rove.agent.leader_watch import LeaderWatch
 from rove.agent.learning import Learning
 from rove.agent.lifecycle import AgentPhase, advance
@@ -189,7 +189,7 @@ class Agent:
                 **self.facts.envelope(),
                 addr=self.cfg.addr,
                 nproc_per_node=self.cfg.nproc,
-                ports=free_ports(self.cfg.addr, self.cfg.ports_offered),
+                ports=ports.free_ports(self.cfg.addr, self.cfg.ports_offered),
                 params=self.cfg.params,
                 tf_role=self.cfg.tf_role,
                 replica_port=self.replicas.port,

@@ -18,7 +18,6 @@ is being judged.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ import structlog
 
 from rove.agent.facts import NodeFacts
 from rove.agent.metrics import Sampler
+from rove.agent.ports import free_ports
 from rove.agent.runtime import WorkerRuntime
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
@@ -50,24 +50,6 @@ def interval_for(max_nodes: int, node_timeout_s: float) -> float:
     heartbeats a second, and never over a fifth of the node timeout (nor under 1 s)."""
     adapted = max(1.0, max_nodes / HEARTBEATS_PER_S)
     return min(adapted, max(1.0, node_timeout_s / 5))
-
-
-def free_ports(addr: str, n: int = 2) -> tuple[int, ...]:
-    """`n` ports free on `addr` right now (for the next round's rendezvous store)."""
-    ports = []
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
-            socks.append(s)
-            ports.append(int(s.getsockname()[1]))
-    except OSError:
-        pass
-    finally:
-        for s in socks:
-            s.close()
-    return tuple(ports)
 
 
 @dataclass

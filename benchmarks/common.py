@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,13 +19,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rove.agent import ports
 from rove.control.catalogue import events as ev
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a benchmark's server, from the ones rove's agents offer (below the
+    kernel's ephemeral range, where no outgoing connection takes it before the bind)."""
+    return ports.free_ports("127.0.0.1", 1)[0]
 
 
 def trace_rows(trace: Path) -> list[dict[str, Any]]:

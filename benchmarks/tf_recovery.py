@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from common import trace_rows, wait_for
+
+from rove.agent.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "tf_ps.py"
@@ -98,16 +99,6 @@ while True:
     with open(trace, "a") as f:
         f.write(json.dumps({"step": k + 1, "t": time.time()}) + "\n")
 """
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def steps(trace: Path) -> list[dict[str, Any]]:
@@ -193,7 +184,7 @@ def rove_side(tmp: Path, url: str, repeat: int, spares: bool) -> tuple[float, fl
 
 def manual_side(tmp: Path, repeat: int) -> float:
     """Train by hand, kill everything, start everything again: seconds to the next step."""
-    ports = free_ports(4)
+    ports = list(free_ports("127.0.0.1", 4))
     cluster = {
         "chief": [f"127.0.0.1:{ports[0]}"],
         "ps": [f"127.0.0.1:{ports[1]}"],

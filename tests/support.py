@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from rove.agent import ports
 from rove.control.bus.embedded import EmbeddedServer
 
 
@@ -66,16 +67,19 @@ def leave_process_group() -> NoReturn:
 
 
 def free_port() -> int:
-    """A loopback port nobody holds, below the kernel's ephemeral range.
+    """A loopback port nobody holds, below the ports agents offer their rounds.
 
     A port the kernel hands out (`bind(("", 0))`) is free only until it hands it out
     again: to another test's outgoing connection, between this test's pick and the
     server's bind (a 3-node cluster's route port was taken that way). Ports below the
-    ephemeral range are never handed out, so only another pick like this one can take
-    it, and each pick is random among several thousand. Under pytest-xdist each worker
-    picks from a slice of its own: a test that restarts a NATS server on its port (the
-    port free meanwhile) cannot lose it to a test beside it."""
-    low = _ephemeral_low()
+    ephemeral range are never handed out, and the agents' own offers
+    (`rove.agent.ports.offer_range`) lie just below it, so these come from below those:
+    only another pick like this one can take it, and each pick is random among
+    thousands. Under pytest-xdist each worker picks from a slice of its own: a test that
+    restarts a NATS server on its port (the port free meanwhile) cannot lose it to a
+    test beside it."""
+    offers = ports.offer_range(ports.ephemeral_low())
+    low = offers.start if offers else ports.ephemeral_low()
     start = max(1024, low - 12000)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
@@ -94,13 +98,6 @@ def free_port() -> int:
     with socket.socket() as s:  # (a crowded range: the kernel's choice)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 @contextlib.contextmanager
