@@ -41,7 +41,8 @@ _COMMUNICATION = re.compile(
     r"NCCL error|ncclSystemError|ncclInternalError|ncclRemoteError|ProcessGroupNCCL"
     r"|Watchdog caught collective operation timeout|gloo/transport|\[gloo\]|Gloo connectFullMesh"
     r"|Connection reset by peer|Connection closed by peer|DistNetworkError|DistStoreError"
-    r"|Socket Timeout|Timed out .* (store|rendezvous)|Broken pipe",
+    r"|Socket Timeout|Timed out .* (store|rendezvous)|Broken pipe"
+    r"|Address already in use|Could not start gRPC server",
     re.IGNORECASE,
 )
 _EXCEPTION_LINE = re.compile(

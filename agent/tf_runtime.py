@@ -17,9 +17,12 @@ What happens when a task ends:
                        round, the round fails instead.
     parameter server   the round fails (the agent reports it; the master starts
     chief, code != 0   a new round): every task starts again, the coordinator
-                       restores from its last committed checkpoint and the data
-                       rolls back to that checkpoint's position. A repeated
-                       user error fails the job fast, as for torch.
+    worker whose port  restores from its last committed checkpoint and the data
+      was taken        rolls back to that checkpoint's position. A repeated
+                       user error fails the job fast, as for torch. (A worker
+                       whose port was taken, `tf_server.PORT_TAKEN`, would fail
+                       the same way on the same address; the next round's
+                       ports are offered afresh.)
 
 So unlike torch's, a TensorFlow round's `wait` returns when its chief ends,
 not when every task has: parameter servers and workers serve until stopped.
@@ -62,6 +65,7 @@ from rove.agent import progress, tf_spare
 from rove.agent.diagnosis import Diagnosis, classify
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
+from rove.agent.tf_server import PORT_TAKEN
 from rove.control.domain import tf_cluster
 from rove.control.domain.words import counted
 from rove.control.process import tempdirs
@@ -363,8 +367,12 @@ class TfRuntime(WorkerRuntime):
             return WorkersEnded(self._round, None)
         tail = "\n".join(task.tail)
         found = classify(code, None, tail)
+        said = [x.partition("cannot serve: ")[2] for x in task.tail if "cannot serve: " in x]
+        if code == PORT_TAKEN and said:  # (tf_server's own words, not gRPC's log line)
+            found = Diagnosis(found.kind, said[-1])
         diagnosis = Diagnosis(found.kind, f"{_title(task)}: {found.reason}")
-        if task.role == tf_cluster.WORKER and task.restarts < self.max_restarts:
+        again = code != PORT_TAKEN  # (on the same address: it would fail the same way)
+        if task.role == tf_cluster.WORKER and again and task.restarts < self.max_restarts:
             task.restarts += 1
             log.warning(
                 f"{_title(task)} ended ({found.reason}); starting it again on the same address",
@@ -380,7 +388,7 @@ class TfRuntime(WorkerRuntime):
                     )
                 )
             return None
-        if task.role == tf_cluster.WORKER:
+        if task.role == tf_cluster.WORKER and again:
             diagnosis = Diagnosis(
                 found.kind,
                 f"{_title(task)} failed {counted(task.restarts + 1, 'time')} "

@@ -8,15 +8,36 @@ closures on the workers. It holds nothing that must survive it: a worker
 restarted on the same address rejoins the coordinator by itself, and a
 parameter server's variables are restored by the coordinator from its
 checkpoint.
+
+A task whose port was taken (by another process, between the node's offer and the
+task's start) says so and exits `PORT_TAKEN`: started again on the same address it
+would fail the same way, so the runtime fails the round instead, and the next round's
+tasks serve on ports offered afresh.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
 import sys
 import time
+
+#: the exit code of a task whose port another process took between the node's offer and
+#: the task's start (sysexits' EX_TEMPFAIL): a worker is not started again on it
+PORT_TAKEN = 75
+
+
+def taken(port: int) -> bool:
+    """Whether some process listens on `port` (every address), as gRPC would."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def main() -> None:
@@ -31,14 +52,26 @@ def main() -> None:
     # threads running ops side by side are left to TensorFlow, since too few of them
     # deadlock a worker running a closure's dataset and its remote ops
     threads = int(os.environ.get("ROVE_TF_THREADS", "0"))
-    server = tf.distribute.Server(
-        tf.train.ClusterSpec(config["cluster"]),
-        job_name=task["type"],
-        task_index=task["index"],
-        protocol="grpc",
-        config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads),
-        start=True,
-    )
+    try:
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec(config["cluster"]),
+            job_name=task["type"],
+            task_index=task["index"],
+            protocol="grpc",
+            config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads),
+            start=True,
+        )
+    except tf.errors.UnknownError:  # "Could not start gRPC server": is its port taken?
+        port = int(config["cluster"][task["type"]][task["index"]].rpartition(":")[2])
+        if not taken(port):
+            raise
+        print(
+            f"rove: {task['type']} {task['index']} cannot serve: port {port} of this node "
+            "is taken by another process (Address already in use); the round starts "
+            "again on fresh ports",
+            flush=True,
+        )
+        sys.exit(PORT_TAKEN)
     print(
         f"rove: {task['type']} {task['index']} serving at {server.target} "
         f"(up in {time.monotonic() - began:.1f}s)",

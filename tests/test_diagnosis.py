@@ -62,6 +62,21 @@ TRACEBACK = """[default0]:Traceback (most recent call last):
             FailureKind.COMMUNICATION,
             "NCCL error",
         ),
+        (  # a TensorFlow task whose port another process took (rove.agent.tf_server)
+            75,
+            None,
+            "rove: worker 0 cannot serve: port 20123 of this node is taken by another "
+            "process (Address already in use); the round starts again on fresh ports",
+            FailureKind.COMMUNICATION,
+            "port 20123",
+        ),
+        (  # the same in a chief's own server: a port, not the user's code
+            1,
+            None,
+            "tensorflow.python.framework.errors_impl.UnknownError: Could not start gRPC server",
+            FailureKind.COMMUNICATION,
+            "Could not start gRPC server",
+        ),
         (
             1,
             None,
