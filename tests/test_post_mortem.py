@@ -144,6 +144,7 @@ async def test_a_stale_url_and_a_damaged_store_are_said_in_one_line(tmp_path: Pa
     assert "pm: finished" in status.stdout
     assert not url_file.exists(), "the stale nats.url is removed"
 
+    _a_server_that_stops_as_a_follow_connects(home)
     _jobs_and_retention(home)
 
     for stream in (home / "jobs" / "pm" / "nats").rglob("ROVE_EVENTS"):
@@ -156,6 +157,37 @@ async def test_a_stale_url_and_a_damaged_store_are_said_in_one_line(tmp_path: Pa
 
     missing = rove_cli("events", "--job", "nope", env={"ROVE_HOME": str(home)})
     assert missing.returncode == 4 and "no job 'nope' on this machine" in missing.stderr
+
+
+def _a_server_that_stops_as_a_follow_connects(home: Path) -> None:
+    """The job's server answers `rove events --follow`'s look, then stops before the
+    follow read anything (it waited for the server to come back, without end): the
+    follow reads the job's stored stream instead, and ends as the job did."""
+    url_file = home / "jobs" / "pm" / "nats.url"
+    listener = socket.create_server(("127.0.0.1", 0))  # answers, as a stopping server may
+    listener.settimeout(patience(60))
+    url_file.write_text(f"nats://127.0.0.1:{listener.getsockname()[1]}\n")
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "rove.control.cli.main", "events", "--job", "pm", "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ROVE_HOME": str(home)},
+    )
+    accepted = []
+    try:  # its look at the server, then its connection: the server stops
+        accepted = [listener.accept()[0] for _ in range(2)]
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    try:
+        out, err = follower.communicate(timeout=patience(60))
+    finally:
+        follower.kill()
+    assert follower.returncode == 0 and "has ended (finished" in err, err
+    assert out == _read(home, "events").stdout, "every event, from the stored stream"
+    assert not url_file.exists(), "the stale nats.url is removed"
 
 
 def _jobs_and_retention(home: Path) -> None:

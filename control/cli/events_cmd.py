@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import sys
 import time
 
-from rove.control.bus import records, stored
-from rove.control.bus.client import Bus
+from rove.control.bus import embedded, records, stored
+from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.cli.format import event_json, event_line
@@ -21,6 +22,9 @@ from rove.control.process import aio
 
 #: how often a follow of a job's own server looks whether it still answers
 SERVER_CHECK_S = 1.0
+#: how long the rest of a job whose server stopped waits for the server to let go of
+#: its store (a server stopping writes its last events out first)
+STORE_RELEASE_S = 10.0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -75,18 +79,59 @@ def run(args: argparse.Namespace) -> int:
     return aio.run(_run(args))
 
 
+@dataclasses.dataclass
+class _Reading:
+    """What one `rove events` has read so far, across the buses it reads (a job's own
+    server live, then what it stored)."""
+
+    #: the newest run's end as read so far (a live follow's); `end_read` set while it is
+    end: ev.JobEnded | None = None
+    end_read: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: the sequence of the last event read (shown or not): where a second bus goes on
+    last_seq: int = 0
+    #: set once whoever reads the output stopped (`rove events | head`): the feed's
+    #: handler cannot end the command itself
+    gone: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
 async def _run(args: argparse.Namespace) -> int:
     options = common.bus_options(args, name="rove-events", job=args.job, daemon=args.follow)
     # Following a job whose server is its own `rove run --standalone` on this machine:
     # the server stops as the job ends; losing it is the end of the follow, not news.
     own_server = args.follow and not args.nats and options.stored_job is None
-    if own_server:
+    reading = _Reading()
+    if not own_server:
+        await _read(args, options, reading)
+    else:
+        # Read it live until it no longer answers, then what it stored after the last
+        # event read: the server may stop before this has read the job's end, or even
+        # before it connected (a connection that waited for it for ever was seen)
         options = dataclasses.replace(options, says_connection=False)
+        server_gone = asyncio.Event()
+        watch = asyncio.ensure_future(_server_gone(args.job, server_gone))
+        try:
+            with contextlib.suppress(aio.Stopped):
+                await aio.unless(server_gone, _read(args, options, reading))
+        finally:
+            await aio.cancel_and_wait([watch])
+        if server_gone.is_set():  # (not a --until-end that read the end live)
+            await _read_stored(args, reading)
+    if args.follow:
+        print(_ending(args.job, reading.end), file=sys.stderr)
+    if args.until_end and (reading.end is None or reading.end.phase is not ev.JobPhase.FINISHED):
+        return common.EXIT_FAILED
+    return common.EXIT_OK
+
+
+async def _read(
+    args: argparse.Namespace, options: BusOptions, reading: _Reading, *, after: int = 0
+) -> None:
+    """Print the job's events from the bus of `options` (those after sequence `after`),
+    until what the command reads: what is stored now, the newest run's end
+    (`--until-end`), or for ever (a live follow: a job's own server is watched by the
+    caller)."""
     types = set(args.types) if args.types else None
     out = sys.stdout
-    # the newest run's end as read so far (a live follow's); `end_read` set while it is
-    end: list[ev.JobEnded | None] = [None]
-    end_read = asyncio.Event()
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
             raise common.no_such_job(bus, args.job)
@@ -95,71 +140,81 @@ async def _run(args: argparse.Namespace) -> int:
             (0, None) if args.run is None else runs.span(await runs.starts(bus, args.job), args.run)
         )
 
-        # set once whoever reads the output stopped (`rove events | head`): the feed's
-        # handler cannot end the command itself
-        gone = asyncio.Event()
-
         def write(text: str) -> None:
-            if gone.is_set():
+            if reading.gone.is_set():
                 return
             try:
                 out.write(text)
                 out.flush()
             except BrokenPipeError:
-                gone.set()
+                reading.gone.set()
 
         def show(rec: records.Recorded) -> None:
-            end[0] = runs.end_after(rec.event, end[0])
-            (end_read.clear if end[0] is None else end_read.set)()
+            reading.last_seq = rec.seq
+            reading.end = runs.end_after(rec.event, reading.end)
+            (reading.end_read.clear if reading.end is None else reading.end_read.set)()
             if not matches(rec.event, types, args.node) or not runs.within(rec.seq, bounds):
                 return
             write((event_json(rec).decode() if args.json else event_line(rec)) + "\n")
 
         def bad(rej: records.Rejection) -> None:
+            reading.last_seq = rej.seq
             if not args.json:
                 write(f"{'':23}  #{rej.seq:<6} {'?':<24} {'(unreadable)':<16} {rej.error}\n")
 
         start_time = None
-        if args.since is not None:
+        if args.since is not None and not after:
             start_time = dt.datetime.fromtimestamp(
                 common.moment_at(args.since, time.time()), dt.UTC
             )
         feed = await bus.subscribe(
-            subjects.EVENTS_STREAM, subjects.job_events(args.job), show, bad, start_time=start_time
+            subjects.EVENTS_STREAM,
+            subjects.job_events(args.job),
+            show,
+            bad,
+            start_seq=after + 1 if after else None,
+            start_time=start_time,
         )
 
         live = args.follow and not bus.stored_job  # until interrupted, or the reader goes
 
         async def read() -> None:
-            """Until what the command reads: what is stored now, a job's own server gone,
-            the newest run's end (`--until-end`), or for ever."""
             if not live:
                 await feed.settled()
-            elif own_server:
-                await _server_gone(args.job)
             elif args.until_end:
                 await feed.settled()
-                if end[0] is None and args.since is not None:  # (it may have passed the end)
-                    end[0] = await runs.newest_end(bus, args.job)
-                while end[0] is None:  # (a new run's start clears it again)
-                    await end_read.wait()
+                if reading.end is None and args.since is not None:  # (it may have passed it)
+                    reading.end = await runs.newest_end(bus, args.job)
+                while reading.end is None:  # (a new run's start clears it again)
+                    await reading.end_read.wait()
             else:
                 await asyncio.Event().wait()
 
         try:
             try:  # (raises what a handler raised, if one did)
-                await aio.unless(gone, read())
+                await aio.unless(reading.gone, read())
             except aio.Stopped:
                 raise BrokenPipeError from None  # (the CLI ends quietly: common.run_reporting)
             if args.follow and not live and args.since is not None:  # (past its end?)
-                end[0] = await runs.newest_end(bus, args.job)
-            if args.follow:
-                print(_ending(args.job, end[0]), file=sys.stderr)
+                reading.end = await runs.newest_end(bus, args.job)
         finally:
             await feed.stop()
-    if args.until_end and (end[0] is None or end[0].phase is not ev.JobPhase.FINISHED):
-        return common.EXIT_FAILED
-    return common.EXIT_OK
+
+
+async def _read_stored(args: argparse.Namespace, reading: _Reading) -> None:
+    """The rest of a job whose own server stopped while this read it: what the server
+    stored after the last event read, once it let go of its store."""
+    store = embedded.job_store(args.job)
+    for _ in range(int(STORE_RELEASE_S / SERVER_CHECK_S)):
+        if embedded.store_user(store) is None:
+            break
+        await asyncio.sleep(SERVER_CHECK_S)
+    if stored.StoredJob.find(args.job) is None:  # (its store is gone too: that was all)
+        return
+    options = common.bus_options(args, name="rove-events", job=args.job)
+    if options.stored_job is None:  # (a new run of the job started its server meanwhile)
+        return
+    await _read(args, options, reading, after=reading.last_seq)
 
 
 def _ending(job: str, end: ev.JobEnded | None) -> str:
@@ -173,10 +228,11 @@ def _ending(job: str, end: ev.JobEnded | None) -> str:
     return f"rove events: job {job} has ended ({how}): nothing more will come"
 
 
-async def _server_gone(job: str) -> None:
-    """Return once `job`'s own server on this machine no longer answers (its `rove run
-    --standalone` ended, and stopped it)."""
+async def _server_gone(job: str, gone: asyncio.Event) -> None:
+    """Set `gone` once `job`'s own server on this machine no longer answers (its `rove
+    run --standalone` ended, and stopped it)."""
     while True:  # (another process's state: looked at, as `rove logs --follow` does)
         if await asyncio.to_thread(stored.running_url, job) is None:
+            gone.set()
             return
         await asyncio.sleep(SERVER_CHECK_S)
