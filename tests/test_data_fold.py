@@ -192,6 +192,23 @@ def test_expired_leases_and_leases_of_lost_nodes_go_back_to_todo_first() -> None
     assert [r.key for d in lost for r in d.shards] == [1]
 
 
+def test_the_leases_of_a_node_that_left_go_back_to_todo_as_left_not_lost() -> None:
+    data = Data(Sim(ev.RdzvParams(min_nodes=1, max_nodes=2), node_timeout=5))
+    data.register("c1")
+    data.sim.join("na")
+    data.sim.join("nb")
+    a = data.request("c1", 1, node="na")
+    b = data.request("c1", 2, node="nb")
+    assert isinstance(a, ev.ShardLeased) and isinstance(b, ev.ShardLeased)
+    data.sim.apply(factories.left("nb", ts=data.sim.stamp("nb")))  # stopped on purpose
+    requeued = [d for d in data.sim.wait(1, "na") if isinstance(d, ev.ShardRequeued)]
+    assert [(d.reason, [r.key for r in d.shards]) for d in requeued] == [
+        ("node_left", [r.key for r in b.shards])
+    ], "its own leases, at once, said as a leave (rove events read node_lost)"
+    for _ in range(3):  # and only once; na's leases are untouched
+        assert not [d for d in data.sim.wait(1, "na") if isinstance(d, ev.ShardRequeued)]
+
+
 def test_a_new_round_rolls_the_dataset_back_to_the_restored_position(data: Data) -> None:
     a = data.request("c1", 4, round=1)
     assert isinstance(a, ev.ShardLeased)

@@ -22,6 +22,8 @@ class RequeueReason(enum.StrEnum):
 
     LEASE_EXPIRED = "lease_expired"
     NODE_LOST = "node_lost"
+    #: its node left on purpose (`node_left`: stopped, finished, or scaled in)
+    NODE_LEFT = "node_left"
     ROUND_RESTARTED = "round_restarted"
 
 

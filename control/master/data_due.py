@@ -58,10 +58,12 @@ def due(
     lost_nodes: frozenset[str],
     now: float,
     clock_off: ClockOff = ON_TIME,
+    left_nodes: frozenset[str] = frozenset(),
 ) -> list[DataIntent]:
     """What to announce now, for `decide` to wrap into decisions. A lease's deadline, a
     grant's and a parked request's time are the requesting node's stamps: read on the
-    leader's clock (`clock_off`, `skew`)."""
+    leader's clock (`clock_off`, `skew`). The leases of `lost_nodes` and `left_nodes`
+    go back to todo (each with its reason)."""
     out: list[DataIntent] = [Reject(rejection=r) for r in d.rejections]
     for ds in d.datasets.values():
         if ds.announce_restore:
@@ -80,7 +82,7 @@ def due(
             for w in ds.parked.values()
             if now - ours(clock_off, w.node, w.since) >= PARK_S
         )
-        out.extend(_requeues(ds, current_round, lost_nodes, now, clock_off))
+        out.extend(_requeues(ds, current_round, lost_nodes, left_nodes, now, clock_off))
     return out
 
 
@@ -105,7 +107,12 @@ def _empty(want: Parked, lease_s: float, now: float) -> Grant:
 
 
 def _requeues(
-    ds: Dataset, current_round: int, lost_nodes: frozenset[str], now: float, clock_off: ClockOff
+    ds: Dataset,
+    current_round: int,
+    lost_nodes: frozenset[str],
+    left_nodes: frozenset[str],
+    now: float,
+    clock_off: ClockOff,
 ) -> list[Requeue]:
     groups: dict[tuple[str, ev.RequeueReason], list[tuple[int, Lease]]] = {}
     # a lease expired once its deadline, on the leader's clock, has passed; none that
@@ -115,6 +122,8 @@ def _requeues(
     for key, lease in ds.leases.items():
         if lease.node in lost_nodes:
             reason = ev.RequeueReason.NODE_LOST
+        elif lease.node in left_nodes:
+            reason = ev.RequeueReason.NODE_LEFT
         elif 0 < lease.round < current_round:
             reason = ev.RequeueReason.ROUND_RESTARTED
         elif lease.deadline < bound and (
