@@ -307,6 +307,12 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
             "rove goodput: which job? give --job J (rove jobs lists the jobs kept on this machine)",
         ),
         (["stauts", "--job", "j1"], common.EXIT_USAGE, "(did you mean: stauts → status?)"),
+        (  # a subcommand's unknown flag, said as its own with its flags (was `rove:`)
+            ["events", "--job", "j1", "--folow"],
+            common.EXIT_USAGE,
+            "rove events: unrecognized arguments: --folow (did you mean: --folow → --follow?); "
+            "see rove events --help",
+        ),
         (
             ["events", "--job", "j1", "--since", "yesterday", "--nats", "nats://x:1"],
             common.EXIT_USAGE,

@@ -77,7 +77,13 @@ def test_submit_refuses_what_belongs_to_the_scaler_and_a_missing_script() -> Non
             "(did you mean: --jbo → --job?)",
         ),
         # (`rove: unrecognized arguments: --nnodes`, and nothing on where they go)
-        (["--nnodes", "2"], "`rove submit` takes the job's `rove run` arguments after --"),
+        # (and then "did you mean: --nnodes → --node-cpu?")
+        (
+            ["--nnodes", "2"],
+            "rove submit: unrecognized arguments: --nnodes: `rove submit` takes the job's "
+            "`rove run` arguments after --, e.g. rove submit --job j1 --nats URL -- --nnodes "
+            "1:4 train.py; see rove submit --help",
+        ),
     ],
 )
 def test_submit_says_a_mistake_in_the_jobs_rove_run_arguments_in_one_line(

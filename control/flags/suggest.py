@@ -60,11 +60,27 @@ def install(
     run`, the error last). `reword`: a parser's own words for argparse's message."""
 
     def error(message: str) -> NoReturn:
-        said = hint(parser, reword(message), argv)
-        parser.exit(2, f"{parser.prog}: {said}; see {parser.prog} --help\n")
+        # (argparse says a subcommand's unknown flags as the top parser: said as theirs)
+        unknown = message.startswith("unrecognized arguments")
+        by = (_command(parser, argv) if unknown else None) or parser
+        said = reword(message)
+        if not (unknown and said != message):  # (unknown flags a rewording explained)
+            said = hint(by, said, argv)
+        parser.exit(2, f"{by.prog}: {said}; see {by.prog} --help\n")
 
     parser.error = error  # type: ignore[method-assign]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 install(sub, argv, reword)
+
+
+def _command(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> argparse.ArgumentParser | None:
+    """The parser of the subcommand `argv` names (its first word that is one), if any."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            named = next((w for w in argv if w in action.choices), None)
+            return None if named is None else action.choices[named]
+    return None
