@@ -112,7 +112,10 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
             raise AssertionError("".join(seen)[-3000:])
         follower = subprocess.Popen(
             [sys.executable, "-m", "rove.control.cli.main", "events", "--job", "again", "-f"],
-            env=env,
+            # (a temporary folder of its own: once the server is gone it reads the stored
+            # stream from a copy, whose making sweeps the folders of the killed run, which
+            # the rerun must find and remove)
+            env={**env, "TMPDIR": str(tmp_path)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

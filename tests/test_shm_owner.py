@@ -167,8 +167,12 @@ def test_a_killed_jobs_shared_memory_is_reclaimed_by_the_next_job_after_the_grac
         killed.wait(30)
     left = sorted(shm.glob("rove-ckpt-killed.*-r*-s*"))
     deadline = time.monotonic() + patience(30)
-    while _pids_with(shm):
-        assert time.monotonic() < deadline, "the killed job's workers live on"
+    while holders := _pids_with(shm):
+        if time.monotonic() > deadline:
+            said = {
+                p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ") for p in holders
+            }
+            raise AssertionError(f"the killed job's processes live on: {said}")
         time.sleep(0.1)
     short = ["--nproc-per-node", "1", str(TRAIN), "--steps", "2", "--ckpt-every", "1"]
     within = rove_cli("run", "--standalone", "--job", "within", *short, timeout=300, env=env)
@@ -191,15 +195,17 @@ def test_a_killed_jobs_shared_memory_is_reclaimed_by_the_next_job_after_the_grac
 
 
 def _pids_with(directory: Path) -> list[int]:
-    """Processes with a file of `directory` mapped (the killed job's workers)."""
+    """Processes with a file of `directory` mapped or open (the killed job's workers, and
+    whoever still holds its lock file: its run is not dead until none does)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             maps = (proc / "maps").read_text()
+            fds = [str(fd.readlink()) for fd in (proc / "fd").iterdir()]
         except OSError:
             continue
-        if str(directory) in maps:
+        if str(directory) in maps or any(f.startswith(str(directory)) for f in fds):
             pids.append(int(proc.name))
     return pids
