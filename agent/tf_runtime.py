@@ -367,9 +367,9 @@ class TfRuntime(WorkerRuntime):
             return WorkersEnded(self._round, None)
         tail = "\n".join(task.tail)
         found = classify(code, None, tail)
-        said = [x.partition("cannot serve: ")[2] for x in task.tail if "cannot serve: " in x]
-        if code == PORT_TAKEN and said:  # (tf_server's own words, not gRPC's log line)
-            found = Diagnosis(found.kind, said[-1])
+        if code == PORT_TAKEN:  # (tf_server's own words, not gRPC's log line)
+            said = [x.partition("cannot serve: ")[2] for x in task.tail if "cannot serve: " in x]
+            found = Diagnosis(found.kind, said[-1]) if said else found
         diagnosis = Diagnosis(found.kind, f"{_title(task)}: {found.reason}")
         again = code != PORT_TAKEN  # (on the same address: it would fail the same way)
         if task.role == tf_cluster.WORKER and again and task.restarts < self.max_restarts:

@@ -78,8 +78,9 @@ def free_port() -> int:
     thousands. Under pytest-xdist each worker picks from a slice of its own: a test that
     restarts a NATS server on its port (the port free meanwhile) cannot lose it to a
     test beside it."""
-    offers = ports.offer_range(ports.ephemeral_low())
-    low = offers.start if offers else ports.ephemeral_low()
+    low = ports.ephemeral_low()
+    offers = ports.offer_range(low)
+    low = offers.start if offers else low
     start = max(1024, low - 12000)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)

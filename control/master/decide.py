@@ -231,9 +231,8 @@ def _rendezvous(state: JobState, intent: rdzv.Intent, now: float) -> ev.Decision
 def _data(state: JobState, now: float, clock_off: skew.ClockOff) -> list[ev.Decision]:
     if not state.data.datasets and not state.data.rejections:
         return []
-    gone = {n.node: n.status for n in state.nodes.values() if n.status is not NodeStatus.ACTIVE}
-    left = frozenset(node for node, status in gone.items() if status is NodeStatus.LEFT)
-    lost = frozenset(gone) - left
+    left = frozenset(n.node for n in state.nodes.values() if n.status is NodeStatus.LEFT)
+    lost = frozenset(n.node for n in state.nodes.values() if n.status is NodeStatus.LOST)
     return [
         _data_decision(state, intent, now)
         for intent in data_due.due(state.data, state.rdzv.round, lost, now, clock_off, left)
