@@ -34,7 +34,7 @@ from typing import Any
 
 import structlog
 
-from rove.agent import checkrun, child, ports, progress, round_wait, warm
+from rove.agent import checkrun, child, ports, progress, round_start, round_wait, warm
 from rove.agent.ckpt_duty import CheckpointDuty, run_name
 from rove.agent.config import AgentConfig
 from rove.agent.endings import Endings
@@ -47,7 +47,7 @@ from rove.agent.learning import Learning
 from rove.agent.lifecycle import AgentPhase, advance
 from rove.agent.replicas import PeerReplicas
 from rove.agent.reports import ProgressReports
-from rove.agent.resumption import Resumption, restoring
+from rove.agent.resumption import Resumption
 from rove.agent.runtime import TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.runtimes import default_runtime
 from rove.agent.status import AgentStatus
@@ -59,7 +59,6 @@ from rove.control.bus.options import options_env
 from rove.control.bus.outbox import Outbox
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
-from rove.control.domain import tf_cluster, words
 from rove.control.errors import RoveError
 from rove.control.flags.options import nats_flag
 from rove.control.process import aio
@@ -432,33 +431,7 @@ class Agent:
         self._phase(AgentPhase.RUNNING)
         self.status.starts += 1
         self._watcher = asyncio.create_task(self._watch(), name=f"workers-round-{r.round}")
-        ranks = tuple(member.first_rank + lr for lr in sorted(pids))
-        if r.tasks:
-            mine = [t for t in r.tasks if t.node == self.cfg.node]
-            self.log.info(
-                f"round {r.round}: TensorFlow tasks here: {tf_cluster.describe(mine)}",
-                round=r.round,
-                cluster=tf_cluster.cluster(r.tasks),
-            )
-        restore = restoring(r)  # (rove.agent.resumption says when they train again)
-        self.log.info(
-            f"round {r.round}: started {words.counted(len(pids), 'worker')} as "
-            f"{words.ranks(ranks)} of {r.world_size} ({r.reason}){restore}",
-            say=True,
-            round=r.round,
-            group_rank=group_rank,
-            restart_count=r.restart_count,
-            master=f"{r.master_addr}:{r.master_port}",
-            reason=r.reason,
-        )
-        self.facts.emit(
-            ev.WorkersStarted(
-                **self.facts.envelope(),
-                round=r.round,
-                ranks=ranks,
-                pids=tuple(pids[lr] for lr in sorted(pids)),
-            )
-        )
+        round_start.announce(self.log, self.facts, r, group_rank, member, pids)
 
     async def _watch(self) -> None:
         """Wait for this round's workers to end; hand that to the actor."""
