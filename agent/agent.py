@@ -37,7 +37,7 @@ import structlog
 from rove.agent import checkrun, child, ports, progress, round_start, round_wait, warm
 from rove.agent.ckpt_duty import CheckpointDuty, run_name
 from rove.agent.config import AgentConfig
-from rove.agent.endings import Endings
+from rove.agent.endings import Endings, store_port_taken
 from rove.agent.exit_watch import ExitWatch, Verdict
 from rove.agent.facts import NodeFacts
 from rove.agent.faults import FaultPlan
@@ -479,7 +479,8 @@ class Agent:
             exit_code=root.exit_code,
         )
         self.status.failure = (rank, root)
-        self.endings.failed(ended.round, rank, root)
+        port = store_port_taken(self._round_event, rank, root, self.cfg.addr)
+        self.endings.failed(ended.round, rank, root, port)
 
     async def _hung(self, hang: _Hang) -> None:
         rank = self._first_rank() + hang.local_rank

@@ -58,6 +58,12 @@ _NO_MODULE = re.compile(
     re.MULTILINE,
 )
 
+#: a listening socket refused its port, as torch's store (`port: 29500, ... EADDRINUSE`)
+#: and rove's TensorFlow server (`port 23456 of this node is taken`) say it
+_PORT_IN_USE = re.compile(
+    r"port: (\d+),[^\n]*EADDRINUSE|port (\d+) of this node is taken", re.IGNORECASE
+)
+
 _SEGFAULT_SIGNALS = {"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"}
 _KILL_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
 
@@ -213,11 +219,11 @@ def read_tail(path: str | None, limit: int = LOG_TAIL_BYTES) -> str:
         if len(tail) >= limit:
             break
     return tail.decode("utf-8", "replace")
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - limit))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
+
+
+def port_in_use(text: str) -> int | None:
+    """The port a listening socket could not have because another process held it, as
+    the newest such line in `text` names it (torch's rendezvous store, rove's TensorFlow
+    server), or None."""
+    found = _PORT_IN_USE.findall(text)
+    return int(found[-1][0] or found[-1][1]) if found else None

@@ -18,7 +18,8 @@ import uuid
 
 import structlog
 
-from rove.agent.diagnosis import signal_name
+from rove.agent import ports
+from rove.agent.diagnosis import port_in_use, signal_name
 from rove.agent.facts import NodeFacts
 from rove.agent.runtime import RootFailure, TaskRestart
 from rove.control.bus.client import Bus
@@ -56,6 +57,18 @@ def summary(node: str, rank: int, root: RootFailure) -> list[str]:
     return lines
 
 
+def store_port_taken(r: ev.RoundCompleted | None, rank: int, root: RootFailure, addr: str) -> int:
+    """The port of round `r`'s rendezvous store (`MASTER_PORT`, which rank 0 listens on)
+    when rank 0 failed because another process holds it, else what the runtime found
+    taken (`root.port_taken`: a TensorFlow task's), else 0."""
+    if root.port_taken or r is None or rank != 0 or r.tasks:
+        return root.port_taken
+    if root.diagnosis.kind is not ev.FailureKind.COMMUNICATION:
+        return 0
+    port = port_in_use(root.log_tail)  # torch: "port: 29500, ..., name: EADDRINUSE"
+    return r.master_port if port == r.master_port and ports.taken(port, addr) else 0
+
+
 class Endings:
     def __init__(self, facts: NodeFacts) -> None:
         self.facts = facts
@@ -65,7 +78,7 @@ class Endings:
             ev.WorkersSucceeded(**self.facts.envelope(), round=round_, note="; ".join(notes))
         )
 
-    def failed(self, round_: int, rank: int, root: RootFailure) -> None:
+    def failed(self, round_: int, rank: int, root: RootFailure, port_taken: int = 0) -> None:
         self._count(root.diagnosis.kind)
         self.facts.emit(
             ev.WorkerExited(
@@ -78,6 +91,7 @@ class Endings:
                 exit_code=root.exit_code,
                 signal=signal_name(root.exit_code),
                 log_tail=root.log_tail[-ev.LOG_TAIL_BYTES :],
+                port_taken=port_taken,
             )
         )
 

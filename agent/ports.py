@@ -18,6 +18,7 @@ before.
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 from pathlib import Path
@@ -81,3 +82,15 @@ def free_ports(addr: str, n: int = 2, within: range | None = None) -> tuple[int,
         for s in held:
             s.close()
     return ports
+
+
+def taken(port: int, addr: str = "") -> bool:
+    """Whether some process holds `port` on every address of `addr`'s family (IPv4
+    without one), as a server listening there would find it: a round's store, a
+    TensorFlow task's server."""
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False

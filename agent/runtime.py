@@ -33,6 +33,9 @@ class RootFailure:
     log_path: str = ""
     #: where the script raised ("train.py:42"), where a traceback says
     where: str = ""
+    #: the port of this node the round gave it that another process held (it could not
+    #: listen there): rove's pick failed, not the worker; 0 otherwise
+    port_taken: int = 0
 
 
 @dataclass(frozen=True)

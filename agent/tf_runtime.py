@@ -62,7 +62,7 @@ from typing import IO
 import structlog
 
 from rove.agent import progress, tf_spare
-from rove.agent.diagnosis import Diagnosis, classify
+from rove.agent.diagnosis import Diagnosis, classify, port_in_use
 from rove.agent.runtime import RootFailure, TaskRestart, WorkerRuntime, WorkersEnded
 from rove.agent.sentinels import Sentinels
 from rove.agent.tf_server import PORT_TAKEN
@@ -395,7 +395,10 @@ class TfRuntime(WorkerRuntime):
                 f"in round {self._round} "
                 f"(--max-worker-restarts {self.max_restarts}): {found.reason}",
             )
-        failure = RootFailure(task.local_rank, task.proc.pid, code, diagnosis, tail)
+        taken = (port_in_use(tail) or 0) if code == PORT_TAKEN else 0
+        failure = RootFailure(
+            task.local_rank, task.proc.pid, code, diagnosis, tail, port_taken=taken
+        )
         # The round is over and every checkpoint is durable already: nothing to wait for.
         # A coordinator that lost its parameter server can take long to exit on SIGTERM
         # (TensorFlow's threads), and every second here is a second of the recovery.

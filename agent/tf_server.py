@@ -17,27 +17,17 @@ tasks serve on ports offered afresh.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
-import socket
 import sys
 import time
+
+from rove.agent.ports import taken
 
 #: the exit code of a task whose port another process took between the node's offer and
 #: the task's start (sysexits' EX_TEMPFAIL): a worker is not started again on it
 PORT_TAKEN = 75
-
-
-def taken(port: int) -> bool:
-    """Whether some process listens on `port` (every address), as gRPC would."""
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError as e:
-            return e.errno == errno.EADDRINUSE
-    return False
 
 
 def main() -> None:

@@ -177,6 +177,7 @@ def exited(
     inc: str = "i1",
     ts: float = 100.0,
     job: str = JOB,
+    port_taken: int = 0,
 ) -> ev.WorkerExited:
     return ev.WorkerExited(
         **_fact(node, inc, ts, job, "exited", rnd, rank),
@@ -188,6 +189,7 @@ def exited(
         exit_code=-9,
         signal="SIGKILL",
         log_tail="last words",
+        port_taken=port_taken,
     )
 
 

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from rove.agent.diagnosis import classify, last_exception, read_tail, signal_name, where
+from rove.agent.diagnosis import (
+    classify,
+    last_exception,
+    port_in_use,
+    read_tail,
+    signal_name,
+    where,
+)
 from rove.control.catalogue.events import REASON_CHARS, FailureKind
 
 TRACEBACK = """[default0]:Traceback (most recent call last):
@@ -277,3 +284,33 @@ def test_where_names_the_scripts_innermost_frame_not_a_librarys() -> None:
     )
     assert where(None, "no traceback here") is None
     assert where({"message": "<NONE>"}, TRACEBACK) == "train.py:2", "torch's placeholder"
+
+
+#: torch 2.13's words when rank 0's store cannot listen on MASTER_PORT (from a real
+#: TCPStore on a port held by another socket)
+_STORE_PORT_TAKEN = (
+    "torch.distributed.DistNetworkError: The server socket has failed to listen on any "
+    "local network address. port: 23456, useIpv6: false, code: -98, name: EADDRINUSE, "
+    "message: address already in use"
+)
+
+
+def test_a_port_held_by_another_process_is_read_from_torchs_and_rove_tfs_words() -> None:
+    tail = f'Traceback (most recent call last):\n  File "train.py", line 3\n{_STORE_PORT_TAKEN}\n'
+    assert classify(1, None, tail).kind is FailureKind.COMMUNICATION
+    assert port_in_use(tail) == 23456
+    tf = "rove: worker 0 cannot serve: port 24001 of this node is taken by another process"
+    assert port_in_use(tf) == 24001
+    assert port_in_use(f"{_STORE_PORT_TAKEN}\n{tf}") == 24001  # the newest line
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "OSError: [Errno 98] Address already in use",  # the script's own server: no port
+        "port: 23456, useIpv6: false, code: -111, name: ECONNREFUSED",
+        "",
+    ],
+)
+def test_no_port_is_read_where_none_was_said_taken(text: str) -> None:
+    assert port_in_use(text) is None

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
+import msgspec
+
 from rove.agent import ports
+from rove.agent.diagnosis import classify
+from rove.agent.endings import store_port_taken
+from rove.agent.runtime import RootFailure
+from rove.control.catalogue import events as ev
+from tests import factories
 from tests.support import free_port
 
 
@@ -55,3 +63,34 @@ def test_no_range_left_is_the_kernels_choice() -> None:
 def test_the_tests_own_ports_never_meet_the_agents_offers() -> None:
     offers = ports.offer_range(ports.ephemeral_low())
     assert all(free_port() not in offers for _ in range(50))
+
+
+def _store_failure(port: int, local_rank: int = 0) -> RootFailure:
+    """Rank 0's failure as torch 2.13 words it when its store cannot listen on `port`."""
+    said = (
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any "
+        f"local network address. port: {port}, useIpv6: false, code: -98, name: EADDRINUSE"
+    )
+    diagnosis = classify(1, None, f"Traceback (most recent call last):\n{said}\n")
+    return RootFailure(local_rank, 4242, 1, diagnosis, f"{said}\n")
+
+
+def test_a_store_port_held_by_another_process_is_rove_s_pick_failing() -> None:
+    """A real socket holds the round's MASTER_PORT: rank 0's failure there is the port
+    taken; once it is free again, or for another rank or another port, it is not."""
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = msgspec.structs.replace(factories.round_completed(1, 1, "n1"), master_port=port)
+        assert store_port_taken(r, 0, _store_failure(port), "127.0.0.1") == port
+        assert store_port_taken(r, 1, _store_failure(port, 1), "127.0.0.1") == 0
+        other = msgspec.structs.replace(r, master_port=port + 1)
+        assert store_port_taken(other, 0, _store_failure(port), "127.0.0.1") == 0
+        assert store_port_taken(None, 0, _store_failure(port), "127.0.0.1") == 0
+    assert not ports.taken(port)
+    assert store_port_taken(r, 0, _store_failure(port), "127.0.0.1") == 0, "no one holds it"
+    # a TensorFlow task's port, found taken by its runtime, is passed on as it is
+    tf = msgspec.structs.replace(r, tasks=(ev.TfTask("chief", 0, 0, "n1", "127.0.0.1", port),))
+    found = dataclasses.replace(_store_failure(port), port_taken=port)
+    assert store_port_taken(tf, 0, found, "127.0.0.1") == port

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rove.control.catalogue import events as ev
+from rove.control.master import rendezvous
 from tests import factories
 from tests.sim import Sim
 
@@ -491,3 +492,72 @@ def test_rounds_say_their_cause() -> None:
         ev.RoundCause.SCALE_UP,
     ]
     assert restart.restart_count == 1 and scale.restart_count == 1  # type: ignore[attr-defined]
+
+
+def _port_taken(sim: Sim, rnd: int, port: int) -> None:
+    """Rank 0's store could not listen on `port` of n1: another process held it."""
+    sim.apply(
+        factories.exited(
+            "n1",
+            rnd,
+            kind=FK.COMMUNICATION,
+            reason="DistNetworkError: ... name: EADDRINUSE",
+            ts=sim.now,
+            port_taken=port,
+        )
+    )
+
+
+def test_a_port_taken_from_rove_starts_the_round_again_without_spending_a_restart() -> None:
+    """With restarts off (`--max-restarts 0`, torchrun's default) a port rove offered and
+    another process took before the round could listen there ended the job; it is rove's
+    pick that failed, not the workers. A few such rounds are free; then they count."""
+    sim = Sim(params(min_nodes=1, max_nodes=2, max_restarts=0), node_timeout=10)
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    for rnd in range(1, rendezvous.PORT_ROUNDS + 1):
+        port = sim.state.rdzv.master_port
+        _port_taken(sim, rnd, port)
+        assert sim.tick() == [], "first a heartbeat from each member: fresh ports"
+        (again,) = sim.wait(1, "n1", "n2")
+        assert isinstance(again, ev.RoundCompleted), again
+        assert again.cause is ev.RoundCause.REFORMED and again.restart_count == 0
+        assert f"port {port} of node n1 was taken by another process" in again.reason, again.reason
+        assert "no restart spent" in again.reason
+        assert sim.state.rdzv.port_rounds == rnd
+    _port_taken(sim, rendezvous.PORT_ROUNDS + 1, sim.state.rdzv.master_port)
+    (ended,) = sim.wait(1, "n1", "n2")
+    assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
+    assert "restarts are off (--max-restarts 0)" in ended.reason
+
+
+def test_a_port_taken_is_the_rounds_cause_over_a_peers_broken_connection() -> None:
+    """The peers of a rank that could not listen see a broken connection, possibly first."""
+    sim = two_in_round_1()
+    sim.apply(
+        factories.exited(
+            "n2", 1, rank=2, kind=FK.COMMUNICATION, reason="gloo: connection refused", ts=sim.now
+        )
+    )
+    _port_taken(sim, 1, 24001)
+    sim.apply(factories.exited("n1", 1, rank=1, kind=FK.KILLED, ts=sim.now))
+    failure = sim.state.rdzv.failure
+    assert failure is not None and (failure.node, failure.port_taken) == ("n1", 24001)
+    (rnd,) = sim.wait(1, "n1", "n2")
+    assert isinstance(rnd, ev.RoundCompleted) and rnd.restart_count == 0
+
+
+def test_a_repeated_user_error_around_a_port_round_still_fails_fast() -> None:
+    sim = Sim(params(max_restarts=10))
+    sim.join("n1")
+    sim.join("n2")
+    sim.tick()
+    boom = "ValueError: bad config in train.py line 3"
+    sim.apply(factories.exited("n1", 1, kind=FK.USER_ERROR, reason=boom))
+    sim.tick()
+    _port_taken(sim, 2, sim.state.rdzv.master_port)
+    sim.wait(1, "n1", "n2")
+    sim.apply(factories.exited("n1", 3, kind=FK.USER_ERROR, reason=boom))
+    (ended,) = sim.tick()
+    assert isinstance(ended, ev.JobEnded) and "repeated after a restart" in ended.reason

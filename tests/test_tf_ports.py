@@ -61,3 +61,4 @@ async def test_a_worker_whose_port_is_taken_fails_the_round_instead_of_restartin
     assert ended.failure.diagnosis.kind is FailureKind.COMMUNICATION
     assert f"port {port} of this node is taken" in ended.failure.diagnosis.reason
     assert f"port {port} of this node is taken by another process" in log
+    assert ended.failure.port_taken == port, "the port rove's pick lost: no restart spent"

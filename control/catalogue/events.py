@@ -149,7 +149,8 @@ class RoundCause(enum.StrEnum):
     FORMED: enough nodes gathered (the first round, or after the job waited);
     RESTART: the same members again after a worker failure (spends a restart);
     SCALE_UP: waiting nodes joined a running job; REFORMED: a member was lost,
-    left or was excluded, and the round went on with the others.
+    left or was excluded, and the round went on with the others, or a port a node
+    offered was taken and the round started again on fresh ports (no restart spent).
     """
 
     FORMED = "formed"
@@ -308,6 +309,10 @@ class WorkerExited(NodeFact, tag="worker_exited", frozen=True, kw_only=True):
     exit_code: int | None = None
     signal: str | None = None
     log_tail: str = ""
+    #: the port of `node` its round gave the worker that another process held, so it
+    #: could not listen there (rank 0's store, a TensorFlow task's server): rove's pick
+    #: failed, not the worker; the round starts again without spending a restart. 0: not so
+    port_taken: int = 0
 
 
 class TrainingProgress(NodeFact, tag="training_progress", frozen=True, kw_only=True):

@@ -35,6 +35,8 @@ class Failure(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
     kind: ev.FailureKind
     reason: str
+    #: the port of `node` the round gave it that another process held (`worker_exited`)
+    port_taken: int = 0
 
     @property
     def signature(self) -> str:
@@ -57,6 +59,8 @@ class RdzvState(msgspec.Struct, frozen=True, kw_only=True):
     active: bool = False
     waiting: immutables.Map[str, Waiter] = msgspec.field(default_factory=immutables.Map)
     restarts: int = 0
+    #: rounds started again because a port rove offered was taken (no restart spent)
+    port_rounds: int = 0
     failure: Failure | None = None
     last_failure: Failure | None = None
     #: members whose workers all finished in this round (a set: a map for O(log n) adds)
@@ -181,6 +185,7 @@ def on_worker_exited(r: RdzvState, e: ev.WorkerExited) -> RdzvState:
         rank=e.rank,
         kind=e.kind,
         reason=e.reason,
+        port_taken=e.port_taken,
     )
     return replace(r, failure=failure)
 
@@ -191,11 +196,13 @@ def _explains(e: ev.WorkerExited, symptom: Failure) -> bool:
     A broken connection (`communication`) is what a peer's rank sees when another
     rank dies; the dead rank's own report can reach the stream a moment later (its
     agent saw the exit, then wrote). The round is decided on the cause: the restart's
-    reason, its metric's label and `rove status` name the rank that was killed.
+    reason, its metric's label and `rove status` name the rank that was killed. A rank
+    that could not listen on the port its round gave it (`port_taken`) is a cause too:
+    its peers could not reach it.
     """
-    return (
-        symptom.kind is ev.FailureKind.COMMUNICATION and e.kind is not ev.FailureKind.COMMUNICATION
-    )
+    if symptom.kind is not ev.FailureKind.COMMUNICATION or symptom.port_taken:
+        return False
+    return e.kind is not ev.FailureKind.COMMUNICATION or e.port_taken > 0
 
 
 def on_workers_succeeded(r: RdzvState, e: ev.WorkersSucceeded) -> RdzvState:
@@ -224,6 +231,8 @@ def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
     for node in [m.node for m in e.members if m.node in waiting]:
         waiting = waiting.delete(node)
     restarted = e.restart_count > r.restarts
+    # (a round started again on fresh ports after one rove offered was taken)
+    port_round = r.failure is not None and r.failure.port_taken > 0 and not restarted
     return replace(
         r,
         round=e.round,
@@ -231,7 +240,8 @@ def on_round_completed(r: RdzvState, e: ev.RoundCompleted) -> RdzvState:
         active=True,
         waiting=waiting,
         restarts=e.restart_count,
-        last_failure=r.failure if restarted else None,
+        port_rounds=r.port_rounds + port_round,
+        last_failure=r.failure if restarted else r.last_failure if port_round else None,
         failure=None,
         succeeded=immutables.Map(),
         failed_nodes=immutables.Map(),

@@ -22,6 +22,10 @@ the decisions below, in this order:
     it (a peer's death shows up as one, and is handled as a lost node instead,
     without spending a restart);
   * a hardware fault: the node is excluded (then the round is re-formed);
+  * a rank that could not listen on a port its node offered, held by another process
+    (`port_taken`): rove's pick failed, not the workers; the round is re-formed with the
+    same members on ports offered since, without spending a restart (at most
+    `PORT_ROUNDS` times in a run; after that such a failure is counted as any other);
   * `max_restarts` restarts already used: the job fails, naming the last failure;
   * anything else: a restart, i.e. a new round with the same members.
 """
@@ -195,7 +199,8 @@ def _on_failure(
         return ExcludeNode(
             node=f.node, incarnation=f.incarnation, reason=f"hardware fault: {f.reason}"
         )
-    if r.restarts >= p.max_restarts:
+    port_round = f.port_taken > 0 and r.port_rounds < PORT_ROUNDS
+    if r.restarts >= p.max_restarts and not port_round:
         return EndJob(
             phase=ev.JobPhase.FAILED,
             reason=(
@@ -218,6 +223,15 @@ def _on_failure(
             until=at + SETTLE_S,
         )
     pool = [_as_waiter(m, r, liveness) for m in members]
+    if port_round:
+        return _round(
+            r,
+            pool,
+            liveness,
+            cause=ev.RoundCause.REFORMED,
+            reason=f"rank {f.rank} could not listen: port {f.port_taken} of node {f.node} "
+            "was taken by another process; starting again on fresh ports, no restart spent",
+        )
     return _round(
         r,
         pool,
@@ -229,6 +243,10 @@ def _on_failure(
 
 #: How long a restart that restores from memory waits for every member's last word.
 SETTLE_S = 5.0
+#: Rounds of a run started again, without spending a restart, because a port a node
+#: offered was taken before its round could listen there (each pick is random among
+#: thousands: more than this in a run is no bad luck, and spends restarts as usual).
+PORT_ROUNDS = 3
 
 
 def _unheard_since(
