@@ -249,7 +249,7 @@ async def test_a_leader_puts_the_memory_streams_back_as_its_one_server_restarts(
 
 
 @pytest.mark.restarts_nats
-@pytest.mark.xdist_group("nats-a")
+@pytest.mark.xdist_group("nats-b")
 async def test_a_leader_cut_off_from_nats_past_the_node_timeout_loses_no_live_node(
     tmp_path: Path,
 ) -> None:
