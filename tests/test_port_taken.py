@@ -51,3 +51,5 @@ async def test_a_store_port_taken_by_another_process_starts_the_round_again_for_
         (2, "reformed", 0),
     ]
     assert rounds[1]["master_port"] != port
+    status = rove_cli("status", "--job", "taken", check=True).stdout
+    assert "1 round started again on fresh ports" in status and "no restart spent" in status, status

@@ -165,6 +165,8 @@ def status_view(
         ),
         "restarts": r.restarts,
         "max_restarts": r.params.max_restarts if r.params else None,
+        # rounds started again on fresh ports after one a node offered was taken
+        "port_rounds": r.port_rounds,
         "last_failure": (
             {
                 "node": failure.node,
@@ -300,11 +302,17 @@ def _round_line(view: dict[str, Any]) -> str:
         if view["max_restarts"] or view["restarts"]
         else "restarts off (--max-restarts 0)"
     )
+    if view.get("port_rounds"):
+        restarts += (
+            f"; {counted(view['port_rounds'], 'round')} started again on fresh ports after "
+            "a taken port (no restart spent)"
+        )
     if view["phase"] in _ENDED:
         if not view["round"]:
             return "no round"
         return (
-            f"ended after round {view['round']}; {restarts if view['restarts'] else 'no restart'}"
+            f"ended after round {view['round']}; "
+            f"{restarts if view['restarts'] or view.get('port_rounds') else 'no restart'}"
         )
     if view["round_active"]:
         text = (
