@@ -367,9 +367,11 @@ class TfRuntime(WorkerRuntime):
             return WorkersEnded(self._round, None)
         tail = "\n".join(task.tail)
         found = classify(code, None, tail)
+        taken = 0  # (the port another process held, as tf_server named it)
         if code == PORT_TAKEN:  # (tf_server's own words, not gRPC's log line)
             said = [x.partition("cannot serve: ")[2] for x in task.tail if "cannot serve: " in x]
             found = Diagnosis(found.kind, said[-1]) if said else found
+            taken = port_in_use(tail) or 0
         diagnosis = Diagnosis(found.kind, f"{_title(task)}: {found.reason}")
         again = code != PORT_TAKEN  # (on the same address: it would fail the same way)
         if task.role == tf_cluster.WORKER and again and task.restarts < self.max_restarts:
@@ -395,7 +397,6 @@ class TfRuntime(WorkerRuntime):
                 f"in round {self._round} "
                 f"(--max-worker-restarts {self.max_restarts}): {found.reason}",
             )
-        taken = (port_in_use(tail) or 0) if code == PORT_TAKEN else 0
         failure = RootFailure(
             task.local_rank, task.proc.pid, code, diagnosis, tail, port_taken=taken
         )

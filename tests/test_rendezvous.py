@@ -217,7 +217,11 @@ def test_a_round_gets_a_fresh_store_port() -> None:
     assert second.master_port == 30002  # type: ignore[attr-defined]
 
 
-def test_a_repeated_user_code_error_fails_the_job_fast_naming_the_exception() -> None:
+@pytest.mark.parametrize("port_round_between", [False, True])
+def test_a_repeated_user_code_error_fails_the_job_fast_naming_the_exception(
+    port_round_between: bool,
+) -> None:
+    """Also when a round started again on a taken port (no restart) came in between."""
     sim = Sim(params(max_restarts=10))
     sim.join("n1")
     sim.join("n2")
@@ -225,7 +229,12 @@ def test_a_repeated_user_code_error_fails_the_job_fast_naming_the_exception() ->
     boom = "ValueError: bad config in train.py line 3"
     sim.apply(factories.exited("n1", 1, kind=FK.USER_ERROR, reason=boom))
     sim.tick()
-    sim.apply(factories.exited("n1", 2, kind=FK.USER_ERROR, reason=boom))
+    rnd = 2
+    if port_round_between:
+        _port_taken(sim, rnd, sim.state.rdzv.master_port)
+        sim.wait(1, "n1", "n2")
+        rnd += 1
+    sim.apply(factories.exited("n1", rnd, kind=FK.USER_ERROR, reason=boom))
     (ended,) = sim.tick()
     assert isinstance(ended, ev.JobEnded) and ended.phase is ev.JobPhase.FAILED
     assert "repeated after a restart" in ended.reason and boom in ended.reason
@@ -546,18 +555,3 @@ def test_a_port_taken_is_the_rounds_cause_over_a_peers_broken_connection() -> No
     assert failure is not None and (failure.node, failure.port_taken) == ("n1", 24001)
     (rnd,) = sim.wait(1, "n1", "n2")
     assert isinstance(rnd, ev.RoundCompleted) and rnd.restart_count == 0
-
-
-def test_a_repeated_user_error_around_a_port_round_still_fails_fast() -> None:
-    sim = Sim(params(max_restarts=10))
-    sim.join("n1")
-    sim.join("n2")
-    sim.tick()
-    boom = "ValueError: bad config in train.py line 3"
-    sim.apply(factories.exited("n1", 1, kind=FK.USER_ERROR, reason=boom))
-    sim.tick()
-    _port_taken(sim, 2, sim.state.rdzv.master_port)
-    sim.wait(1, "n1", "n2")
-    sim.apply(factories.exited("n1", 3, kind=FK.USER_ERROR, reason=boom))
-    (ended,) = sim.tick()
-    assert isinstance(ended, ev.JobEnded) and "repeated after a restart" in ended.reason
