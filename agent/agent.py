@@ -136,7 +136,9 @@ class Agent:
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._done: asyncio.Future[int] | None = None
         self._round_event: ev.RoundCompleted | None = None
-        self._started_at = clock()
+        #: the newest decision recorded before this node joined: those up to it are the
+        #: job's history (an earlier run's start and end), not news to act on
+        self._history_seq = 0
         self._run = 1  # the newest run of the job this agent has heard of
         self.job_run = ""
         self._group_rank: int | None = None
@@ -212,11 +214,18 @@ class Agent:
             await self.checkpoints.announce_found()  # before it joins: the round restores it
             await self.checkpoints.announce_memory(self.bus)  # (an earlier agent's, killed)
             await self.replicas.start()  # before it joins: its peers send to its port
+            decisions = subjects.master(self.cfg.job, ">")
+            # (read from any replica: one that lags gives an older mark, which only counts
+            # less as history, never a decision made after the join)
+            self._history_seq = await retry.wait_out(
+                lambda: self.bus.last_seq(subjects.EVENTS_STREAM, decisions),
+                what=f"the decisions of job {self.cfg.job}",
+            )
             self._register()
             feed = await retry.wait_out(  # started while JetStream has no quorum: it waits
                 lambda: self.bus.subscribe(
                     subjects.EVENTS_STREAM,
-                    subjects.master(self.cfg.job, ">"),
+                    decisions,
                     self._on_decision,
                     self._on_rejected,
                     last_per_subject=True,
@@ -300,11 +309,15 @@ class Agent:
             item = await self._inbox.get()
             rec = item if isinstance(item, records.Recorded | records.Rejection) else None
             if self.status.phase is not AgentPhase.STOPPING:  # (on its way out: nothing is)
-                await self._handle(item.event if isinstance(item, records.Recorded) else item)
+                await self._handle(
+                    item.event if isinstance(item, records.Recorded) else item,
+                    history=rec is not None and rec.seq <= self._history_seq,
+                )
             if rec is not None:
                 self.checkpoints.fence.handled(rec.seq)
 
-    async def _handle(self, item: Any) -> None:
+    async def _handle(self, item: Any, *, history: bool = False) -> None:
+        """Act on `item`; `history`: a decision recorded before this node joined."""
         match item:
             case _Signal(signum=signum):
                 name = signal.Signals(signum).name
@@ -357,13 +370,13 @@ class Agent:
             ):
                 await self._stop_workers()
                 self._finish(EXIT_FAILED, item.ending)
-            case ev.JobEnded(phase=phase, reason=reason) if (
-                self.status.starts == 0 and item.ts < self._started_at
-            ):
+            case ev.JobEnded(phase=phase) if history:
                 self.log.info(
                     f"job {self.cfg.job} ended earlier ({phase.value}); its next run starts "
                     "with this node"
                 )
+            case ev.RunStarted(run=run) if history:
+                self._run = max(self._run, run)  # (this node's join is that run's, or ends it)
             case ev.RunStarted(run=run) if self.status.starts == 0 and run > self._run:
                 self._run = run
                 self.status.round = 0  # the new run's rounds count from 1 again

@@ -1,8 +1,9 @@
 """A node whose clock is off from the master's is judged by when the master hears it,
 and the times it stamps are read on the master's clock: one a few minutes behind trains
 (it was declared lost at every join, and the job never formed); one a few minutes ahead
-forms its round after the last call (not minutes later) and is declared lost a node
-timeout after it died (not minutes later). On one NATS server and on a 3-node cluster."""
+forms its round after the last call (not minutes later), is declared lost a node
+timeout after it died (not minutes later), and leaves when the job it waits in ends
+(it took the end for an earlier run's). On one NATS server and on a 3-node cluster."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.bus.embedded import EmbeddedServer
 from rove.control.catalogue import events as ev
-from tests.support import TRAIN, Cluster, MasterProc, RunProc, job_events, patience
+from tests.support import TRAIN, Cluster, MasterProc, RunProc, job_events, patience, rove_cli
 
 pytestmark = pytest.mark.slow
 
@@ -111,4 +112,22 @@ async def test_a_node_minutes_ahead_forms_its_round_on_time_and_is_lost_on_time(
         lost = [e for e in await _events(nats_url, job) if isinstance(e, ev.NodeLost)]
     assert [e.node for e in lost] == ["n1"]
     assert lost[0].last_seen < time.time(), "when it was last heard, by the master's clock"
+    master.stop()
+
+
+async def test_a_node_minutes_ahead_leaves_when_the_job_it_waits_in_is_stopped(
+    nats_url: str, tmp_path: Path
+) -> None:
+    job = "ahead-stop"
+    master = MasterProc(nats_url, job, "m1", tmp_path)
+    early = _node(tmp_path, nats_url, job, "n1", SKEW_S, "--steps", "40")  # (of 2 nodes)
+    deadline = time.monotonic() + patience(60)
+    while not [e for e in await _events(nats_url, job) if isinstance(e, ev.RdzvJoined)]:
+        assert time.monotonic() < deadline, early.log()[-3000:] + master.log()[-3000:]
+        time.sleep(0.2)
+    rove_cli("stop", "--job", job, "--nats", nats_url, "--reason", "no second node", check=True)
+    # The job's end is stamped three minutes before the node's start by its own clock:
+    # it took that for the end of an earlier run and waited on, for ever
+    assert early.wait(60) != 0, early.log()[-3000:]
+    assert f"job {job} stopped: no second node" in early.log(), early.log()[-3000:]
     master.stop()
