@@ -145,6 +145,25 @@ def test_a_node_that_joins_an_ended_job_starts_its_next_run_from_scratch() -> No
     assert first.restore_step is None, "nothing of run 1 is restored"
 
 
+def test_a_node_that_joins_an_ended_job_twice_starts_the_next_run_at_its_first_join() -> None:
+    """An older agent joined again for an earlier run it saw started; folded before the
+    leader's tick, its second join once began the run, leaving its first in the run
+    before (`rove status --run N` listed the node)."""
+    from tests.sim import Sim
+
+    s = Sim(ev.RdzvParams(min_nodes=1, max_nodes=1))
+    s.join("n1")
+    s.tick()
+    s.apply(factories.succeeded("n1", 1))
+    s.tick()
+    s.join("n2", inc="i2")
+    first_join = s.state.nodes["n2"].joined_seq
+    s.join("n2", inc="i2")
+    assert s.state.applied_seq > first_join
+    (started,) = s.tick()
+    assert isinstance(started, ev.RunStarted) and started.since == first_join
+
+
 def test_a_node_that_joined_before_the_job_ended_starts_no_run() -> None:
     from tests.sim import Sim
 

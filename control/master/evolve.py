@@ -89,6 +89,16 @@ def _evolve(state: JobState, event: ev.Event, seq: int) -> JobState:
     return _apply(state, event, seq, c)
 
 
+def _joined_seq(state: JobState, node: str, seq: int) -> int:
+    """Where a node's join at `seq` is recorded to begin: its first since the job ended
+    if it joins again before the next run starts (an agent of an older rove did, for
+    an earlier run it saw started), so the run starts at its first join."""
+    before = state.nodes.get(node)
+    if state.phase.terminal and before is not None and before.joined_seq > state.ended_seq:
+        return before.joined_seq
+    return seq
+
+
 def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
     """The new state; every branch sets `applied_seq=seq` and counts the event in its one
     `replace` of the state (and one of the counters)."""
@@ -102,7 +112,7 @@ def _apply(state: JobState, event: ev.Event, seq: int, c: Counters) -> JobState:
                 status=NodeStatus.ACTIVE,
                 joined_ts=event.ts,
                 nproc_per_node=event.nproc_per_node,
-                joined_seq=seq,
+                joined_seq=_joined_seq(state, event.node, seq),
             )
             phase = ev.JobPhase.RUNNING if state.phase is ev.JobPhase.PENDING else state.phase
             return replace(

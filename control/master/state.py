@@ -48,7 +48,8 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     joined_ts: float
     nproc_per_node: int = 1
     reason: str = ""
-    #: the stream sequence of its `node_joined`
+    #: the stream sequence of its `node_joined` (after the job ended: its first since,
+    #: where the next run it starts begins)
     joined_seq: int = 0
     #: the newest step its workers reported (`training_progress`: the slowest local
     #: rank's), kept after it left: what `rove status` shows of an ended job's nodes
