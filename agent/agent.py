@@ -29,7 +29,6 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -42,6 +41,7 @@ from rove.agent.exit_watch import ExitWatch, Verdict
 from rove.agent.facts import NodeFacts
 from rove.agent.faults import FaultPlan
 from rove.agent.heartbeat import Heartbeat
+from rove.agent.inbox import Hang, History, Past, Signal
 from rove.agent.leader_watch import LeaderWatch
 from rove.agent.learning import Learning
 from rove.agent.lifecycle import AgentPhase, advance
@@ -67,19 +67,6 @@ log = structlog.get_logger("rove.agent")
 
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
-
-
-@dataclass(frozen=True)
-class _Hang:
-    round: int
-    local_rank: int
-    step: int
-    silent_s: float
-
-
-@dataclass(frozen=True)
-class _Signal:
-    signum: int
 
 
 class Agent:
@@ -136,9 +123,8 @@ class Agent:
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._done: asyncio.Future[int] | None = None
         self._round_event: ev.RoundCompleted | None = None
-        #: the newest decision recorded before this node joined: those up to it are the
-        #: job's history (an earlier run's start and end), not news to act on
-        self._history_seq = 0
+        self.history = History()  # the decisions recorded before this node joined
+        self._ended_earlier: ev.JobPhase | None = None  # how, if it had when this node came
         self._run = 1  # the newest run of the job this agent has heard of
         self.job_run = ""
         self._group_rank: int | None = None
@@ -215,9 +201,7 @@ class Agent:
             await self.checkpoints.announce_memory(self.bus)  # (an earlier agent's, killed)
             await self.replicas.start()  # before it joins: its peers send to its port
             decisions = subjects.master(self.cfg.job, ">")
-            # (read from any replica: one that lags gives an older mark, which only counts
-            # less as history, never a decision made after the join)
-            self._history_seq = await retry.wait_out(
+            self.history.mark = await retry.wait_out(
                 lambda: self.bus.last_seq(subjects.EVENTS_STREAM, decisions),
                 what=f"the decisions of job {self.cfg.job}",
             )
@@ -275,7 +259,7 @@ class Agent:
         """The first SIGINT or SIGTERM: the workers get it too, and the agent leaves
         (once they ended, or after the stop timeout). Called on the event loop."""
         self._interrupted.set()
-        self._inbox.put_nowait(_Signal(signum))
+        self._inbox.put_nowait(Signal(signum))
 
     def kill_now(self, signum: int) -> None:
         """A second signal: kill the workers, their children and the warm server, and
@@ -297,7 +281,7 @@ class Agent:
             self._done.set_result(code)
 
     def _on_decision(self, rec: records.Recorded) -> None:
-        self._inbox.put_nowait(rec)  # (its sequence tells the storage fence how far it got)
+        self._inbox.put_nowait(self.history.sort(rec))  # (its sequence: for the fence)
 
     def _on_rejected(self, rej: records.Rejection) -> None:
         self._inbox.put_nowait(rej)  # (logged by the bus; counted in order by the fence)
@@ -307,11 +291,12 @@ class Agent:
     async def _actor(self) -> None:
         while True:
             item = await self._inbox.get()
+            past = isinstance(item, Past)
+            item = item.rec if isinstance(item, Past) else item
             rec = item if isinstance(item, records.Recorded | records.Rejection) else None
             if self.status.phase is not AgentPhase.STOPPING:  # (on its way out: nothing is)
                 await self._handle(
-                    item.event if isinstance(item, records.Recorded) else item,
-                    history=rec is not None and rec.seq <= self._history_seq,
+                    item.event if isinstance(item, records.Recorded) else item, history=past
                 )
             if rec is not None:
                 self.checkpoints.fence.handled(rec.seq)
@@ -319,7 +304,7 @@ class Agent:
     async def _handle(self, item: Any, *, history: bool = False) -> None:
         """Act on `item`; `history`: a decision recorded before this node joined."""
         match item:
-            case _Signal(signum=signum):
+            case Signal(signum=signum):
                 name = signal.Signals(signum).name
                 self.log.info(
                     f"received {name}; passing it to the workers and leaving the job "
@@ -341,7 +326,7 @@ class Agent:
                 else:
                     await self.checkpoints.final()  # durable before the node says it is done
                 self._workers_ended(item)
-            case _Hang(round=rnd) if rnd == self.status.round and self.workers.running:
+            case Hang(round=rnd) if rnd == self.status.round and self.workers.running:
                 await self._hung(item)
             case Verdict(round=rnd) if rnd == self.status.round and self.workers.running:
                 await self._stuck(item)
@@ -371,16 +356,19 @@ class Agent:
                 await self._stop_workers()
                 self._finish(EXIT_FAILED, item.ending)
             case ev.JobEnded(phase=phase) if history:
-                self.log.info(
-                    f"job {self.cfg.job} ended earlier ({phase.value}); its next run starts "
-                    "with this node"
-                )
-            case ev.RunStarted(run=run) if history:
-                self._run = max(self._run, run)  # (this node's join is that run's, or ends it)
+                self._ended_earlier = phase  # (said once the next run starts)
+            case ev.RunStarted(run=run) if history:  # this node's join is in it, or its end
+                self._run, self._ended_earlier = max(self._run, run), None
             case ev.RunStarted(run=run) if self.status.starts == 0 and run > self._run:
                 self._run = run
                 self.status.round = 0  # the new run's rounds count from 1 again
-                self.log.info(f"run {run} of job {self.cfg.job} started; joining it")
+                ended, self._ended_earlier = self._ended_earlier, None
+                self.log.info(
+                    f"run {run} of job {self.cfg.job} started; joining it"
+                    if ended is None
+                    else f"job {self.cfg.job} ended earlier ({ended.value}); its run {run} "
+                    "starts now, with this node"
+                )
                 self.checkpoints.found_again()  # (what it said before: the earlier run's)
                 self._register()
             case ev.JobEnded(phase=phase, reason=reason):
@@ -495,7 +483,7 @@ class Agent:
         port = store_port_taken(self._round_event, rank, root, self.cfg.addr)
         self.endings.failed(ended.round, rank, root, port)
 
-    async def _hung(self, hang: _Hang) -> None:
+    async def _hung(self, hang: Hang) -> None:
         rank = self._first_rank() + hang.local_rank
         reason = f"no step progress for {hang.silent_s:.0f}s (last step {hang.step})"
         said = f"worker rank {rank} is hung: {reason}"
@@ -584,4 +572,4 @@ class Agent:
                     # Once per round: the other ranks stall too, waiting on this one.
                     local_rank, p, silent_s = found
                     self._hang_round = rnd
-                    self._inbox.put_nowait(_Hang(rnd, local_rank, p.step, silent_s))
+                    self._inbox.put_nowait(Hang(rnd, local_rank, p.step, silent_s))

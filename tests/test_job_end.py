@@ -192,6 +192,10 @@ async def test_a_rerun_under_an_ended_jobs_name_is_its_next_run_and_the_earlier_
         assert await asyncio.to_thread(node.wait, 120) == 0, node.log()[-3000:]
         assert "hello from run again" in node.log()
         assert "job again finished" in node.log()
+        if i:  # (said once: the runs before are history to it, not runs to join)
+            said = "job again ended earlier (finished); its run {} starts now, with this node"
+            assert node.log().count(said.format(i + 1)) == 1, node.log()[-3000:]
+            assert "run 2 of job again started" not in node.log()
     events = await job_events(bus, "again")
     assert [e.run for e in events if isinstance(e, ev.RunStarted)] == [2, 3]
     assert sum(isinstance(e, ev.JobEnded) for e in events) == 3
