@@ -12,7 +12,8 @@ error file that torch's `@record` writes, and the tail of its log:
     communication  NCCL / gloo / c10d store errors and collective timeouts
     hang           no step progress for the hang timeout (decided by the agent, not here)
     hardware       GPU or driver faults (Xid, ECC, "GPU is lost")
-    unknown        a non-zero exit code with nothing else to go on
+    unknown        a non-zero exit code with nothing else to go on (said with the
+                   last line the worker wrote, if any)
 
 Signals and exception types are matched before log patterns; the log patterns
 are checked from the most specific (hardware) to the most generic.
@@ -198,7 +199,20 @@ def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") 
         )
     if sig is not None:
         return Diagnosis(FailureKind.KILLED, f"killed by {sig}")
-    return Diagnosis(FailureKind.UNKNOWN, f"exited with code {exit_code}")
+    said = f"exited with code {exit_code}"
+    last = last_line(log_tail)  # (`sys.exit("no data in /mnt/x")` leaves it there)
+    return Diagnosis(
+        FailureKind.UNKNOWN, _clip(f"{said}; the last line it wrote: {last}") if last else said
+    )
+
+
+def last_line(log_tail: str) -> str | None:
+    """The last line with words in a worker's log tail, without torch's rank prefix."""
+    for line in reversed(log_tail.splitlines()):
+        text = re.sub(r"^\[[\w.-]+\]:", "", line).strip()
+        if text:
+            return text
+    return None
 
 
 def read_tail(path: str | None, limit: int = LOG_TAIL_BYTES) -> str:

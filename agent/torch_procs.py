@@ -151,19 +151,24 @@ class PreformattedTraceback(logging.Filter):
 
 
 class TeardownSaid(logging.Filter):
-    """Drops torch's "Terminating process N via signal SIGTERM" (one line per survivor,
-    in torch's logging format on rove's console): the agent says the round's end."""
+    """Drops torch's "Terminating process N via signal SIGTERM" (warm workers) and
+    "Sending process N closing signal SIGTERM" (fresh ones): one line per survivor, in
+    torch's logging format on rove's console; the agent says the round's end."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith("Terminating process"))
+        return not (
+            isinstance(record.msg, str)
+            and record.msg.startswith(("Terminating process", "Sending process"))
+        )
 
 
 def quiet_torch_tracebacks() -> None:
     """Install `PreformattedTraceback` on torch's process-context logger, and
-    `TeardownSaid` on its spawn logger (idempotent)."""
+    `TeardownSaid` on it and its spawn logger (idempotent)."""
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     if not any(isinstance(f, PreformattedTraceback) for f in logger.filters):
         logger.addFilter(PreformattedTraceback())
-    spawn = logging.getLogger("torch.multiprocessing.spawn")
-    if not any(isinstance(f, TeardownSaid) for f in spawn.filters):
-        spawn.addFilter(TeardownSaid())
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+        teardown = logging.getLogger(name)
+        if not any(isinstance(f, TeardownSaid) for f in teardown.filters):
+            teardown.addFilter(TeardownSaid())

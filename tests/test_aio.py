@@ -78,6 +78,29 @@ async def test_a_kept_task_that_dies_is_logged_with_its_error_and_ends_the_compo
     assert "the agent's actor task ended" in message and isinstance(exc, IndexError)
 
 
+async def test_a_kept_task_that_dies_ends_the_component_even_if_its_line_cannot_be_said() -> None:
+    """(A console gone away raised in the supervisor's own line: the node never ended.)"""
+    failures: list[str] = []
+
+    class Mute:
+        def error(self, *_: object, **__: object) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        info = error
+
+    for exc in (IndexError("oops"), RoveError("the warm server ended")):
+        sup = Supervisor("the agent", Mute(), failures.append)
+
+        async def actor(exc: Exception = exc) -> None:
+            raise exc
+
+        await asyncio.gather(
+            sup.keep(asyncio.create_task(actor(), name="actor")), return_exceptions=True
+        )
+        await asyncio.sleep(0)
+    assert len(failures) == 2 and "oops" in failures[0] and "warm server" in failures[1]
+
+
 async def test_a_kept_task_that_ends_on_an_error_rove_names_says_it_without_internal_error() -> (
     None
 ):

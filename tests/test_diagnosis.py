@@ -93,6 +93,13 @@ TRACEBACK = """[default0]:Traceback (most recent call last):
         ),
         (-6, None, "", FailureKind.SEGFAULT, "SIGABRT"),
         (3, None, "", FailureKind.UNKNOWN, "exited with code 3"),
+        (  # sys.exit("...") says why on stderr, with no traceback
+            1,
+            None,
+            "step 10/100\n[default0]:no data in /mnt/x: mount it first\n\n",
+            FailureKind.UNKNOWN,
+            "exited with code 1; the last line it wrote: no data in /mnt/x: mount it first",
+        ),
         (  # argparse refused the script's arguments
             2,
             None,

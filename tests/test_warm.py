@@ -43,6 +43,7 @@ def test_torchs_teardown_lines_stay_off_the_console() -> None:
 
     torch_procs.quiet_torch_tracebacks()
     spawn = logging.getLogger("torch.multiprocessing.spawn")
+    api = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     said = []
 
     class Keep(logging.Handler):
@@ -51,12 +52,16 @@ def test_torchs_teardown_lines_stay_off_the_console() -> None:
 
     keep = Keep()
     spawn.addHandler(keep)
+    api.addHandler(keep)
     try:
-        spawn.warning("Terminating process %s via signal %s", 123, "SIGTERM")
+        spawn.warning("Terminating process %s via signal %s", 123, "SIGTERM")  # warm
+        api.warning("Sending process %s closing signal %s", 124, "SIGTERM")  # fresh
         spawn.warning("something else")
+        api.warning("Unable to shutdown process %s via %s", 125, "SIGTERM")
     finally:
         spawn.removeHandler(keep)
-    assert said == ["something else"]
+        api.removeHandler(keep)
+    assert said == ["something else", "Unable to shutdown process 125 via SIGTERM"]
 
 
 def _run(tmp_path: Path, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[int, str]:

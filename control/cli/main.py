@@ -82,6 +82,8 @@ def _reworded(message: str, argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if set(argv[:1]) & {"run", *_DAEMONS}:
+        logs.survive_the_console()  # (they run on without it; their logs keep everything)
     if argv[:1] == ["run"]:
         # The warm server imports torch while this process does (rove.agent.forkservers)
         from rove.agent import forkservers

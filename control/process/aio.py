@@ -231,15 +231,19 @@ class Supervisor:
         if isinstance(exc, RoveError):  # a failure rove names (what happened, what to do):
             # said once, by the owner's end (the traceback goes to the log)
             said = f"{self.what}'s {task.get_name()} task ended: {exc}"
-            self.log.info(said, exc_info=exc)
-            self.on_failure(said)
+            try:  # (the owner ends even if the line cannot be said)
+                self.log.info(said, exc_info=exc)
+            finally:
+                self.on_failure(said)
             return
         what = f"{type(exc).__name__}: {exc}" if exc is not None else "it returned"
-        self.log.error(f"{self.what}'s {task.get_name()} task ended ({what})", exc_info=exc)
-        self.on_failure(
-            f"internal error: {self.what}'s {task.get_name()} task ended ({what}); "
-            "see the log above"
-        )
+        try:
+            self.log.error(f"{self.what}'s {task.get_name()} task ended ({what})", exc_info=exc)
+        finally:
+            self.on_failure(
+                f"internal error: {self.what}'s {task.get_name()} task ended ({what}); "
+                "see the log above"
+            )
 
     def _side_ended(self, task: asyncio.Task[Any]) -> None:
         self._side.discard(task)

@@ -46,6 +46,58 @@ _LOUD = frozenset({"warning", "error", "critical"})
 _CONFIGURED = False
 
 
+class SurvivingConsole:
+    """sys.stderr of a long-lived rove process (`rove run`, the daemons): once the
+    console goes away (the reader of its pipe exited: `rove run ... 2>&1 | head`; a
+    redirect's disk filled), its descriptor is pointed at /dev/null and what is said
+    after is dropped. The job goes on, its log keeps everything, and the workers'
+    output is still kept in the job's folder (`rove logs`). (A write raised
+    BrokenPipeError in whichever line came next: a supervised task died of it, its
+    supervisor's line about that died too, and the node hung, deaf to SIGTERM.)"""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):
+            self._went()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            self._went()
+
+    def _went(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        try:  # every holder of the descriptor now writes where nothing fails
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+        try:  # what the stream still holds goes there too
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def survive_the_console() -> None:
+    """Make this process's stderr a `SurvivingConsole` (idempotent), before logging is
+    configured: structlog's printer keeps the stream it is given."""
+    if not isinstance(sys.stderr, SurvivingConsole):
+        sys.stderr = SurvivingConsole(sys.stderr)
+
+
 def configure(level: str | None = None, fmt: str | None = None) -> None:
     """Every line to stderr (the daemons and one-shot commands)."""
     _configure(level, fmt, sys.stderr, console=None)

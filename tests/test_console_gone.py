@@ -1,0 +1,73 @@
+"""A console that goes away (`rove run ... 2>&1 | head`) does not stop the job: rove
+points it at /dev/null and goes on; its log keeps everything. (A line said to the
+closed pipe raised BrokenPipeError in the agent's task, its supervisor's line about
+that raised too, and the node hung for good, deaf to SIGTERM.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rove.control.process.logs import SurvivingConsole
+from tests.support import patience
+
+ROVE = [sys.executable, "-m", "rove.control.cli.main"]
+
+
+def test_a_console_whose_reader_left_is_pointed_at_dev_null() -> None:
+    read, write = os.pipe()
+    console = SurvivingConsole(os.fdopen(write, "w"))
+    os.close(read)
+    console.write("rove: round 1: started 2 workers\n")
+    console.flush()  # EPIPE: the reader is gone
+    assert console.gone
+    assert str(Path(f"/proc/self/fd/{write}").readlink()) == os.devnull
+    console.write("rove: job j finished\n")
+    console.flush()
+    console.stream.close()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finishes", "fails"])
+def test_a_job_whose_console_reader_left_after_its_first_line_runs_to_its_end(
+    tmp_path: Path, fails: bool
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "for i in range(20):\n"
+        "    print('rank', os.environ['RANK'], 'line', i, flush=True)\n"
+        "    time.sleep(0.05)\n"
+        f"sys.exit('bad config on rank ' + os.environ['RANK'] if {fails} else 0)\n"
+    )
+    home = tmp_path / "home"
+    proc = subprocess.Popen(
+        [*ROVE, "run", "--standalone", "--job", "gone", "--nproc-per-node", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "ROVE_HOME": str(home)},
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith(b"rove: "), first
+    proc.stdout.close()  # as `| head -1` does
+    log = home / "jobs" / "gone" / "logs"
+    try:
+        code = proc.wait(patience(120))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        said = [p.read_text()[-3000:] for p in log.rglob("rove.log")]
+        pytest.fail(f"rove run hung after its console went away: {said}")
+    said = "".join(p.read_text() for p in log.rglob("rove.log"))
+    if fails:
+        assert code == 1, said[-3000:]
+        assert "the last line it wrote: bad config on rank" in said
+    else:
+        assert code == 0, said[-3000:]
+        assert '"phase": "finished"' in said, said[-3000:]
+    # the workers' output is still kept, past the console's end
+    kept = "".join(p.read_text() for p in log.rglob("rank0.stdout"))
+    assert "rank 0 line 19" in kept
