@@ -256,8 +256,9 @@ class Agent:
         return code
 
     def interrupt(self, signum: int) -> None:
-        """The first SIGINT or SIGTERM: the workers get it too, and the agent leaves
-        (once they ended, or after the stop timeout). Called on the event loop."""
+        """The first stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT): the workers get it
+        too, and the agent leaves (once they ended, or after the stop timeout). Called on
+        the event loop."""
         self._interrupted.set()
         self._inbox.put_nowait(Signal(signum))
 

@@ -57,6 +57,7 @@ import multiprocessing.forkserver as mpfs
 import os
 import shutil
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from multiprocessing import process, spawn, util
 from pathlib import Path
@@ -174,8 +175,8 @@ class _Server:
             assert not self.learned, "a server learns in the background"
             self.server.set_forkserver_preload([*self.preload, READY_MODULE])
         _own_mp_tempdir()
-        with _environ(env):
-            self.server.ensure_running()
+        with _environ(env), _deaf_to_hangups():
+            self.server.ensure_running()  # (and multiprocessing's resource tracker, once)
 
     @property
     def pid(self) -> int | None:
@@ -262,6 +263,29 @@ class _Server:
 
 #: The longest path of an AF_UNIX socket (Linux: 108 bytes with its terminating NUL).
 _UNIX_PATH_MAX = 108
+
+
+@contextlib.contextmanager
+def _deaf_to_hangups() -> Iterator[None]:
+    """Processes started inside inherit SIGHUP and SIGQUIT ignored. A warm server and
+    multiprocessing's resource tracker share `rove run`'s process group: a terminal that
+    closes (SIGHUP to the whole group) or a Ctrl-\\ must reach the launcher alone,
+    which stops the job cleanly and passes the signal on to the workers (the server died
+    of it, and its workers with it; the tracker's relaunch printed tracebacks). They
+    ignore SIGINT already. A worker forked from the server starts with the defaults
+    (`warm._launcher_dispositions`). For the few milliseconds of a start, this process
+    ignores them too; off the main thread (where no handler can be set) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        for sig in before:
+            signal.signal(sig, signal.SIG_IGN)
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _own_mp_tempdir() -> None:

@@ -357,9 +357,10 @@ async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool, log
             "--nats nats://HOST:4222 (or set ROVE_NATS_URL) on every node, with a "
             "`rove master --job J --nats ...` beside them (docs/runtime.md, 'Several nodes')"
         )
-    # SIGINT and SIGTERM for the whole run: the first stops the job's workers (with the
-    # same signal) and leaves cleanly, a second one ends everything at once. Until the
-    # agent hears them (it may wait for the bus however long), the first ends that wait
+    # SIGINT, SIGTERM, SIGHUP and SIGQUIT for the whole run: the first stops the job's
+    # workers (with the same signal) and leaves cleanly, a second one ends everything at
+    # once. Until the agent hears them (it may wait for the bus however long), the first
+    # ends that wait
     starting = aio.Starting("the job")
     return await starting.wait(_run_job(args, cfg, standalone, log_path, starting.signals))
 

@@ -1,5 +1,6 @@
-"""SIGINT and SIGTERM stop `rove run` at every stage of a job and leave no process
-behind; the workers get the signal rove received; a second signal ends it at once.
+"""SIGINT and SIGTERM (and a terminal's SIGHUP) stop `rove run` at every stage of a
+job and leave no process behind; the workers get the signal rove received; a second
+signal ends it at once; under `nohup` a hangup is ignored.
 Out-of-range numbers are refused before anything starts."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -37,8 +39,15 @@ class Watched:
     """A `rove run` started in a session of its own (as from a terminal), and every
     process it started, kept as it runs: after it ends, none may be left."""
 
-    def __init__(self, tmp_path: Path, name: str, *args: str, env: dict[str, str] | None = None):
-        self.run = RunProc(tmp_path, name, *args, env=env, preexec=os.setsid)
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        preexec: Callable[[], None] = os.setsid,
+    ):
+        self.run = RunProc(tmp_path, name, *args, env=env, preexec=preexec)
         self.seen: dict[int, psutil.Process] = {}
 
     def look(self) -> None:
@@ -132,6 +141,44 @@ def test_sigterm_while_training_is_passed_to_the_workers(tmp_path: Path) -> None
     out.mkdir()
     job = Watched(tmp_path, "term", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out))
     job.wait_for(lambda: _started(out))
+    job.signal(signal.SIGTERM)
+    assert job.ended(within=60) == 128 + signal.SIGTERM
+    assert {(out / f"{r}.signal").read_text() for r in "01"} == {"SIGTERM"}
+
+
+@pytest.mark.slow
+def test_a_terminal_that_closes_stops_the_job_as_ctrl_c_does(tmp_path: Path) -> None:
+    """Its SIGHUP, to the whole foreground group: the workers get SIGHUP, the job ends
+    `stopped`, nothing is left. (It killed `rove run` at once: a standalone job cut
+    off, its workers ended by their parent-death signal.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = Watched(tmp_path, "hup", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out))
+    job.wait_for(lambda: _started(out))
+    job.signal(signal.SIGHUP, group=True)
+    assert job.ended(within=60) == 128 + signal.SIGHUP, job.run.log()[-3000:]
+    assert {(out / f"{r}.signal").read_text() for r in "01"} == {"SIGHUP"}
+    said = job.run.log()
+    assert "stopped: rove run received SIGHUP" in said, said[-3000:]
+    assert "Traceback" not in said and "died unexpectedly" not in said, said[-3000:]
+
+
+def _nohup() -> None:
+    os.setsid()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as `nohup` starts its command
+
+
+@pytest.mark.slow
+def test_under_nohup_a_hangup_is_ignored_and_the_job_trains_on(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ("--standalone", "--nproc-per-node", "2", "--no-warm-start", str(WORKER), str(out))
+    job = Watched(tmp_path, "nohup", *args, preexec=_nohup)
+    job.wait_for(lambda: _started(out))
+    job.signal(signal.SIGHUP, group=True)
+    time.sleep(2)  # (a clean stop takes a second: it would have begun)
+    assert job.run.proc.poll() is None, job.run.log()[-3000:]
+    assert not list(out.glob("*.signal")), "the workers got nothing"
     job.signal(signal.SIGTERM)
     assert job.ended(within=60) == 128 + signal.SIGTERM
     assert {(out / f"{r}.signal").read_text() for r in "01"} == {"SIGTERM"}

@@ -136,16 +136,27 @@ async def unless(stopping: asyncio.Event, aw: Awaitable[T]) -> T:
     return waiting.result()
 
 
+#: SIGHUP and SIGQUIT as this process started: ignored under `nohup` (SIGHUP) or as a
+#: shell's background job (SIGQUIT), where they stay ignored (read before any library,
+#: torch's `start_processes` among them, replaced them)
+_IGNORED_AT_START = frozenset(
+    sig for sig in (signal.SIGHUP, signal.SIGQUIT) if signal.getsignal(sig) == signal.SIG_IGN
+)
+
+
 class StopSignals:
-    """SIGTERM and SIGINT for a process that stops in two steps.
+    """SIGTERM, SIGINT, SIGHUP and SIGQUIT (torchrun's four) for a process that stops
+    in two steps. (A terminal that closed, its SIGHUP, killed `rove run` at once: no
+    clean stop, no save on the way out, a standalone job cut off.)
 
     The first signal *asks*: `ask(signum)` starts a clean stop (it must return at once:
     it runs on the event loop). Any later one *insists*: `insist(signum)` ends the
     process now (the default: `exit_now`). Both may be set after `install()`; a signal
-    received before `ask` was set is in `received`, for the owner to act on.
+    received before `ask` was set is in `received`, for the owner to act on. SIGHUP and
+    SIGQUIT that the process started ignoring (`nohup`) stay ignored.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
     def __init__(
         self,
@@ -161,12 +172,16 @@ class StopSignals:
         handlers, as torch's `start_processes` does)."""
         loop = asyncio.get_running_loop()
         for sig in self.SIGNALS:
-            loop.add_signal_handler(sig, self._on, sig)
+            if sig in _IGNORED_AT_START:
+                signal.signal(sig, signal.SIG_IGN)  # (as it started, whoever replaced it)
+            else:
+                loop.add_signal_handler(sig, self._on, sig)
 
     def remove(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in self.SIGNALS:
-            loop.remove_signal_handler(sig)
+            if sig not in _IGNORED_AT_START:
+                loop.remove_signal_handler(sig)
 
     def _on(self, signum: int) -> None:
         self.received.append(signum)
@@ -260,7 +275,7 @@ def stop_on_signals(stop: Callable[[], object]) -> StopSignals:
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM (`signum`) stopped a process before it started (`Starting`)."""
+    """A stop signal (`signum`) stopped a process before it started (`Starting`)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -268,7 +283,7 @@ class Interrupted(Exception):
 
 
 class Starting:
-    """SIGTERM and SIGINT for a daemon whose start may wait for its bus however long
+    """The stop signals (`StopSignals`) for a daemon whose start may wait for its bus however long
     (NATS down or not there yet, JetStream without quorum): made inside its main task,
     before it connects. Until `started(stop)`, the first signal cancels what `wait`
     awaits, which raises `Interrupted` (nothing ran yet); from then on it calls

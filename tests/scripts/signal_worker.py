@@ -2,7 +2,8 @@
 
 `OUT/<rank>.started` holds its pid once it runs. On SIGINT (KeyboardInterrupt) it
 writes `OUT/<rank>.signal`, takes a second to clean up, then writes
-`OUT/<rank>.cleaned`; on SIGTERM it writes `OUT/<rank>.signal` and exits. With
+`OUT/<rank>.cleaned`; on SIGTERM or SIGHUP it writes `OUT/<rank>.signal` (the
+signal's name) and exits. With
 `ignore-term` it ignores SIGTERM (a worker that does not stop when asked).
 """
 
@@ -17,7 +18,7 @@ rank = os.environ["RANK"]
 
 
 def terminated(signum: int, _frame: object) -> None:
-    (out / f"{rank}.signal").write_text("SIGTERM")
+    (out / f"{rank}.signal").write_text(signal.Signals(signum).name)
     sys.exit(128 + signum)
 
 
@@ -25,6 +26,7 @@ if sys.argv[2:] == ["ignore-term"]:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
     signal.signal(signal.SIGTERM, terminated)
+signal.signal(signal.SIGHUP, terminated)
 (out / f"{rank}.started").write_text(str(os.getpid()))
 try:
     while True:
