@@ -1,7 +1,8 @@
-"""A console that goes away (`rove run ... 2>&1 | head`) does not stop the job: rove
-points it at /dev/null and goes on; its log keeps everything. (A line said to the
-closed pipe raised BrokenPipeError in the agent's task, its supervisor's line about
-that raised too, and the node hung for good, deaf to SIGTERM.)"""
+"""A console that goes away (`rove run ... 2>&1 | head`), or a log its disk refuses, does
+not stop the job: rove points the console at /dev/null, drops the log's lines while the
+disk refuses them, and goes on. (A line said to the closed pipe raised BrokenPipeError
+in the agent's task, its supervisor's line about that raised too, and the node hung for
+good, deaf to SIGTERM; a full log disk ended the agent.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rove.control.process.logs import SurvivingConsole
+from rove.control.process.logs import KeptLog, SurvivingConsole
 from tests.support import patience
 
 ROVE = [sys.executable, "-m", "rove.control.cli.main"]
@@ -71,3 +72,42 @@ def test_a_job_whose_console_reader_left_after_its_first_line_runs_to_its_end(
     # the workers' output is still kept, past the console's end
     kept = "".join(p.read_text() for p in log.rglob("rank0.stdout"))
     assert "rank 0 line 19" in kept
+
+
+def test_a_log_the_disk_refuses_drops_its_lines_says_so_once_and_tries_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    disk = Path("/dev/full").open("a", buffering=1, encoding="utf-8")  # noqa: SIM115
+    full = KeptLog(disk, Path("rove.log"))
+    for _ in range(3):
+        full.write('{"event": "round 1: started 2 workers"}\n')  # ENOSPC
+        full.flush()
+    said = capsys.readouterr().err
+    assert said.count("rove: cannot write rove's log rove.log (No space left on device") == 1
+    assert "the job goes on" in said
+    full.stream = (tmp_path / "rove.log").open("a", buffering=1, encoding="utf-8")  # room again
+    full.write("back\n")
+    full.flush()
+    assert not full.refused and (tmp_path / "rove.log").read_text() == "back\n"
+
+
+def test_a_job_whose_log_disk_is_full_trains_to_its_end(tmp_path: Path) -> None:
+    """rove.log on a disk that refuses every line (`/dev/full`, ENOSPC): the job finishes,
+    said once. (The first line's error ended the agent: a full log disk ended the job.)"""
+    script = tmp_path / "job.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'done')\n")
+    home = tmp_path / "home"
+    log = home / "jobs" / "full" / "logs" / "vm" / "rove.log"
+    log.parent.mkdir(parents=True)
+    log.symlink_to("/dev/full")
+    out = subprocess.run(
+        [*ROVE, "run", "--standalone", "--job", "full", *("--node-id", "vm"), str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ROVE_HOME": str(home)},
+        timeout=patience(120),
+    )
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-3000:]
+    assert "rank 0 done" in said and "job full finished" in said, said[-3000:]
+    assert said.count("cannot write rove's log") == 1, said[-3000:]

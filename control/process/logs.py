@@ -25,6 +25,8 @@ from typing import Any, TextIO
 import stamina.instrumentation
 import structlog
 
+from rove.control.errors import plain
+
 #: How many items of a long list a readable line shows (`--json` shows them all).
 SHOWN = 8
 
@@ -91,6 +93,47 @@ class SurvivingConsole:
         return getattr(self.stream, name)
 
 
+class KeptLog:
+    """The job's log file (`to_job_log`). A line the disk refuses (full, gone) is
+    dropped, said once on the console, and the next lines try again: the job goes on.
+    (The error came out of the log call: the agent's task died of it, so did the node,
+    and a full log disk ended a job that could have trained on.)"""
+
+    def __init__(self, stream: TextIO, path: Path) -> None:
+        self.stream = stream
+        self.path = path
+        self.refused = False  # the disk refused a line (said once till one reaches it)
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError) as exc:
+            self._refused(exc)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError) as exc:
+            self._refused(exc)
+        else:
+            self.refused = False
+
+    def _refused(self, exc: BaseException) -> None:
+        if self.refused:
+            return
+        self.refused = True
+        print(
+            f"rove: cannot write rove's log {self.path} ({plain(exc)}): its lines are dropped "
+            "until it can be written again; the job goes on",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def survive_the_console() -> None:
     """Make this process's stderr a `SurvivingConsole` (idempotent), before logging is
     configured: structlog's printer keeps the stream it is given."""
@@ -117,8 +160,8 @@ def to_job_log(path: Path, *, everything: bool = False) -> Path:
         OSError: the file cannot be opened.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = path.open("a", buffering=1, encoding="utf-8")
-    _configure(None, os.environ.get("ROVE_LOG_FORMAT") or "json", out, console=everything)
+    out = KeptLog(path.open("a", buffering=1, encoding="utf-8"), path)
+    _configure(None, os.environ.get("ROVE_LOG_FORMAT") or "json", out, console=everything)  # type: ignore[arg-type]
     return path
 
 
