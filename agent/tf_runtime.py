@@ -213,7 +213,11 @@ class TfRuntime(WorkerRuntime):
         task.proc = self._from_spare(task) if task.handover is not None else None
         if task.proc is None:
             task.proc = subprocess.Popen(
-                task.argv, env=task.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                task.argv,
+                env=task.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # (a terminal's signal reaches it once, through rove)
             )
         task.reader = threading.Thread(
             target=self._read, args=(task, task.proc), name=f"tf-{task.name}-output", daemon=True
@@ -278,6 +282,7 @@ class TfRuntime(WorkerRuntime):
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
+                    start_new_session=True,  # (as the tasks: a terminal's signal is rove's)
                 )
             )
         log.info("TensorFlow spares ready to start", spares=len(self._spares), round=self._round)

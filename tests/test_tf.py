@@ -138,6 +138,10 @@ async def test_a_worker_a_parameter_server_and_the_chief_killed_in_turn_train_ea
         }
         assert sorted(born) == [0, 1, 2, 3], born
         assert all(t < decided[0] for t in born.values()), (born, decided)
+        # each task (and each spare) leads a session of its own, as torch's workers do: a
+        # terminal's Ctrl-C reaches it once, through rove (the chief printed two
+        # KeyboardInterrupt tracebacks: the terminal's and rove's)
+        assert all(os.getsid(p) == p for p in (await pids_by_rank(bus, job, 2)).values())
         # 3. the chief: the same
         os.kill((await pids_by_rank(bus, job, 2))[0], signal.SIGKILL)
         codes = await finished(bus, job, runs, [*runs.values(), master])
