@@ -6,6 +6,7 @@ good, deaf to SIGTERM; a full log disk ended the agent.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -30,6 +31,20 @@ def test_a_console_whose_reader_left_is_pointed_at_dev_null() -> None:
     console.write("rove: job j finished\n")
     console.flush()
     console.stream.close()
+
+
+def test_a_full_non_blocking_console_loses_a_line_not_the_console() -> None:
+    """(A parent may hand rove a non-blocking pipe: a burst fills it, EAGAIN.)"""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    console = SurvivingConsole(os.fdopen(write, "w"))
+    console.write("x" * (1 << 20))  # more than the pipe holds: EAGAIN
+    console.flush()
+    assert not console.gone
+    assert str(Path(f"/proc/self/fd/{write}").readlink()).startswith("pipe:")
+    os.close(read)
+    with contextlib.suppress(OSError):
+        console.stream.close()
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["finishes", "fails"])

@@ -64,6 +64,8 @@ class SurvivingConsole:
     def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
+        except BlockingIOError:  # a full non-blocking pipe: this line is lost, not the rest
+            return len(text)
         except (OSError, ValueError):
             self._went()
             return len(text)
@@ -71,6 +73,8 @@ class SurvivingConsole:
     def flush(self) -> None:
         try:
             self.stream.flush()
+        except BlockingIOError:
+            pass
         except (OSError, ValueError):
             self._went()
 
