@@ -50,6 +50,8 @@ _EXCEPTION_LINE = re.compile(
     r"^[A-Za-z_][\w.]*: .*$|^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)$"
 )
 _TRACEBACK = "Traceback (most recent call last):"
+#: what torch's log handling puts before each line of a rank's output
+_RANK_PREFIX = re.compile(r"^\[[\w.-]+\]:")
 #: argparse's last words, with exit code 2: `train.py: error: unrecognized arguments: ...`
 _USAGE_ERROR = re.compile(r"^(?:\[[\w.-]+\]:)?(\S+: error: .+)$", re.MULTILINE)
 
@@ -125,7 +127,7 @@ def last_exception(log_tail: str) -> str | None:
         return None
     after = log_tail[log_tail.rindex(_TRACEBACK) :].splitlines()
     for line in reversed(after):
-        text = re.sub(r"^\[[\w.-]+\]:", "", line).strip()  # torch's "[default0]:" prefix
+        text = _unprefixed(line)
         if text and not text.startswith(("File ", "^", "~")) and _EXCEPTION_LINE.match(text):
             return text
     return None
@@ -208,11 +210,12 @@ def classify(exit_code: int | None, error_data: Any = None, log_tail: str = "") 
 
 def last_line(log_tail: str) -> str | None:
     """The last line with words in a worker's log tail, without torch's rank prefix."""
-    for line in reversed(log_tail.splitlines()):
-        text = re.sub(r"^\[[\w.-]+\]:", "", line).strip()
-        if text:
-            return text
-    return None
+    return next((t for t in map(_unprefixed, reversed(log_tail.splitlines())) if t), None)
+
+
+def _unprefixed(line: str) -> str:
+    """`line` without torch's rank prefix (`[default0]:`), stripped."""
+    return _RANK_PREFIX.sub("", line).strip()
 
 
 def read_tail(path: str | None, limit: int = LOG_TAIL_BYTES) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import os
 import re
@@ -18,7 +17,7 @@ from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import events as ev
 from rove.control.catalogue import subjects
 from rove.control.errors import BusUnavailableError, ConfigError, RoveError, UnknownJobError
-from rove.control.process import aio
+from rove.control.process import aio, logs
 
 # Exit codes of the CLI.
 EXIT_OK = 0
@@ -53,8 +52,7 @@ def run_reporting(command: str, fn: Callable[[], int]) -> int:
     except BrokenPipeError:
         # Whoever read the output stopped reading (`| head`): end quietly, as `cat` does,
         # and let nothing more be written where nobody reads (Python's exit flushes).
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        logs.to_dev_null(sys.stdout)
         return EXIT_READER_GONE
 
 

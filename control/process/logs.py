@@ -48,6 +48,18 @@ _LOUD = frozenset({"warning", "error", "critical"})
 _CONFIGURED = False
 
 
+def to_dev_null(stream: TextIO) -> None:
+    """Point `stream`'s descriptor at /dev/null: every holder of it (Python's exit
+    flush, a library's handler, a raw write) then writes where nothing fails. Its reader
+    went away (`| head`), or its disk refused it."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
+
+
 class SurvivingConsole:
     """sys.stderr of a long-lived rove process (`rove run`, the daemons): once the
     console goes away (the reader of its pipe exited: `rove run ... 2>&1 | head`; a
@@ -82,12 +94,7 @@ class SurvivingConsole:
         if self.gone:
             return
         self.gone = True
-        try:  # every holder of the descriptor now writes where nothing fails
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self.stream.fileno())
-            os.close(null)
-        except (OSError, ValueError):
-            pass
+        to_dev_null(self.stream)
         try:  # what the stream still holds goes there too
             self.stream.flush()
         except (OSError, ValueError):
