@@ -66,8 +66,16 @@ def _job_name(args: argparse.Namespace) -> str:
     if args.job:
         return subjects.check_name("job", args.job)
     if args.rdzv_id and args.rdzv_id != "none":
-        return subjects.check_name("job", args.rdzv_id)
-    stem = Path(args.training_script).stem.replace(".", "-")[:40] or "job"
+        # torchrun takes any id; rove's names are subject tokens: an id that is not one
+        # names the job after it, alike on every node (`--job` is checked as given)
+        name = subjects.name_from(args.rdzv_id)
+        if name != args.rdzv_id:
+            say(
+                f"job name {name}, made of --rdzv-id {args.rdzv_id!r} (a job name holds "
+                "at most 64 letters, digits, '-' or '_'; use it with rove status, or set --job)"
+            )
+        return name
+    stem = subjects.cleaned(Path(args.training_script).stem)[:40].rstrip("-_") or "job"
     return subjects.check_name("job", f"{stem}-{uuid.uuid4().hex[:6]}")
 
 

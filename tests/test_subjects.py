@@ -45,3 +45,18 @@ def test_an_event_of_another_job_is_refused() -> None:
 def test_an_event_with_an_invalid_name_inside_is_refused_not_crashing() -> None:
     with pytest.raises(InvalidEventError):
         subjects.check_subject(factories.joined("bad.node"), "rove.ev.j1.node.bad")
+
+
+@pytest.mark.parametrize("text", ["exp.1", "user@host:run 7", "é", "_x", "x" * 80, "a.b"])
+def test_an_id_another_tool_chose_becomes_a_valid_name_alike_every_time(text: str) -> None:
+    name = subjects.name_from(text)
+    assert subjects.check_name("job", name) == name
+    assert subjects.name_from(text) == name, "every node of a job derives the same name"
+
+
+def test_a_valid_id_is_its_own_name_and_two_ids_never_share_one() -> None:
+    assert subjects.name_from("exp-1") == "exp-1"
+    assert subjects.name_from("exp.1").startswith("exp-1-")
+    assert len({subjects.name_from(t) for t in ["a.b", "a b", "a/b", "a-b", "a:b"]}) == 5
+    long = subjects.name_from("x" * 80)
+    assert len(long) == 64 and long != subjects.name_from("x" * 81)

@@ -21,6 +21,7 @@ which also validate the names that become subject tokens.
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from collections.abc import Callable
 from typing import Any, Final
@@ -44,6 +45,25 @@ SNAPSHOT_ROOT: Final = "rove.snap"
 ELECTED_KIND: Final = "elected"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def cleaned(text: str) -> str:
+    """`text` with anything a name cannot hold as `-`, and no leading `-` or `_` (may be
+    empty; not checked for length)."""
+    return _NOT_IN_NAME.sub("-", text).lstrip("-_")
+
+
+def name_from(text: str) -> str:
+    """A valid name for `text` (an id another tool chose, e.g. torchrun's `--rdzv-id`):
+    `text` itself where it is one, else `cleaned(text)`, cut to fit, with a hash of the
+    whole, so the same text always gives the same name (every node of a job derives it
+    alike) and two texts never share one."""
+    if _NAME.match(text):
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:6]
+    stem = cleaned(text)[:57].rstrip("-_")
+    return f"{stem}-{digest}" if stem else digest
 
 
 @functools.lru_cache(maxsize=65536)
