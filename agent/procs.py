@@ -38,10 +38,14 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 #: how long workers get to exit after the first one ended badly (torch's 30 s)
 TEARDOWN_GRACE_S = 30.0
 #: an error file that says nothing (torch's `_EMPTY_ERROR_DATA`)
 NO_ERROR_FILE = "<N/A>"
+
+log = structlog.get_logger("rove.agent")
 
 
 @dataclasses.dataclass
@@ -229,16 +233,22 @@ class Forked:
 
     def _failed(self) -> Result:
         """One ended badly: end the others (SIGTERM, SIGKILL after the grace), then
-        report every worker that ended badly (each without an error file stamped when
-        it was seen: only an error file says when a worker failed)."""
+        report every worker that ended badly, each without an error file stamped when
+        it was seen (only an error file says when a worker failed): those that ended
+        before the teardown first, as torch's `SubprocessContext` does, so a worker
+        killed at the grace's end is never taken for the cause."""
+        failures = self._failures()
         self.close(signal.SIGTERM, TEARDOWN_GRACE_S)
         return Result(
-            failures={
-                lr: self._failure(lr)
-                for lr, p in enumerate(self.processes)
-                if p.exitcode not in (None, 0)
-            }
+            failures=failures | {lr: f for lr, f in self._failures().items() if lr not in failures}
         )
+
+    def _failures(self) -> dict[int, Failure]:
+        return {
+            lr: self._failure(lr)
+            for lr, p in enumerate(self.processes)
+            if p.exitcode not in (None, 0)
+        }
 
     def _failure(self, local_rank: int) -> Failure:
         process = self.processes[local_rank]
@@ -259,8 +269,13 @@ class Forked:
         end = time.monotonic() + timeout
         for process in live:
             process.join(max(0.0, end - time.monotonic()))
-        for process in live:
-            if process.exitcode is None:
+        for local_rank, process in enumerate(self.processes):
+            if process in live and process.exitcode is None:
+                log.warning(
+                    f"worker {local_rank} has not exited {timeout:g}s after {death_sig.name}: "
+                    "killing it (SIGKILL)",
+                    pid=process.pid,
+                )
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(process.pid or 0), signal.SIGKILL)
                 process.join(5.0)  # (a process stuck in the kernel may take longer)

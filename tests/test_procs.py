@@ -1,0 +1,49 @@
+"""A round's forked workers (`rove.agent.procs.Forked`): how their ends are reported."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import structlog.testing
+
+from rove.agent import procs
+from rove.agent.workers import root_failure
+from tests.support import patience
+
+
+def _ignores_sigterm_or_fails(local_rank: int, folder: str) -> None:
+    ready = Path(folder) / "ignoring"
+    if local_rank == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a handler that does not exit
+        ready.write_text("")
+        time.sleep(120)
+    while not ready.exists():
+        time.sleep(0.01)
+    sys.exit(3)
+
+
+def test_the_worker_that_failed_is_the_cause_not_the_peer_killed_at_the_graces_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rank 1 exits 3; rank 0 ignores the teardown's SIGTERM and is killed when the grace
+    # ends, seconds later. Once both were stamped after the teardown, alike, and rank 0
+    # was said as the root cause ("killed by SIGKILL"), rank 1's exit nowhere.
+    monkeypatch.setattr(procs, "TEARDOWN_GRACE_S", 1.0)
+    args = {lr: (lr, str(tmp_path)) for lr in (0, 1)}
+    forked = procs.Forked(_ignores_sigterm_or_fails, args, {0: {}, 1: {}}, {}, "fork")
+    deadline = time.monotonic() + patience(60)
+    with structlog.testing.capture_logs() as said:
+        while (result := forked.poll()) is None:
+            assert time.monotonic() < deadline, "the workers never ended"
+            time.sleep(0.05)
+    assert [e["event"] for e in said] == [
+        "worker 0 has not exited 1s after SIGTERM: killing it (SIGKILL)"
+    ], "the wait said, as torchrun says it"
+    assert result.failures[1].exitcode == 3
+    assert result.failures[0].exitcode == -signal.SIGKILL
+    root = root_failure(result, kept=lambda *_: None)
+    assert root is not None and (root.local_rank, root.exit_code) == (1, 3)
