@@ -515,6 +515,7 @@ def _bridge(bus: Bus, cfg: AgentConfig, args: argparse.Namespace) -> KafkaBridge
         dataset=args.kafka_topic,
         bridge_id=f"{cfg.node}-bridge",
         shard_records=args.kafka_shard_records,
+        flags=("--kafka-bootstrap", "--kafka-topic"),
     )
 
 

@@ -88,3 +88,23 @@ async def test_a_missing_topic_or_unreachable_brokers_end_the_bridge_saying_whic
     assert done.returncode != 0
     assert says in done.stderr, done.stderr[-2000:]
     assert "check --bootstrap and --topic" in done.stderr
+
+
+async def test_under_rove_run_unreachable_brokers_name_rove_runs_flags(bus: Bus) -> None:
+    # the bridge inside `rove run --standalone` is told by --kafka-bootstrap and
+    # --kafka-topic; it once said "check --bootstrap and --topic", flags rove run lacks
+    from rove.agent.launcher import _bridge, agent_config
+    from rove.agent.run_args import build_parser
+    from rove.control.errors import ConfigError
+
+    args = build_parser().parse_args(
+        [
+            *("--nats", bus.url, "--job", JOB, "--kafka-bootstrap", "127.0.0.1:1"),
+            *("--kafka-topic", "clicks", str(Path(__file__).parent.parent / "examples/online.py")),
+        ]
+    )
+    await bus.publish(factories.joined("n1"))
+    bridge = _bridge(bus, agent_config(args)[0], args)
+    bridge.connect_deadline_s = 1.0
+    with pytest.raises(ConfigError, match="check --kafka-bootstrap and --kafka-topic"):
+        await bridge.run()

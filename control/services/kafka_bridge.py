@@ -148,6 +148,7 @@ class KafkaBridge(JobService):
         linger_s: float = 1.0,
         poll_s: float = 0.5,
         connect_deadline_s: float = 60.0,
+        flags: tuple[str, str] = ("--bootstrap", "--topic"),
         clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(bus, job, name=f"kafka bridge {bridge_id}", clock=clock)
@@ -160,6 +161,8 @@ class KafkaBridge(JobService):
         self.linger_s = linger_s
         self.poll_s = poll_s
         self.connect_deadline_s = connect_deadline_s
+        #: the flags that gave the brokers and the topic, named when they cannot be reached
+        self.flags = flags
         self._waiting: dict[int, float] = {}
         self._published: dict[int, int] = {}
         self._mirrored: tuple[tuple[int, int], ...] = ()
@@ -184,7 +187,7 @@ class KafkaBridge(JobService):
                 waited = time.monotonic() - failing_since
                 if waited > self.connect_deadline_s:
                     raise ConfigError(
-                        f"{exc} (still after {waited:.0f}s): check --bootstrap and --topic"
+                        f"{exc} (still after {waited:.0f}s): check {' and '.join(self.flags)}"
                     ) from exc
                 self.log.warning(f"{exc}; retrying", waited_s=round(waited, 1))
                 await self.sleep(min(5.0, max(self.poll_s, 1.0)))
