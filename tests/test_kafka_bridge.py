@@ -8,9 +8,12 @@ and unreachable brokers end the bridge with an error that says which.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
@@ -104,7 +107,20 @@ async def test_under_rove_run_unreachable_brokers_name_rove_runs_flags(bus: Bus)
         ]
     )
     await bus.publish(factories.joined("n1"))
-    bridge = _bridge(bus, agent_config(args)[0], args)
-    bridge.connect_deadline_s = 1.0
-    with pytest.raises(ConfigError, match="check --kafka-bootstrap and --kafka-topic"):
+    kept = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        bridge = _bridge(bus, agent_config(args)[0], args)  # (its logger binds the level)
+    finally:
+        structlog.configure(**kept)
+    bridge.connect_deadline_s = 12.0  # (each try waits out librdkafka's ~5 s)
+    with (
+        structlog.testing.capture_logs() as said,
+        pytest.raises(ConfigError, match="check --kafka-bootstrap and --kafka-topic"),
+    ):
         await bridge.run()
+    tries = [e for e in said if "retrying for up to 12s" in e["event"]]
+    assert len(tries) >= 2, [(e["log_level"], e.get("waited_s")) for e in said]
+    assert [e["log_level"] for e in tries][:2] == ["warning", "info"], (
+        "said on the console once a half minute, each try in the log"
+    )

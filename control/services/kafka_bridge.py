@@ -44,6 +44,10 @@ from rove.control.process import kafka_settings, logs
 
 log = structlog.get_logger("rove.kafka")
 
+#: How often brokers that cannot be reached are said again on the console (each try
+#: is in the log).
+SAY_EVERY_S = 30.0
+
 
 class BrokerReader:
     """Partitions and watermarks of one topic, read with a consumer that never joins a
@@ -179,22 +183,31 @@ class KafkaBridge(JobService):
     async def serve(self) -> None:
         self.log.info("bridge is following the job", next=self._next() or None)
         failing_since: float | None = None
+        said_at: float | None = None
         while not self.stopping and not self.state.phase.terminal:
             try:
                 marks = await asyncio.to_thread(self.reader.watermarks)
             except TemporaryError as exc:
+                if self.stopping or self.state.phase.terminal:
+                    break  # (asked while the brokers were being asked: no retry to say)
                 failing_since = failing_since or time.monotonic()
                 waited = time.monotonic() - failing_since
                 if waited > self.connect_deadline_s:
                     raise ConfigError(
                         f"{exc} (still after {waited:.0f}s): check {' and '.join(self.flags)}"
                     ) from exc
-                self.log.warning(f"{exc}; retrying", waited_s=round(waited, 1))
+                # on the console when it starts and every half minute; each try in the log
+                loud = said_at is None or time.monotonic() - said_at >= SAY_EVERY_S
+                said_at = time.monotonic() if loud else said_at
+                (self.log.warning if loud else self.log.info)(
+                    f"{exc}; retrying for up to {self.connect_deadline_s:g}s",
+                    waited_s=round(waited, 1),
+                )
                 await self.sleep(min(5.0, max(self.poll_s, 1.0)))
                 continue
             if failing_since is not None:
                 self.log.info("brokers and topic reachable again")
-            failing_since = None
+            failing_since = said_at = None
             self._cut(marks)
             await self._follow_checkpoints()
             await self.sleep(self.poll_s)
