@@ -100,7 +100,8 @@ def span(found: dict[int, int], run: int | None) -> tuple[int, int | None]:
     run = newest if run is None else run
     if run not in found:
         raise ConfigError(
-            f"--run {run}: the job has run {counted(newest, 'time')} (runs 1-{newest})"
+            f"--run {run}: the job has run {counted(newest, 'time')} "
+            + ("(run 1 only)" if newest == 1 else f"(runs 1-{newest})")
         )
     return found[run], found.get(run + 1)
 
