@@ -25,6 +25,12 @@ manifest, falling back to older ones (logged) when one is torn; `extra` (the
 data position) comes back with it.
 
 `directory` defaults to `$ROVE_CKPT_DIR/tf` (`rove run --checkpoint-dir`).
+
+With variables on other tasks, TensorFlow traces its saver's function anew at every
+save, by design (`MultiDeviceSaver.save`: "this will cause a function re-trace on each
+save ... needed to ensure we pick up the latest values of options"), and from the fifth
+save on warns, twice a save, that "tracing is expensive": that one warning is kept off
+the console (`_SaverRetraces`); every other TensorFlow line is left as it is.
 """
 
 from __future__ import annotations
@@ -46,6 +52,16 @@ from rove.checkpoint.durable import CheckpointError
 log = logging.getLogger("rove.checkpoint")
 
 _PREFIX = "ckpt"
+
+
+class _SaverRetraces(logging.Filter):
+    """Drops TensorFlow's retracing warning about its own saver's per-save function."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "MultiDeviceSaver.save.<locals>.tf_function_save" not in record.getMessage()
+
+
+_QUIET_SAVER = _SaverRetraces()
 
 
 class Restored(NamedTuple):
@@ -82,6 +98,9 @@ class TfCheckpointer:
         self.checkpoint = checkpoint
         self.root = Path(directory)
         self.keep = keep
+        logging.getLogger("tensorflow").addFilter(
+            _QUIET_SAVER
+        )  # (added once, however many checkpointers)
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Saved:
         """Write, verify and commit `step` (blocking).
