@@ -118,11 +118,30 @@ class CheckpointDuty:
         self.fence = StorageFence()
         self._fenced = False  # the fence was found closed (said once, and when it opens)
         self._found: tuple[int, str] | None = None  # the committed step found, and where
+        self._going_on: str | None = None  # the run going on as the node started
+        self._going_on_read = False
 
-    async def announce_found(self) -> None:
-        """Before the node first joins: say the step an earlier run of the job left
-        committed in this node's storage (`ckpt_found`), so that the job goes on from it
-        rather than starting afresh (which would drop it as an abandoned lineage)."""
+    async def _run_going_on(self, bus: Bus) -> str | None:
+        """The run of the job going on as this node starts (None: none, or it could not
+        be read), read once."""
+        if not self._going_on_read:
+            self._going_on_read = True
+            try:
+                self._going_on = await asyncio.wait_for(
+                    current_run(bus, self.facts.job), FOUND_READ_S
+                )
+            except (TimeoutError, RoveError, nats.errors.Error) as exc:
+                self.log.info(
+                    "could not tell which run goes on", error=str(exc) or type(exc).__name__
+                )
+        return self._going_on
+
+    async def announce_found(self, bus: Bus) -> None:
+        """Before the node first joins: say the step committed in this node's storage
+        (`ckpt_found`), so that the job goes on from it rather than starting afresh
+        (which would drop it as an abandoned lineage). Said on the console where it is
+        news: an earlier run's; in a run going on (a node joining a job under way) it
+        is the job's own progress, kept in the log."""
         storage = self.saver.storage
         if storage is None:
             return
@@ -137,11 +156,14 @@ class CheckpointDuty:
             return
         if step is None:
             return
-        self.log.info(
-            f"found step {step} committed in {storage.location} by an earlier run of the "
-            "job: it goes on from there",
-            say=True,
-        )
+        if await self._run_going_on(bus) is None:
+            self.log.info(
+                f"found step {step} committed in {storage.location} by an earlier run of "
+                "the job: it goes on from there",
+                say=True,
+            )
+        else:
+            self.log.info(f"joins a run under way, whose committed step is {step}")
         self._found = (step, storage.location)
         self.found_again()
 
@@ -162,11 +184,7 @@ class CheckpointDuty:
         from storage, or afresh."""
         if not self.saver.any_left_in_memory():
             return  # (the common case: nothing to ask the bus about)
-        try:
-            run = await asyncio.wait_for(current_run(bus, self.facts.job), FOUND_READ_S)
-        except (TimeoutError, RoveError, nats.errors.Error) as exc:
-            self.log.info("could not tell which run goes on", error=str(exc) or type(exc).__name__)
-            return
+        run = await self._run_going_on(bus)
         if run is None:
             return
         steps, ranks = await asyncio.to_thread(self.saver.left_in_memory, run)
@@ -174,8 +192,9 @@ class CheckpointDuty:
             return
         self.log.info(
             f"found step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} of ranks "
-            f"{list(ranks)} in this node's shared memory, left by its earlier agent: offered "
-            "to the next round's restore",
+            f"{list(ranks)} in this machine's shared memory, saved in the run going on (by "
+            "an earlier agent of this node, or a node beside it): offered to the next "
+            "round's restore",
             say=True,
         )
         for step in steps:

@@ -158,7 +158,11 @@ def test_rove_run_killed_and_run_again_goes_on_from_the_step_in_memory(
     assert again.returncode == 0, out[-3000:]
     assert sorted(p.name for p in tmp.glob("rove-*")) == [], "the killed run's are gone too"
     assert sorted(p.name for p in tmp.glob("pymp-*")) == [], "multiprocessing's too"
-    found = re.search(r"found steps? ([\d, ]+) of ranks \[0, 1\] in this node's shared memory", out)
+    found = re.search(
+        r"found steps? ([\d, ]+) of ranks \[0, 1\] in this machine's shared memory, "
+        "saved in the run going on",
+        out,
+    )
     assert found, out[-3000:]
     held = [int(s) for s in found[1].split(", ")]
     restored = re.search(r"they restore step (\d+) from memory", out)

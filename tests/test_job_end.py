@@ -11,7 +11,16 @@ import pytest
 
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import events as ev
-from tests.support import TRAIN, Cluster, MasterProc, RunProc, job_events, rove_cli, trace_rows
+from tests.support import (
+    TRAIN,
+    Cluster,
+    MasterProc,
+    RunProc,
+    eventually,
+    job_events,
+    rove_cli,
+    trace_rows,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -267,3 +276,37 @@ def test_a_job_run_again_with_more_steps_goes_on_from_its_step_and_its_data_posi
     restored = [e for e in events if isinstance(e, ev.DataRestored) and e.step is not None]
     assert restored, "the rerun's data follows its checkpoint's lineage"
     assert (restored[-1].step, restored[-1].done_shards) == (10, 20), "a whole epoch done"
+
+
+async def test_a_node_joining_a_run_under_way_does_not_take_its_committed_step_for_an_earlier_runs(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """It said `found step N committed in DIR by an earlier run of the job: it goes on from
+    there` on its console: the step was the job's own progress."""
+    master = MasterProc(bus.url, "joining", "m1", tmp_path)
+    common = (
+        *("--nats", bus.url, "--job", "joining", "--nnodes", "1:2", "--nproc-per-node", "1"),
+        *("--checkpoint-dir", str(tmp_path / "ckpt"), "--last-call-timeout", "1"),
+    )
+    train = (str(TRAIN), "--steps", "300", "--ckpt-every", "5", "--step-sleep", "0.05")
+    nodes = [RunProc(tmp_path, "n1", *common, "--node-id", "n1", *train)]
+    try:
+
+        async def committed() -> bool:
+            return any(isinstance(e, ev.CkptCommitted) for e in await job_events(bus, "joining"))
+
+        await eventually(committed, timeout=180)
+        nodes.append(RunProc(tmp_path, "n2", *common, "--node-id", "n2", *train))
+        for node in nodes:
+            assert await asyncio.to_thread(node.wait, 240) == 0, node.log()[-3000:]
+    finally:
+        for node in nodes:
+            node.stop()
+        master.stop()
+    rounds = [e for e in await job_events(bus, "joining") if isinstance(e, ev.RoundCompleted)]
+    assert [r.world_size for r in rounds][-1] == 2, "n2 joined the run under way"
+    assert "by an earlier run" not in nodes[1].log(), nodes[1].log()[-3000:]
+    assert "joins a run under way, whose committed step is " in nodes[1].log()
+    # n1's slots are in the machine's shared memory n2 shares: found, but not as left by
+    # an earlier agent of n2's (there was none)
+    assert "left by its earlier agent" not in nodes[1].log()
