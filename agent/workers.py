@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +27,7 @@ import psutil
 import structlog
 
 from rove.agent import progress
+from rove.agent.descendants import Descendants
 from rove.agent.diagnosis import Diagnosis, classify, read_tail, where
 from rove.agent.echo import Echo, EchoedLogs
 from rove.agent.procs import NO_ERROR_FILE, Failure, Forked, Result, substitute
@@ -93,6 +95,7 @@ class TorchRuntime(WorkerRuntime):
         #: pids killed after their work was done (lingering, or stuck on their way out)
         self._reaped: set[int] = set()
         self._lock = threading.Lock()  # start, poll and stop run in different threads
+        self._descendants = Descendants(time.monotonic)
 
     @property
     def running(self) -> bool:
@@ -236,9 +239,13 @@ class TorchRuntime(WorkerRuntime):
         return progress.read_all(self.progress_files)
 
     def activity(self) -> dict[int, Activity]:
+        """What each worker has done so far: its CPU and I/O with its descendants'
+        (`rove.agent.descendants`), its step, whether its script returned."""
         out = {}
         files = self.progress_files
-        for local_rank, pid in self.pids().items():
+        pids = self.pids()
+        below = self._descendants.totals(pids)
+        for local_rank, pid in pids.items():
             path = files.get(local_rank)
             reported = progress.read(path) if path is not None else None
             returned_at, ended_at = progress.ending(path) if path is not None else (0.0, 0.0)
@@ -249,7 +256,10 @@ class TorchRuntime(WorkerRuntime):
                     alive = proc.status() != psutil.STATUS_ZOMBIE
                     cpu = proc.cpu_times()
                     counters = proc.io_counters()
-                cpu_s, io = cpu.user + cpu.system, counters.read_chars + counters.write_chars
+                cpu_s = cpu.user + cpu.system + cpu.children_user + cpu.children_system
+                io = counters.read_chars + counters.write_chars
+                below_cpu_s, below_io = below.get(local_rank, (0.0, 0))
+                cpu_s, io = cpu_s + below_cpu_s, io + below_io
             except psutil.NoSuchProcess:
                 alive = False
             except (psutil.Error, OSError):

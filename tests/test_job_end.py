@@ -163,6 +163,32 @@ def test_a_script_that_would_deadlock_in_torchs_gloo_teardown_ends_when_groups_a
     assert "is stuck" not in log
 
 
+def test_a_rank_waiting_for_a_busy_process_of_its_own_after_its_peer_returned_is_not_stuck(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 uploads the final model with a child process (`aws s3 cp`, here a busy
+    loop) while rank 1 has returned: rank 0 uses no CPU itself. It was taken for stuck
+    in `Popen._try_wait` after the exit timeout and the job failed as a hang."""
+    script = tmp_path / "upload.py"
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 12: pass"
+    script.write_text(
+        "import os, subprocess, sys\n"
+        "if os.environ['RANK'] == '0':\n"
+        f"    subprocess.run([sys.executable, '-c', {busy!r}], check=True)\n"
+        "print('rank', os.environ['RANK'], 'done', flush=True)\n"
+    )
+    node = RunProc(
+        tmp_path,
+        "upload",
+        *("--standalone", "--job", "upload", "--nproc-per-node", "2", "--hang-timeout", "4"),
+        str(script),
+    )
+    assert node.wait(180) == 0, node.log()[-3000:]
+    log = node.log()
+    assert "rank 0 done" in log and "rank 1 done" in log
+    assert "is stuck" not in log, log[-3000:]
+
+
 @pytest.mark.parametrize("start", ["warm", "fresh"])
 def test_a_rank_stuck_in_torchs_teardown_after_its_peer_returned_is_named_and_ended(
     tmp_path: Path, start: str
