@@ -498,7 +498,8 @@ class Agent:
         rank = first + verdict.local_rank
         line = verdict.describe(rank, first)
         if not verdict.done:
-            await self._hang(verdict.round, verdict.local_rank, line, line)
+            said = f"{line} (stacks: {verdict.stacks_path})"
+            await self._hang(verdict.round, verdict.local_rank, line, said)
             return
         self.log.warning(
             f"{line}; its work was done: ending it (stacks: {verdict.stacks_path})",

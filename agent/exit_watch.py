@@ -23,12 +23,15 @@ otherwise a hang, reported as a failure):
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from rove.agent import stacks, stuck
 from rove.agent.runtime import WorkerRuntime
+
+log = structlog.get_logger("rove.agent")
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,12 @@ class ExitWatch:
         self.stacks_dir.mkdir(parents=True, exist_ok=True)
         path = self.stacks_dir / f"round{rnd}-local{suspect.local_rank}-pid{pid}.txt"
         path.write_text(text + "\n")
-        print(
-            f"--- stacks of worker pid {pid} (local rank {suspect.local_rank}):\n{text}",
-            file=sys.stderr,
-            flush=True,
+        # in the job's log, not on the console (a line there says where it is stuck
+        # and names the file)
+        log.info(
+            f"stacks of worker pid {pid} (local rank {suspect.local_rank}):\n{text}",
+            round=rnd,
+            path=str(path),
         )
         itself = suspect.local_rank in suspect.returned
         return Verdict(

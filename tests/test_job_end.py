@@ -189,6 +189,32 @@ def test_a_rank_waiting_for_a_busy_process_of_its_own_after_its_peer_returned_is
     assert "is stuck" not in log, log[-3000:]
 
 
+def test_a_rank_stuck_after_its_peer_returned_is_one_line_on_the_console_naming_its_stacks(
+    tmp_path: Path,
+) -> None:
+    """(Its py-spy stacks, some twenty lines, were printed on the console too.)"""
+    script = tmp_path / "sleeps.py"
+    script.write_text("import os, time\nif os.environ['RANK'] == '0':\n    time.sleep(300)\n")
+    node = RunProc(
+        tmp_path,
+        "sleeps",
+        *("--standalone", "--job", "sleeps", "--nproc-per-node", "2", "--hang-timeout", "3"),
+        str(script),
+        env={"ROVE_VERBOSE": "0"},  # the console as people see it
+    )
+    assert node.wait(180) == 1, node.log()[-3000:]
+    console = node.log()
+    (stacks,) = (tmp_path / "rove-home").rglob("stacks/round1-local0-*.txt")
+    assert "time.sleep" in stacks.read_text() or "<module>" in stacks.read_text()
+    said = [
+        line for line in console.splitlines() if line.startswith("rove: worker rank 0 is stuck")
+    ]
+    assert len(said) == 1 and f"(stacks: {stacks})" in said[0], console[-3000:]
+    assert "Thread " not in console and "MainThread" not in console, console[-3000:]
+    rove_log = next((tmp_path / "rove-home").rglob("logs/*/rove.log")).read_text()
+    assert "stacks of worker pid" in rove_log, "the stacks are in the job's log"
+
+
 @pytest.mark.parametrize("start", ["warm", "fresh"])
 def test_a_rank_stuck_in_torchs_teardown_after_its_peer_returned_is_named_and_ended(
     tmp_path: Path, start: str
