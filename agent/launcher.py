@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
-from rove.agent import child, endings, faults, forkservers, managed, warm
+from rove.agent import child, endings, faults, forkservers, managed, run_checks, warm
 from rove.agent.agent import Agent
 from rove.agent.config import AgentConfig
 from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
@@ -90,67 +90,13 @@ def _addr(args: argparse.Namespace, standalone: bool) -> str:
         return "127.0.0.1"
 
 
-def _auto_config(args: argparse.Namespace) -> None:
-    if not args.auto_config:
-        return
-    if os.environ.get("NODE_NUM"):
-        args.nnodes = os.environ["NODE_NUM"]
-    import torch
-
-    gpus = torch.cuda.device_count()
-    args.nproc_per_node = str(gpus) if gpus else args.nproc_per_node
-    max_nodes = int(str(args.nnodes).split(":")[-1])
-    if max_nodes >= 4:
-        args.network_check = True
-
-
-#: Numeric flags and the least each may be (an out-of-range one is refused at once).
-_AT_LEAST = (
-    ("node_unit", 1),
-    ("max_restarts", 0),
-    ("persist_every", 1),
-    ("keep_checkpoints", 1),
-    ("peer_replicas", 0),
-    ("peer_memory", 1),
-    ("shutdown_timeout", 0),
-    ("monitor_interval", 0),
-    ("max_worker_restarts", 0),
-)
-
-
-def _check_ranges(args: argparse.Namespace) -> None:
-    for dest, least in _AT_LEAST:
-        value = getattr(args, dest, None)
-        if value is not None and value < least:
-            flag = "--" + dest.replace("_", "-")
-            raise ConfigError(f"{flag} must be at least {least}, got {value:g}")
-
-
-def _check_storage(location: str) -> None:
-    """A checkpoint URL no store can serve, or a directory of this machine that this
-    user cannot create or write, is said before anything starts. (No object store is
-    contacted here: an unreachable one fails each persist with its reason, and training
-    goes on from memory.)"""
-    from rove.checkpoint.storage import FileStorage, StorageError
-    from rove.checkpoint.stores import open_storage
-
-    try:
-        storage = open_storage(location)
-    except StorageError as exc:
-        raise ConfigError(f"--checkpoint-dir: {exc}") from exc
-    if isinstance(storage, FileStorage) and (why := unwritable(storage.root)):
-        raise ConfigError(
-            f"--checkpoint-dir {location}: {why}; give a directory this user can create "
-            "and write (or an object store URL: s3://, gs://, az://)"
-        )
-
-
 def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     """The agent's configuration from parsed arguments; raises ConfigError for bad ones."""
-    _auto_config(args)
-    _check_ranges(args)
+    run_checks.auto_config(args)
+    run_checks.check_ranges(args)
+    run_checks.absolute_paths(args)
     if args.checkpoint_dir:
-        _check_storage(args.checkpoint_dir)
+        run_checks.check_storage(args.checkpoint_dir)
     embedded.check_home()
     if args.log_dir and (why := unwritable(Path(args.log_dir))):
         raise ConfigError(f"--log-dir {args.log_dir}: {why}; give a folder this user can write")

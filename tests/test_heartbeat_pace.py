@@ -44,26 +44,3 @@ def test_rove_run_takes_the_interval_from_nnodes_unless_it_is_given() -> None:
     assert _cfg("--nnodes", "1:50000") == 2.0
     assert _cfg("--nnodes", "1:50000", "--heartbeat-interval", "0.5") == 0.5
     assert _cfg("--nnodes", "1:100000", "--node-timeout", "10") == 2.0
-
-
-def _job(*flags: str) -> str:
-    args = build_parser().parse_args(["--nats", "nats://127.0.0.1:4222", *flags])
-    return agent_config(args)[0].job
-
-
-def test_a_torchrun_rdzv_id_or_script_name_that_is_no_job_name_names_the_job_after_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # torchrun takes any --rdzv-id (a scheduler's "12345.batch", "exp.1") and any script
-    named = _job("--rdzv-id", "exp.1", SCRIPT)
-    assert named == _job("--rdzv-id", "exp.1", SCRIPT), "alike on every node"
-    assert named.startswith("exp-1-") and named != _job("--rdzv-id", "exp:1", SCRIPT)
-    assert f"job name {named}, made of --rdzv-id 'exp.1'" in capsys.readouterr().err
-    assert _job("--rdzv-id", "exp-1", SCRIPT) == "exp-1"
-    assert capsys.readouterr().err == "", "a valid id is the name, nothing said"
-    script = tmp_path / "train me (v2).py"
-    script.write_text("")
-    assert _job(str(script)).startswith("train-me-v2-")
-    script = tmp_path / "__.py"
-    script.write_text("")
-    assert _job(str(script)).startswith("job-")

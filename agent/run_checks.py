@@ -1,0 +1,81 @@
+"""`rove run`'s arguments checked and completed before the agent's configuration is made
+of them (`rove.agent.launcher.agent_config`): `--auto-config`, the numeric flags' ranges,
+paths made absolute, the checkpoint location."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rove.control.errors import ConfigError
+from rove.control.process.folders import unwritable
+
+
+def auto_config(args: argparse.Namespace) -> None:
+    """`--auto-config`: the node count from `NODE_NUM`, a worker per GPU, and the
+    network check for four nodes or more (DLRover's)."""
+    if not args.auto_config:
+        return
+    if os.environ.get("NODE_NUM"):
+        args.nnodes = os.environ["NODE_NUM"]
+    import torch
+
+    gpus = torch.cuda.device_count()
+    args.nproc_per_node = str(gpus) if gpus else args.nproc_per_node
+    max_nodes = int(str(args.nnodes).split(":")[-1])
+    if max_nodes >= 4:
+        args.network_check = True
+
+
+#: Numeric flags and the least each may be (an out-of-range one is refused at once).
+_AT_LEAST = (
+    ("node_unit", 1),
+    ("max_restarts", 0),
+    ("persist_every", 1),
+    ("keep_checkpoints", 1),
+    ("peer_replicas", 0),
+    ("peer_memory", 1),
+    ("shutdown_timeout", 0),
+    ("monitor_interval", 0),
+    ("max_worker_restarts", 0),
+)
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """A numeric flag under its least (`_AT_LEAST`) is refused, naming it."""
+    for dest, least in _AT_LEAST:
+        value = getattr(args, dest, None)
+        if value is not None and value < least:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least {least}, got {value:g}")
+
+
+def absolute_paths(args: argparse.Namespace) -> None:
+    """`--checkpoint-dir` and `--log-dir` as absolute paths (`~` expanded, which a shell
+    leaves in `--checkpoint-dir=~/ckpt`): the workers get them in their environment, and a
+    script that changes its directory (Hydra's runs do) read a relative one elsewhere than
+    the agent wrote it. An object store's URL is left as it is."""
+    for name in ("checkpoint_dir", "log_dir"):
+        value = getattr(args, name)
+        if value and "://" not in value:
+            setattr(args, name, str(Path(value).expanduser().absolute()))
+
+
+def check_storage(location: str) -> None:
+    """A checkpoint URL no store can serve, or a directory of this machine that this
+    user cannot create or write, is said before anything starts. (No object store is
+    contacted here: an unreachable one fails each persist with its reason, and training
+    goes on from memory.)"""
+    from rove.checkpoint.storage import FileStorage, StorageError
+    from rove.checkpoint.stores import open_storage
+
+    try:
+        storage = open_storage(location)
+    except StorageError as exc:
+        raise ConfigError(f"--checkpoint-dir: {exc}") from exc
+    if isinstance(storage, FileStorage) and (why := unwritable(storage.root)):
+        raise ConfigError(
+            f"--checkpoint-dir {location}: {why}; give a directory this user can create "
+            "and write (or an object store URL: s3://, gs://, az://)"
+        )

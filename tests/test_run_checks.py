@@ -1,0 +1,54 @@
+"""`rove run`'s arguments as the agent takes them: the job's name, paths made absolute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rove.agent.launcher import agent_config
+from rove.agent.run_args import build_parser
+
+SCRIPT = str(Path(__file__).parent.parent / "examples" / "train.py")
+
+
+def _job(*flags: str) -> str:
+    args = build_parser().parse_args(["--nats", "nats://127.0.0.1:4222", *flags])
+    return agent_config(args)[0].job
+
+
+def test_a_torchrun_rdzv_id_or_script_name_that_is_no_job_name_names_the_job_after_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # torchrun takes any --rdzv-id (a scheduler's "12345.batch", "exp.1") and any script
+    named = _job("--rdzv-id", "exp.1", SCRIPT)
+    assert named == _job("--rdzv-id", "exp.1", SCRIPT), "alike on every node"
+    assert named.startswith("exp-1-") and named != _job("--rdzv-id", "exp:1", SCRIPT)
+    assert f"job name {named}, made of --rdzv-id 'exp.1'" in capsys.readouterr().err
+    assert _job("--rdzv-id", "exp-1", SCRIPT) == "exp-1"
+    assert capsys.readouterr().err == "", "a valid id is the name, nothing said"
+    script = tmp_path / "train me (v2).py"
+    script.write_text("")
+    assert _job(str(script)).startswith("train-me-v2-")
+    script = tmp_path / "__.py"
+    script.write_text("")
+    assert _job(str(script)).startswith("job-")
+
+
+def test_checkpoint_and_log_folders_reach_the_workers_as_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a script that changes its folder (Hydra's runs do) read a relative ROVE_CKPT_DIR
+    # elsewhere than the agent persisted to; `--checkpoint-dir=~/x` kept its `~`
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    args = build_parser().parse_args(
+        ["--nats", "nats://127.0.0.1:4222", "--checkpoint-dir=~/ck", "--log-dir", "logs", SCRIPT]
+    )
+    cfg = agent_config(args)[0]
+    assert cfg.checkpoint_dir == str(tmp_path / "home" / "ck")
+    assert args.log_dir == str(tmp_path / "logs")
+    url = build_parser().parse_args(
+        ["--nats", "nats://127.0.0.1:4222", "--checkpoint-dir", "s3://bucket/run", SCRIPT]
+    )
+    assert agent_config(url)[0].checkpoint_dir == "s3://bucket/run", "a URL as it is"
