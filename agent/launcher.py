@@ -198,7 +198,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         hang_timeout_s=args.hang_timeout or 0.0,
         faults=_faults(args.inject_fault),
         exit_timeout_s=args.hang_timeout or EXIT_TIMEOUT_S,
-        stop_timeout_s=float(args.shutdown_timeout) if args.shutdown_timeout else 10.0,
+        stop_timeout_s=run_checks.shutdown_timeout(args),
         start_method=start_method,
         checkpoint_dir=args.checkpoint_dir or None,
         save_at_breakpoint=bool(args.save_at_breakpoint),

@@ -30,7 +30,8 @@ _RETOLD = {
     "(default 0, as torchrun); the same user error twice fails the job at once",
     "start_method": "with --no-warm-start, how fresh worker interpreters are started "
     "(default spawn); warm workers are forked from the warm server",
-    "shutdown_timeout": "seconds workers get to exit after SIGTERM before SIGKILL (default 10)",
+    "shutdown_timeout": "seconds workers get to exit after the stop signal before SIGKILL (0: at "
+    "once; default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 10, where torchrun waits 30)",
     "local_addr": "this node's address, advertised to the other nodes (default: the host's "
     "address; 127.0.0.1 with --standalone)",
 }

@@ -79,3 +79,28 @@ def check_storage(location: str) -> None:
             f"--checkpoint-dir {location}: {why}; give a directory this user can create "
             "and write (or an object store URL: s3://, gs://, az://)"
         )
+
+
+#: Seconds workers get to exit after the stop signal before SIGKILL, by default. torchrun
+#: gives 30: rove gives less, a restart waiting on a worker that handles SIGTERM but is
+#: stuck in a collective (a peer died) being time the job stands still.
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def shutdown_timeout(args: argparse.Namespace) -> float:
+    """`--shutdown-timeout` (0: SIGKILL at once), else torchrun's environment variable
+    `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else `SHUTDOWN_TIMEOUT_S`."""
+    if args.shutdown_timeout is not None:
+        return float(args.shutdown_timeout)
+    raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+    if not raw:
+        return SHUTDOWN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ConfigError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw!r} is not a number of seconds (0 or more)"
+        )
+    return value

@@ -8,6 +8,7 @@ import pytest
 
 from rove.agent.launcher import agent_config
 from rove.agent.run_args import build_parser
+from rove.control.errors import ConfigError
 
 SCRIPT = str(Path(__file__).parent.parent / "examples" / "train.py")
 
@@ -52,3 +53,22 @@ def test_checkpoint_and_log_folders_reach_the_workers_as_absolute_paths(
         ["--nats", "nats://127.0.0.1:4222", "--checkpoint-dir", "s3://bucket/run", SCRIPT]
     )
     assert agent_config(url)[0].checkpoint_dir == "s3://bucket/run", "a URL as it is"
+
+
+def _stop_timeout(*flags: str) -> float:
+    args = build_parser().parse_args(["--nats", "nats://127.0.0.1:4222", *flags, SCRIPT])
+    return agent_config(args)[0].stop_timeout_s
+
+
+def test_the_shutdown_timeout_is_the_flag_else_torchruns_variable_else_ten_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert _stop_timeout() == 10.0
+    assert _stop_timeout("--shutdown-timeout", "0") == 0.0, "0 is SIGKILL at once (was 10)"
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")
+    assert _stop_timeout() == 45.0, "torchrun's variable, as torchrun reads it"
+    assert _stop_timeout("--shutdown-timeout", "5") == 5.0
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon'"):
+        _stop_timeout()
