@@ -197,9 +197,8 @@ class Agent:
         try:  # (a signal may cancel it while it starts: `rove run` ends the wait for the bus)
             if self._warm:
                 warm.start(self.cfg.preload)  # imports torch while the rendezvous runs
-            await self.checkpoints.announce_found(
-                self.bus
-            )  # before it joins: the round restores it
+            # before it joins: the round restores the step found
+            await self.checkpoints.announce_found(self.bus)
             await self.checkpoints.announce_memory(self.bus)  # (an earlier agent's, killed)
             await self.replicas.start()  # before it joins: its peers send to its port
             decisions = subjects.master(self.cfg.job, ">")
