@@ -98,9 +98,8 @@ class TfCheckpointer:
         self.checkpoint = checkpoint
         self.root = Path(directory)
         self.keep = keep
-        logging.getLogger("tensorflow").addFilter(
-            _QUIET_SAVER
-        )  # (added once, however many checkpointers)
+        # (a logger adds a filter once, however many checkpointers add it)
+        logging.getLogger("tensorflow").addFilter(_QUIET_SAVER)
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Saved:
         """Write, verify and commit `step` (blocking).

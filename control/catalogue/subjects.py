@@ -58,7 +58,7 @@ def name_from(text: str) -> str:
     """A valid name for `text` (an id another tool chose, e.g. torchrun's `--rdzv-id`):
     `text` itself where it is one, else `cleaned(text)`, cut to fit, with a hash of the
     whole, so the same text always gives the same name (every node of a job derives it
-    alike) and two texts never share one."""
+    alike) and two texts share one only by a 1-in-16-million chance."""
     if _NAME.match(text):
         return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:6]
