@@ -107,6 +107,13 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         # a c10d endpoint): one machine, so rove's embedded default serves it
         standalone = args.standalone = True
         args.standalone_implied = True  # said once the whole command line is checked
+    if not args.nats and not standalone and not args.auto_scale:
+        # (refused before the job's folder is made: a refused command leaves nothing)
+        raise ConfigError(
+            f"--nnodes {args.nnodes}: the nodes meet on a NATS server, and none was given: add "
+            "--nats nats://HOST:4222 (or set ROVE_NATS_URL) on every node, with a "
+            "`rove master --job J --nats ...` beside them (docs/runtime.md, 'Several nodes')"
+        )
     if args.auto_scale and not standalone:
         raise ConfigError(
             "--auto-scale runs a master and a scaler in this process, with --standalone; on a "
@@ -305,12 +312,6 @@ def _kafka_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool, log_path: Path) -> int:
-    if not args.nats and not standalone:
-        raise ConfigError(
-            f"--nnodes {args.nnodes}: the nodes meet on a NATS server, and none was given: add "
-            "--nats nats://HOST:4222 (or set ROVE_NATS_URL) on every node, with a "
-            "`rove master --job J --nats ...` beside them (docs/runtime.md, 'Several nodes')"
-        )
     # SIGINT, SIGTERM, SIGHUP and SIGQUIT for the whole run: the first stops the job's
     # workers (with the same signal) and leaves cleanly, a second one ends everything at
     # once. Until the agent hears them (it may wait for the bus however long), the first

@@ -415,6 +415,8 @@ def test_user_mistakes_get_one_clear_line_and_an_exit_code(
     assert "Traceback" not in out.stderr
     assert f"rove {args[0]}: rove {args[0]}" not in out.stderr, "the prefix is said once"
     assert "usage:" not in out.stderr, "one line, not argparse's usage (45 lines for rove run)"
+    jobs = tmp_path / "jobs"
+    assert not jobs.exists() or not any(jobs.iterdir()), "a refused command leaves no job behind"
 
 
 def test_a_script_that_does_not_compile_is_refused_before_anything_starts(
