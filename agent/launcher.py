@@ -39,7 +39,7 @@ from rove.agent.echo import MAX_BYTES_DEFAULT, EchoedLogs
 from rove.agent.heartbeat import HEARTBEATS_PER_S, interval_for
 from rove.agent.run_args import build_parser, launch_config, node_range, reworded, warn_ignored
 from rove.agent.script import refused
-from rove.control.bus import auth, embedded
+from rove.control.bus import auth, embedded, stored
 from rove.control.bus.client import Bus
 from rove.control.bus.options import closed
 from rove.control.catalogue import events as ev
@@ -336,6 +336,8 @@ async def _run_job(
     )
     if options.url is None:  # this machine keeps the job: its folder, and the others' rule
         _housekeeping(cfg.job)
+    else:  # a shared NATS: kept in the job's folder for the readers (`rove status --job J`)
+        stored.remember_shared(cfg.job, options.url)
     options, job_auth = closed(options, cfg.job, cfg.node)
     if job_auth is not None:
         cfg = dataclasses.replace(cfg, worker_auth=job_auth.trainer)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rove.control.bus import stored
 from rove.control.bus.client import Bus, BusOptions
 from rove.control.catalogue import events as ev
 from tests.support import (
@@ -362,3 +363,32 @@ async def test_a_node_joining_a_run_under_way_does_not_take_its_committed_step_f
     # n1's slots are in the machine's shared memory n2 shares: found, but not as left by
     # an earlier agent of n2's (there was none)
     assert "left by its earlier agent" not in nodes[1].log()
+
+
+async def test_a_job_run_on_a_shared_nats_is_read_on_its_nodes_machine_without_nats(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Its folder here kept only logs: `rove status --job J` asked for --nats, and `rove
+    jobs` listed it as `elsewhere` with zeros."""
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    master = MasterProc(bus.url, "onshared", "m1", tmp_path)
+    node = RunProc(
+        tmp_path,
+        "n1",
+        *("--nats", bus.url, "--job", "onshared", "--node-id", "n1", "--nnodes", "1"),
+        str(script),
+    )
+    try:
+        assert await asyncio.to_thread(node.wait, 120) == 0, node.log()[-3000:]
+    finally:
+        master.stop()
+    status = await asyncio.to_thread(rove_cli, "status", "--job", "onshared", timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.startswith("job onshared: finished"), status.stdout
+    jobs = await asyncio.to_thread(rove_cli, "jobs", timeout=60)
+    (row,) = [line for line in jobs.stdout.splitlines() if line.startswith("onshared ")]
+    assert row.split()[1] == "finished", jobs.stdout
+    # the URL kept holds no credentials a URL may carry
+    stored.remember_shared("creds", "nats://alice:secret@h1:4222,nats://bob:pw@h2:4222")
+    assert stored.shared_url("creds") == "nats://h1:4222,nats://h2:4222"

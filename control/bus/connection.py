@@ -126,7 +126,7 @@ async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
             ) from exc
         raise BusUnavailableError(
             f"cannot connect to NATS at {', '.join(servers)}: {exc or type(exc).__name__}; "
-            "check that the server runs and that --nats / ROVE_NATS_URL points at it"
+            f"check that the server runs and that {o.url_from} points at it"
         ) from exc
     except nats.errors.Error as exc:
         state["closing"] = True

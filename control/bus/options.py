@@ -43,6 +43,8 @@ class BusOptions:
     tls_handshake_first: bool = False
     inbox_prefix: str | None = None
     name: str = "rove"
+    #: where `url` came from, named when it cannot be reached
+    url_from: str = "--nats / ROVE_NATS_URL"
     connect_timeout_s: float = 5.0
     reconnect_forever: bool = False
     #: whether the connection's losses and errors are warnings; a worker's data client

@@ -1,4 +1,5 @@
-"""A job that has ended, read from what it left on disk.
+"""A job that has ended, read from what it left on disk; and where a job on a shared NATS
+ran (`remember_shared`, `shared_url`: read with no `--nats`).
 
 A `--standalone` job keeps its whole event stream in its embedded server's store,
 `ROVE_HOME/jobs/<job>/nats/jetstream`. While the job runs the CLI reads it through
@@ -12,6 +13,7 @@ to the job's own store (a JetStream server writes its store as it starts).
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 from dataclasses import dataclass
@@ -39,6 +41,31 @@ def answers(url: str, timeout_s: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+#: The shared NATS a job's node ran on from this machine (its folder's `shared-nats.url`).
+SHARED_URL = "shared-nats.url"
+_USERINFO = re.compile(r"://[^/,]*@")
+
+
+def remember_shared(job: str, url: str) -> None:
+    """Keep in `job`'s folder the shared NATS it runs on (`rove run --nats URL`), without
+    the user and password a URL may hold: `rove status --job J`, `rove jobs` and the other
+    readers find it there without `--nats` (they bring their own credentials)."""
+    path = embedded.job_dir(job) / SHARED_URL
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(_USERINFO.sub("://", url) + "\n")
+    except OSError as exc:  # (a convenience: the job goes on without it)
+        log.info("could not keep the job's NATS URL", job=job, error=str(exc))
+
+
+def shared_url(job: str) -> str | None:
+    """The shared NATS `job` ran on from this machine (None: none kept)."""
+    try:
+        return (embedded.job_dir(job) / SHARED_URL).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def running_url(job: str) -> str | None:

@@ -68,13 +68,18 @@ def run(args: argparse.Namespace) -> int:
 
 async def summary(job: str) -> jobs_mod.Summary:
     """One job's summary: cached once ended, else read from its events."""
-    running = stored.running_url(job) is not None
+    # its own embedded server, running; or the shared NATS a node of this machine ran it
+    # on (`rove run --nats`), read there while it answers (the job may run on there)
+    local = stored.running_url(job)
+    shared = stored.shared_url(job) if local is None else None
+    running = local is not None or (shared is not None and stored.answers(shared))
     if not running:
         found = jobs_mod.cached(job)
         if found is not None:
             return found
-        if stored.StoredJob.find(job) is None:  # a job whose events are on another server
-            return jobs_mod.Summary(job, "elsewhere", None, 0.0, 0, 0, "", None)
+        if stored.StoredJob.find(job) is None:  # its events are on a server not reached
+            where = f"its events are on {shared}, not reached" if shared else ""
+            return jobs_mod.Summary(job, "elsewhere", None, 0.0, 0, 0, where, None)
     try:
         args = _local_nats_args()
         state, ledger = initial(job), gp.Ledger()
@@ -98,7 +103,7 @@ async def summary(job: str) -> jobs_mod.Summary:
         cut = jobs_mod.summarize(state, gp.report(ledger, ledger.last_ts), known)
         return dataclasses.replace(cut, state=runs.CUT_OFF)
     result = jobs_mod.summarize(state, gp.report(ledger, time.time()), known)
-    if not running and state.phase.terminal:
+    if local is None and state.phase.terminal:  # (a shared NATS job too, once it ended)
         jobs_mod.cache(result)
     return result
 

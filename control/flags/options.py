@@ -227,6 +227,14 @@ def bus_options(
                 found_creds = ended.credentials("launcher")
                 if not auth_file and found_creds is not None:
                     auth_file = str(found_creds)
+    url_from = None
+    if not url and embedded_dir is None and job is not None and role in READERS:
+        url = stored.shared_url(job)  # a job a node of this machine ran on a shared NATS
+        if url:
+            url_from = (
+                f"{embedded.job_dir(job) / stored.SHARED_URL} (the NATS the job's node ran "
+                "on from this machine; --nats overrides it)"
+            )
     if (
         not url
         and embedded_dir is None
@@ -257,6 +265,7 @@ def bus_options(
         tls_cert_file=args.nats_tls_cert,
         tls_key_file=args.nats_tls_key,
         name=name,
+        url_from=url_from or BusOptions.url_from,
         reconnect_forever=daemon,
         replicas=replicas,
         lease_ttl_s=lease_ttl_s,
