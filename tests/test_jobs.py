@@ -63,3 +63,13 @@ def test_a_summary_cached_by_an_older_rove_is_not_shown_but_read_again(
     assert cached("j") is None, "an older rove's summary is read again from the events"
     (tmp_path / "jobs" / "j" / SUMMARY).write_text(json.dumps(["not", "a", "summary"]))
     assert cached("j") is None
+
+
+def test_a_job_whose_events_were_not_reached_lists_no_made_up_numbers() -> None:
+    """(It listed `0.0s 0 0`, as if it had run for no time.)"""
+    from rove.control.history.jobs import ELSEWHERE, Summary, render
+
+    row = Summary("far", ELSEWHERE, None, 0.0, 0, 0, "its events are on nats://h:4222", None)
+    (line,) = render([row], set()).splitlines()[1:]
+    assert line.split()[:7] == ["far", ELSEWHERE, "-", "-", "-", "-", "-"], line
+    assert line.endswith("its events are on nats://h:4222")

@@ -79,7 +79,7 @@ async def summary(job: str) -> jobs_mod.Summary:
             return found
         if stored.StoredJob.find(job) is None:  # its events are on a server not reached
             where = f"its events are on {shared}, not reached" if shared else ""
-            return jobs_mod.Summary(job, "elsewhere", None, 0.0, 0, 0, where, None)
+            return jobs_mod.Summary(job, jobs_mod.ELSEWHERE, None, 0.0, 0, 0, where, None)
     try:
         args = _local_nats_args()
         state, ledger = initial(job), gp.Ledger()

@@ -39,6 +39,10 @@ SUMMARY = "summary.json"
 SUMMARY_VERSION = 2
 
 
+#: The state of a job whose events are on a server this machine did not reach.
+ELSEWHERE = "elsewhere"
+
+
 @dataclass(frozen=True)
 class Summary:
     """What `rove jobs` says about one job."""
@@ -204,13 +208,15 @@ def render(rows: Sequence[Summary], pinned: set[str]) -> str:
     lines = [header]
     for r in rows:
         started = words.local_time(r.start) if r.start else "-"
-        took = _took(r.seconds)
+        known = r.state != ELSEWHERE  # (its events were not read: nothing to count)
+        took = _took(r.seconds) if known else "-"
+        rounds, restarts = (r.rounds, r.restarts) if known else ("-", "-")
         good = f"{r.goodput:.0%}" if r.goodput is not None else "-"
         name = r.job + (" *" if r.job in pinned else "")
         failure = r.last_failure if len(r.last_failure) <= 60 else r.last_failure[:59] + "…"
         lines.append(
-            f"{name:<24} {r.state:<9} {started:<19} {took:>8} {r.rounds:>6} "
-            f"{r.restarts:>8} {good:>7}  {failure or '-'}"
+            f"{name:<24} {r.state:<9} {started:<19} {took:>8} {rounds:>6} "
+            f"{restarts:>8} {good:>7}  {failure or '-'}"
         )
     if pinned & {r.job for r in rows}:
         lines.append("(* kept: pinned with rove jobs --keep)")
