@@ -75,7 +75,9 @@ def _job_name(args: argparse.Namespace) -> str:
                 "at most 64 letters, digits, '-' or '_'; use it with rove status, or set --job)"
             )
         return name
-    stem = subjects.cleaned(Path(args.training_script).stem)[:40].rstrip("-_") or "job"
+    # (a module's dotted name whole: `-m pkg.train` was named `pkg`, a suffix dropped)
+    named = args.training_script if args.module else Path(args.training_script).stem
+    stem = subjects.cleaned(named)[:40].rstrip("-_") or "job"
     return subjects.check_name("job", f"{stem}-{uuid.uuid4().hex[:6]}")
 
 

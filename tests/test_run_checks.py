@@ -31,6 +31,7 @@ def test_a_torchrun_rdzv_id_or_script_name_that_is_no_job_name_names_the_job_aft
     script = tmp_path / "train me (v2).py"
     script.write_text("")
     assert _job(str(script)).startswith("train-me-v2-")
+    assert _job("-m", "examples.train").startswith("examples-train-"), "a module's whole name"
     script = tmp_path / "__.py"
     script.write_text("")
     assert _job(str(script)).startswith("job-")
