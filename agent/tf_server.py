@@ -67,11 +67,13 @@ def main() -> None:
         f"(up in {time.monotonic() - began:.1f}s)",
         flush=True,
     )
-    # SIGTERM (the agent stopping the round) ends the task at once: a server has no
-    # state of its own to save. The default action, not a Python handler: the main
-    # thread waits inside TensorFlow's join, where no Python handler ever runs (one
-    # here made every server wait out the agent's grace period for a SIGKILL)
+    # SIGTERM (the agent stopping the round) and SIGINT (a Ctrl-C `rove run` passes on as
+    # received) end the task at once: a server has no state of its own to save. The
+    # default action, not a Python handler: the main thread waits inside TensorFlow's
+    # join, where no Python handler ever runs (Python's own for SIGINT, or one here, made
+    # every server wait out the agent's grace period for a SIGKILL: a Ctrl-C took 10 s)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     server.join()
     sys.exit(f"the {task['type']} {task['index']} server stopped serving")
 

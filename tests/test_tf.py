@@ -11,6 +11,7 @@ model, every sample of the data set was trained exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import re
@@ -228,3 +229,27 @@ def test_a_managed_job_starts_its_parameter_server_on_a_node_of_its_own(tmp_path
         ("n0-a0", "ps"),
         ("n1-a0", ""),
     ]
+
+
+async def test_a_ctrl_c_ends_the_parameter_servers_and_workers_at_once(tmp_path: Path) -> None:
+    """rove run passes a Ctrl-C on as SIGINT: the servers, waiting inside TensorFlow's
+    join where Python's handler never runs, waited out the 10 s grace for a SIGKILL."""
+    job = RunProc(
+        tmp_path,
+        "tfint",
+        *("--standalone", "--job", "tfint", "--tf-ps", "--num-ps", "1", "--num-workers", "2"),
+        *("--checkpoint-dir", str(tmp_path / "ckpt")),
+        str(SCRIPT),
+        *("--samples", "200000"),
+        env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    try:
+        await eventually(lambda: re.search(r"\[chief\] step \d+ ", job.log()), timeout=300)
+        job.proc.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(job.wait, 120)
+        assert code == 128 + signal.SIGINT, job.log()[-3000:]
+    finally:
+        job.stop()
+    log = job.log()
+    assert "rove: job tfint stopped: rove run received SIGINT" in log, log[-3000:]
+    assert "did not end within" not in log, log[-3000:]
