@@ -637,3 +637,15 @@ def test_status_gives_a_node_that_left_the_last_step_its_workers_reported() -> N
     assert status_view(state, beat, None, 111.0)["nodes"][0]["step"] == 26, "live: its beat"
     state = evolve(state, factories.left("n1"), 5)
     assert status_view(state, beat, None, 111.0)["nodes"][0]["step"] == 30
+
+
+def test_rove_alone_lists_its_commands_and_version_says_the_version() -> None:
+    """(`rove` alone said "the following arguments are required: COMMAND"; `--version`
+    was refused.)"""
+    import importlib.metadata
+
+    alone = rove_cli()
+    assert alone.returncode == common.EXIT_USAGE
+    assert "run " in alone.stdout and "status " in alone.stdout, alone.stdout
+    version = rove_cli("--version", check=True)
+    assert version.stdout.strip() == f"rove {importlib.metadata.version('rove')}"

@@ -7,6 +7,7 @@ clear line on stderr and exit with a documented code, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default=None, help="debug, info, warning, error (env ROVE_LOG_LEVEL)"
     )
+    p.add_argument("--version", action="version", version=f"rove {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sub.add_parser("run", help="run a training job (torchrun's flags, plus rove's)", add_help=False)
     for module in (
@@ -80,8 +82,18 @@ def _reworded(message: str, argv: Sequence[str]) -> str:
     return message
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("rove")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:  # `rove` alone: what it can do, not "COMMAND is required"
+        build_parser().print_help()
+        return common.EXIT_USAGE
     if set(argv[:1]) & {"run", *_DAEMONS}:
         logs.survive_the_console()  # (they run on without it; their logs keep everything)
     if argv[:1] == ["run"]:
