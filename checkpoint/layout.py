@@ -92,6 +92,11 @@ def plan(step: int, state: Any) -> Plan:
 
     def walk(value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):
+            if (unstorable := _not_dense(value)) is not None:
+                raise CheckpointLayoutError(
+                    f"cannot checkpoint a {unstorable[0]} tensor at {path or 'the root'}: a "
+                    f"flash checkpoint holds dense tensors; save {unstorable[1]} instead"
+                )
             return tensor_ref(value.detach())
         if isinstance(value, dict):
             return {k: walk(v, f"{path}.{k}") for k, v in value.items()}
@@ -117,6 +122,23 @@ def plan(step: int, state: Any) -> Plan:
 
 
 _skeleton_encoder = msgspec.msgpack.Encoder()
+
+
+def _not_dense(t: torch.Tensor) -> tuple[str, str] | None:
+    """(what kind of tensor, what to save instead) for a tensor whose bytes are not one
+    dense block (its copy into the slot failed deep in torch: "copy_() between dense and
+    sparse Tensors is not implemented"); None for a dense one."""
+    import torch
+
+    if t.is_nested:
+        return "nested", "its unbind() list"
+    if t.layout is not torch.strided:
+        return str(t.layout).removeprefix("torch."), "its to_dense(), or its indices() and values()"
+    if t.is_quantized:
+        return "quantized", "its int_repr() with its q_scale() and q_zero_point()"
+    if t.is_meta:
+        return "meta (data-less)", "a tensor with data"
+    return None
 
 
 def rebuild(meta: Meta, tensor: Callable[[int, TensorEntry], torch.Tensor]) -> Any:

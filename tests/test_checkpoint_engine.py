@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +160,25 @@ def test_a_value_that_cannot_be_stored_names_its_path(tmp_path: Path) -> None:
     engine = FlashEngine("j1", 0, directory=tmp_path)
     with pytest.raises(CheckpointLayoutError, match=r"object at \.extra\.fn"):
         engine.save(1, {"extra": {"fn": object()}})
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda: torch.eye(3).to_sparse(), "sparse_coo"),
+        (lambda: torch.empty(2, device="meta"), "meta"),
+    ],
+)
+def test_a_tensor_that_is_not_dense_is_refused_naming_its_path_and_what_to_save(
+    tmp_path: Path, make: Any, kind: str
+) -> None:
+    """(A sparse tensor failed deep in torch: "copy_() between dense and sparse Tensors
+    is not implemented", the job's root cause pointing into rove's engine.)"""
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    engine.save(1, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointLayoutError, match=rf"a {kind}.* tensor at \.extra\[0\]: "):
+        engine.save(2, {"w": torch.ones(2), "extra": [make()]})
+    assert engine.newest() is not None and engine.newest().step == 1, "the step before stays"
 
 
 def test_segments_are_reused_and_grow_only_when_the_state_grows(tmp_path: Path) -> None:
