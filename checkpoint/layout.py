@@ -2,7 +2,7 @@
 
 A state dict is a tree of dicts, lists and tuples whose leaves are tensors or
 plain values (numbers, strings, bytes, None, numpy arrays, which become
-tensors). `plan()` splits it into
+tensors, and numpy scalars, which become their Python values). `plan()` splits it into
 
 * a *skeleton*: the tree with every tensor replaced by a reference, encoded with
   msgpack (tensor references and tuples are msgpack extension types, so tuples
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 ALIGN = 64
 _TENSOR = 1
 _TUPLE = 2
+_BIGINT = 3
 
 
 class CheckpointLayoutError(ValueError):
@@ -105,12 +106,30 @@ def plan(step: int, state: Any) -> Plan:
         if isinstance(value, tuple):
             items = [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
             return msgspec.msgpack.Ext(_TUPLE, _skeleton_encoder.encode(items))
-        if value is None or isinstance(value, bool | int | float | str | bytes):
+        if value is None or type(value) in (bool, float, str, bytes):
             return value
+        if isinstance(value, int):  # (bool was above: no subclass of it can be made)
+            # (an int subclass, IntEnum's, as an int; one past 64 bits, as a PCG64
+            # generator's state holds, in an extension: msgpack's own ints stop there)
+            number = int(value)
+            if -(1 << 63) <= number < 1 << 64:
+                return number
+            size = (number.bit_length() + 8) // 8
+            return msgspec.msgpack.Ext(_BIGINT, number.to_bytes(size, "little", signed=True))
         if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
             import numpy as np
 
+            if isinstance(value, np.generic):  # a numpy scalar (float64: a float's
+                return walk(value.item(), path)  # subclass msgpack refused): its value
             return tensor_ref(torch.from_numpy(np.ascontiguousarray(value)))
+        # another subclass of a plain type, as its plain value (a str enum's text, not
+        # what its str() says)
+        if isinstance(value, str):
+            return str.__str__(value)
+        if isinstance(value, float):
+            return float(value)
+        if isinstance(value, bytes):
+            return bytes(value)
         raise CheckpointLayoutError(
             f"cannot checkpoint {type(value).__name__} at {path or 'the root'}: use tensors, "
             "numbers, strings, bytes, None, or dicts/lists/tuples of them"
@@ -150,6 +169,8 @@ def rebuild(meta: Meta, tensor: Callable[[int, TensorEntry], torch.Tensor]) -> A
             return tensor(index, meta.tensors[index])
         if code == _TUPLE:
             return tuple(decoder.decode(data))
+        if code == _BIGINT:
+            return int.from_bytes(data, "little", signed=True)
         raise CheckpointLayoutError(f"unknown extension type {code} in a checkpoint")
 
     decoder = msgspec.msgpack.Decoder(ext_hook=ext_hook)

@@ -162,6 +162,49 @@ def test_a_value_that_cannot_be_stored_names_its_path(tmp_path: Path) -> None:
         engine.save(1, {"extra": {"fn": object()}})
 
 
+def test_numpy_and_python_generator_states_and_numpy_scalars_round_trip(tmp_path: Path) -> None:
+    """A PCG64 generator's state (128-bit ints: "can't serialize ints > 2**64 - 1") and a
+    numpy float64 (a float subclass msgpack refused) failed the save with a TypeError;
+    a numpy scalar came back as a 0-d tensor."""
+    import enum
+    import random
+
+    import numpy as np
+
+    class Color(str, enum.Enum):  # noqa: UP042 - the older way, whose str() is "Color.RED"
+        RED = "red"
+
+    rng = np.random.default_rng(7)
+    rng.random()
+    np.random.seed(3)
+    state = {
+        "pcg64": rng.bit_generator.state,
+        "legacy": np.random.get_state(),
+        "python": random.getstate(),
+        "best": np.float64(0.25),
+        "count": np.int64(-5),
+        "flag": np.bool_(True),
+        "huge": -(2**70),
+        "color": Color.RED,
+    }
+    engine = FlashEngine("j1", 0, directory=tmp_path)
+    engine.save(1, state)
+    restored = engine.load()
+    assert restored is not None
+    _, back = restored
+    again = np.random.default_rng()
+    again.bit_generator.state = back["pcg64"]
+    assert again.random() == rng.random(), "the generator goes on where it was saved"
+    np.random.set_state(back["legacy"])
+    drawn = np.random.rand()
+    np.random.seed(3)
+    assert drawn == np.random.rand()
+    random.setstate(back["python"])
+    assert (back["best"], back["count"], back["flag"]) == (0.25, -5, True)
+    assert [type(back[k]) for k in ("best", "count", "flag")] == [float, int, bool]
+    assert back["huge"] == -(2**70) and back["color"] == "red"
+
+
 @pytest.mark.parametrize(
     ("make", "kind"),
     [
