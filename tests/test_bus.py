@@ -458,6 +458,12 @@ async def test_unreachable_server_is_a_clear_error() -> None:
         await Bus.connect(BusOptions(url=f"nats://127.0.0.1:{free_port()}"))
 
 
+async def test_a_host_name_that_does_not_resolve_is_said_as_such() -> None:
+    """(nats-py says only "no servers available for connection".)"""
+    with pytest.raises(BusUnavailableError, match="no address for host nats-x.invalid "):
+        await Bus.connect(BusOptions(url="nats://nats-x.invalid:4222"))
+
+
 async def test_malformed_url_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="invalid NATS URL"):
         await Bus.connect(BusOptions(url="localhost:4222"))

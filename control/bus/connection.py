@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -124,9 +126,16 @@ async def open_client(servers: list[str], o: BusOptions) -> NatsClient:
                 "(or --nats-user/--nats-password, --nats-creds, --nats-nkey); a standalone "
                 "job's are under its job directory (docs/operations.md)"
             ) from exc
+        unknown = await _unresolved(servers)
         raise BusUnavailableError(
-            f"cannot connect to NATS at {', '.join(servers)}: {exc or type(exc).__name__}; "
-            f"check that the server runs and that {o.url_from} points at it"
+            f"cannot connect to NATS at {', '.join(servers)}: "
+            + (
+                f"no address for host {', '.join(unknown)} (the name does not resolve); "
+                f"check the host name in {o.url_from}"
+                if unknown
+                else f"{exc or type(exc).__name__}; check that the server runs and that "
+                f"{o.url_from} points at it"
+            )
         ) from exc
     except nats.errors.Error as exc:
         state["closing"] = True
@@ -162,3 +171,21 @@ async def quiet_close(nc: NatsClient) -> None:
         pass
     except RuntimeError:
         pass  # uvloop: the transport was already closed under nats-py (the server is gone)
+
+
+async def _unresolved(servers: list[str]) -> list[str]:
+    """The servers' host names that resolve to no address (nats-py says only "no servers
+    available for connection" for a misspelt host)."""
+    unknown = []
+    loop = asyncio.get_running_loop()
+    for server in servers:
+        host = urlsplit(server).hostname
+        if not host:
+            continue
+        try:
+            await asyncio.wait_for(loop.getaddrinfo(host, None), timeout=5.0)
+        except socket.gaierror:
+            unknown.append(host)
+        except (TimeoutError, OSError):
+            continue  # (a slow or odd resolver: not said to be the cause)
+    return unknown
