@@ -460,7 +460,7 @@ async def test_unreachable_server_is_a_clear_error() -> None:
 
 async def test_a_host_name_that_does_not_resolve_is_said_as_such() -> None:
     """(nats-py says only "no servers available for connection".)"""
-    with pytest.raises(BusUnavailableError, match="no address for host nats-x.invalid "):
+    with pytest.raises(BusUnavailableError, match=r"no address for host nats-x\.invalid "):
         await Bus.connect(BusOptions(url="nats://nats-x.invalid:4222"))
 
 

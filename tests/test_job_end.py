@@ -371,7 +371,7 @@ async def test_a_job_run_on_a_shared_nats_is_read_on_its_nodes_machine_without_n
     """Its folder here kept only logs: `rove status --job J` asked for --nats, and `rove
     jobs` listed it as `elsewhere` with zeros."""
     script = tmp_path / "hello.py"
-    script.write_text("print('hello')\n")
+    script.write_text("import time\nprint('hello', flush=True)\ntime.sleep(120)\n")
     master = MasterProc(bus.url, "onshared", "m1", tmp_path)
     node = RunProc(
         tmp_path,
@@ -380,15 +380,20 @@ async def test_a_job_run_on_a_shared_nats_is_read_on_its_nodes_machine_without_n
         str(script),
     )
     try:
-        assert await asyncio.to_thread(node.wait, 120) == 0, node.log()[-3000:]
+        await eventually(lambda: "hello" in node.log(), timeout=120)
+        # stopped, as read, from this machine with no --nats
+        stop = await asyncio.to_thread(rove_cli, "stop", "--job", "onshared", timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        assert await asyncio.to_thread(node.wait, 120) == 1, node.log()[-3000:]
     finally:
+        node.stop()
         master.stop()
     status = await asyncio.to_thread(rove_cli, "status", "--job", "onshared", timeout=60)
     assert status.returncode == 0, status.stderr
-    assert status.stdout.startswith("job onshared: finished"), status.stdout
+    assert status.stdout.startswith("job onshared: stopped"), status.stdout
     jobs = await asyncio.to_thread(rove_cli, "jobs", timeout=60)
     (row,) = [line for line in jobs.stdout.splitlines() if line.startswith("onshared ")]
-    assert row.split()[1] == "finished", jobs.stdout
+    assert row.split()[1] == "stopped", jobs.stdout
     # the URL kept holds no credentials a URL may carry
     stored.remember_shared("creds", "nats://alice:secret@h1:4222,nats://bob:pw@h2:4222")
     assert stored.shared_url("creds") == "nats://h1:4222,nats://h2:4222"

@@ -228,8 +228,10 @@ def bus_options(
                 if not auth_file and found_creds is not None:
                     auth_file = str(found_creds)
     url_from = None
-    if not url and embedded_dir is None and job is not None and role in READERS:
-        url = stored.shared_url(job)  # a job a node of this machine ran on a shared NATS
+    if not url and embedded_dir is None and job is not None and role in {*READERS, "operator"}:
+        # a job a node of this machine ran on a shared NATS: read it (and stop or scale
+        # it) there
+        url = stored.shared_url(job)
         if url:
             url_from = (
                 f"{embedded.job_dir(job) / stored.SHARED_URL} (the NATS the job's node ran "
