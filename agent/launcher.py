@@ -135,12 +135,13 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     job = _job_name(args)
     node = subjects.check_name("node", args.node_id or socket.gethostname().split(".")[0])
     logs_specs = launch.torch_logs
+    node_logs = (Path(args.log_dir) / job if args.log_dir else joblogs.folder(job)) / node
     if logs_specs is None:
         # the workers' output on the console byte for byte, as under torchrun, and kept
         # in the job's folder: a failure is diagnosed from it, `rove logs` reads it
         # (rove.agent.echo)
         logs_specs = EchoedLogs(
-            (Path(args.log_dir) / job if args.log_dir else joblogs.folder(job)) / node,
+            node_logs,
             launch.console_ranks,
             max_bytes=_log_max_bytes(),
         )
@@ -217,7 +218,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         replica_budget=args.peer_memory << 20,
         failure_domain=args.failure_domain,
         worker_env=_kafka_env(args),
-        log_dir=Path(args.log_dir) if args.log_dir else None,
+        log_dir=node_logs,
         worker_auth=_worker_auth(args.worker_nats_auth),
     )
     return cfg, standalone

@@ -37,7 +37,8 @@ start they are meant to speed up. A task with no spare starts as a fresh process
 Every task and spare runs with `TMPDIR` set to a folder of this runtime's own, removed at
 `close()`: TensorFlow's autograph files of a killed task go with it.
 
-A task's output goes to its log file (`<log_dir>/round<R>-<role><index>.log`);
+A task's output, both streams, goes to its log file where `rove logs` finds a torch
+worker's (`<log_dir>/round<R>/rank<RANK>.stdout`, `rove.control.history.joblogs`);
 the chief's is also echoed to the agent's stderr, prefixed `[chief]`, as are
 the servers' own `rove:` lines. The last lines of a failed task are its
 diagnosis's evidence.
@@ -68,6 +69,7 @@ from rove.agent.sentinels import Sentinels
 from rove.agent.tf_server import PORT_TAKEN
 from rove.control.domain import tf_cluster
 from rove.control.domain.words import counted
+from rove.control.history import joblogs
 from rove.control.process import tempdirs
 
 log = structlog.get_logger("rove.agent")
@@ -191,14 +193,15 @@ class TfRuntime(WorkerRuntime):
                 chief = role == tf_cluster.CHIEF
                 argv = self.chief_argv if chief else self.server_argv
                 module = self._chief_module if chief else (SERVER, [])
-                name = role if chief else f"{role}{index}"
                 task = _Task(
                     local_rank,
                     role,
                     index,
                     argv,
                     full,
-                    self.log_dir / f"round{round_}-{name}.log",
+                    joblogs.round_folder(self.log_dir, round_)
+                    # (both streams: a task's stderr goes to its stdout)
+                    / joblogs.file_name(env.get("RANK", local_rank), "stdout"),
                     None if module is None else tf_spare.Handover(full, module[0], module[1]),
                 )
                 self._tasks[local_rank] = task
@@ -319,6 +322,7 @@ class TfRuntime(WorkerRuntime):
     def _read(self, task: _Task, proc: subprocess.Popen[bytes]) -> None:
         """Copy a task's output to its log file (and the chief's to the agent's stderr)."""
         assert proc.stdout is not None
+        task.log_path.parent.mkdir(parents=True, exist_ok=True)
         with task.log_path.open("ab") as out:
             for raw in proc.stdout:
                 out.write(raw)
@@ -418,13 +422,25 @@ class TfRuntime(WorkerRuntime):
         return WorkersEnded(self._round, failure)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        """`sig` to the chief, then, once it ended, to the servers (a coordinator whose
+        servers went first waits for them to come back, past a Ctrl-C's
+        KeyboardInterrupt); SIGKILL to any still alive `timeout_s` after the first."""
         with self._lock:
             tasks, self._tasks = list(self._tasks.values()), {}
         live = [(t, t.proc) for t in tasks if t.proc is not None and t.proc.poll() is None]
-        for _, proc in live:
+        deadline = time.monotonic() + timeout_s
+        chiefs = [(t, p) for t, p in live if t.role == tf_cluster.CHIEF]
+        for _, proc in chiefs:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(sig)
-        deadline = time.monotonic() + timeout_s
+        for _, proc in chiefs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        for task, proc in live:
+            if task.role != tf_cluster.CHIEF:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+        deadline = max(deadline, time.monotonic() + 1.0)  # (a server ends at once)
         for task, proc in live:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))

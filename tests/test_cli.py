@@ -557,6 +557,37 @@ def test_an_unknown_job_exits_4(nats_server: EmbeddedServer) -> None:
     assert "no events of job 'nosuchjob'" in out.stderr
 
 
+def test_a_job_whose_server_runs_but_has_no_event_yet_is_starting(
+    nats_server: EmbeddedServer,
+) -> None:
+    """`rove run`'s first line names `rove status`, before the job's first event: asked at
+    once, it said "no events of job ...; check the job name" (exit 4)."""
+    from rove.control.bus import embedded
+
+    assert nats_server.url
+    embedded.url_file("early").parent.mkdir(parents=True)
+    embedded.url_file("early").write_text(nats_server.url + "\n")  # as `rove run` does
+    out = rove_cli("status", "--job", "early")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "job early: starting (its launcher runs; no event yet)\n"
+    events = rove_cli("events", "--job", "early")
+    assert events.returncode == common.EXIT_UNKNOWN_JOB
+    assert "job 'early' is starting" in events.stderr, events.stderr
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "rove.control.cli.main", "events", "--job", "early", "-f"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:  # a follow waits for the events to come
+        with pytest.raises(subprocess.TimeoutExpired):
+            follow.wait(5)
+    finally:
+        follow.kill()
+        _, err = follow.communicate()
+    assert "is starting" not in err, err
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [("90", 90), ("90s", 90), ("5m", 300), ("1.5h", 5400), ("2d", 172800), ("250ms", 0.25)],

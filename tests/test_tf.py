@@ -34,6 +34,7 @@ from tests.support import (
     eventually,
     finished,
     fold_records,
+    rove_cli,
     stored_events,
 )
 
@@ -253,3 +254,9 @@ async def test_a_ctrl_c_ends_the_parameter_servers_and_workers_at_once(tmp_path:
     log = job.log()
     assert "rove: job tfint stopped: rove run received SIGINT" in log, log[-3000:]
     assert "did not end within" not in log, log[-3000:]
+    # each task's output is where `rove logs` reads a worker's (it found nothing)
+    chief = await asyncio.to_thread(rove_cli, "logs", "--job", "tfint", "--rank", "0")
+    assert chief.returncode == 0 and re.search(r"^step \d+ ", chief.stdout, re.M), chief
+    every = await asyncio.to_thread(rove_cli, "logs", "--job", "tfint")
+    titles = re.findall(r"^==> round 1, node \S+, rank (\d), stdout <==$", every.stdout, re.M)
+    assert titles == ["0", "1", "2", "3"], every.stdout[:2000]

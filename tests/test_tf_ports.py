@@ -54,7 +54,7 @@ async def test_a_worker_whose_port_is_taken_fails_the_round_instead_of_restartin
         finally:
             rt.stop()
             rt.close()
-    log = (tmp_path / "logs" / "round1-worker0.log").read_text()
+    log = (tmp_path / "logs" / "round1" / "rank0.stdout").read_text()
     assert ended.round == 1 and ended.failure is not None, log
     assert ended.failure.exit_code == PORT_TAKEN, log
     assert restarts == [], "never started again on the address it cannot serve on"

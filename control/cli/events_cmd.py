@@ -133,7 +133,9 @@ async def _read(
     types = set(args.types) if args.types else None
     out = sys.stdout
     async with await Bus.connect(options) as bus:
-        if not await bus.job_exists(args.job):
+        if not await bus.job_exists(args.job) and not (
+            args.follow and common.starting(bus, args.job)  # (its events are to come)
+        ):
             raise common.no_such_job(bus, args.job)
 
         bounds = (

@@ -54,6 +54,13 @@ async def _run(args: argparse.Namespace) -> int:
     options = common.bus_options(args, name="rove-status", job=args.job)
     async with await Bus.connect(options) as bus:
         if not await bus.job_exists(args.job):
+            if common.starting(bus, args.job) and args.run is None:
+                sys.stdout.write(
+                    json.dumps({"job": args.job, "phase": "starting"}) + "\n"
+                    if args.json
+                    else f"job {args.job}: starting (its launcher runs; no event yet)\n"
+                )
+                return common.EXIT_OK
             raise common.no_such_job(bus, args.job)
         kv, _ttl = await bus.lease_bucket()
         holder = await current_holder(kv, subjects.lease_key(args.job))

@@ -449,4 +449,16 @@ def no_such_job(bus: Bus, job: str) -> UnknownJobError:
             f"{embedded.job_dir(job) / 'nats'} hold none of it: the folder is damaged or "
             "was partly deleted"
         )
+    if starting(bus, job):
+        return UnknownJobError(
+            f"job {job!r} is starting: its server runs and holds no event of it yet; ask "
+            "again in a moment"
+        )
     return UnknownJobError(f"no events of job {job!r} on {bus.url}; check the job name")
+
+
+def starting(bus: Bus, job: str) -> bool:
+    """Whether `bus` is `job`'s own embedded server, read by its URL (a job whose server
+    runs but that has no event yet is starting: its launcher's first line, which names
+    `rove status`, comes before the job's first event)."""
+    return bus.server is None and not bus.stored_job and embedded.recorded_url(job) == bus.url
