@@ -341,6 +341,7 @@ async def _run_job(
         _housekeeping(cfg.job)
     else:  # a shared NATS: kept in the job's folder for the readers (`rove status --job J`)
         stored.remember_shared(cfg.job, options.url)
+        jobs.forget_summary(cfg.job)  # (an earlier run's: this one is read anew)
     options, job_auth = closed(options, cfg.job, cfg.node)
     if job_auth is not None:
         cfg = dataclasses.replace(cfg, worker_auth=job_auth.trainer)

@@ -72,14 +72,12 @@ async def summary(job: str) -> jobs_mod.Summary:
     # on (`rove run --nats`), read there while it answers (the job may run on there)
     local = stored.running_url(job)
     shared = stored.shared_url(job) if local is None else None
+    if local is None and (found := jobs_mod.cached(job)) is not None:
+        return found  # (an ended job's, whichever server it ran on: no server asked)
     running = local is not None or (shared is not None and stored.answers(shared))
-    if not running:
-        found = jobs_mod.cached(job)
-        if found is not None:
-            return found
-        if stored.StoredJob.find(job) is None:  # its events are on a server not reached
-            where = f"its events are on {shared}, not reached" if shared else ""
-            return jobs_mod.Summary(job, jobs_mod.ELSEWHERE, None, 0.0, 0, 0, where, None)
+    if not running and stored.StoredJob.find(job) is None:  # on a server not reached
+        where = f"its events are on {shared}, not reached" if shared else ""
+        return jobs_mod.Summary(job, jobs_mod.ELSEWHERE, None, 0.0, 0, 0, where, None)
     try:
         args = _local_nats_args()
         state, ledger = initial(job), gp.Ledger()
