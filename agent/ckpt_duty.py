@@ -139,9 +139,9 @@ class CheckpointDuty:
     async def announce_found(self, bus: Bus) -> None:
         """Before the node first joins: say the step committed in this node's storage
         (`ckpt_found`), so that the job goes on from it rather than starting afresh
-        (which would drop it as an abandoned lineage). Said on the console where it is
-        news: an earlier run's; in a run going on (a node joining a job under way) it
-        is the job's own progress, kept in the log."""
+        (which would drop it as an abandoned lineage). Said as what it is: an earlier
+        run's, or the run going on's (it was said to be an earlier run's to a node that
+        joined a job under way)."""
         storage = self.saver.storage
         if storage is None:
             return
@@ -157,13 +157,10 @@ class CheckpointDuty:
         if step is None:
             return
         if await self._run_going_on(bus) is None:
-            self.log.info(
-                f"found step {step} committed in {storage.location} by an earlier run of "
-                "the job: it goes on from there",
-                say=True,
-            )
-        else:
-            self.log.info(f"joins a run under way, whose committed step is {step}")
+            said = "by an earlier run of the job: it goes on from there"
+        else:  # (a node joining it, or this node's run again after its launcher was killed)
+            said = "by the run going on, which this node joins"
+        self.log.info(f"found step {step} committed in {storage.location} {said}", say=True)
         self._found = (step, storage.location)
         self.found_again()
 
