@@ -66,6 +66,20 @@ async def current_run(bus: Bus, job: str) -> str | None:
     return run_name(event) if isinstance(event, ev.JobConfigured) else None
 
 
+async def run_under_way(bus: Bus, job: str) -> bool:
+    """Whether a run of `job` is going on and has formed a round (a node joining it finds
+    the run's own progress committed; a run only configured, as a standalone job's
+    master does as it starts, has made none)."""
+    configured, _ = await bus.last_message(
+        subjects.EVENTS_STREAM, subjects.master(job, "job_configured")
+    )
+    ended, _ = await bus.last_message(subjects.EVENTS_STREAM, subjects.master(job, "job_ended"))
+    rounds, _ = await bus.last_message(
+        subjects.EVENTS_STREAM, subjects.master(job, "round_completed")
+    )
+    return bool(configured) and ended < configured < rounds
+
+
 def persist_stride(advanced: int, every: int, most: int = 1 << 12) -> int:
     """How many of the `every`-step points apart a node persists while its storage is
     slower than the saves (it persists from copies): the smallest power of two whose
@@ -156,10 +170,14 @@ class CheckpointDuty:
             return
         if step is None:
             return
-        if await self._run_going_on(bus) is None:
-            said = "by an earlier run of the job: it goes on from there"
-        else:  # (a node joining it, or this node's run again after its launcher was killed)
+        try:
+            under_way = await asyncio.wait_for(run_under_way(bus, self.facts.job), FOUND_READ_S)
+        except (TimeoutError, RoveError, nats.errors.Error):
+            under_way = False  # (said as before: the step is taken all the same)
+        if under_way:  # (a node joining it, or this node's run again after its launcher died)
             said = "by the run going on, which this node joins"
+        else:
+            said = "by an earlier run of the job: it goes on from there"
         self.log.info(f"found step {step} committed in {storage.location} {said}", say=True)
         self._found = (step, storage.location)
         self.found_again()
