@@ -132,23 +132,6 @@ class CheckpointDuty:
         self.fence = StorageFence()
         self._fenced = False  # the fence was found closed (said once, and when it opens)
         self._found: tuple[int, str] | None = None  # the committed step found, and where
-        self._going_on: str | None = None  # the run going on as the node started
-        self._going_on_read = False
-
-    async def _run_going_on(self, bus: Bus) -> str | None:
-        """The run of the job going on as this node starts (None: none, or it could not
-        be read), read once."""
-        if not self._going_on_read:
-            self._going_on_read = True
-            try:
-                self._going_on = await asyncio.wait_for(
-                    current_run(bus, self.facts.job), FOUND_READ_S
-                )
-            except (TimeoutError, RoveError, nats.errors.Error) as exc:
-                self.log.info(
-                    "could not tell which run goes on", error=str(exc) or type(exc).__name__
-                )
-        return self._going_on
 
     async def announce_found(self, bus: Bus) -> None:
         """Before the node first joins: say the step committed in this node's storage
@@ -199,7 +182,11 @@ class CheckpointDuty:
         from storage, or afresh."""
         if not self.saver.any_left_in_memory():
             return  # (the common case: nothing to ask the bus about)
-        run = await self._run_going_on(bus)
+        try:
+            run = await asyncio.wait_for(current_run(bus, self.facts.job), FOUND_READ_S)
+        except (TimeoutError, RoveError, nats.errors.Error) as exc:
+            self.log.info("could not tell which run goes on", error=str(exc) or type(exc).__name__)
+            return
         if run is None:
             return
         steps, ranks = await asyncio.to_thread(self.saver.left_in_memory, run)
