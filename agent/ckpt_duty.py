@@ -132,6 +132,7 @@ class CheckpointDuty:
         self.fence = StorageFence()
         self._fenced = False  # the fence was found closed (said once, and when it opens)
         self._found: tuple[int, str] | None = None  # the committed step found, and where
+        self._said_spill = False  # the ranks' slots spilled to disk: said once
 
     async def announce_found(self, bus: Bus) -> None:
         """Before the node first joins: say the step committed in this node's storage
@@ -346,6 +347,9 @@ class CheckpointDuty:
 
     def _report_in_memory(self) -> int | None:
         step = self.saver.new_in_memory()
+        if step is not None and not self._said_spill and (spilled := self.saver.spilled()):
+            self._said_spill = True
+            self.log.warning(spilled)
         if step is not None:
             self.facts.emit(
                 ev.CkptInMemory(

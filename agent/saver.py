@@ -11,14 +11,24 @@ writes the commit tracker when the master decides `ckpt_committed`.
 from __future__ import annotations
 
 import glob
+import shutil
 from dataclasses import dataclass
 
 import structlog
 
-from rove.checkpoint import shm_owner
-from rove.checkpoint.engine import CheckpointError, FlashEngine, default_dir, namespace
+from rove.checkpoint import shm, shm_owner
+from rove.checkpoint.engine import (
+    SPILL_HINT,
+    CheckpointError,
+    FlashEngine,
+    default_dir,
+    namespace,
+    spill_dir,
+)
+from rove.checkpoint.shm import mib
 from rove.checkpoint.storage import Manifest, SlotOverwritten, copy_out
 from rove.checkpoint.stores import open_storage
+from rove.control.domain import words
 
 log = structlog.get_logger("rove.saver")
 
@@ -66,7 +76,7 @@ class Saver:
             mine = path.name.startswith(f"rove-ckpt-{self.name}-")
             if not mine and path.name != shm_owner.lock_path(path.parent, self.name).name:
                 log.info("removing shared memory of an earlier run of the job", path=str(path))
-                path.unlink(missing_ok=True)
+                shm.remove(path)
 
     def _hold(self) -> None:
         """Hold this run's slots, and reclaim the slots of dead runs of other jobs
@@ -83,11 +93,20 @@ class Saver:
                 if not freed:  # a lock file alone: the run saved nothing
                     log.debug("removed what a killed run left in shared memory", run=run)
                     continue
-                size = f"{freed / (1 << 20):.1f} MiB" if freed >= 1 << 20 else f"{freed >> 10} KiB"
                 log.info(
-                    f"freed {size} of shared memory a killed run left "
+                    f"freed {_size(freed)} of shared memory a killed run left "
                     f"in {directory} ({run}: no agent held it for {grace:.0f} s, "
                     "ROVE_SHM_GRACE_S)",
+                    say=True,
+                )
+            spill = spill_dir()
+            freed = 0
+            if spill is not None and spill.is_dir():
+                freed = shm_owner.reclaim_spilled(spill, directory, grace)
+            if freed:
+                log.info(
+                    f"freed {_size(freed)} of disk in {spill}: checkpoint slots that "
+                    "spilled there, whose runs' shared memory is gone",
                     say=True,
                 )
         except OSError as exc:
@@ -181,6 +200,30 @@ class Saver:
         due = [s for s in self.common_steps() if s > after and (s - base) % every == 0]
         return max(due, default=None)
 
+    def spilled(self) -> str | None:
+        """What to say when this node's ranks' slots spilled to disk (shared memory
+        could not hold them, `rove.checkpoint.shm`); None when none did."""
+        segments = [
+            (rank, seg)
+            for rank, engine in sorted(self.engines.items())
+            for seg in engine.segments
+            if seg.spilled
+        ]
+        if not segments:
+            return None
+        ranks = sorted({rank for rank, _ in segments})
+        size = max(seg.size for _, seg in segments)
+        directory = default_dir()
+        try:
+            room = f" ({mib(shutil.disk_usage(directory).total)})"
+        except OSError:
+            room = ""
+        return (
+            f"{words.ranks(ranks)}: {'its' if len(ranks) == 1 else 'their'} checkpoint "
+            f"({mib(size)} a slot, two slots a rank) does not fit in the shared memory of "
+            f"{directory}{room}; the slots spill to {segments[0][1].spill} on disk: {SPILL_HINT}"
+        )
+
     def new_in_memory(self) -> int | None:
         step = self.common_step()
         if step is None or step <= self.reported_step:
@@ -256,3 +299,7 @@ class Saver:
         if self._holder is not None:
             self._holder.release(remove=True)
             self._holder = None
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"

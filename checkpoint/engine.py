@@ -35,8 +35,13 @@ from rove.checkpoint.shm import (
     Header,
     Segment,
     ShmFullError,
+    mib,
 )
 from rove.checkpoint.shm_owner import slot_path
+from rove.control.process import logs
+from rove.control.process.folders import rove_home
+
+log = logs.get("rove.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,24 @@ def default_dir() -> Path:
     return Path(os.environ.get("ROVE_SHM_DIR", "/dev/shm"))
 
 
+#: what a spill costs, and what to do about it
+SPILL_HINT = (
+    "saves and restores go at the page cache's pace. To keep them in memory, enlarge it "
+    "(docker --shm-size, a Kubernetes emptyDir with medium Memory and a sizeLimit) or "
+    "point ROVE_SHM_DIR at a larger tmpfs"
+)
+
+
+def spill_dir() -> Path | None:
+    """Where a slot goes when shared memory cannot hold it (`rove.checkpoint.shm`):
+    `ROVE_SHM_SPILL_DIR`, else `spill` in rove's folder on this machine (`$ROVE_HOME`,
+    else ~/.rove); None (set empty): nowhere, a save that does not fit fails."""
+    raw = os.environ.get("ROVE_SHM_SPILL_DIR")
+    if raw is None:
+        return rove_home() / "spill"
+    return Path(raw).expanduser().absolute() if raw else None
+
+
 def namespace(job: str, run: str | None = None) -> str:
     """The name a job's slots go by: the job, and the run of it when known.
 
@@ -71,11 +94,24 @@ def namespace(job: str, run: str | None = None) -> str:
 
 class FlashEngine:
     def __init__(
-        self, job: str, rank: int, *, directory: Path | None = None, slots: int = 2
+        self,
+        job: str,
+        rank: int,
+        *,
+        directory: Path | None = None,
+        slots: int = 2,
+        spill: Path | bool | None = True,
     ) -> None:
+        """`spill`: where a slot goes when shared memory cannot hold it (True:
+        `spill_dir()`; None or False: nowhere)."""
         self.directory = directory or default_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.segments = [Segment(slot_path(self.directory, job, rank, i)) for i in range(slots)]
+        self.rank = rank
+        where = spill_dir() if spill is True else spill or None
+        self.segments = [
+            Segment(slot_path(self.directory, job, rank, i), where) for i in range(slots)
+        ]
+        self._said_spill = False
 
     # ------------------------------------------------------------------ save
 
@@ -96,6 +132,15 @@ class FlashEngine:
             seg.ensure(data_offset + data_len)
         except ShmFullError as exc:
             raise CheckpointError(exc.strerror) from exc
+        if seg.spilled and not self._said_spill:
+            self._said_spill = True
+            # (under rove run its agent says it, once for the node's ranks: `rove.agent.saver`)
+            say = log.info if os.environ.get("ROVE_NODE") else log.warning
+            say(
+                f"the checkpoint ({mib(data_offset + data_len)} a slot) does not fit in the "
+                f"shared memory of {self.directory}; its slots spill to {seg.spill} on disk: "
+                f"{SPILL_HINT}"
+            )
         old = seg.header()
         generation = (old.generation if old else 0) + 1
         seg.write_header(Header(WRITING, generation, step, 0, 0, 0, 0, False))

@@ -21,10 +21,20 @@ the whole header, and names the generation it checked: a seal is in force only
 while the slot's generation is that one. A seal that lands after a newer save
 began (or ended) names an older generation and is ignored, so it can never mark
 a newer step's bytes with an older step's checksum.
+
+A slot that does not fit in shared memory (a container's /dev/shm is 64 MiB unless
+told otherwise) spills to disk when the engine names a spill folder: its file is made
+there, under the slot's name, and the slot's name in shared memory becomes a symbolic
+link to it. Every reader opens the slot by its name, so the agent's persist, a restore
+and a peer's copy read a spilled slot as any other; saves go through the page cache,
+and the kernel writes the pages to disk behind them. `remove` takes a link and its
+file together.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import mmap
 import os
 import shutil
@@ -34,6 +44,7 @@ from pathlib import Path
 
 from rove.checkpoint.durable import CheckpointError
 from rove.checkpoint.memcopy import zero
+from rove.control.process import logs
 
 MAGIC = b"ROVECKPT"
 VERSION = 1
@@ -46,18 +57,51 @@ _SEAL_AT = _HEADER.size - _SEAL.size
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
 
-class ShmFullError(OSError):
-    """A checkpoint slot does not fit in shared memory; the message says what to do."""
+#: what a full tmpfs (or a quota on it) answers a reservation: a slot may spill to disk
+_NO_ROOM = frozenset({errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT})
 
-    def __init__(self, directory: Path, size: int, cause: OSError) -> None:
-        free = shutil.disk_usage(directory).free if directory.exists() else 0
+
+class ShmFullError(OSError):
+    """A checkpoint slot does not fit in shared memory (nor on the disk it may spill
+    to); the message says what to do."""
+
+    def __init__(
+        self, directory: Path, size: int, cause: OSError, spill: tuple[Path, OSError] | None = None
+    ) -> None:
+        room = ""
+        with contextlib.suppress(OSError):
+            usage = shutil.disk_usage(directory)
+            room = f"; {mib(usage.free)} free of {mib(usage.total)}"
+        spilled = ""
+        if spill is not None:
+            spilled = f", nor spill it to {spill[0]} on disk ({spill[1].strerror or spill[1]})"
         super().__init__(
             cause.errno,
-            f"cannot reserve {size / 2**20:.1f} MiB of shared memory in {directory} "
-            f"({cause.strerror}; {free / 2**20:.1f} MiB free): enlarge it (docker --shm-size, "
-            "a Kubernetes emptyDir with medium Memory and a sizeLimit) or point ROVE_SHM_DIR "
-            "at a larger tmpfs; the previous checkpoint is intact",
+            f"cannot reserve {mib(size)} of shared memory in {directory} for a checkpoint "
+            f"slot ({cause.strerror}{room}; each rank keeps two slots of its state){spilled}: "
+            "enlarge it (docker --shm-size, a Kubernetes emptyDir with medium Memory and a "
+            "sizeLimit) or point ROVE_SHM_DIR at a larger tmpfs; the previous checkpoint is "
+            "intact",
         )
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def remove(path: Path) -> int:
+    """Remove the slot file `path`, and the file on disk it links to when it spilled;
+    the bytes they held. A link to anything but a slot's spilled file (its name is the
+    slot's) is removed alone."""
+    size = 0
+    with contextlib.suppress(OSError):
+        size = path.stat().st_size
+    if path.is_symlink():
+        target = Path(os.path.realpath(path))
+        if target.name == path.name:
+            target.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    return size
 
 
 @dataclass(frozen=True)
@@ -75,8 +119,12 @@ class Header:
 class Segment:
     """One slot's file in shared memory, mapped read-write."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, spill: Path | None = None) -> None:
         self.path = path
+        #: where the slot's file goes when shared memory cannot hold it (None: nowhere)
+        self.spill = spill
+        #: whether the file mapped now is on disk (`spill`), not in shared memory
+        self.spilled = False
         self.map: mmap.mmap | None = None
         self.size = 0
         #: (device, inode) of the file mapped now: a writer that outgrows a slot replaces
@@ -89,11 +137,14 @@ class Segment:
         try:
             fd = os.open(self.path, os.O_RDWR)
         except FileNotFoundError:
+            if self.path.is_symlink():
+                _unseen(self.path)
             return  # removed meanwhile (the job's memory freed): nothing to map
         try:
             st = os.fstat(fd)
             self.size = st.st_size
             self.identity = (st.st_dev, st.st_ino)
+            self.spilled = self.path.is_symlink()
             self.map = mmap.mmap(fd, self.size) if self.size else None
         finally:
             os.close(fd)
@@ -113,27 +164,50 @@ class Segment:
             self._open()
 
     def ensure(self, size: int) -> None:
-        """At least `size` bytes, pre-touched; an old, smaller segment is replaced."""
+        """At least `size` bytes, pre-touched; an old, smaller segment is replaced. In
+        shared memory, else (no room there) spilled to disk when the segment has a
+        `spill` folder.
+
+        Raises:
+            ShmFullError: neither has room; the slot's file is as it was.
+        """
         if self.map is not None and self.size >= size:
             return
         self.close()
         size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        tmp = self.path.with_name(self.path.name + ".new")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        before = Path(os.path.realpath(self.path)) if self.path.is_symlink() else None
         try:
-            # Reserve the pages now: on a full tmpfs this fails with ENOSPC, where
-            # touching pages of a sparse mapping would kill the process with SIGBUS.
-            os.posix_fallocate(fd, 0, size)
-            new = mmap.mmap(fd, size)
+            tmp, new = _reserve(self.path.parent, self.path.name, size)
+            spilled = False
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise ShmFullError(self.path.parent, size, exc) from exc
-        finally:
-            os.close(fd)
+            if self.spill is None or exc.errno not in _NO_ROOM:
+                raise ShmFullError(self.path.parent, size, exc) from exc
+            try:
+                self.spill.mkdir(parents=True, exist_ok=True)
+                tmp, new = _reserve(self.spill, self.path.name, size)
+            except OSError as spill_exc:
+                raise ShmFullError(
+                    self.path.parent, size, exc, (self.spill, spill_exc)
+                ) from spill_exc
+            spilled = True
         zero(new)  # touch every page now, not in a save
-        tmp.replace(self.path)
+        if spilled:
+            # the file under the slot's name on disk, then the slot's name a link to it
+            # (each a rename: a reader finds the old slot or the new, never neither)
+            target = tmp.with_name(self.path.name)
+            tmp.replace(target)
+            link = self.path.with_name(self.path.name + ".link")
+            link.unlink(missing_ok=True)
+            link.symlink_to(target)
+            link.replace(self.path)
+        else:
+            tmp.replace(self.path)
+            target = self.path
+        if before is not None and before != target and before.name == self.path.name:
+            before.unlink(missing_ok=True)  # it spilled before; now elsewhere
         st = self.path.stat()
         self.map, self.size, self.identity = new, size, (st.st_dev, st.st_ino)
+        self.spilled = spilled
 
     def header(self) -> Header | None:
         if self.map is None or self.size < HEADER_SIZE:
@@ -205,4 +279,40 @@ class Segment:
 
     def unlink(self) -> None:
         self.close()
-        self.path.unlink(missing_ok=True)
+        remove(self.path)
+
+
+def _reserve(folder: Path, name: str, size: int) -> tuple[Path, mmap.mmap]:
+    """A new file for slot `name` in `folder` (`name.new`), `size` bytes, its pages
+    reserved and mapped. Reserving them now makes a full tmpfs (or disk) fail here with
+    ENOSPC, where touching the pages of a sparse mapping would kill the process with
+    SIGBUS."""
+    tmp = folder / f"{name}.new"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return tmp, mmap.mmap(fd, size)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+_UNSEEN: set[Path] = set()
+
+
+def _unseen(path: Path) -> None:
+    """Said once per slot: it spilled to a disk this process cannot see (the agent and
+    the workers must share a filesystem, as they do under `rove run`)."""
+    if path not in _UNSEEN:
+        _UNSEEN.add(path)
+        try:
+            where = path.readlink()
+        except OSError:
+            return  # removed meanwhile
+        logs.get("rove.checkpoint").warning(
+            f"checkpoint slot {path} spilled to {where}, which this process "
+            "cannot open: its steps cannot be persisted or restored from here; give the "
+            "workers enough shared memory, or a ROVE_SHM_SPILL_DIR both can read"
+        )

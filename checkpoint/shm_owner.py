@@ -28,6 +28,7 @@ import re
 import time
 from pathlib import Path
 
+from rove.checkpoint import shm
 from rove.control.process import logs
 
 log = logs.get("rove.checkpoint")
@@ -161,23 +162,43 @@ def _reclaim_unlocked(
                 stale[run] = paths
     if not stale:
         return []
-    mapped = _mapped({str(p) for paths in stale.values() for p in paths})
+    mapped = _mapped({name for paths in stale.values() for name in _names(paths)})
     gone = []
     for run, paths in sorted(stale.items()):
-        if mapped & {str(p) for p in paths}:
+        if mapped & _names(paths):
             continue  # a live process (an agent or a worker of that run) uses it
         gone.append((run, _free(paths)))
     return gone
 
 
 def _free(paths: list[Path]) -> int:
-    """Remove `paths`; the bytes they held."""
+    """Remove the slot files `paths` (and the files on disk of those that spilled); the
+    bytes they held."""
+    return sum(shm.remove(path) for path in paths)
+
+
+def reclaim_spilled(spill: Path, directory: Path, grace: float, now: float | None = None) -> int:
+    """Remove the spilled slot files in `spill` that no slot of `directory` links to
+    any more and that are older than `grace` (a machine's restart empties its shared
+    memory, not its disk); the bytes they held."""
+    now = time.time() if now is None else now
     freed = 0
-    for path in paths:
+    for path in spill.glob(f"{PREFIX}*-r*-s*"):  # (a reservation a kill cut short too)
+        slot = directory / path.name
+        if slot.is_symlink() and os.path.realpath(slot) == os.path.realpath(path):
+            continue
         with contextlib.suppress(FileNotFoundError):
-            freed += path.stat().st_size
-        path.unlink(missing_ok=True)
+            st = path.stat()
+            if now - st.st_mtime >= grace:
+                path.unlink()
+                freed += st.st_size
     return freed
+
+
+def _names(paths: list[Path]) -> set[str]:
+    """The names a process's mappings may give `paths` by: their own, and the files on
+    disk of the slots that spilled (a mapping names the file, not the link)."""
+    return {str(p) for p in paths} | {os.path.realpath(p) for p in paths}
 
 
 def _mapped(paths: set[str]) -> set[str]:

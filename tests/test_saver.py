@@ -306,6 +306,9 @@ class Steps:
     def touch(self) -> None:
         pass  # (its memory is nobody's to reclaim)
 
+    def spilled(self) -> str | None:
+        return None  # (its steps are in memory)
+
     def new_in_memory(self) -> int | None:
         if self.newest <= self.reported_step:
             return None

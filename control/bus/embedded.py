@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 from rove.control.errors import BusUnavailableError, ConfigError
 from rove.control.process import logs
+from rove.control.process.folders import rove_home as rove_home
 from rove.control.process.folders import unwritable
 
 log = logs.get("rove.embedded")
@@ -466,11 +467,6 @@ def store_user(store_dir: Path) -> int | None:
     except PermissionError:
         pass  # alive, another user's
     return pid
-
-
-def rove_home() -> Path:
-    """Where rove keeps local state: `$ROVE_HOME`, else `~/.rove`."""
-    return Path(os.environ.get("ROVE_HOME") or Path.home() / ".rove")
 
 
 def check_home() -> None:

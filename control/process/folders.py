@@ -1,9 +1,15 @@
-"""Folders this process must write: whether it can, said before it needs to."""
+"""Folders this process must write: where rove keeps its own, and whether it can write
+them, said before it needs to (stdlib only: a worker's checkpoint engine reads it)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+
+def rove_home() -> Path:
+    """Where rove keeps local state: `$ROVE_HOME`, else `~/.rove`."""
+    return Path(os.environ.get("ROVE_HOME") or Path.home() / ".rove")
 
 
 def unwritable(folder: Path) -> str | None:
