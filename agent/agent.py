@@ -257,7 +257,8 @@ class Agent:
         return code
 
     def interrupt(self, signum: int) -> None:
-        """The first stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT): the workers get it
+        """The first stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT, or those
+        `--signals-to-handle` names, `rove.agent.run_checks.stop_signals`): the workers get it
         too, and the agent leaves (once they ended, or after the stop timeout). Called on
         the event loop."""
         self._interrupted.set()

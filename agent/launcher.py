@@ -97,6 +97,7 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     run_checks.auto_config(args)
     run_checks.check_ranges(args)
     run_checks.absolute_paths(args)
+    args.stop_signals = run_checks.stop_signals(args.signals_to_handle)
     if args.checkpoint_dir:
         run_checks.check_storage(args.checkpoint_dir)
     embedded.check_home()
@@ -315,11 +316,11 @@ def _kafka_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 async def _run(args: argparse.Namespace, cfg: AgentConfig, standalone: bool, log_path: Path) -> int:
-    # SIGINT, SIGTERM, SIGHUP and SIGQUIT for the whole run: the first stops the job's
-    # workers (with the same signal) and leaves cleanly, a second one ends everything at
-    # once. Until the agent hears them (it may wait for the bus however long), the first
-    # ends that wait
-    starting = aio.Starting("the job")
+    # SIGINT, SIGTERM, SIGHUP and SIGQUIT (or those --signals-to-handle names) for the
+    # whole run: the first stops the job's workers (with the same signal) and leaves
+    # cleanly, a second one ends everything at once. Until the agent hears them (it may
+    # wait for the bus however long), the first ends that wait
+    starting = aio.Starting("the job", signals=args.stop_signals)
     return await starting.wait(_run_job(args, cfg, standalone, log_path, starting.signals))
 
 

@@ -262,6 +262,10 @@ class Forked:
     def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30) -> None:
         """`death_sig` to every live worker, SIGKILL to those still alive `timeout`
         seconds later; then their exits are collected."""
+        # the round is over: a worker that returned, or returns on this signal (a
+        # handler's `sys.exit(0)`, a SLURM job saving on SIGUSR1), exits at once rather
+        # than wait for its value to be read (killed at the timeout's end, it was)
+        self.all_read.set()
         live = [p for p in self.processes if p.exitcode is None]
         for process in live:
             with contextlib.suppress(ProcessLookupError):

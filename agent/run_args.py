@@ -49,7 +49,6 @@ IGNORED = {
     "master_addr": "rove takes each round's store address from the round's first node",
     "master_port": "rove gives each round a fresh free port (MASTER_PORT)",
     "numa_binding": "not supported by rove yet",
-    "signals_to_handle": "rove handles SIGTERM, SIGINT, SIGHUP and SIGQUIT itself",
     "duplicate_stdout_filters": "not supported by rove yet",
     "duplicate_stderr_filters": "not supported by rove yet",
     "virtual_local_rank": "not supported by rove yet",

@@ -1,11 +1,12 @@
 """`rove run`'s arguments checked and completed before the agent's configuration is made
 of them (`rove.agent.launcher.agent_config`): `--auto-config`, the numeric flags' ranges,
-paths made absolute, the checkpoint location."""
+paths made absolute, the checkpoint location, the signals that stop the job."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
 from rove.control.errors import ConfigError
@@ -104,3 +105,41 @@ def shutdown_timeout(args: argparse.Namespace) -> float:
             f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw!r} is not a number of seconds (0 or more)"
         )
     return value
+
+
+#: what a launcher always stops on, whatever `--signals-to-handle` names: a Ctrl-C, and
+#: a scheduler's or Kubernetes' stop (without them it would die without a clean stop)
+ALWAYS_HANDLED = (signal.SIGTERM, signal.SIGINT)
+#: signals no process may handle, or that rove's own child processes need
+_UNHANDLED = {
+    signal.SIGKILL: "no process can handle it",
+    signal.SIGSTOP: "no process can handle it",
+    signal.SIGCHLD: "rove learns of its workers' ends by it",
+}
+
+
+def stop_signals(spec: str) -> tuple[signal.Signals, ...]:
+    """The signals `--signals-to-handle` names (torchrun's flag, env
+    `PET_SIGNALS_TO_HANDLE`: "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"), with SIGTERM and
+    SIGINT always. The first of them stops the job: the workers get that same signal
+    and the shutdown timeout to exit (a SLURM job warned with SIGUSR1 saves on it); a
+    second ends everything at once. ConfigError for a word that names no signal, or
+    one that cannot be handled."""
+    found: list[signal.Signals] = list(ALWAYS_HANDLED)
+    for word in spec.split(","):
+        name = word.strip().upper()
+        if not name:
+            continue
+        sig = signal.Signals.__members__.get(name if name.startswith("SIG") else "SIG" + name)
+        if sig is None:
+            raise ConfigError(
+                f"--signals-to-handle {spec}: {word.strip()} is not a signal's name; give "
+                "names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+            )
+        if sig in _UNHANDLED:
+            raise ConfigError(
+                f"--signals-to-handle {spec}: {sig.name} cannot stop the job "
+                f"({_UNHANDLED[sig]}); leave it out"
+            )
+        found.append(sig)
+    return tuple(dict.fromkeys(found))

@@ -142,7 +142,9 @@ _OPTIONS: tuple[tuple[list[str], type[argparse.Action] | None, Any, Any, str], .
         env,
         str,
         "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        "signals forwarded to the workers",
+        "the signals that stop the job: the first passes to the workers, who get the "
+        "shutdown timeout to exit (SIGUSR1,SIGUSR2: SLURM's warnings); a second ends "
+        "everything at once. SIGINT and SIGTERM always do",
     ),
     (
         _both("shutdown-timeout"),

@@ -47,3 +47,30 @@ def test_the_worker_that_failed_is_the_cause_not_the_peer_killed_at_the_graces_e
     assert result.failures[0].exitcode == -signal.SIGKILL
     root = root_failure(result, kept=lambda *_: None)
     assert root is not None and (root.local_rank, root.exit_code) == (1, 3)
+
+
+def _returns_on_sigusr1(local_rank: int, folder: str) -> None:
+    def saved(_signum: int, _frame: object) -> None:
+        sys.exit(0)  # (a script that saves on SLURM's warning, then returns)
+
+    signal.signal(signal.SIGUSR1, saved)
+    (Path(folder) / f"ready{local_rank}").write_text("")
+    time.sleep(120)
+
+
+def test_a_worker_that_returns_on_the_stop_signal_exits_and_is_not_killed(
+    tmp_path: Path,
+) -> None:
+    # a worker's return waits until its value is read, and a round being closed never
+    # read it: a worker that returned on `rove run --signals-to-handle SIGUSR1`'s signal
+    # waited out the shutdown timeout and was killed with SIGKILL
+    args = {lr: (lr, str(tmp_path)) for lr in (0, 1)}
+    forked = procs.Forked(_returns_on_sigusr1, args, {0: {}, 1: {}}, {}, "fork")
+    deadline = time.monotonic() + patience(60)
+    while len(list(tmp_path.glob("ready*"))) < 2:
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.05)
+    with structlog.testing.capture_logs() as said:
+        forked.close(signal.SIGUSR1, timeout=patience(60))
+    assert not said, said
+    assert [p.exitcode for p in forked.processes] == [0, 0], "returned, not killed"

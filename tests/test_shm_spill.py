@@ -31,9 +31,7 @@ def small_shm(tmp_path: Path) -> Iterator[Path]:
     assert os.geteuid() == 0, "(these tests mount a small tmpfs: they need root)"
     shm = tmp_path / "shm"
     shm.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS}", "tmpfs", str(shm)], check=True
-    )
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS}", "tmpfs", str(shm)], check=True)
     try:
         yield shm
     finally:

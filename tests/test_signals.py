@@ -163,6 +163,41 @@ def test_a_terminal_that_closes_stops_the_job_as_ctrl_c_does(tmp_path: Path) -> 
     assert "Traceback" not in said and "died unexpectedly" not in said, said[-3000:]
 
 
+@pytest.mark.slow
+def test_a_signal_named_by_signals_to_handle_stops_the_job_and_reaches_the_workers(
+    tmp_path: Path,
+) -> None:
+    """torchrun's `--signals-to-handle` (SLURM warns a job with SIGUSR1 before its time
+    is up): the workers get SIGUSR1, they save and return, and the job ends stopped.
+    (The flag was ignored: SIGUSR1 killed `rove run` at once, the job cut off.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    handled = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    args = ("--standalone", "--nproc-per-node", "2", "--signals-to-handle", handled)
+    job = Watched(tmp_path, "usr1", *args, str(WORKER), str(out))
+    job.wait_for(lambda: _started(out))
+    job.signal(signal.SIGUSR1)
+    assert job.ended(within=60) == 128 + signal.SIGUSR1, job.run.log()[-3000:]
+    assert {(out / f"{r}.signal").read_text() for r in "01"} == {"SIGUSR1"}
+    said = job.run.log()
+    assert "stopped: rove run received SIGUSR1" in said, said[-3000:]
+    assert "has not exited" not in said, "they returned on it: none was killed"
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [("SIGTERM,SIGKILL", "SIGKILL cannot stop the job"), ("SIGTERM,SIGFOO", "SIGFOO is not")],
+)
+def test_a_signal_that_cannot_stop_the_job_is_refused_before_anything_starts(
+    tmp_path: Path, value: str, why: str
+) -> None:
+    out = rove_cli("run", "--standalone", "--signals-to-handle", value, str(WORKER), "x")
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.startswith("rove run:")]
+    assert len(lines) == 1 and why in lines[0], out.stderr
+    assert not (tmp_path / "rove-home" / "jobs").exists(), "nothing was started"
+
+
 def _nohup() -> None:
     os.setsid()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as `nohup` starts its command

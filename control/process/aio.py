@@ -20,7 +20,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -162,16 +162,19 @@ class StopSignals:
         self,
         ask: Callable[[int], object] | None = None,
         insist: Callable[[int], object] | None = None,
+        signals: Sequence[signal.Signals] = SIGNALS,
     ) -> None:
+        """`signals`: those handled (`rove run --signals-to-handle` names its own)."""
         self.ask: Callable[[int], object] = ask or (lambda _signum: None)
         self.insist: Callable[[int], object] = insist or self.exit_now
         self.received: list[int] = []
+        self.signals = tuple(signals)
 
     def install(self) -> None:
         """Handle both signals on the running loop (again: after a library replaced the
         handlers, as torch's `start_processes` does)."""
         loop = asyncio.get_running_loop()
-        for sig in self.SIGNALS:
+        for sig in self.signals:
             if sig in _IGNORED_AT_START:
                 signal.signal(sig, signal.SIG_IGN)  # (as it started, whoever replaced it)
             else:
@@ -179,7 +182,7 @@ class StopSignals:
 
     def remove(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in self.SIGNALS:
+        for sig in self.signals:
             if sig not in _IGNORED_AT_START:
                 loop.remove_signal_handler(sig)
 
@@ -290,11 +293,11 @@ class Starting:
     `stop()`, a clean stop. A second signal ends the process at once. (`signals` may be
     handed on: `rove run`'s agent takes them over once it hears decisions.)"""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, signals: Sequence[signal.Signals] = StopSignals.SIGNALS) -> None:
         self.what = what
         self._task = asyncio.current_task()
         self._stop: Callable[[], object] | None = None
-        self.signals = StopSignals(self._first)
+        self.signals = StopSignals(self._first, signals=signals)
         self.signals.install()
 
     def _first(self, signum: int) -> None:
