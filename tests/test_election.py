@@ -32,6 +32,26 @@ async def test_a_lease_taken_meanwhile_is_released_without_an_error(any_bus: Bus
     assert (await kv.get(lease.key)).value == b"someone else", "nothing of theirs deleted"
 
 
+async def test_a_lease_whose_last_renewal_was_never_read_is_still_released(
+    any_bus: Bus,
+) -> None:
+    """A master stopping cancels its renewal task, which may have sent an update the
+    server applied and whose answer it never read: its revision is then one behind.
+    Its release was refused (10071) and the lease lived on to its TTL: an ended job
+    read as `lease held by` its master (the fresh-clone CI saw it in
+    tests/test_post_mortem.py)."""
+    kv, ttl = await any_bus.lease_bucket()
+    lease = Lease(kv, "j2", "m1", ttl)
+    assert await eventually(lease.try_acquire) is not None
+    assert lease.revision is not None
+    await kv.update(lease.key, b"m1", last=lease.revision)  # the renewal never read
+    await lease.release()
+    assert lease.revision is None
+    with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+        entry = await kv.get(lease.key)
+        raise AssertionError(f"the lease lives on: {entry.value!r}")
+
+
 async def test_standbys_trying_to_acquire_never_take_a_lease_its_holder_renews(
     any_bus: Bus,
 ) -> None:

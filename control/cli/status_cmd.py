@@ -438,7 +438,9 @@ def render(view: dict[str, Any], most: int | None = None) -> str:
         f"leader {view['leader'] or '(none elected yet)'}, epoch {view['epoch']}; "
         + (
             "no master runs: the job has ended"
-            if view["phase"] in _ENDED and not view["lease_holder"]
+            # (read from its stored events, no master can run: a lease key a master
+            # killed left lives there until its TTL)
+            if view["phase"] in _ENDED and (not view["lease_holder"] or view.get("stored"))
             else "no master runs: nothing keeps the job's server"
             if view.get("cut_off")
             else f"lease held by {view['lease_holder'] or _no_holder(view)}"

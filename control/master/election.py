@@ -131,12 +131,24 @@ class Lease:
         )
         return True
 
+    async def _still_ours(self) -> int | None:
+        """The key's revision now if this master holds it (None: another does, or none)."""
+        holder = await current_holder(self.kv, self.key)
+        return holder.revision if holder is not None and holder.master == self.master else None
+
     async def release(self) -> None:
         """Give the lease up now so a standby takes over without waiting for the TTL."""
         if self.revision is None:
             return
         try:
-            await self.kv.delete(self.key, last=self.revision)
+            try:
+                await self.kv.delete(self.key, last=self.revision)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != 10071 or (revision := await self._still_ours()) is None:
+                    raise
+                # a renewal cancelled in flight (the master stopping) was applied, its
+                # new revision never read: the lease is still ours, under that revision
+                await self.kv.delete(self.key, last=revision)
         except nats.errors.Error as exc:
             # Best effort by contract: taken meanwhile (10071), busy on a cluster (10164),
             # or the bus is away. The lease then ends with its TTL.
