@@ -198,6 +198,26 @@ def test_a_signal_that_cannot_stop_the_job_is_refused_before_anything_starts(
     assert not (tmp_path / "rove-home" / "jobs").exists(), "nothing was started"
 
 
+@pytest.mark.slow
+def test_a_job_paused_whole_past_its_node_timeout_trains_on_in_the_same_round(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-Z, then `fg`: the terminal stops `rove run`'s process group (its agent and
+    master, its NATS server) for longer than the node timeout, then continues it. The
+    master woke, took its node's silence for a lost node (the silence was its own pause),
+    and the job began a new round, its workers killed and restarted."""
+    args = ("--standalone", "--job", "paused", "--nproc-per-node", "1", "--node-timeout", "3")
+    job = Watched(tmp_path, "paused", *args, str(TRAIN), "--steps", "300", "--step-sleep", "0.03")
+    job.wait_for(lambda: "step 40/" in job.run.log())
+    os.killpg(job.run.proc.pid, signal.SIGSTOP)
+    time.sleep(8)  # (real seconds: the pause must outlast the node timeout)
+    os.killpg(job.run.proc.pid, signal.SIGCONT)
+    assert job.ended(within=180) == 0, job.run.log()[-3000:]
+    events = rove_cli("events", "--job", "paused", "--json", check=True).stdout
+    kinds = [json.loads(line)["type"] for line in events.splitlines()]
+    assert "node_lost" not in kinds and kinds.count("round_completed") == 1, kinds
+
+
 def _nohup() -> None:
     os.setsid()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as `nohup` starts its command

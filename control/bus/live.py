@@ -11,6 +11,7 @@ way and 19 µs through a JetStream consumer (`benchmarks/heartbeat_path.py`).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 import nats.errors
@@ -77,15 +78,23 @@ def on_reconnected(bus: Bus, listener: Callable[[], None]) -> Callable[[], None]
     return stop
 
 
+#: Seconds between two asks (a leader asks every tick, a quarter of a second) that say
+#: this process was paused: stopped (SIGSTOP, a terminal's Ctrl-Z), its machine frozen
+#: or starved. Real seconds (`time.monotonic`), whatever clock the owner decides with.
+PAUSED_S = 5.0
+
+
 class Hearing:
     """Since when a client has been able to hear live messages: its last reconnection,
-    or now while it is away (nothing published meanwhile reached it). A leader counts a
-    node's silence only from then: its own deafness is not the node's."""
+    or now while it is away (nothing published meanwhile reached it), or its wake from
+    a pause (nothing it could hear was read meanwhile). A leader counts a node's silence
+    only from then: its own deafness is not the node's."""
 
     def __init__(self, bus: Bus, clock: Callable[[], float]) -> None:
         self._bus, self._clock = bus, clock
         self._since = clock()
         self._reconnects = self._count()
+        self._asked = time.monotonic()
         self._unhook = on_reconnected(bus, self._back)
 
     def _count(self) -> int:
@@ -100,6 +109,11 @@ class Hearing:
         reconnects = self._count()
         if not self._bus.nc.is_connected or reconnects != self._reconnects:
             self._since, self._reconnects = self._clock(), reconnects
+        asked, self._asked = self._asked, time.monotonic()
+        if self._asked - asked > PAUSED_S:
+            # (a standalone job's master woke from a Ctrl-Z that stopped its node too,
+            # and declared that node lost for its own pause: a needless new round)
+            self._since = self._clock()
         return self._since
 
     def close(self) -> None:
