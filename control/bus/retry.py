@@ -66,7 +66,7 @@ RETRYABLE: tuple[type[Exception], ...] = (
 BUSY_CODES = frozenset({10164, 10158})
 
 
-def backoff(exc: Exception) -> bool | float:
+def backoff(exc: BaseException) -> bool | float:
     """Whether `exc` is worth another try: False, True (the policy's backoff) or seconds."""
     if isinstance(exc, TemporaryError):
         return exc.retry_after if exc.retry_after > 0 else True

@@ -581,7 +581,7 @@ class SupervisedMaster:
                 await self.runner.run()
                 return
 
-    def _crashed(self, exc: Exception) -> bool:
+    def _crashed(self, exc: BaseException) -> bool:
         """The supervisor's job: log the crash with its traceback, restart the master."""
         if self._stopping:
             return False
