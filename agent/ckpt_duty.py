@@ -138,13 +138,14 @@ class CheckpointDuty:
         """Before the node first joins: say the step committed in this node's storage
         (`ckpt_found`), so that the job goes on from it rather than starting afresh
         (which would drop it as an abandoned lineage). Said as what it is: an earlier
-        run's, or the run going on's (it was said to be an earlier run's to a node that
-        joined a job under way)."""
+        run's, the run going on's (it was said to be an earlier run's to a node that
+        joined a job under way), or another job's (a warning: two jobs given one folder
+        remove each other's steps)."""
         storage = self.saver.storage
         if storage is None:
             return
         try:
-            step = await asyncio.wait_for(asyncio.to_thread(storage.committed), FOUND_READ_S)
+            found = await asyncio.wait_for(asyncio.to_thread(storage.tracker), FOUND_READ_S)
         except (TimeoutError, CheckpointError) as exc:
             reason = str(exc) or f"no answer in {FOUND_READ_S:.0f} s"
             self.log.warning(
@@ -152,19 +153,35 @@ class CheckpointDuty:
                 "the job starts without it"
             )
             return
-        if step is None:
+        if found is None:
             return
+        step = found.step
+        if found.job is not None and found.job != self.facts.job:
+            # (fine-tuning from another job's checkpoint; or two jobs given one folder)
+            self.log.warning(
+                f"found step {step} committed in {storage.location} by another job, "
+                f"{found.job}: this job goes on from it. A job of its own needs a "
+                "--checkpoint-dir of its own: two jobs that write one at once remove each "
+                "other's steps"
+            )
+        else:
+            self.log.info(
+                f"found step {step} committed in {storage.location} {await self._by(bus)}",
+                say=True,
+            )
+        self._found = (step, storage.location)
+        self.found_again()
+
+    async def _by(self, bus: Bus) -> str:
+        """Who committed the step this node found, of this job: the run going on (this
+        node joins it, or runs again after its launcher died), or an earlier run."""
         try:
             under_way = await asyncio.wait_for(run_under_way(bus, self.facts.job), FOUND_READ_S)
         except (TimeoutError, RoveError, nats.errors.Error):
             under_way = False  # (said as before: the step is taken all the same)
-        if under_way:  # (a node joining it, or this node's run again after its launcher died)
-            said = "by the run going on, which this node joins"
-        else:
-            said = "by an earlier run of the job: it goes on from there"
-        self.log.info(f"found step {step} committed in {storage.location} {said}", say=True)
-        self._found = (step, storage.location)
-        self.found_again()
+        if under_way:
+            return "by the run going on, which this node joins"
+        return "by an earlier run of the job: it goes on from there"
 
     def found_again(self) -> None:
         """Say the step found committed (if any) again: the job's next run started as

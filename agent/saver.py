@@ -291,7 +291,7 @@ class Saver:
 
     def commit(self, step: int) -> None:
         if self.storage is not None:
-            self.storage.commit(step, self.keep)
+            self.storage.commit(step, self.keep, job=self.job)
 
     def unlink(self) -> None:
         for engine in self.engines.values():

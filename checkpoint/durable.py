@@ -3,7 +3,9 @@
 Every checkpoint rove persists follows one layout under its root:
 
     step-00000120/...      one directory per step
-    committed              tracker: {"step": N}, the newest committed step
+    committed              tracker: {"step": N, "job": J}, the newest committed step and
+                           the job that committed it (no "job": written by a TensorFlow
+                           job, or by rove before 2026-12-07)
 
 A file is written under a temporary name, fsynced, then renamed over its final
 name, and its directory is fsynced; the tracker is written the same way once a
@@ -18,6 +20,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 #: A location with a scheme (`s3://`, `gs://`, `az://`, ...) names an object store; a
@@ -74,14 +77,40 @@ def steps(root: Path) -> list[int]:
     return sorted(found)
 
 
-def mark_committed(root: Path, step: int) -> None:
-    """Make `step` the committed one (durably)."""
-    write_atomic(root / "committed", [json.dumps({"step": step}).encode()])
+@dataclass(frozen=True)
+class Tracker:
+    """What the tracker says: the committed step, and the job that committed it."""
+
+    step: int
+    job: str | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps({"step": self.step, **({"job": self.job} if self.job else {})}).encode()
+
+    @staticmethod
+    def decode(raw: str | bytes | bytearray) -> Tracker | None:
+        """None for a tracker no rove wrote (unreadable: as none)."""
+        try:
+            data = json.loads(raw)
+            job = data.get("job")
+            return Tracker(int(data["step"]), job if isinstance(job, str) else None)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+def mark_committed(root: Path, step: int, job: str | None = None) -> None:
+    """Make `step` the committed one (durably), committed by `job`."""
+    write_atomic(root / "committed", [Tracker(step, job).encode()])
     fsync_dir(root)
 
 
-def committed(root: Path) -> int | None:
+def tracker(root: Path) -> Tracker | None:
     try:
-        return int(json.loads((root / "committed").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return None  # nothing committed yet, or no readable tracker
+        return Tracker.decode((root / "committed").read_bytes())
+    except OSError:
+        return None  # nothing committed yet
+
+
+def committed(root: Path) -> int | None:
+    found = tracker(root)
+    return found.step if found else None

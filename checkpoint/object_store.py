@@ -6,7 +6,7 @@ same layout as on files, under the prefix:
 
     step-00000120/rank-00003.ckpt        the slot's description and tensor bytes
     step-00000120/rank-00003.json        manifest: sizes and the xxh3 checksum
-    committed                            tracker: {"step": N}, the newest committed step
+    committed                            tracker: {"step": N, "job": J} (`durable.Tracker`)
 
 What makes it safe without renames or fsync: an object store makes each PUT atomic (a
 reader sees the whole object or none; a large one is a multipart upload, which becomes
@@ -25,7 +25,6 @@ role where the cloud has one. No credential is ever on a command line.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from rove.checkpoint import durable
 from rove.checkpoint.engine import CheckpointError
 from rove.checkpoint.storage import (
     Manifest,
@@ -193,11 +193,11 @@ class ObjectStorage(Storage):
                 found.append(int(match.group(1)))
         return sorted(found)
 
-    def commit(self, step: int, keep: int) -> None:
+    def commit(self, step: int, keep: int, job: str | None = None) -> None:
         if step not in self.steps():
             raise CheckpointError(f"step {step} was never persisted; it cannot be committed")
         try:
-            self._put("committed", [json.dumps({"step": step}).encode()])
+            self._put("committed", [durable.Tracker(step, job).encode()])
         except Exception as exc:
             raise self._fail(f"mark step {step} committed", exc) from exc
         committed_or_older = [s for s in self.steps() if s <= step]
@@ -207,17 +207,14 @@ class ObjectStorage(Storage):
             except Exception:  # noqa: BLE001 - an old step left behind is only space
                 pass
 
-    def committed(self) -> int | None:
+    def tracker(self) -> durable.Tracker | None:
         try:
             raw = self._get("committed")
         except FileNotFoundError:
             return None  # nothing committed yet
         except Exception as exc:
             raise self._fail("read the committed step", exc) from exc
-        try:
-            return int(json.loads(raw)["step"])
-        except (ValueError, KeyError, TypeError):
-            return None  # no readable tracker: as on files
+        return durable.Tracker.decode(raw)  # (no readable tracker: as on files)
 
     def discard_newer(self, step: int) -> list[int]:
         newer = [s for s in self.steps() if s > step]

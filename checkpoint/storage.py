@@ -163,11 +163,17 @@ class Storage(abc.ABC):
         """Steps with at least one rank persisted, oldest first."""
 
     @abc.abstractmethod
-    def commit(self, step: int, keep: int) -> None:
-        """Record `step` as committed and drop all but the `keep` newest committed steps."""
+    def commit(self, step: int, keep: int, job: str | None = None) -> None:
+        """Record `step` as committed (by `job`) and drop all but the `keep` newest
+        committed steps."""
 
     @abc.abstractmethod
-    def committed(self) -> int | None: ...
+    def tracker(self) -> durable.Tracker | None:
+        """The committed step and the job that committed it (None: nothing committed)."""
+
+    def committed(self) -> int | None:
+        found = self.tracker()
+        return found.step if found else None
 
     @abc.abstractmethod
     def discard_newer(self, step: int) -> list[int]:
@@ -236,11 +242,11 @@ class FileStorage(Storage):
     def steps(self) -> list[int]:
         return durable.steps(self.root)
 
-    def commit(self, step: int, keep: int) -> None:
+    def commit(self, step: int, keep: int, job: str | None = None) -> None:
         if not self._step_dir(step).is_dir():
             raise CheckpointError(f"step {step} was never persisted; it cannot be committed")
         try:
-            durable.mark_committed(self.root, step)
+            durable.mark_committed(self.root, step, job)
         except OSError as exc:
             raise StorageError(
                 f"could not mark step {step} committed in {self.root}: {exc}"
@@ -255,8 +261,8 @@ class FileStorage(Storage):
             shutil.rmtree(self._step_dir(s), ignore_errors=True)
         return newer
 
-    def committed(self) -> int | None:
-        return durable.committed(self.root)
+    def tracker(self) -> durable.Tracker | None:
+        return durable.tracker(self.root)
 
     def load(self, step: int, rank: int) -> Any:
         directory = self._step_dir(step)

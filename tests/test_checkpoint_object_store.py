@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from rove.checkpoint import object_store
+from rove.checkpoint import durable, object_store
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.object_store import ObjectStorage
 from rove.checkpoint.storage import FileStorage, SlotOverwritten, StorageError
@@ -82,6 +82,8 @@ def test_commit_marks_the_step_and_keeps_the_last_k(tmp_path: Path, s3_url: str)
     with pytest.raises(CheckpointError, match="never persisted"):
         storage.commit(5, keep=2)
     assert storage.committed() == 4
+    storage.commit(4, keep=2, job="sweep-lr1")
+    assert storage.tracker() == durable.Tracker(4, "sweep-lr1"), "the job that committed"
 
 
 def test_a_rank_counts_as_persisted_only_with_its_data_and_its_manifest(
@@ -222,11 +224,11 @@ def test_a_job_persists_to_the_store_and_a_later_run_resumes_from_it(
     nothing of it, goes on from that step (it used to start afresh and drop it)."""
     location = request.getfixturevalue("s3_url") if where == "s3" else str(tmp_path / "ckpt")
 
-    def run(name: str, steps: int) -> RunProc:
+    def run(name: str, steps: int, job: str = "s3job") -> RunProc:
         node = RunProc(
             tmp_path,
             name,
-            *("--standalone", "--job", "s3job", "--nproc-per-node", "2"),
+            *("--standalone", "--job", job, "--nproc-per-node", "2"),
             *("--checkpoint-dir", location, "--persist-every", "5"),
             *(str(TRAIN), "--ckpt-every", "1", "--steps", str(steps)),
             *("--trace", str(tmp_path / f"{name}.jsonl")),
@@ -246,3 +248,8 @@ def test_a_job_persists_to_the_store_and_a_later_run_resumes_from_it(
     steps = sorted({r["step"] for r in trace_rows(tmp_path / "second.jsonl")})
     assert steps == [13, 14, 15, 16], f"resumed after step 12, from storage: {steps}"
     assert storage.committed() == 16
+    # another job given the same location goes on from it, and is told whose it is
+    other = run("other", 18, job="s3job-b")
+    said = f"found step 16 committed in {location} by another job, s3job: this job goes on"
+    assert said in other.log(), other.log()[-3000:]
+    assert storage.tracker() == durable.Tracker(18, "s3job-b")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rove.checkpoint import durable
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.storage import FileStorage, StorageError
 from tests.support import flip_byte
@@ -45,6 +46,20 @@ def test_commit_marks_the_step_and_keeps_the_last_k(tmp_path: Path) -> None:
         "step-00000003",
         "step-00000004",
     ]
+
+
+def test_the_tracker_names_the_job_that_committed_and_an_older_one_reads_as_none(
+    tmp_path: Path,
+) -> None:
+    storage = FileStorage(tmp_path / "ckpt")
+    engine, slot = saved(tmp_path, 5)
+    storage.persist(engine, slot, rank=0)
+    storage.commit(5, keep=2, job="sweep-lr1")
+    assert storage.tracker() == durable.Tracker(5, "sweep-lr1") and storage.committed() == 5
+    (tmp_path / "ckpt" / "committed").write_text('{"step": 5}')  # rove before 2026-12-07
+    assert storage.tracker() == durable.Tracker(5, None)
+    (tmp_path / "ckpt" / "committed").write_text("[5]")  # no tracker rove wrote
+    assert storage.tracker() is None and storage.committed() is None
 
 
 def test_a_step_never_persisted_cannot_be_committed(tmp_path: Path) -> None:
