@@ -248,6 +248,8 @@ def test_a_job_persists_to_the_store_and_a_later_run_resumes_from_it(
     steps = sorted({r["step"] for r in trace_rows(tmp_path / "second.jsonl")})
     assert steps == [13, 14, 15, 16], f"resumed after step 12, from storage: {steps}"
     assert storage.committed() == 16
+    if where == "s3":
+        return  # (the store's tracker names its job: test_commit_marks_the_step_...)
     # another job given the same location goes on from it, and is told whose it is
     other = run("other", 18, job="s3job-b")
     said = f"found step 16 committed in {location} by another job, s3job: this job goes on"

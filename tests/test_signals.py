@@ -207,10 +207,10 @@ def test_a_job_paused_whole_past_its_node_timeout_trains_on_in_the_same_round(
     master woke, took its node's silence for a lost node (the silence was its own pause),
     and the job began a new round, its workers killed and restarted."""
     args = ("--standalone", "--job", "paused", "--nproc-per-node", "1", "--node-timeout", "3")
-    job = Watched(tmp_path, "paused", *args, str(TRAIN), "--steps", "300", "--step-sleep", "0.03")
-    job.wait_for(lambda: "step 40/" in job.run.log())
+    job = Watched(tmp_path, "paused", *args, str(TRAIN), "--steps", "120", "--step-sleep", "0.03")
+    job.wait_for(lambda: "step 20/" in job.run.log())
     os.killpg(job.run.proc.pid, signal.SIGSTOP)
-    time.sleep(8)  # (real seconds: the pause must outlast the node timeout)
+    time.sleep(6)  # (real seconds: the pause must outlast the node timeout twice)
     os.killpg(job.run.proc.pid, signal.SIGCONT)
     assert job.ended(within=180) == 0, job.run.log()[-3000:]
     events = rove_cli("events", "--job", "paused", "--json", check=True).stdout
