@@ -419,6 +419,27 @@ def test_user_mistakes_get_one_clear_line_and_an_exit_code(
     assert not jobs.exists() or not any(jobs.iterdir()), "a refused command leaves no job behind"
 
 
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        ({"ROVE_NATS_REPLICAS": "three"}, ["run", "--standalone", "x.py"], "ROVE_NATS_REPLICAS"),
+        ({"ROVE_NATS_REPLICAS": "three"}, ["master", "--job", "j"], "ROVE_NATS_REPLICAS"),
+        ({"ROVE_METRICS_PORT": "abc"}, ["master", "--job", "j"], "ROVE_METRICS_PORT"),
+    ],
+)
+def test_a_bad_environment_variable_is_one_clear_line_not_a_traceback(
+    env: dict[str, str], args: list[str], message: str, tmp_path: Path
+) -> None:
+    """An environment variable that gives a flag's default was parsed as the parser was
+    built: a bad one was a traceback from every command, `rove status` too (one with no
+    such flag)."""
+    out = rove_cli(*args, env={"ROVE_HOME": str(tmp_path), **env})
+    assert out.returncode == common.EXIT_USAGE, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    other = rove_cli("status", "--job", "nothing", env={"ROVE_HOME": str(tmp_path), **env})
+    assert "Traceback" not in other.stderr, other.stderr
+
+
 def test_a_script_that_does_not_compile_is_refused_before_anything_starts(
     tmp_path: Path,
 ) -> None:

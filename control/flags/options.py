@@ -160,8 +160,10 @@ def add_nats_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--replicas",
-        type=int,
-        default=int(os.environ.get("ROVE_NATS_REPLICAS", "0") or 0),
+        type=replica_count,
+        # (a string: argparse converts it as it would the flag's, and a bad value is a
+        # usage error naming both, not a traceback in every command)
+        default=os.environ.get("ROVE_NATS_REPLICAS", "").strip() or "0",
         help="stream replicas when creating streams: 1 on one server, 3 on a cluster "
         "(default: 1 embedded, 3 for a URL listing 3+ servers, else 1)",
     )
@@ -334,7 +336,7 @@ def add_metrics_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument(
         "--metrics-port",
         type=port_number,
-        default=port_number(os.environ.get("ROVE_METRICS_PORT") or "0"),
+        default=os.environ.get("ROVE_METRICS_PORT", "").strip() or "0",  # (as --replicas's)
         metavar="PORT",
         help="serve Prometheus metrics on this port, /metrics (default 0: off; env "
         "ROVE_METRICS_PORT)",
@@ -347,8 +349,24 @@ def port_number(text: str) -> int:
     except ValueError:
         port = -1
     if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}: give a number from 0 to 65535")
+        raise argparse.ArgumentTypeError(
+            f"invalid port {text!r} (the flag's, or ROVE_METRICS_PORT's): give a number "
+            "from 0 to 65535"
+        )
     return port
+
+
+def replica_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(
+            f"invalid replica count {text!r} (the flag's, or ROVE_NATS_REPLICAS's): give 1 "
+            "on one server, 3 on a cluster (0: chosen from the URL)"
+        )
+    return count
 
 
 def positive(text: str) -> float:
