@@ -77,7 +77,10 @@ def spill_dir() -> Path | None:
     else ~/.rove); None (set empty): nowhere, a save that does not fit fails."""
     raw = os.environ.get("ROVE_SHM_SPILL_DIR")
     if raw is None:
-        return rove_home() / "spill"
+        try:
+            return rove_home() / "spill"
+        except RuntimeError:
+            return None  # no ROVE_HOME and no home (a container's user without one)
     return Path(raw).expanduser().absolute() if raw else None
 
 

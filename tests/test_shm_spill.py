@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rove.checkpoint import shm_owner
-from rove.checkpoint.engine import CheckpointError, FlashEngine
+from rove.checkpoint.engine import CheckpointError, FlashEngine, spill_dir
 from tests.support import rove_cli
 
 #: bytes of the small tmpfs: one slot of `BIG` does not fit, one of `SMALL` does
@@ -169,3 +169,28 @@ def test_a_job_whose_state_outgrows_shared_memory_trains_restores_and_commits(
     assert "RESTORED 4 memory 5.0" in said, said[-4000:]
     assert "step 7, is committed" in said, said[-4000:]
     assert not list((home / "spill").iterdir()), "the job's spilled slots freed at its end"
+
+
+def test_the_spill_folder_is_said_by_the_environment_or_rove_s_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pwd
+
+    monkeypatch.setenv("ROVE_SHM_SPILL_DIR", str(tmp_path / "here"))
+    assert spill_dir() == tmp_path / "here"
+    monkeypatch.setenv("ROVE_SHM_SPILL_DIR", "")
+    assert spill_dir() is None, "set empty: no spill"
+    monkeypatch.delenv("ROVE_SHM_SPILL_DIR")
+    monkeypatch.setenv("ROVE_HOME", str(tmp_path / "home"))
+    assert spill_dir() == tmp_path / "home" / "spill"
+    # a container's user with no ROVE_HOME, no HOME and no passwd entry: no spill, and
+    # no engine that fails to start for it (Path.home() raises)
+    monkeypatch.delenv("ROVE_HOME")
+    monkeypatch.delenv("HOME", raising=False)
+
+    def nobody(_uid: int) -> None:
+        raise KeyError("no such user")
+
+    monkeypatch.setattr(pwd, "getpwuid", nobody)
+    assert spill_dir() is None
+    FlashEngine("homeless.1", 0, directory=tmp_path / "shm").save(1, {"w": torch.ones(4)})
