@@ -503,7 +503,11 @@ def leave(code: int) -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ConfigError as exc:  # an environment variable that sets a flag's default
+        print(f"rove run: {exc}", file=sys.stderr)
+        return common.EXIT_USAGE
     given = list(argv) if argv is not None else sys.argv[1:]
     suggest.install(parser, given, reworded)
     args = parser.parse_args(given)

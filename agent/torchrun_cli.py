@@ -28,6 +28,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from rove.control.errors import ConfigError
+
 #: the torch release (major.minor) whose torchrun parser this module's is checked against
 CHECKED = "2.13"
 
@@ -43,11 +45,26 @@ class env(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+#: how `PET_<DEST>` may say a boolean flag (torchrun reads 0 or 1 with `int()`)
+_BOOLEAN = {"1": True, "true": True, "yes": True, "on": True}
+_BOOLEAN |= {"0": False, "false": False, "no": False, "off": False, "": False}
+
+
 class check_env(argparse.Action):
-    """A flag (True when given), else `PET_<DEST>` read as 0 or 1."""
+    """A flag (True when given), else `PET_<DEST>` read as 0 or 1 (or true, false).
+
+    Raises:
+        ConfigError: `PET_<DEST>` says neither (it was a traceback as the parser was
+            built, as under torchrun).
+    """
 
     def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
-        default = bool(int(os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")))
+        name = f"PET_{dest.upper()}"
+        raw = os.environ.get(name)
+        if raw is not None:
+            if raw.strip().lower() not in _BOOLEAN:
+                raise ConfigError(f"{name}={raw!r}: give 1 or 0 (or true, false), or unset it")
+            default = _BOOLEAN[raw.strip().lower()]
         super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:

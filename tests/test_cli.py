@@ -425,6 +425,11 @@ def test_user_mistakes_get_one_clear_line_and_an_exit_code(
         ({"ROVE_NATS_REPLICAS": "three"}, ["run", "--standalone", "x.py"], "ROVE_NATS_REPLICAS"),
         ({"ROVE_NATS_REPLICAS": "three"}, ["master", "--job", "j"], "ROVE_NATS_REPLICAS"),
         ({"ROVE_METRICS_PORT": "abc"}, ["master", "--job", "j"], "ROVE_METRICS_PORT"),
+        (
+            {"PET_VIRTUAL_LOCAL_RANK": "maybe"},
+            ["run", "--standalone", "x.py"],
+            "PET_VIRTUAL_LOCAL_RANK='maybe': give 1 or 0",
+        ),
     ],
 )
 def test_a_bad_environment_variable_is_one_clear_line_not_a_traceback(
