@@ -16,6 +16,7 @@ slots, falling back to the other one.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,12 +74,14 @@ SPILL_HINT = (
 
 def spill_dir() -> Path | None:
     """Where a slot goes when shared memory cannot hold it (`rove.checkpoint.shm`):
-    `ROVE_SHM_SPILL_DIR`, else `spill` in rove's folder on this machine (`$ROVE_HOME`,
-    else ~/.rove); None (set empty): nowhere, a save that does not fit fails."""
+    `ROVE_SHM_SPILL_DIR`, else `spill/<host>` in rove's folder (`$ROVE_HOME`, else
+    ~/.rove; the host's name, as a home folder may be shared by a cluster's machines,
+    each reclaiming only its own); None (set empty): nowhere, a save that does not fit
+    fails."""
     raw = os.environ.get("ROVE_SHM_SPILL_DIR")
     if raw is None:
         try:
-            return rove_home() / "spill"
+            return rove_home() / "spill" / socket.gethostname()
         except RuntimeError:
             return None  # no ROVE_HOME and no home (a container's user without one)
     return Path(raw).expanduser().absolute() if raw else None

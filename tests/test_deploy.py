@@ -484,6 +484,12 @@ def test_every_node_pod_names_its_machine_as_its_failure_domain() -> None:
                 nodes.append(target)
                 domain = env.get("ROVE_FAILURE_DOMAIN", {}).get("valueFrom")
                 assert domain == {"fieldRef": {"fieldPath": "spec.nodeName"}}, (target, c["name"])
+                # slots spilled to disk: the machine's own folder (a variable defined
+                # before it, as Kubernetes expands $(NAME) only then)
+                names = [v["name"] for v in c["env"]]
+                spill = env.get("ROVE_SHM_SPILL_DIR", {}).get("value")
+                assert spill == "/var/lib/rove/spill/$(ROVE_FAILURE_DOMAIN)", (target, spill)
+                assert names.index("ROVE_FAILURE_DOMAIN") < names.index("ROVE_SHM_SPILL_DIR")
     assert {"overlays/dev", "examples/pods", "examples/pods-prod"} <= set(nodes), nodes
 
 

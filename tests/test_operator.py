@@ -138,6 +138,8 @@ def test_an_object_store_for_checkpoints_reaches_every_node_with_its_credentials
     # peer replicas go to a node on another machine first: the machine is the domain
     domain = {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert {"name": "ROVE_FAILURE_DOMAIN", "valueFrom": domain} in node["env"]
+    spill = {"name": "ROVE_SHM_SPILL_DIR", "value": "/var/lib/rove/spill/$(ROVE_FAILURE_DOMAIN)"}
+    assert spill in node["env"], "slots spilled to disk: the machine's own folder"
     assert "checkpoints" not in {v["name"] for v in template["spec"]["volumes"]}
 
 

@@ -457,6 +457,9 @@ def _pod_template(spec: JobSpec, site: Site) -> str:
         {"name": "ROVE_METRICS_PORT", "value": "9400"},
         # the machine: each node's peer replicas go to a node on another one first
         {"name": "ROVE_FAILURE_DOMAIN", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        # checkpoint slots the machine's /dev/shm has no room for: a folder of the machine's
+        # own on its disk (the pod's host name changes with each relaunch; the machine not)
+        {"name": "ROVE_SHM_SPILL_DIR", "value": "/var/lib/rove/spill/$(ROVE_FAILURE_DOMAIN)"},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "shm", "mountPath": "/dev/shm"},
