@@ -62,9 +62,10 @@ class check_env(argparse.Action):
         name = f"PET_{dest.upper()}"
         raw = os.environ.get(name)
         if raw is not None:
-            if raw.strip().lower() not in _BOOLEAN:
+            said = _BOOLEAN.get(raw.strip().lower())
+            if said is None:
                 raise ConfigError(f"{name}={raw!r}: give 1 or 0 (or true, false), or unset it")
-            default = _BOOLEAN[raw.strip().lower()]
+            default = said
         super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
