@@ -315,6 +315,7 @@ class Agent:
                 )
                 await self._stop_workers(signal.Signals(signum))
                 await self.checkpoints.breakpoint()
+                await self.checkpoints.unmark()
                 self._finish(128 + signum, f"agent received {name}")
             case WorkersEnded(round=rnd) if (
                 rnd == self.status.round and self.status.phase is AgentPhase.RUNNING
@@ -376,6 +377,7 @@ class Agent:
                 self._register()
             case ev.JobEnded(phase=phase, reason=reason):
                 await self._stop_workers()
+                await self.checkpoints.unmark()
                 code = EXIT_FINISHED if phase is ev.JobPhase.FINISHED else EXIT_FAILED
                 if phase is ev.JobPhase.FINISHED:
                     self.checkpoints.job_finished()
@@ -551,6 +553,7 @@ class Agent:
         while True:
             await asyncio.sleep(self.cfg.duty_s)
             self.waiting.tick(self.status.phase)  # a wait for a round is said now and then
+            self.checkpoints.keep_mark()  # (the location is this job's)
             if self.checkpoints.fence.needs_catch_up:  # (also for workers done behind it)
                 self.tasks.spawn(self.checkpoints.fence.probe(self.bus, self.cfg.job))
             if not self.workers.running or self.status.phase is not AgentPhase.RUNNING:

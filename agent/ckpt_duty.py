@@ -21,6 +21,7 @@ from collections.abc import Callable
 import nats.errors
 import structlog
 
+from rove.agent.ckpt_mark import LocationMark
 from rove.agent.facts import NodeFacts
 from rove.agent.fence import StorageFence
 from rove.agent.saver import Saver
@@ -133,6 +134,12 @@ class CheckpointDuty:
         self._fenced = False  # the fence was found closed (said once, and when it opens)
         self._found: tuple[int, str] | None = None  # the committed step found, and where
         self._said_spill = False  # the ranks' slots spilled to disk: said once
+        #: the location marked as this job's while it runs (`rove.checkpoint.writers`)
+        self.mark = (
+            None
+            if self.saver.storage is None
+            else LocationMark(self.saver.storage, facts.job, facts.node, self.log)
+        )
 
     async def announce_found(self, bus: Bus) -> None:
         """Before the node first joins: say the step committed in this node's storage
@@ -144,6 +151,7 @@ class CheckpointDuty:
         storage = self.saver.storage
         if storage is None:
             return
+        self.keep_mark()
         try:
             found = await asyncio.wait_for(asyncio.to_thread(storage.tracker), FOUND_READ_S)
         except (TimeoutError, CheckpointError) as exc:
@@ -160,9 +168,8 @@ class CheckpointDuty:
             # (fine-tuning from another job's checkpoint; or two jobs given one folder)
             self.log.warning(
                 f"found step {step} committed in {storage.location} by another job, "
-                f"{found.job}: this job goes on from it. A job of its own needs a "
-                "--checkpoint-dir of its own: two jobs that write one at once remove each "
-                "other's steps"
+                f"{found.job}: this job goes on from it, and its own steps take the place "
+                f"of {found.job}'s there (give it a --checkpoint-dir of its own to keep them)"
             )
         else:
             self.log.info(
@@ -357,6 +364,16 @@ class CheckpointDuty:
             self.log.warning("back in touch with the master: persisting checkpoints again")
             self._fenced = False
         return True
+
+    def keep_mark(self) -> None:
+        """Refresh the location's mark as this job's when it is due."""
+        if self.mark is not None:
+            self.mark.tick()
+
+    async def unmark(self) -> None:
+        """The job ended here (or its node was stopped): the location is no longer marked."""
+        if self.mark is not None:
+            await self.mark.stop()
 
     def job_finished(self) -> None:
         """The job is done: free its shared memory."""

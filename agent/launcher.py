@@ -526,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"watch it with rove status --job {cfg.job}; stop it before running it "
                 "again, or give this one another --job"
             )
+        if cfg.checkpoint_dir:
+            run_checks.check_writers(str(cfg.checkpoint_dir), cfg.job)
         if getattr(args, "standalone_implied", False):
             say(
                 "one node and no --nats: running as --standalone, with its own NATS server "

@@ -5,6 +5,7 @@ paths made absolute, the checkpoint location, the signals that stop the job."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -80,6 +81,41 @@ def check_storage(location: str) -> None:
             f"--checkpoint-dir {location}: {why}; give a directory this user can create "
             "and write (or an object store URL: s3://, gs://, az://)"
         )
+
+
+#: How long `rove run` waits to read which jobs write its checkpoint location (a hung
+#: network file system, an object store away) before it starts without knowing.
+WRITERS_READ_S = 10.0
+
+
+def check_writers(location: str, job: str) -> None:
+    """Refuse to start `job` on a checkpoint location another job is writing now (its
+    mark refreshed within `rove.checkpoint.writers.LIVE_S`): the two would remove each
+    other's steps. A location that cannot be read in `WRITERS_READ_S` is not refused:
+    the agent says what fails when it writes there."""
+    import threading
+    import time
+
+    from rove.checkpoint import writers
+    from rove.checkpoint.storage import StorageError
+    from rove.checkpoint.stores import open_storage
+
+    found: list[list[writers.WriterMark]] = []
+
+    def read() -> None:
+        with contextlib.suppress(StorageError):
+            found.append(writers.read(open_storage(location)))
+
+    # (a daemon: a read still hung is left behind, and never holds the process's exit)
+    reader = threading.Thread(target=read, name="rove-writers", daemon=True)
+    reader.start()
+    reader.join(WRITERS_READ_S)
+    if not found:
+        return
+    marks = found[0]
+    now = time.time()
+    if others := writers.live_others(marks, job, now):
+        raise ConfigError(writers.refusal(location, job, others, now))
 
 
 #: Seconds workers get to exit after the stop signal before SIGKILL, by default. torchrun

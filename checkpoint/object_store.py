@@ -7,6 +7,7 @@ same layout as on files, under the prefix:
     step-00000120/rank-00003.ckpt        the slot's description and tensor bytes
     step-00000120/rank-00003.json        manifest: sizes and the xxh3 checksum
     committed                            tracker: {"step": N, "job": J} (`durable.Tracker`)
+    writers/JOB.json                     a running job's mark (`rove.checkpoint.writers`)
 
 What makes it safe without renames or fsync: an object store makes each PUT atomic (a
 reader sees the whole object or none; a large one is a multipart upload, which becomes
@@ -25,6 +26,7 @@ role where the cloud has one. No credential is ever on a command line.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -35,6 +37,7 @@ import msgspec
 from rove.checkpoint import durable
 from rove.checkpoint.engine import CheckpointError
 from rove.checkpoint.storage import (
+    WRITERS,
     Manifest,
     SlotOverwritten,
     Storage,
@@ -241,6 +244,33 @@ class ObjectStorage(Storage):
                 f"could not read step {step} of rank {rank} from {self.url}: {_short(exc)}"
             ) from exc
         return rebuild_verified(raw, manifest, step, rank, "object")
+
+    def put_mark(self, job: str, raw: bytes) -> None:
+        try:
+            self._put(f"{WRITERS}/{job}.json", [raw])
+        except Exception as exc:
+            raise self._fail(f"mark the location as job {job}'s", exc) from exc
+
+    def marks(self) -> list[bytes]:
+        found = []
+        try:
+            _, names = self._names(WRITERS)
+            for name in sorted(names):
+                with contextlib.suppress(FileNotFoundError):  # (removed as it was listed)
+                    found.append(bytes(self._get(name)))
+        except Exception as exc:
+            raise self._fail("read the jobs' marks", exc) from exc
+        return found
+
+    def drop_mark(self, job: str) -> None:
+        import obstore
+
+        try:
+            obstore.delete(self.store, f"{WRITERS}/{job}.json")
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise self._fail(f"remove job {job}'s mark", exc) from exc
 
 
 def _step_dir(step: int) -> str:

@@ -10,6 +10,7 @@ Layout under the root:
     step-00000120/rank-00003.ckpt        the slot's description and tensor bytes
     step-00000120/rank-00003.json        manifest: sizes and the xxh3 checksum
     committed                            tracker: the newest committed step
+    writers/JOB.json                     a running job's mark (`rove.checkpoint.writers`)
 
 A rank's files are written under a temporary name, fsynced, then renamed, so a
 reader sees either nothing or a whole file. A step is *committed* only when the
@@ -34,6 +35,9 @@ from rove.checkpoint import durable, layout
 from rove.checkpoint.engine import CheckpointError, FlashEngine
 from rove.checkpoint.memcopy import copy_into
 from rove.checkpoint.shm import COMPLETE, HEADER_SIZE, Header, Segment
+
+#: The folder (or prefix) of the marks of the jobs writing a location.
+WRITERS = "writers"
 
 
 class StorageError(CheckpointError):
@@ -187,6 +191,20 @@ class Storage(abc.ABC):
     def load(self, step: int, rank: int) -> Any:
         """Raises CheckpointError when the files are missing, torn or corrupted."""
 
+    # -- the marks of the jobs writing here (`rove.checkpoint.writers`) -------------------
+
+    @abc.abstractmethod
+    def put_mark(self, job: str, raw: bytes) -> None:
+        """Write `job`'s mark (whole or not at all). Raises StorageError."""
+
+    @abc.abstractmethod
+    def marks(self) -> list[bytes]:
+        """Every job's mark as written. Raises StorageError."""
+
+    @abc.abstractmethod
+    def drop_mark(self, job: str) -> None:
+        """Remove `job`'s mark (none: nothing). Raises StorageError."""
+
 
 class FileStorage(Storage):
     def __init__(self, root: Path) -> None:
@@ -279,3 +297,26 @@ class FileStorage(Storage):
         except msgspec.DecodeError as exc:
             raise CheckpointError(f"the manifest of step {step} rank {rank} is unreadable") from exc
         return rebuild_verified(raw, manifest, step, rank, "file")
+
+    def put_mark(self, job: str, raw: bytes) -> None:
+        try:
+            (self.root / WRITERS).mkdir(parents=True, exist_ok=True)
+            durable.write_atomic(self.root / WRITERS / f"{job}.json", [raw])
+        except OSError as exc:
+            raise StorageError(f"could not mark {self.root} as job {job}'s: {exc}") from exc
+
+    def marks(self) -> list[bytes]:
+        found = []
+        try:
+            for path in sorted((self.root / WRITERS).glob("*.json")):
+                with contextlib.suppress(FileNotFoundError):  # (removed as it was listed)
+                    found.append(path.read_bytes())
+        except OSError as exc:
+            raise StorageError(f"could not read the jobs' marks in {self.root}: {exc}") from exc
+        return found
+
+    def drop_mark(self, job: str) -> None:
+        try:
+            (self.root / WRITERS / f"{job}.json").unlink(missing_ok=True)
+        except OSError as exc:
+            raise StorageError(f"could not remove job {job}'s mark in {self.root}: {exc}") from exc

@@ -1,0 +1,145 @@
+"""One checkpoint location, one job at a time: a running job marks its location, and
+`rove run` of another job on it is refused before anything starts (two jobs that write
+one location at once remove each other's steps)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rove.agent import run_checks
+from rove.checkpoint import writers
+from rove.checkpoint.storage import FileStorage
+from rove.checkpoint.stores import open_storage
+from rove.control.errors import ConfigError
+from tests.support import TRAIN, RunProc, eventually, rove_cli
+
+
+def mark(job: str, at: float, node: str = "n1") -> writers.WriterMark:
+    return writers.WriterMark(job=job, node=node, at=at)
+
+
+def test_only_other_jobs_marked_lately_count_as_writing() -> None:
+    now = 1000.0
+    marks = [
+        mark("mine", now),
+        mark("old", now - writers.LIVE_S - 1),  # killed without ending: stopped counting
+        mark("b", now - 30),
+        mark("c", now - 2),
+        mark("ahead", now + 5),  # another machine's clock a little ahead
+    ]
+    assert [m.job for m in writers.live_others(marks, "mine", now)] == ["ahead", "c", "b"]
+    assert writers.live_others([mark("mine", now)], "mine", now) == []
+
+
+def test_marks_are_written_read_and_removed_on_files(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path / "ck")
+    writers.mark(storage, "a", "n1", 10.0)
+    writers.mark(storage, "a", "n2", 12.0)  # the job's other node: one mark per job
+    writers.mark(storage, "b", "n9", 11.0)
+    (tmp_path / "ck" / "writers" / "junk.json").write_text("not a mark")  # no rove's: left out
+    assert sorted(writers.read(storage), key=lambda m: m.job) == [
+        mark("a", 12.0, "n2"),
+        mark("b", 11.0, "n9"),
+    ]
+    assert storage.steps() == []  # (the marks are no step)
+    storage.drop_mark("a")
+    storage.drop_mark("a")  # (gone already: nothing)
+    assert [m.job for m in writers.read(storage)] == ["b"]
+
+
+def test_rove_run_refuses_a_location_another_job_marked_lately(tmp_path: Path) -> None:
+    location = str(tmp_path / "ck")
+    storage = open_storage(location)
+    writers.mark(storage, "a", "n1", time.time() - 3)
+    run_checks.check_writers(location, "a")  # its own mark: a job run again, or its node
+    with pytest.raises(ConfigError) as refused:
+        run_checks.check_writers(location, "b")
+    said = str(refused.value)
+    assert f"--checkpoint-dir {location} is being written by another job, a" in said
+    assert "its node n1 marked it 3 s ago" in said
+    assert "Give job b a --checkpoint-dir of its own" in said
+    assert f"{location}/writers/a.json stops counting" in said
+    writers.mark(storage, "a", "n1", time.time() - writers.LIVE_S - 1)  # a, killed, went stale
+    run_checks.check_writers(location, "b")
+    run_checks.check_writers(str(tmp_path / "none"), "b")  # nothing there yet
+
+
+def test_a_location_that_does_not_answer_is_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung network file system: `rove run` starts without knowing, and does not hang."""
+    release = threading.Event()
+
+    def hung(_self: FileStorage) -> list[bytes]:
+        release.wait(60)
+        return []
+
+    monkeypatch.setattr(FileStorage, "marks", hung)
+    monkeypatch.setattr(run_checks, "WRITERS_READ_S", 0.5)
+    try:
+        began = time.monotonic()
+        run_checks.check_writers(str(tmp_path / "ck"), "b")
+        assert time.monotonic() - began < 30
+    finally:
+        release.set()
+
+
+def test_marks_on_an_object_store(s3_url: str) -> None:
+    storage = open_storage(s3_url)
+    writers.mark(storage, "a", "n1", time.time())
+    assert [m.job for m in writers.read(storage)] == ["a"]
+    assert storage.steps() == []
+    with pytest.raises(ConfigError, match=f"{s3_url}/writers/a.json"):
+        run_checks.check_writers(s3_url, "b")
+    storage.drop_mark("a")
+    storage.drop_mark("a")
+    assert writers.read(storage) == []
+    run_checks.check_writers(s3_url, "b")
+
+
+async def test_a_second_job_on_a_running_jobs_location_is_refused_and_the_first_keeps_its_steps(
+    tmp_path: Path,
+) -> None:
+    """Job a trains on a --checkpoint-dir; job b given the same is refused (it used to go
+    on from a's step, and each job's commits removed the other's steps: b ended saying
+    its last step was committed, and it was gone). a is told of a job found writing
+    beside it; a's end removes its mark, and its last step is there."""
+    ck, home = tmp_path / "ck", tmp_path / "home"
+    env = {"ROVE_HOME": str(home), "ROVE_SHM_DIR": str(tmp_path / "shm")}
+    a = RunProc(
+        tmp_path,
+        "a",
+        *("--standalone", "--job", "a", "--checkpoint-dir", str(ck), str(TRAIN)),
+        *("--steps", "80", "--ckpt-every", "5", "--log-every", "5", "--step-sleep", "0.25"),
+        env=env,
+    )
+    try:
+        storage = open_storage(ck)
+        await eventually(lambda: [m.job for m in writers.read(storage)] == ["a"], timeout=60)
+        b = rove_cli(
+            *("run", "--standalone", "--job", "b", "--checkpoint-dir", str(ck), str(TRAIN)),
+            *("--steps", "10"),
+            env=env,
+            timeout=60,
+        )
+        assert b.returncode == 2, b.stdout + b.stderr
+        assert "is being written by another job, a (its node" in b.stderr, b.stderr
+        assert not (home / "jobs" / "b").exists()  # refused before anything started
+
+        # a job that got past the check all the same (started in the same moment) is
+        # said by a's agent at its next refresh of its mark
+        def beside() -> bool:
+            writers.mark(storage, "x", "n7", time.time())
+            return "another job, x, writes checkpoints in" in a.log()
+
+        await eventually(beside, timeout=60, every=1.0)
+        storage.drop_mark("x")
+        assert a.wait(180) == 0, a.log()[-3000:]
+    finally:
+        a.kill()
+    assert writers.read(storage) == []  # its end removed its mark
+    assert storage.committed() == 80 and 80 in storage.steps()
