@@ -5,6 +5,7 @@ its connection comes back: a heartbeat sent while it was cut off is not missed."
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -243,3 +244,44 @@ def test_a_leader_hears_from_its_last_reconnection_and_not_while_away() -> None:
     assert hearing.since() == 301.0
     hearing.close()
     assert nc.reconnected == []
+
+
+async def test_a_leader_hears_afresh_after_its_loop_ran_nothing_not_after_a_slow_tick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pause is the loop running nothing (a SIGSTOP, a call that held it): nothing was
+    read meanwhile, so silence counts from the wake. A tick that awaited long with the
+    loop free (heartbeats read meanwhile) is no pause: the hearing used to start afresh
+    at every tick of a leader whose ticks took over `PAUSED_S`, and no node could ever
+    be found lost."""
+    from types import SimpleNamespace
+
+    from nats.aio.client import Client
+
+    from rove.control.bus import live
+    from rove.control.bus.natsclient import RoveNatsClient
+
+    monkeypatch.setattr(live, "PAUSED_S", 0.6)
+    monkeypatch.setattr(live, "BEAT_S", 0.05, raising=False)
+    nc = RoveNatsClient()
+    nc._status = Client.CONNECTED
+    now = [100.0]
+    hearing = live.Hearing(SimpleNamespace(nc=nc), lambda: now[0])  # type: ignore[arg-type]
+    try:
+        for at in (110.0, 120.0, 130.0):  # ticks 1.2 s apart, the loop free between them
+            await asyncio.sleep(1.2)
+            now[0] = at
+            assert hearing.since() == 100.0, "a slow tick is no pause"
+        now[0] = 140.0
+        time.sleep(1.2)  # the loop held (as stopped): the tick's ask comes first after it
+        assert hearing.since() == 140.0, "paused: heard only from the wake"
+        now[0] = 150.0
+        await asyncio.sleep(0.3)
+        assert hearing.since() == 140.0
+        now[0] = 160.0
+        time.sleep(1.2)
+        await asyncio.sleep(0.2)  # the loop's own stamp sees it first this time
+        now[0] = 170.0
+        assert hearing.since() == 160.0
+    finally:
+        hearing.close()

@@ -10,6 +10,7 @@ way and 19 µs through a JetStream consumer (`benchmarks/heartbeat_path.py`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
@@ -78,24 +79,39 @@ def on_reconnected(bus: Bus, listener: Callable[[], None]) -> Callable[[], None]
     return stop
 
 
-#: Seconds between two asks (a leader asks every tick, a quarter of a second) that say
-#: this process was paused: stopped (SIGSTOP, a terminal's Ctrl-Z), its machine frozen
-#: or starved. Real seconds (`time.monotonic`), whatever clock the owner decides with.
+#: Seconds the event loop ran nothing that say this process was paused: stopped
+#: (SIGSTOP, a terminal's Ctrl-Z), its machine frozen or starved, or held by a call.
+#: Real seconds (`time.monotonic`), whatever clock the owner decides with.
 PAUSED_S = 5.0
+#: How often the loop stamps that it runs (`Hearing`).
+BEAT_S = 0.25
 
 
 class Hearing:
     """Since when a client has been able to hear live messages: its last reconnection,
     or now while it is away (nothing published meanwhile reached it), or its wake from
     a pause (nothing it could hear was read meanwhile). A leader counts a node's silence
-    only from then: its own deafness is not the node's."""
+    only from then: its own deafness is not the node's.
+
+    A pause is the event loop running nothing for `PAUSED_S`: a callback of its own
+    stamps the time every `BEAT_S`, and each ask looks at the stamp too (after a pause
+    the leader's tick may run before the stamp's callback). It used to be the time
+    between two asks, and a leader whose ticks took over `PAUSED_S` with the loop free
+    (awaiting a slow publish; heartbeats read meanwhile) heard every node afresh at each
+    tick: none could ever be found lost."""
 
     def __init__(self, bus: Bus, clock: Callable[[], float]) -> None:
         self._bus, self._clock = bus, clock
         self._since = clock()
         self._reconnects = self._count()
-        self._asked = time.monotonic()
+        self._stamp = time.monotonic()
         self._unhook = on_reconnected(bus, self._back)
+        self._beat: asyncio.TimerHandle | None = None
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # (asked from no loop: each ask stamps alone)
+            self._loop = None
+        self._beats()
 
     def _count(self) -> int:
         return int(self._bus.nc.stats["reconnects"])
@@ -103,18 +119,30 @@ class Hearing:
     def _back(self) -> None:
         self._since = self._clock()
 
+    def _ran(self) -> None:
+        """The loop runs now: after a pause, nothing before now was heard."""
+        stamp, self._stamp = self._stamp, time.monotonic()
+        if self._stamp - stamp > PAUSED_S:
+            # (a standalone job's master woke from a Ctrl-Z that stopped its node too,
+            # and declared that node lost for its own pause: a needless new round)
+            self._since = self._clock()
+
+    def _beats(self) -> None:
+        self._ran()
+        if self._loop is not None:
+            self._beat = self._loop.call_later(BEAT_S, self._beats)
+
     def since(self) -> float:
         # (nats-py counts a reconnection, then is connected, then flushes, and only then
         # calls back: a leader's tick in between must not see the time before it)
         reconnects = self._count()
         if not self._bus.nc.is_connected or reconnects != self._reconnects:
             self._since, self._reconnects = self._clock(), reconnects
-        asked, self._asked = self._asked, time.monotonic()
-        if self._asked - asked > PAUSED_S:
-            # (a standalone job's master woke from a Ctrl-Z that stopped its node too,
-            # and declared that node lost for its own pause: a needless new round)
-            self._since = self._clock()
+        self._ran()
         return self._since
 
     def close(self) -> None:
         self._unhook()
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
