@@ -94,6 +94,7 @@ def _addr(args: argparse.Namespace, standalone: bool) -> str:
 
 def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
     """The agent's configuration from parsed arguments; raises ConfigError for bad ones."""
+    run_checks.environment(os.environ)
     run_checks.auto_config(args)
     run_checks.check_ranges(args)
     run_checks.absolute_paths(args)

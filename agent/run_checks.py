@@ -83,6 +83,28 @@ def check_storage(location: str) -> None:
         )
 
 
+#: Log levels `ROVE_LOG_LEVEL` may name, and formats `ROVE_LOG_FORMAT` may.
+LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
+LOG_FORMATS = ("console", "json")
+
+
+def environment(environ: dict[str, str] | os._Environ[str]) -> None:
+    """rove's own environment variables that no flag checks, checked before anything
+    starts: `ROVE_TF_THREADS` (each TensorFlow task died with a traceback, and every
+    round after it), `ROVE_LOG_LEVEL` and `ROVE_LOG_FORMAT` (a word misspelt gave the
+    default, unsaid)."""
+    threads = environ.get("ROVE_TF_THREADS", "").strip()
+    if threads and not (threads.isdigit() and int(threads) >= 0):
+        raise ConfigError(
+            f"ROVE_TF_THREADS must be a whole number of threads (0: TensorFlow's choice), "
+            f"got {threads!r}"
+        )
+    for name, words in (("ROVE_LOG_LEVEL", LOG_LEVELS), ("ROVE_LOG_FORMAT", LOG_FORMATS)):
+        word = environ.get(name, "").strip()
+        if word and word.lower() not in words:
+            raise ConfigError(f"{name} must be one of {', '.join(words)}, got {word!r}")
+
+
 #: How long `rove run` waits to read which jobs write its checkpoint location (a hung
 #: network file system, an object store away) before it starts without knowing.
 WRITERS_READ_S = 10.0

@@ -430,6 +430,23 @@ def test_user_mistakes_get_one_clear_line_and_an_exit_code(
             ["run", "--standalone", "x.py"],
             "PET_VIRTUAL_LOCAL_RANK='maybe': give 1 or 0",
         ),
+        (  # (each TensorFlow task died with a ValueError, and every round after it)
+            {"ROVE_TF_THREADS": "four"},
+            ["run", "--standalone", "--tf-ps", "1", "x.py"],
+            "ROVE_TF_THREADS must be a whole number of threads (0: TensorFlow's choice), "
+            "got 'four'",
+        ),
+        (  # (a misspelt level was the default, unsaid)
+            {"ROVE_LOG_LEVEL": "debgu"},
+            ["run", "--standalone", "x.py"],
+            "ROVE_LOG_LEVEL must be one of debug, info, warning, warn, error, critical, "
+            "got 'debgu'",
+        ),
+        (
+            {"ROVE_LOG_FORMAT": "xml"},
+            ["run", "--standalone", "x.py"],
+            "ROVE_LOG_FORMAT must be one of console, json, got 'xml'",
+        ),
     ],
 )
 def test_a_bad_environment_variable_is_one_clear_line_not_a_traceback(

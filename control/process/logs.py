@@ -179,8 +179,8 @@ def to_job_log(path: Path, *, everything: bool = False) -> Path:
 def _configure(level: str | None, fmt: str | None, out: TextIO, console: bool | None) -> None:
     """`console`: None, every line goes to `out` alone; False, `out` gets every line and
     stderr the short ones; True, both get every line."""
-    level_name = (os.environ.get("ROVE_LOG_LEVEL") or level or "info").upper()
-    fmt = fmt or os.environ.get("ROVE_LOG_FORMAT") or "console"
+    level_name = (os.environ.get("ROVE_LOG_LEVEL") or level or "info").strip().upper()
+    fmt = (fmt or os.environ.get("ROVE_LOG_FORMAT") or "console").strip().lower()
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
