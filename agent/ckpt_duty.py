@@ -391,6 +391,7 @@ class CheckpointDuty:
                     step=step,
                     ranks=tuple(sorted(self.saver.engines)),
                     round=self._round,
+                    spilled=self.saver.spilled_ranks(),
                 )
             )
             self.on_in_memory(step)

@@ -200,6 +200,14 @@ class Saver:
         due = [s for s in self.common_steps() if s > after and (s - base) % every == 0]
         return max(due, default=None)
 
+    def spilled_ranks(self) -> tuple[int, ...]:
+        """This node's ranks with a slot spilled to disk (`rove.checkpoint.shm`)."""
+        return tuple(
+            rank
+            for rank, engine in sorted(self.engines.items())
+            if any(seg.spilled for seg in engine.segments)
+        )
+
     def spilled(self) -> str | None:
         """What to say when this node's ranks' slots spilled to disk (shared memory
         could not hold them, `rove.checkpoint.shm`); None when none did."""

@@ -5,6 +5,7 @@ step from memory."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -171,6 +172,11 @@ def test_a_job_whose_state_outgrows_shared_memory_trains_restores_and_commits(
     assert "RESTORED 4 memory 5.0" in said, said[-4000:]
     assert "step 7, is committed" in said, said[-4000:]
     assert not list(spill.iterdir()), "the job's spilled slots freed at its end"
+    events = rove_cli("events", "--job", "spill", "--json", env={"ROVE_HOME": str(home)})
+    spilled = [
+        e["spilled"] for e in map(json.loads, events.stdout.splitlines()) if e.get("spilled")
+    ]
+    assert spilled and all(s == [0] for s in spilled), events.stdout[-3000:]
 
 
 def test_the_spill_folder_is_said_by_the_environment_or_rove_s_home(
@@ -197,3 +203,28 @@ def test_the_spill_folder_is_said_by_the_environment_or_rove_s_home(
     monkeypatch.setattr(pwd, "getpwuid", nobody)
     assert spill_dir() is None
     FlashEngine("homeless.1", 0, directory=tmp_path / "shm").save(1, {"w": torch.ones(4)})
+
+
+def test_rove_status_says_which_ranks_spilled_to_disk() -> None:
+    """`ckpt_in_memory` names the ranks whose slots spilled; the master keeps them as of
+    each node's newest report, and `rove status` says them beside the node's step (the
+    console said it once, and `rove status` said only "in memory")."""
+    import msgspec
+
+    from rove.control.cli import status_ckpt
+    from rove.control.master import checkpoints as ckpt
+    from tests import factories
+
+    c = ckpt.CkptState()
+    c = ckpt.on_in_memory(
+        c, msgspec.structs.replace(factories.in_memory("na", 3, (0, 1)), spilled=(0, 1))
+    )
+    c = ckpt.on_in_memory(c, factories.in_memory("nb", 3, (2, 3)))
+    view = status_ckpt.view(c)
+    assert view["spilled"] == {"na": [0, 1]}
+    said = status_ckpt.line(view)
+    assert "in memory: na step 3 (ranks 0-1 spilled to disk), nb step 3" in said, said
+    # the slots came back to memory (room again): the next report says none
+    c = ckpt.on_in_memory(c, factories.in_memory("na", 4, (0, 1)))
+    assert status_ckpt.view(c)["spilled"] == {}
+    assert "in memory: na step 4, nb step 3" in status_ckpt.line(status_ckpt.view(c))

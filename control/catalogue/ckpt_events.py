@@ -24,6 +24,9 @@ class CkptInMemory(NodeFact, tag="ckpt_in_memory", frozen=True, kw_only=True):
     ranks: tuple[int, ...]
     round: int = 0
     recovered: bool = False
+    #: those of `ranks` whose slots spilled to disk: shared memory had no room for them
+    #: (`rove.checkpoint.shm`); they restore from there as from memory
+    spilled: tuple[int, ...] = ()
 
 
 class CkptPersisted(NodeFact, tag="ckpt_persisted", frozen=True, kw_only=True):

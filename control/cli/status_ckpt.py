@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rove.control.domain.words import counted
+from rove.control.domain.words import counted, ranks
 from rove.control.master.checkpoints import CkptState
 
 
@@ -12,6 +12,7 @@ def view(c: CkptState) -> dict[str, Any]:
     return {
         "committed_step": c.committed,
         "in_memory": {node: step for node, (step, _ranks) in c.memory.items()},
+        "spilled": {node: list(rs) for node, rs in c.spilled.items() if node in c.memory},
         "replicas": {
             node: {"step": step, "held_by": [h for h, _ in holders]}
             for node, (step, _ranks, holders) in c.replicas.items()
@@ -49,7 +50,11 @@ def line(ck: dict[str, Any], ended: bool = False, kept_until: str | None = None)
                 f" about {kept_until} (ROVE_SHM_GRACE_S), then the next job there may reclaim it"
             )
     else:
-        memory = ", ".join(f"{n} step {s}" for n, s in sorted(ck["in_memory"].items()))
+        spilled = ck.get("spilled") or {}
+        memory = ", ".join(
+            f"{n} step {s}" + (f" ({ranks(spilled[n])} spilled to disk)" if n in spilled else "")
+            for n, s in sorted(ck["in_memory"].items())
+        )
         text = "checkpoints: " + (
             f"committed step {committed}"
             if committed is not None

@@ -69,6 +69,9 @@ class CkptState(msgspec.Struct, frozen=True, kw_only=True):
     #: (round, step it restored, -1 for a fresh start) of the recent rounds: where
     #: each started a new lineage (the newest `MAX_CUTS`)
     cuts: tuple[tuple[int, int], ...] = ()
+    #: node -> its ranks whose slots spilled to disk, as of its newest report (said by
+    #: `rove status`)
+    spilled: immutables.Map[str, tuple[int, ...]] = msgspec.field(default_factory=immutables.Map)
     #: the older step a round's workers fell back to, once `committed`, to be committed
     #: again by a decision (agents record it on storage, whose committed step still
     #: names the unreadable one); None once that decision is folded
@@ -171,11 +174,19 @@ def on_in_memory(c: CkptState, e: ev.CkptInMemory) -> CkptState:
     previous = c.previous.delete(e.node) if e.node in c.previous else c.previous
     if known is not None and tuple(known[1]) == tuple(e.ranks):
         previous = previous.set(e.node, known[0])
+    spilled = (
+        c.spilled.set(e.node, e.spilled)
+        if e.spilled
+        else c.spilled.delete(e.node)
+        if e.node in c.spilled
+        else c.spilled
+    )
     return replace(
         c,
         memory=c.memory.set(e.node, (e.step, e.ranks)),
         previous=previous,
         reporter=c.reporter.set(e.node, e.incarnation),
+        spilled=spilled,
     )
 
 
