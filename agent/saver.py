@@ -94,7 +94,7 @@ class Saver:
                     log.debug("removed what a killed run left in shared memory", run=run)
                     continue
                 log.info(
-                    f"freed {_size(freed)} of shared memory a killed run left "
+                    f"freed {mib(freed)} of shared memory a killed run left "
                     f"in {directory} ({run}: no agent held it for {grace:.0f} s, "
                     "ROVE_SHM_GRACE_S)",
                     say=True,
@@ -105,7 +105,7 @@ class Saver:
                 freed = shm_owner.reclaim_spilled(spill, directory, grace)
             if freed:
                 log.info(
-                    f"freed {_size(freed)} of disk in {spill}: checkpoint slots that "
+                    f"freed {mib(freed)} of disk in {spill}: checkpoint slots that "
                     "spilled there, whose runs' shared memory is gone",
                     say=True,
                 )
@@ -307,7 +307,3 @@ class Saver:
         if self._holder is not None:
             self._holder.release(remove=True)
             self._holder = None
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"

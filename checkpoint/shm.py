@@ -86,7 +86,8 @@ class ShmFullError(OSError):
 
 
 def mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """A size as the checkpoint's lines say it: MiB, or KiB under one MiB."""
+    return f"{n / 2**20:.1f} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def remove(path: Path) -> int:
