@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,11 @@ def fsync_file(path: Path) -> None:
 
 
 def write_atomic(path: Path, chunks: Sequence[memoryview | bytes]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write `path` whole or not at all: a temporary file beside it, fsynced, renamed
+    over it. The temporary name is this writer's own (a process id alone is not, on a
+    file system several machines share: containers' processes have the same small ids,
+    and the nodes of a job refresh one mark, `rove.checkpoint.writers`)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:

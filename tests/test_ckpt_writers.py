@@ -143,3 +143,30 @@ async def test_a_second_job_on_a_running_jobs_location_is_refused_and_the_first_
         a.kill()
     assert writers.read(storage) == []  # its end removed its mark
     assert storage.committed() == 80 and 80 in storage.steps()
+
+
+def test_nodes_whose_processes_have_the_same_id_refresh_one_mark_side_by_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a file system several machines share, the nodes of a job write one mark, and
+    containers' processes have the same small ids: the temporary file was named by the
+    process id alone, and one node's rename took the other's file from under it."""
+    monkeypatch.setattr("os.getpid", lambda: 1)
+    storage = FileStorage(tmp_path / "ck")
+    failed: list[Exception] = []
+
+    def node(name: str) -> None:
+        for i in range(300):
+            try:
+                writers.mark(storage, "a", name, float(i))
+            except Exception as exc:
+                failed.append(exc)
+
+    threads = [threading.Thread(target=node, args=(n,)) for n in ("n1", "n2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed, failed[:3]
+    assert [m.job for m in writers.read(storage)] == ["a"]
+    assert [p.name for p in (tmp_path / "ck" / "writers").iterdir()] == ["a.json"]
