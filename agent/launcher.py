@@ -435,8 +435,11 @@ def _log_max_bytes() -> int:
 
 def _housekeeping(job: str) -> None:
     """A job stored on this machine starts: an earlier run's cached summary goes, and the
-    oldest other jobs' folders past the retention rule (`rove.control.history.jobs`)."""
+    shared NATS an earlier run of its name ran on (the readers read this run, which is
+    newer), and the oldest other jobs' folders past the retention rule
+    (`rove.control.history.jobs`)."""
     jobs.forget_summary(job)
+    stored.forget_shared(job)
     try:
         removed = jobs.prune(jobs.keep_from_env(), besides=job)
     except OSError as exc:

@@ -212,6 +212,34 @@ async def test_status_shows_leader_nodes_and_heartbeats(bus: Bus) -> None:
     assert "lost*" in n2 and "* n2 lost: " in text, text
 
 
+async def test_a_job_name_run_on_a_shared_nats_after_a_standalone_run_reads_the_newer(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """`rove status --job J` with no --nats read J's ended standalone run stored on this
+    machine even once J ran again on a shared NATS from it: the newer run was never
+    read. A standalone run's start forgets the shared NATS of an earlier one, so
+    whichever ran last is read."""
+    home = tmp_path / "home"
+    env = {"ROVE_HOME": str(home)}
+    shared = home / "jobs" / "j1" / "shared-nats.url"
+    shared.parent.mkdir(parents=True)
+    shared.write_text(bus.url + "\n")  # a run on a shared NATS, before
+    script = tmp_path / "hello.py"
+    script.write_text("print('standalone run')\n")
+    run = await asyncio.to_thread(
+        rove_cli, "run", "--standalone", "--job", "j1", str(script), env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert not shared.exists(), "the standalone run is the newer one"
+    status = await asyncio.to_thread(rove_cli, "status", "--job", "j1", env=env)
+    assert status.stdout.startswith("job j1: finished"), status.stdout + status.stderr
+    await seed(bus)  # then the job runs on a shared NATS (`rove run --nats` keeps its URL)
+    shared.write_text(bus.url + "\n")
+    status = await asyncio.to_thread(rove_cli, "status", "--job", "j1", env=env)
+    assert "job j1: running" in status.stdout, status.stdout + status.stderr
+    assert "leader m1, epoch 1" in status.stdout
+
+
 async def test_status_json_is_one_object(bus: Bus) -> None:
     await seed(bus)
     out = await asyncio.to_thread(rove_cli, "status", "--job", "j1", "--nats", bus.url, "--json")

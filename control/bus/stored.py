@@ -13,6 +13,7 @@ to the job's own store (a JetStream server writes its store as it starts).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import socket
@@ -58,6 +59,13 @@ def remember_shared(job: str, url: str) -> None:
         path.write_text(_USERINFO.sub("://", url) + "\n")
     except OSError as exc:  # (a convenience: the job goes on without it)
         log.info("could not keep the job's NATS URL", job=job, error=str(exc))
+
+
+def forget_shared(job: str) -> None:
+    """`job` runs on a server of this machine now (`rove run --standalone`): the shared
+    NATS an earlier run of its name ran on is no longer where the readers look."""
+    with contextlib.suppress(OSError):
+        (embedded.job_dir(job) / SHARED_URL).unlink(missing_ok=True)
 
 
 def shared_url(job: str) -> str | None:

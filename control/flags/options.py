@@ -220,7 +220,14 @@ def bus_options(
             found = embedded.job_dir(job) / "auth" / f"{role}.json"
             if url and not auth_file and found.is_file():
                 auth_file = str(found)
-            ended = stored.StoredJob.find(job) if not url and role in READERS else None
+            # (an ended job stored here, unless a newer run of its name ran on a shared
+            # NATS: a standalone run's start forgets the shared one, `forget_shared`)
+            newer_shared = stored.shared_url(job) is not None
+            ended = (
+                stored.StoredJob.find(job)
+                if not url and role in READERS and not newer_shared
+                else None
+            )
             if ended is not None:
                 # a job that has ended: its stored stream, read on a copy (rove.control.bus.stored)
                 # (as the job's launcher: a heartbeat stream, kept in memory, is made anew)
