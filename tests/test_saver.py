@@ -309,6 +309,9 @@ class Steps:
     def spilled(self) -> str | None:
         return None  # (its steps are in memory)
 
+    def spilled_ranks(self) -> tuple[int, ...]:
+        return ()
+
     def new_in_memory(self) -> int | None:
         if self.newest <= self.reported_step:
             return None
