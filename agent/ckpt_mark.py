@@ -10,6 +10,7 @@ missed) is said on the console, once per job, as the harm it is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import structlog
@@ -18,8 +19,9 @@ from rove.checkpoint import writers
 from rove.checkpoint.engine import CheckpointError
 from rove.checkpoint.storage import Storage
 
-#: How long removing the mark may take as the job ends (a hung store: it stops counting
-#: `writers.LIVE_S` after its last refresh all the same).
+#: How long removing the mark may take as the job ends, and a refresh under way before
+#: it (a hung store: the mark stops counting `writers.LIVE_S` after its last refresh all
+#: the same).
 DROP_S = 5.0
 
 
@@ -71,8 +73,10 @@ class LocationMark:
         if self._stopped:
             return
         self._stopped = True
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._task is not None and not self._task.done():
+            # (a refresh hung on a store that does not answer: not waited for long)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), DROP_S)
         try:
             await asyncio.wait_for(asyncio.to_thread(self.storage.drop_mark, self.job), DROP_S)
         except (TimeoutError, CheckpointError) as exc:

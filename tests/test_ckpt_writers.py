@@ -170,3 +170,35 @@ def test_nodes_whose_processes_have_the_same_id_refresh_one_mark_side_by_side(
     assert not failed, failed[:3]
     assert [m.job for m in writers.read(storage)] == ["a"]
     assert [p.name for p in (tmp_path / "ck" / "writers").iterdir()] == ["a.json"]
+
+
+async def test_a_job_ends_though_its_location_does_not_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mark's refresh and its removal hang on a store that does not answer: the
+    node's end waits for them a few seconds, not for ever."""
+    import asyncio
+
+    import structlog
+
+    from rove.agent import ckpt_mark
+
+    release = threading.Event()
+
+    class Hung(FileStorage):
+        def put_mark(self, job: str, raw: bytes) -> None:
+            release.wait(60)
+
+        def drop_mark(self, job: str) -> None:
+            release.wait(60)
+
+    monkeypatch.setattr(ckpt_mark, "DROP_S", 0.3)
+    mark = ckpt_mark.LocationMark(Hung(tmp_path), "a", "n1", structlog.get_logger())
+    try:
+        mark.tick()
+        await asyncio.sleep(0.1)  # the refresh is under way, and hangs
+        began = time.monotonic()
+        await mark.stop()
+        assert time.monotonic() - began < 10
+    finally:
+        release.set()
