@@ -341,7 +341,10 @@ async def _run_job(
     )
     if options.url is None:  # this machine keeps the job: its folder, and the others' rule
         _housekeeping(cfg.job)
-    else:  # a shared NATS: kept in the job's folder for the readers (`rove status --job J`)
+    elif options.url != embedded.recorded_url(cfg.job):
+        # a shared NATS: kept in the job's folder for the readers (`rove status --job J`).
+        # (Not the job's own server, a `--standalone --auto-scale` job's, whose nodes
+        # are given its URL: its events are stored here, and read from there.)
         stored.remember_shared(cfg.job, options.url)
         jobs.forget_summary(cfg.job)  # (an earlier run's: this one is read anew)
     options, job_auth = closed(options, cfg.job, cfg.node)

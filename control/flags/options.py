@@ -220,14 +220,13 @@ def bus_options(
             found = embedded.job_dir(job) / "auth" / f"{role}.json"
             if url and not auth_file and found.is_file():
                 auth_file = str(found)
-            # (an ended job stored here, unless a newer run of its name ran on a shared
-            # NATS: a standalone run's start forgets the shared one, `forget_shared`)
-            newer_shared = stored.shared_url(job) is not None
-            ended = (
-                stored.StoredJob.find(job)
-                if not url and role in READERS and not newer_shared
-                else None
-            )
+            ended = stored.StoredJob.find(job) if not url and role in READERS else None
+            shared = stored.shared_url(job) if ended is not None else None
+            if shared is not None and stored.answers(shared):
+                # a newer run of its name on a shared NATS (a standalone run's start
+                # forgets the shared one of an earlier run, `stored.forget_shared`): read
+                # there. (One that does not answer: the stored run, as before.)
+                ended = None
             if ended is not None:
                 # a job that has ended: its stored stream, read on a copy (rove.control.bus.stored)
                 # (as the job's launcher: a heartbeat stream, kept in memory, is made anew)
