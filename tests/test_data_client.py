@@ -131,7 +131,10 @@ async def test_a_slower_worker_gets_fewer_shards(bus: Bus, master: Any) -> None:
 
     threads = [
         threading.Thread(target=run, args=("fast", fast, 0.0)),
-        threading.Thread(target=run, args=("slow", slow, 0.02)),
+        # (a shard of the slow one lasts about 0.8 s: the fast one's, its lease's round
+        # trips, stays far shorter on a busy machine; at 0.02 s a sample CI once saw
+        # 18 against 14)
+        threading.Thread(target=run, args=("slow", slow, 0.05)),
     ]
     for t in threads:
         t.start()
