@@ -11,8 +11,9 @@ parameter server or a worker, `rove.agent.child --run script SCRIPT ...` for the
 
 What this relies on of TensorFlow: importing it reads none of a task's own settings.
 `TF_CONFIG` is read when the chief's resolver and a server are created, after the
-hand-over. The settings TensorFlow may read once (`GRPC_FAIL_FAST`) are the same in
-every task and already in the spare's environment.
+hand-over. The settings TensorFlow may read once (`GRPC_FAIL_FAST`,
+`TF_CPP_MIN_LOG_LEVEL`) are the same in every task and already in the spare's
+environment.
 
 A spare dies with its agent (`rove.agent.self_process.die_with_parent`), as every task does,
 and ends at once when stdin closes without a task (the agent let it go).
@@ -57,6 +58,9 @@ def main() -> None:
     # first setting finds the command line's memory through it)
     title(" ".join([sys.executable, "-u", "-m", "rove.agent.tf_spare"]))
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")  # as in every task's environment
+    # (TensorFlow reads its log level once, as it logs its first line at its import: the
+    # task's, `worker_env.tf_env`, is the user's or this)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     import importlib
 
     for name in PRELOAD:
