@@ -114,7 +114,7 @@ async def test_a_second_job_on_a_running_jobs_location_is_refused_and_the_first_
         tmp_path,
         "a",
         *("--standalone", "--job", "a", "--checkpoint-dir", str(ck), str(TRAIN)),
-        *("--steps", "80", "--ckpt-every", "5", "--log-every", "5", "--step-sleep", "0.25"),
+        *("--steps", "100", "--ckpt-every", "5", "--log-every", "5", "--step-sleep", "0.25"),
         env=env,
     )
     try:
@@ -142,7 +142,7 @@ async def test_a_second_job_on_a_running_jobs_location_is_refused_and_the_first_
     finally:
         a.kill()
     assert writers.read(storage) == []  # its end removed its mark
-    assert storage.committed() == 80 and 80 in storage.steps()
+    assert storage.committed() == 100 and 100 in storage.steps()
 
 
 def test_nodes_whose_processes_have_the_same_id_refresh_one_mark_side_by_side(
