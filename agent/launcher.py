@@ -111,6 +111,19 @@ def agent_config(args: argparse.Namespace) -> tuple[AgentConfig, bool]:
         # a c10d endpoint): one machine, so rove's embedded default serves it
         standalone = args.standalone = True
         args.standalone_implied = True  # said once the whole command line is checked
+    elif (
+        not standalone
+        and not args.nats
+        and not args.auto_scale
+        and lo == 1
+        and run_checks.on_loopback(args.rdzv_endpoint)
+    ):
+        # torch elastic's one-machine line (`--nnodes 1:4 --rdzv-backend c10d
+        # --rdzv-endpoint localhost:29400`): no other machine can reach its rendezvous,
+        # so every node is this one, and rove's embedded default serves it
+        args.elastic_alone = f"--nnodes {args.nnodes} with its rendezvous at {args.rdzv_endpoint}"
+        standalone = args.standalone = True
+        args.nnodes, (lo, hi) = "1", (1, 1)
     if not args.nats and not standalone and not args.auto_scale:
         # (refused before the job's folder is made: a refused command leaves nothing)
         raise ConfigError(
@@ -535,7 +548,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if cfg.checkpoint_dir:
             run_checks.check_writers(str(cfg.checkpoint_dir), cfg.job)
-        if getattr(args, "standalone_implied", False):
+        if elastic := getattr(args, "elastic_alone", ""):
+            say(
+                f"{elastic}, on this machine, and no --nats: running as --standalone, this "
+                "machine's one node (no other machine can reach that rendezvous; for "
+                "several machines give every node --nats nats://HOST:4222)"
+            )
+        elif getattr(args, "standalone_implied", False):
             say(
                 "one node and no --nats: running as --standalone, with its own NATS server "
                 "and master (the rendezvous flags given, if any, are not needed)"

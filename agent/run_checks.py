@@ -83,6 +83,24 @@ def check_storage(location: str) -> None:
         )
 
 
+def on_loopback(endpoint: str | None) -> bool:
+    """Whether a torchrun `--rdzv-endpoint` (HOST or HOST:PORT) names this machine's
+    loopback, which no other machine can reach (`localhost`, `127.0.0.1`, `[::1]`)."""
+    import ipaddress
+
+    text = (endpoint or "").strip()
+    if not text:
+        return False
+    host = text.rsplit(":", 1)[0] if text.count(":") == 1 or text.startswith("[") else text
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 #: Log levels `ROVE_LOG_LEVEL` may name, and formats `ROVE_LOG_FORMAT` may.
 LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 LOG_FORMATS = ("console", "json")

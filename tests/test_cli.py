@@ -364,6 +364,11 @@ async def test_scale_sets_the_jobs_node_bounds(any_bus: Bus) -> None:
             "did you mean: --nproc-per-nodes → --nproc-per-node?",
         ),
         (["run", "--nnodes", "3:1", "x.py"], common.EXIT_USAGE, "MIN <= MAX"),
+        (  # torch elastic's line with a rendezvous other machines may reach: --nats needed
+            ["run", "--nnodes", "1:4", "--rdzv-endpoint", "10.1.2.3:29400", "x.py"],
+            common.EXIT_USAGE,
+            "--nnodes 1:4: the nodes meet on a NATS server, and none was given",
+        ),
         (
             ["run", "--standalone", "--nproc-per-node", "2"],
             common.EXIT_USAGE,

@@ -73,3 +73,23 @@ def test_the_shutdown_timeout_is_the_flag_else_torchruns_variable_else_ten_secon
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
     with pytest.raises(ConfigError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon'"):
         _stop_timeout()
+
+
+def test_torch_elastics_one_machine_line_runs_as_one_standalone_node() -> None:
+    """`--nnodes 1:4 --rdzv-endpoint localhost:29400` (torch elastic's quick start): no
+    other machine can reach that rendezvous, so the job is this machine's one node. It
+    was refused for want of --nats. A rendezvous others may reach still needs --nats."""
+    from rove.agent import run_checks
+
+    for endpoint in ("localhost:29400", "127.0.0.1:29400", "[::1]:29400", "localhost"):
+        assert run_checks.on_loopback(endpoint), endpoint
+    for endpoint in ("10.1.2.3:29400", "node1:29400", "", None):
+        assert not run_checks.on_loopback(endpoint), endpoint
+    args = build_parser().parse_args(
+        ["--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400", SCRIPT]
+    )
+    _cfg, standalone = agent_config(args)
+    assert standalone and args.nnodes == "1"
+    args = build_parser().parse_args(["--nnodes", "2:4", "--rdzv-endpoint", "localhost:1", SCRIPT])
+    with pytest.raises(ConfigError, match="the nodes meet on a NATS server"):
+        agent_config(args)  # (two nodes at least: rove's nodes meet on NATS)

@@ -300,6 +300,8 @@ def test_a_worker_forked_as_its_server_dies_does_not_train_as_an_orphan(tmp_path
         (),
         ("--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", "29531"),
         ("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29532", "--rdzv-id", "tut"),
+        # torch elastic's quick start on one machine (it was refused: no --nats)
+        ("--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29533"),
     ],
 )
 def test_torchruns_one_node_command_lines_run_on_the_embedded_default(
@@ -318,7 +320,13 @@ def test_torchruns_one_node_command_lines_run_on_the_embedded_default(
     )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
-    assert "rove: one node and no --nats: running as --standalone" in log, "one human line"
+    said = (
+        "rove: --nnodes 1:4 with its rendezvous at localhost:29533, on this machine, and no "
+        "--nats: running as --standalone"
+        if "1:4" in flags
+        else "rove: one node and no --nats: running as --standalone"
+    )
+    assert said in log, "one human line"
     assert sorted(_reports(tmp_path)) == ["0", "1"]
 
 
