@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 
 from rove.control.errors import ConfigError
@@ -106,7 +107,7 @@ LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 LOG_FORMATS = ("console", "json")
 
 
-def environment(environ: dict[str, str] | os._Environ[str]) -> None:
+def environment(environ: Mapping[str, str]) -> None:
     """rove's own environment variables that no flag checks, checked before anything
     starts: `ROVE_TF_THREADS` (each TensorFlow task died with a traceback, and every
     round after it), `ROVE_LOG_LEVEL` and `ROVE_LOG_FORMAT` (a word misspelt gave the

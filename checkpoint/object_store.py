@@ -42,6 +42,7 @@ from rove.checkpoint.storage import (
     SlotOverwritten,
     Storage,
     StorageError,
+    mark_name,
     overwritten,
     rebuild_verified,
 )
@@ -247,7 +248,7 @@ class ObjectStorage(Storage):
 
     def put_mark(self, job: str, raw: bytes) -> None:
         try:
-            self._put(f"{WRITERS}/{job}.json", [raw])
+            self._put(mark_name(job), [raw])
         except Exception as exc:
             raise self._fail(f"mark the location as job {job}'s", exc) from exc
 
@@ -266,7 +267,7 @@ class ObjectStorage(Storage):
         import obstore
 
         try:
-            obstore.delete(self.store, f"{WRITERS}/{job}.json")
+            obstore.delete(self.store, mark_name(job))
         except FileNotFoundError:
             pass
         except Exception as exc:

@@ -40,6 +40,11 @@ from rove.checkpoint.shm import COMPLETE, HEADER_SIZE, Header, Segment
 WRITERS = "writers"
 
 
+def mark_name(job: str) -> str:
+    """Where `job`'s mark is under a location (`rove.checkpoint.writers`)."""
+    return f"{WRITERS}/{job}.json"
+
+
 class StorageError(CheckpointError):
     """Persisting failed (disk full, unwritable path); the message says what to do."""
 
@@ -301,7 +306,7 @@ class FileStorage(Storage):
     def put_mark(self, job: str, raw: bytes) -> None:
         try:
             (self.root / WRITERS).mkdir(parents=True, exist_ok=True)
-            durable.write_atomic(self.root / WRITERS / f"{job}.json", [raw])
+            durable.write_atomic(self.root / mark_name(job), [raw])
         except OSError as exc:
             raise StorageError(f"could not mark {self.root} as job {job}'s: {exc}") from exc
 
@@ -317,6 +322,6 @@ class FileStorage(Storage):
 
     def drop_mark(self, job: str) -> None:
         try:
-            (self.root / WRITERS / f"{job}.json").unlink(missing_ok=True)
+            (self.root / mark_name(job)).unlink(missing_ok=True)
         except OSError as exc:
             raise StorageError(f"could not remove job {job}'s mark in {self.root}: {exc}") from exc

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from rove.checkpoint.storage import Storage
+from rove.checkpoint.storage import Storage, mark_name
 
 #: How often a running job's agents write its mark again.
 MARK_EVERY_S = 10.0
@@ -94,4 +94,4 @@ def refusal(location: str, job: str, others: list[WriterMark], now: float) -> st
 
 def storage_mark_path(location: str, job: str) -> str:
     """Where `job`'s mark is under `location`, for a person to read or remove."""
-    return f"{location.rstrip('/')}/writers/{job}.json"
+    return f"{location.rstrip('/')}/{mark_name(job)}"
