@@ -92,8 +92,10 @@ def on_loopback(endpoint: str | None) -> bool:
     text = (endpoint or "").strip()
     if not text:
         return False
-    host = text.rsplit(":", 1)[0] if text.count(":") == 1 or text.startswith("[") else text
-    host = host.strip("[]")
+    if text.startswith("["):  # [IPv6] or [IPv6]:PORT
+        host = text[1:].partition("]")[0]
+    else:  # HOST:PORT, HOST, or a bare IPv6 address
+        host = text.rsplit(":", 1)[0] if text.count(":") == 1 else text
     if host.lower() == "localhost":
         return True
     try:

@@ -81,7 +81,14 @@ def test_torch_elastics_one_machine_line_runs_as_one_standalone_node() -> None:
     was refused for want of --nats. A rendezvous others may reach still needs --nats."""
     from rove.agent import run_checks
 
-    for endpoint in ("localhost:29400", "127.0.0.1:29400", "[::1]:29400", "localhost"):
+    for endpoint in (
+        "localhost:29400",
+        "127.0.0.1:29400",
+        "[::1]:29400",
+        "[::1]",
+        "::1",
+        "localhost",
+    ):
         assert run_checks.on_loopback(endpoint), endpoint
     for endpoint in ("10.1.2.3:29400", "node1:29400", "", None):
         assert not run_checks.on_loopback(endpoint), endpoint
