@@ -9,10 +9,11 @@ Two servers, so that neither the first line nor a restart waits:
   about 2 s here; torchrun's workers import torch only after its launcher did);
 - the *full* server also imports what a restart would otherwise import again (DDP's
   `torch._dynamo`, about 1.6 s, the checkpoint API, rove's data client, `--preload`
-  modules). It starts as
-  the agent does, and imports in a thread at nice 19 (`BACKGROUND_NICE`), so it only
-  takes CPU that training and the launcher leave (a short job beside a busy core paid
-  1.5 s for it at normal priority); the thread that forks keeps the server's nice 0,
+  modules). It is forked from the quick one once that one is ready (torch imported
+  once per node, not twice: 2.3 CPU-seconds a node here; `rove.agent.server_fork`),
+  and imports the rest in a thread at nice 19 (`BACKGROUND_NICE`), so it only takes CPU
+  that training and the launcher leave (a short job beside a busy core paid 1.5 s
+  for it at normal priority); the thread that forks keeps the server's nice 0,
   and so do its workers. Every round formed once it is ready is forked from it, and
   the quick one is then stopped. Where training keeps every core busy (CPU training)
   a nice-19 thread may never get to run: a full server not ready `NICE_FOR_S` after it
@@ -20,21 +21,21 @@ Two servers, so that neither the first line nor a restart waits:
   reniced in place, where rove may raise a priority: root, CAP_SYS_NICE), or else is
   replaced by one that imports at normal priority from the start, so no job recovers
   from the quick server for its whole life. (Replacing it threw away what it had
-  imported and cost a whole import again: a third of the agents of a slow test run
-  here escalated.)
+  imported: a third of the agents of a slow test run here escalated.)
 
 - a *learned* server (`learn`, `rove.agent.imports`) also imports what the workers
   imported beyond the server they were forked from (an HF script's `transformers` and
   its dependencies: 2-3 s a restart paid again). It starts once the workers' lists are
-  in and the full server is ready to compare with, imports in the background as the
-  full one does (hurried the same way where the cores are busy), and once ready takes
-  the full one's place as the one restarts fork from (the full one is stopped then). A
-  module it must not import (it starts a thread or a process, initialises CUDA, or
-  reads a variable each worker has its own value of) is refused by name: that server
-  never serves, and the next one learns without that module's package.
+  in and the full server is ready to compare with, is forked from it, imports in the
+  background as the full one does (hurried the same way where the cores are busy),
+  and once ready takes the full one's place as the one restarts fork from (the full
+  one is stopped then). A module it must not import (it starts a thread or a process,
+  initialises CUDA, or reads a variable each worker has its own value of) is refused
+  by name: that server never serves, and the next one learns without that module's package.
 
 Where `rove run` did not start a quick server (a managed node, a test), the agent
-starts the full one as its first round forms, as before. A pool agent's standby node
+starts the full one afresh as its first round forms; so does a Python whose forkserver
+`rove.agent.server_fork` does not know (3.14 on). A pool agent's standby node
 (`rove.agent.standby`) calls `start` before any job needs it: the full one, at normal
 priority (nothing else runs on an idle pool agent).
 
@@ -57,15 +58,15 @@ import multiprocessing.forkserver as mpfs
 import os
 import shutil
 import signal
-import threading
-from collections.abc import Iterator, Sequence
-from multiprocessing import process, spawn, util
+from collections.abc import Sequence
+from multiprocessing import util
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rove.agent import imports
+from rove.agent import imports, server_fork, server_spawn
 from rove.agent.imports import top
 from rove.control.domain.words import counted
+from rove.control.errors import plain
 from rove.control.process import tempdirs
 
 #: What a worker needs before its script's first line.
@@ -100,19 +101,20 @@ NICE_ENV = "ROVE_WARM_NICE"
 IMPORTER_ENV = "ROVE_WARM_IMPORTER_FILE"
 #: Where a learning server finds what the workers imported (`rove.agent.imports`).
 LEARNED_ENV = "ROVE_WARM_LEARNED_FILE"
-#: The fewest new modules worth a server that learns them: it imports torch again (a
-#: few CPU-seconds, in the background); fewer modules import in a fraction of a second
-#: (2-12 ms each here: 79 of aiohttp's in 0.2 s; an HF script's 550 in 2.4 s).
+#: The fewest new modules worth a server that learns them: it is one more process (and
+#: imports torch again where it cannot be forked: a few CPU-seconds); fewer modules
+#: import in a fraction of a second (2-12 ms each here: 79 of aiohttp's in 0.2 s; an
+#: HF script's 550 in 2.4 s).
 LEARN_AT_LEAST = 100
-#: The most servers that learn a process starts (each imports torch again, in the
-#: background): the first round's lists, and a retry or two without a refused package.
+#: The most servers that learn a process starts (each one more process, importing in
+#: the background): the first round's lists, and a retry or two without a refused package.
 MAX_LEARNING = 3
 BACKGROUND_NICE = 19
 #: How long the full server may import at BACKGROUND_NICE before one at normal priority
 #: replaces it (longer than a short job's life after its agent started, here 5-9 s).
 NICE_FOR_S = 15.0
-MAIN_NAME_ENV = "ROVE_WARM_MAIN_NAME"
-MAIN_PATH_ENV = "ROVE_WARM_MAIN_PATH"
+#: How often the agent looks whether the quick server is ready to fork the full one from.
+READY_POLL_S = 0.2
 
 #: Flags of `rove run` under which no warm server is wanted (or no job runs).
 _NOT_WARM = frozenset(
@@ -142,10 +144,12 @@ class _Server:
         nice: int = 0,
         learned: Sequence[str] = (),
         worker_keys: Sequence[str] = (),
+        base: _Server | None = None,
     ) -> None:
         """`nice`: above 0, the server imports `preload` in a thread at that nice, then
         `learned` with care (`rove.agent.imports.take`; `worker_keys`: the variables
-        each worker has its own value of)."""
+        each worker has its own value of). `base`: a ready server to fork this one from
+        (`rove.agent.server_fork`), where this Python allows; else it starts afresh."""
         self.kind = kind
         self.nice = nice
         self.preload = tuple(preload)
@@ -156,8 +160,29 @@ class _Server:
         self.refusal_file = self._dir / "refused"
         self._modules: frozenset[str] | None = None
         # (Any: its private attributes, read and reset here, are not in typeshed)
-        self.server: Any = mpfs.ForkServer()
-        env = {READY_ENV: str(self.ready_file), **_main_marker()}
+        learned_file = self._dir / "learned"
+        if self.learned:
+            learned_file.write_text(
+                json.dumps({"modules": self.learned, "worker_keys": list(worker_keys)})
+            )
+        server_spawn.own_mp_tempdir()
+        if base is not None and base.ready() and server_fork.supported():
+            serving = server_fork.Serving(
+                self.preload,
+                nice,
+                str(self.importer_file),
+                str(learned_file) if self.learned else None,
+                str(self.ready_file),
+            )
+            try:
+                self.server: Any = server_fork.fork(
+                    base.server, serving, [*self.preload, READY_MODULE]
+                )
+                return
+            except OSError:
+                pass  # (the base server is gone meanwhile: one starts afresh)
+        self.server = mpfs.ForkServer()
+        env = {READY_ENV: str(self.ready_file), **server_spawn.main_marker()}
         if nice > 0:
             env |= {
                 IMPORTS_ENV: ",".join(self.preload),
@@ -165,17 +190,12 @@ class _Server:
                 IMPORTER_ENV: str(self.importer_file),
             }
             if self.learned:
-                told = self._dir / "learned"
-                told.write_text(
-                    json.dumps({"modules": self.learned, "worker_keys": list(worker_keys)})
-                )
-                env[LEARNED_ENV] = str(told)
+                env[LEARNED_ENV] = str(learned_file)
             self.server.set_forkserver_preload([READY_MODULE])
         else:
             assert not self.learned, "a server learns in the background"
             self.server.set_forkserver_preload([*self.preload, READY_MODULE])
-        _own_mp_tempdir()
-        with _environ(env), _deaf_to_hangups():
+        with server_spawn.environ(env), server_spawn.deaf_to_hangups():
             self.server.ensure_running()  # (and multiprocessing's resource tracker, once)
 
     @property
@@ -210,6 +230,13 @@ class _Server:
         pid = self.pid
         if pid is None or self.ready():
             return None
+        if isinstance(self.server, server_fork.ForkedServer):
+            if not self.server.ended():
+                return None
+            code = self.server.exit_code()
+            return "", "it ended before it was ready" + (
+                "" if code is None else f" ({_code(code)})"
+            )
         try:
             ended, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
@@ -248,7 +275,12 @@ class _Server:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+                os.waitpid(pid, 0)  # (a forked one is its parent server's to reap)
+        if isinstance(self.server, server_fork.ForkedServer):
+            address = self.server._forkserver_address
+            self.server.release()
+            alive = None
+            self.server._forkserver_address = address
         if alive is not None:
             with contextlib.suppress(OSError):
                 os.close(alive)
@@ -261,53 +293,18 @@ class _Server:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-#: The longest path of an AF_UNIX socket (Linux: 108 bytes with its terminating NUL).
-_UNIX_PATH_MAX = 108
-
-
-@contextlib.contextmanager
-def _deaf_to_hangups() -> Iterator[None]:
-    """Processes started inside inherit SIGHUP and SIGQUIT ignored. A warm server and
-    multiprocessing's resource tracker share `rove run`'s process group: a terminal that
-    closes (SIGHUP to the whole group) or a Ctrl-\\ must reach the launcher alone,
-    which stops the job cleanly and passes the signal on to the workers (the server died
-    of it, and its workers with it; the tracker's relaunch printed tracebacks). They
-    ignore SIGINT already. A worker forked from the server starts with the defaults
-    (`warm._launcher_dispositions`). For the few milliseconds of a start, this process
-    ignores them too; off the main thread (where no handler can be set) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
-    try:
-        for sig in before:
-            signal.signal(sig, signal.SIG_IGN)
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-
-
-def _own_mp_tempdir() -> None:
-    """multiprocessing's temporary folder (where the servers' sockets are made) named for
-    this process, as rove's own are (`rove.control.process.tempdirs`): multiprocessing's
-    `pymp-*` is removed at a normal exit only, so every `rove run` killed with SIGKILL
-    left one. Removed at a normal exit as multiprocessing's is. (Where that name makes
-    a socket's path too long for AF_UNIX, a long TMPDIR, multiprocessing's own stays.)"""
-    config = process.current_process()._config  # type: ignore[attr-defined]
-    if config.get("tempdir") is None:
-        path = str(tempdirs.make("rove-mp"))
-        if len(path) + len("/listener-12345678") >= _UNIX_PATH_MAX:
-            shutil.rmtree(path, ignore_errors=True)
-            return
-        util.Finalize(None, shutil.rmtree, args=(path, True), exitpriority=-100)
-        config["tempdir"] = path
-
-
 def _status(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-    return f"exit status {os.waitstatus_to_exitcode(status)}"
+    return _code(os.waitstatus_to_exitcode(status))
+
+
+def _code(code: int) -> str:
+    """An exit code as multiprocessing gives it (a signal's negated)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 class _Servers:
@@ -318,6 +315,8 @@ class _Servers:
         self.serving: _Server | None = None
         self.coming: _Server | None = None
         self.learning: _Server | None = None
+        #: the full server's preload, while it waits for the quick one to fork from
+        self.wanted: tuple[str, ...] | None = None
         self.extra: tuple[str, ...] = ()
         #: packages a learning server refused (never learned again by this process)
         self.refused: set[str] = set()
@@ -356,8 +355,45 @@ def start(extra: Sequence[str] = ()) -> None:
     if _servers.serving is None:
         _servers.install(_Server(full, "full"))
     elif _servers.serving.kind == "quick" and _servers.coming is None:
-        _servers.coming = _Server(full, "full", nice=BACKGROUND_NICE)
-        _escalate_later()
+        _servers.wanted = full
+        _start_full()
+
+
+def _start_full() -> None:
+    """The full server, forked from the quick one once that one is ready (it has torch
+    imported: a fork costs milliseconds where a fresh server imports torch again, 2-3
+    CPU-seconds; `rove.agent.server_fork`). Until then the event loop looks again every
+    READY_POLL_S; where there is no loop to look again, or the quick server ended, or
+    forking a server is not possible here, the full one starts afresh now."""
+    wanted, quick = _servers.wanted, _servers.serving
+    if wanted is None or _servers.coming is not None:
+        return
+    waiting = (
+        quick is not None
+        and quick.kind == "quick"
+        and not quick.ready()
+        and quick.refused() is None
+        and server_fork.supported()
+    )
+    if waiting:
+        import asyncio  # (not at the top: `rove run` imports this module first thing)
+
+        with contextlib.suppress(RuntimeError):  # (no event loop: it starts afresh now)
+            asyncio.get_running_loop().call_later(READY_POLL_S, _start_full)
+            return
+    _servers.wanted = None
+    base = quick if quick is not None and quick.ready() else None
+    try:  # (maybe in a callback of the loop: said here, not as asyncio's traceback)
+        _servers.coming = _Server(wanted, "full", nice=BACKGROUND_NICE, base=base)
+    except Exception as exc:  # noqa: BLE001 - restarts fork from the quick one meanwhile
+        import structlog
+
+        structlog.get_logger(__name__).warning(
+            f"the warm server for restarts did not start ({plain(exc)}): restarts fork "
+            "from the quick one and import the rest themselves"
+        )
+        return
+    _escalate_later()
 
 
 def escalate() -> bool:
@@ -377,7 +413,9 @@ def escalate() -> bool:
         if coming.hurry():
             structlog.get_logger(__name__).info(said_full + "it imports on at normal priority")
         else:
-            _servers.coming = _Server(coming.preload, "full")
+            serving = _servers.serving
+            base = serving if serving is not None and serving.ready() else None
+            _servers.coming = _Server(coming.preload, "full", base=base)
             coming.kill()
             structlog.get_logger(__name__).info(
                 said_full + "one imports at normal priority in its place"
@@ -483,6 +521,7 @@ def learn(names: Sequence[str], worker_keys: Sequence[str]) -> Lesson:
         nice=BACKGROUND_NICE,
         learned=imports.union([before, new]),
         worker_keys=worker_keys,
+        base=base,
     )
     _servers.tried.update(new)  # (one a server could not import is not tried again)
     _servers.learners += 1
@@ -495,7 +534,7 @@ def stop() -> None:
     for server in (_servers.learning, _servers.coming, _servers.serving):
         if server is not None:
             server.kill()
-    _servers.coming = _servers.learning = None
+    _servers.coming = _servers.learning = _servers.wanted = None
 
 
 def serving_ready() -> bool:
@@ -515,30 +554,3 @@ def _install(server: mpfs.ForkServer) -> None:
     mpfs.get_inherited_fds = server.get_inherited_fds
     mpfs.connect_to_new_process = server.connect_to_new_process
     mpfs.set_forkserver_preload = server.set_forkserver_preload
-
-
-def _main_marker() -> dict[str, str]:
-    """How a child of a forkserver would find this process's main module (as
-    multiprocessing computes it), for the server to stand for it."""
-    data = spawn.get_preparation_data("rove-warm")
-    if "init_main_from_name" in data:
-        return {MAIN_NAME_ENV: str(data["init_main_from_name"])}
-    if "init_main_from_path" in data:
-        return {MAIN_PATH_ENV: str(data["init_main_from_path"])}
-    return {}
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """`values` in this process's environment while a server is spawned (it inherits
-    them; `rove.agent.warm_ready` takes them out of the server's own)."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

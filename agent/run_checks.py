@@ -113,7 +113,7 @@ def environment(environ: Mapping[str, str]) -> None:
     """rove's own environment variables that no flag checks, checked before anything
     starts: `ROVE_TF_THREADS` (each TensorFlow task died with a traceback, and every
     round after it), `ROVE_LOG_LEVEL` and `ROVE_LOG_FORMAT` (a word misspelt gave the
-    default, unsaid)."""
+    default, unsaid), `ROVE_WARM_FORK`."""
     threads = environ.get("ROVE_TF_THREADS", "").strip()
     if threads and not (threads.isdigit() and int(threads) >= 0):
         raise ConfigError(
@@ -124,6 +124,9 @@ def environment(environ: Mapping[str, str]) -> None:
         word = environ.get(name, "").strip()
         if word and word.lower() not in words:
             raise ConfigError(f"{name} must be one of {', '.join(words)}, got {word!r}")
+    fork = environ.get("ROVE_WARM_FORK", "").strip()
+    if fork not in ("", "0", "1"):
+        raise ConfigError(f"ROVE_WARM_FORK must be 1 or 0, got {fork!r}")
 
 
 #: How long `rove run` waits to read which jobs write its checkpoint location (a hung

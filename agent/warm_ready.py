@@ -132,15 +132,40 @@ def _exit_at_once_in(server: int) -> None:
     atexit.register(exit_now)
 
 
+def serve(
+    imports: list[str], nice: int, importer: str | None, learned: str | None, ready: str | None
+) -> None:
+    """Import `imports` (in the background at `nice`, then `learned` with care), then
+    say this server is ready in `ready` with the modules it imported (not where a
+    module was refused). What a fresh server reads from its environment below; a server
+    forked from another is given it (`rove.agent.server_fork`)."""
+    safe = True
+    if imports:
+        safe = _import_in_background([n for n in imports if n], nice, importer, learned)
+    if ready:
+        _exit_at_once_in(os.getpid())
+        if safe:
+            try:
+                _write(Path(ready), {"modules": list(sys.modules)})
+            except OSError as exc:
+                if not Path(ready).parent.is_dir():
+                    # its agent is gone, its folder with it (a job shorter than this
+                    # server's imports): nobody waits for it. (It printed a traceback
+                    # on the console of a job that had ended.)
+                    os._exit(0)
+                print(
+                    f"rove: the warm server could not say it is ready: {plain(exc)}",
+                    file=sys.stderr,
+                )
+
+
+#: The server's own import path, as its interpreter made it (a server forked from this
+#: one takes it back: multiprocessing gave the fork its agent's).
+SYS_PATH = list(sys.path)
 _imports = os.environ.pop("ROVE_WARM_IMPORTS", None)
 _nice = os.environ.pop("ROVE_WARM_NICE", "0")
 _importer = os.environ.pop("ROVE_WARM_IMPORTER_FILE", None)
 _learned = os.environ.pop("ROVE_WARM_LEARNED_FILE", None)
-_safe = True
-if _imports:
-    _safe = _import_in_background(
-        [n for n in _imports.split(",") if n], int(_nice), _importer, _learned
-    )
 _main = sys.modules["__main__"]
 _name = os.environ.pop("ROVE_WARM_MAIN_NAME", None)
 _path = os.environ.pop("ROVE_WARM_MAIN_PATH", None)
@@ -148,16 +173,10 @@ if _name:
     _main.__spec__ = importlib.machinery.ModuleSpec(_name, None)
 if _path:
     _main.__file__ = _path
-_ready = os.environ.pop("ROVE_WARM_READY_FILE", None)
-if _ready:
-    _exit_at_once_in(os.getpid())
-    if _safe:
-        try:
-            _write(Path(_ready), {"modules": list(sys.modules)})
-        except OSError as exc:
-            if not Path(_ready).parent.is_dir():
-                # its agent is gone, its folder with it (a job shorter than this server's
-                # imports): nobody waits for it. (It printed a traceback on the console of
-                # a job that had ended.)
-                os._exit(0)
-            print(f"rove: the warm server could not say it is ready: {plain(exc)}", file=sys.stderr)
+serve(
+    (_imports or "").split(","),
+    int(_nice),
+    _importer,
+    _learned,
+    os.environ.pop("ROVE_WARM_READY_FILE", None),
+)

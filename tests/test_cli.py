@@ -480,6 +480,11 @@ def test_user_mistakes_get_one_clear_line_and_an_exit_code(
             ["run", "--standalone", "x.py"],
             "ROVE_LOG_FORMAT must be one of console, json, got 'xml'",
         ),
+        (
+            {"ROVE_WARM_FORK": "no"},
+            ["run", "--standalone", "x.py"],
+            "ROVE_WARM_FORK must be 1 or 0, got 'no'",
+        ),
     ],
 )
 def test_a_bad_environment_variable_is_one_clear_line_not_a_traceback(

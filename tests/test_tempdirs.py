@@ -77,8 +77,8 @@ def test_multiprocessings_folder_is_named_for_the_process_where_a_socket_fits(
     tmp = Path(tempfile.mkdtemp(prefix="rv-", dir="/tmp")) if not long else tmp_path / ("x" * 60)
     tmp.mkdir(exist_ok=True)
     code = (
-        "from multiprocessing import connection, process; from rove.agent import forkservers; "
-        "forkservers._own_mp_tempdir(); print(connection.arbitrary_address('AF_UNIX'))"
+        "from multiprocessing import connection, process; from rove.agent import server_spawn; "
+        "server_spawn.own_mp_tempdir(); print(connection.arbitrary_address('AF_UNIX'))"
     )
     try:
         out = subprocess.run(

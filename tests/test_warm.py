@@ -157,6 +157,10 @@ def test_the_first_round_forks_from_the_quick_server_and_a_restart_from_the_one_
     assert all(r["manymods"] for r in second), "the server for restarts learned their imports"
     assert len({r["ppid"] for r in first}) == len({r["ppid"] for r in second}) == 1
     assert first[0]["ppid"] != second[0]["ppid"], "two servers"
+    assert "['torch', 'torch.distributed'" in second[0]["server"], (
+        "the learned server was forked (from the full one, itself forked from the quick one), "
+        f"not started afresh to import torch again: {second[0]['server'][:200]}"
+    )
     # the servers' folders are gone, and torch's logs folder (torchelastic_*, which
     # torchrun leaves empty at each run) too: rove's logs are in the job's folder. (What
     # stays is torch's compile cache, torchinductor_<user>, one for every run.)
@@ -348,11 +352,14 @@ def _starved_servers(monkeypatch: pytest.MonkeyPatch) -> Any:
     return forkservers
 
 
-def _niced_full_server(forkservers: Any) -> tuple[Any, int]:
-    """A quick server, then the full one importing at nice 19: (the full one, its pid)."""
+async def _niced_full_server(forkservers: Any) -> tuple[Any, int]:
+    """A quick server, then the full one importing at nice 19, forked from the quick one
+    once that is ready: (the full one, its pid)."""
+    from tests.support import eventually
+
     assert forkservers.early_start(["train.py"])
     forkservers.start(["slow_import"])
-    niced = forkservers._servers.coming
+    niced = await eventually(lambda: forkservers._servers.coming, timeout=60)
     assert niced is not None and niced.nice == forkservers.BACKGROUND_NICE
     assert niced.pid is not None
     return niced, niced.pid
@@ -383,7 +390,7 @@ async def test_a_full_server_starved_at_a_low_priority_imports_on_at_normal_prio
     forkservers = _starved_servers(monkeypatch)
     monkeypatch.setattr(forkservers, "NICE_FOR_S", 3600.0)  # (escalated below, once known)
     try:
-        niced, pid = _niced_full_server(forkservers)
+        niced, pid = await _niced_full_server(forkservers)
         await eventually(lambda: niced.importer_file.exists(), timeout=60)
         tid = int(niced.importer_file.read_text())
         assert _nice_of(pid, tid) == forkservers.BACKGROUND_NICE
@@ -410,7 +417,7 @@ async def test_a_starved_full_server_that_may_not_be_reniced_is_replaced(
     forkservers = _starved_servers(monkeypatch)
     monkeypatch.setattr(forkservers._Server, "hurry", lambda _self: False)  # (not allowed)
     try:
-        niced, pid = _niced_full_server(forkservers)
+        niced, pid = await _niced_full_server(forkservers)
         await eventually(lambda: forkservers._servers.coming is not niced, timeout=30)
         now = forkservers._servers.coming
         assert now is not None and now.nice == 0 and now.preload == niced.preload
@@ -429,3 +436,74 @@ def test_a_warm_server_whose_agent_is_gone_ends_quietly(tmp_path: Path) -> None:
     env = {**os.environ, "ROVE_WARM_READY_FILE": str(gone)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+
+
+def _tell_parent(queue: Any) -> None:
+    """(In a worker forked from a server:) its parent, whether it found `decimal`
+    imported, and the pid its parent stands as."""
+    from rove.agent import warm as forked
+
+    queue.put((os.getppid(), "decimal" in sys.modules, forked.SERVER_PID))
+
+
+async def test_the_full_server_is_forked_from_the_ready_quick_one_and_serves_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The full server is a fork of the quick one once that one is ready (torch imported
+    once per node, not twice: `rove.agent.server_fork`), imports what it adds, and goes
+    on serving after the quick one is stopped: a worker forked from it finds what it
+    added, and the pid it checks its parent against is the full server's."""
+    import multiprocessing
+
+    import psutil
+
+    from tests.support import eventually, pid_alive
+
+    forkservers = _starved_servers(monkeypatch)
+    monkeypatch.setattr(forkservers, "NICE_FOR_S", 3600.0)
+    try:
+        assert forkservers.early_start(["train.py"])
+        quick = forkservers._servers.serving
+        quick_pid = quick.pid
+        forkservers.start(["decimal"])
+        full = await eventually(lambda: forkservers._servers.coming, timeout=60)
+        assert quick.ready(), "forked once the quick one was ready, not started beside it"
+        assert psutil.Process(full.pid).ppid() == quick_pid, "a fork of the quick server"
+        await eventually(full.ready, timeout=60)
+        assert "decimal" in full.modules()
+        forkservers.promote()  # the full one serves; the quick one is stopped
+        assert forkservers.serving() == ("full", full.pid)
+        assert not pid_alive(quick_pid)
+        ctx = multiprocessing.get_context("forkserver")
+        queue = ctx.SimpleQueue()
+        worker = ctx.Process(target=_tell_parent, args=(queue,))
+        worker.start()
+        worker.join(60)
+        assert worker.exitcode == 0
+        assert queue.get() == (full.pid, True, full.pid)
+    finally:
+        _stop_servers(forkservers)
+
+
+async def test_with_rove_warm_fork_0_the_full_server_starts_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ROVE_WARM_FORK=0`: the full server is a fresh interpreter (the baseline of
+    `benchmarks/warm_servers.py`, and a way out), and serves as one."""
+    import psutil
+
+    from tests.support import eventually
+
+    forkservers = _starved_servers(monkeypatch)
+    monkeypatch.setattr(forkservers, "NICE_FOR_S", 3600.0)
+    monkeypatch.setenv("ROVE_WARM_FORK", "0")
+    try:
+        assert forkservers.early_start(["train.py"])
+        quick_pid = forkservers._servers.serving.pid
+        forkservers.start(["decimal"])
+        full = await eventually(lambda: forkservers._servers.coming, timeout=60)
+        assert psutil.Process(full.pid).ppid() == os.getpid() != quick_pid
+        await eventually(full.ready, timeout=60)
+        assert "decimal" in full.modules()
+    finally:
+        _stop_servers(forkservers)

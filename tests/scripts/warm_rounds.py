@@ -27,7 +27,11 @@ from rove.agent import imports, progress  # noqa: E402
 
 out = Path(sys.argv[1])
 restart, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
-(out / f"{restart}-{rank}.json").write_text(json.dumps({**found, "ppid": os.getppid()}))
+# (a server forked from another has that one's command line: the quick server's)
+server = Path(f"/proc/{os.getppid()}/cmdline").read_text().replace("\0", " ")
+(out / f"{restart}-{rank}.json").write_text(
+    json.dumps({**found, "ppid": os.getppid(), "server": server})
+)
 if restart == "0" and rank == "1":
     for step in range(1, imports.FINAL_AFTER_STEPS + 1):
         progress.report(step)
