@@ -115,6 +115,8 @@ BACKGROUND_NICE = 19
 NICE_FOR_S = 15.0
 #: How often the agent looks whether the quick server is ready to fork the full one from.
 READY_POLL_S = 0.2
+#: How long `kill` waits for a forked server to be gone (SIGKILL: at once, in practice).
+KILL_WAIT_S = 5.0
 
 #: Flags of `rove run` under which no warm server is wanted (or no job runs).
 _NOT_WARM = frozenset(
@@ -277,6 +279,7 @@ class _Server:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)  # (a forked one is its parent server's to reap)
         if isinstance(self.server, server_fork.ForkedServer):
+            self.server.ended(wait_s=KILL_WAIT_S)  # (gone, as waitpid would have it)
             address = self.server._forkserver_address
             self.server.release()
             alive = None

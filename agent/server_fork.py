@@ -99,10 +99,11 @@ class ForkedServer(mpfs.ForkServer):
         self.pidfd: int | None = None
         self.popen: Any = None
 
-    def ended(self) -> bool:
+    def ended(self, wait_s: float = 0.0) -> bool:
+        """Whether it ended (waiting up to `wait_s` for it to)."""
         if self.pidfd is None:
             return True
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
+        readable, _, _ = select.select([self.pidfd], [], [], wait_s)
         return bool(readable)
 
     def exit_code(self) -> int | None:
@@ -202,7 +203,7 @@ def fork(base: Any, serving: Serving, fallback: Sequence[str]) -> ForkedServer:
 
 def _serve(listener: socket.socket, alive: connection.Connection, serving: Serving) -> None:
     """The forked child: become a server of its own (see the module's docstring)."""
-    from rove.agent import warm, warm_ready
+    from rove.agent import warm_ready
 
     parent: Any = mpfs._forkserver  # (the server it was forked from, as its children see it)
     if isinstance(parent._forkserver_alive_fd, int):
@@ -211,7 +212,9 @@ def _serve(listener: socket.socket, alive: connection.Connection, serving: Servi
         except OSError:
             pass
         parent._forkserver_alive_fd = None
-    warm.SERVER_PID = os.getpid()
+    warm: Any = sys.modules.get("rove.agent.warm")  # (preloaded by every server)
+    if warm is not None:
+        warm.SERVER_PID = os.getpid()
     sys.path[:] = warm_ready.SYS_PATH  # (what a server started afresh would import from)
     alive_fd = os.dup(alive.fileno())
     alive.close()

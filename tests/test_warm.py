@@ -461,6 +461,7 @@ async def test_the_full_server_is_forked_from_the_ready_quick_one_and_serves_aft
 
     forkservers = _starved_servers(monkeypatch)
     monkeypatch.setattr(forkservers, "NICE_FOR_S", 3600.0)
+    monkeypatch.setattr(forkservers, "QUICK", ("json", "rove.agent.warm"))  # (as every server)
     try:
         assert forkservers.early_start(["train.py"])
         quick = forkservers._servers.serving
