@@ -103,8 +103,9 @@ class ForkedServer(mpfs.ForkServer):
         """Whether it ended (waiting up to `wait_s` for it to)."""
         if self.pidfd is None:
             return True
-        readable, _, _ = select.select([self.pidfd], [], [], wait_s)
-        return bool(readable)
+        poller = select.poll()  # (not select(): a descriptor may be above 1024)
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(int(wait_s * 1000)))
 
     def exit_code(self) -> int | None:
         """Its exit code as the server it was forked from said it (None while it runs,

@@ -508,3 +508,43 @@ async def test_with_rove_warm_fork_0_the_full_server_starts_afresh(
         assert "decimal" in full.modules()
     finally:
         _stop_servers(forkservers)
+
+
+@pytest.mark.slow
+def test_a_preloaded_module_of_the_working_folder_is_imported_by_the_forked_full_server(
+    tmp_path: Path,
+) -> None:
+    """`rove run --preload localmod` from the folder that holds `localmod.py`: a restart
+    forks from the full server, which imported it. That server is a fork of the quick
+    one, whose import path multiprocessing replaces with the agent's (the `rove`
+    command's: no working folder in it); it takes the quick server's back, as a server
+    started afresh has it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "localmod.py").write_text("VALUE = 1\n")
+    scratch = Path(tempfile.mkdtemp(prefix="rv-"))  # (AF_UNIX paths are short)
+    try:
+        out = subprocess.run(
+            [
+                *(str(Path(sys.executable).parent / "rove"), "run", "--standalone"),
+                *("--job", "preload", "--nproc-per-node", "2", "--max-restarts", "1"),
+                *(
+                    "--preload",
+                    "localmod",
+                    str(Path(__file__).parent / "scripts" / "preload_probe.py"),
+                ),
+                str(tmp_path),
+            ],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "ROVE_HOME": str(tmp_path / "home"), "TMPDIR": str(scratch)},
+        )
+        assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+        reports = _reports(tmp_path)
+        assert sorted(reports) == ["0-0", "0-1", "1-0", "1-1"], out.stderr[-2000:]
+        assert not reports["0-0"]["localmod"], "the first round forks from the quick server"
+        assert reports["1-0"]["localmod"] and reports["1-1"]["localmod"], out.stderr[-2000:]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
