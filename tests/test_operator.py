@@ -458,6 +458,65 @@ async def test_a_refused_create_is_retried_and_nothing_is_created_twice(bus: Bus
         assert set(cluster.objects("deployments")) == {f"rove-master-{JOB}", f"rove-scaler-{JOB}"}
 
 
+def test_a_refused_submit_fails_its_job_at_once_and_says_why_where_kubectl_shows_it() -> None:
+    """`rove submit` refusing the job (exit 2) is not tried 6 times: the submit Job's
+    podFailurePolicy fails it at once (it takes restartPolicy Never), and the refusal's
+    line is the pod's termination message. Valid for Kubernetes as the deploy checks it."""
+    import kubernetes_validate
+
+    from rove.control.flags.options import EXIT_USAGE
+    from tests.test_deploy import K8S_VERSION
+
+    obj = rovejob()
+    [submit] = [c for c in rj.children(obj, rj.parse(obj), SITE) if c["kind"] == "Job"]
+    kubernetes_validate.validate(submit, K8S_VERSION, strict=True)
+    pod = submit["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    [rule] = submit["spec"]["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob"
+    assert rule["onExitCodes"] == {"containerName": "submit", "operator": "In", "values": [2]}
+    assert rj.REFUSED_EXIT == EXIT_USAGE == 2
+    [container] = pod["containers"]
+    assert container["name"] == "submit"
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+async def test_a_rovejob_whose_submit_job_failed_fails_saying_why_and_where(bus: Bus) -> None:
+    """A job with no event whose submit Job failed stayed "Submitting" for ever; its
+    RoveJob now fails, with Kubernetes' reason and the command that shows the refusal."""
+    from kubernetes import client as k8s
+
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        cluster = Cluster(emulator, server)
+        await create(cluster, rovejob())
+        async with operator(bus, cluster):
+            await eventually(lambda: status_of(cluster).get("phase") == "Submitting", timeout=30)
+            assert f"rove-submit-{JOB}" in cluster.objects("jobs")
+            verdict = {  # (what the Job controller writes under the podFailurePolicy)
+                "type": "Failed",
+                "status": "True",
+                "reason": "PodFailurePolicy",
+                "message": f"Container submit for pod {NS}/rove-submit-{JOB}-x7k2p failed "
+                "with exit code 2 matching FailJob rule at index 0",
+            }
+            batch = k8s.BatchV1Api(cluster.api())
+            await asyncio.to_thread(
+                batch.patch_namespaced_job_status,
+                f"rove-submit-{JOB}",
+                NS,
+                {"status": {"failed": 1, "conditions": [verdict]}},
+            )
+            await eventually(lambda: status_of(cluster).get("phase") == "Failed", timeout=30)
+            await asyncio.sleep(1.0)  # (said once, not again at each tick)
+        conditions = {c["type"]: c for c in status_of(cluster)["conditions"]}
+        failed = conditions["Failed"]
+        assert failed["status"] == "True" and failed["reason"] == "SubmitFailed"
+        assert conditions["Running"]["status"] == "False"
+        assert "PodFailurePolicy" in failed["message"] and "exit code 2" in failed["message"]
+        assert f"kubectl logs -n {NS} job/rove-submit-{JOB}" in failed["message"]
+        assert event_reasons(cluster) == ["SubmitFailed"]
+
+
 async def test_an_invalid_rovejob_is_marked_and_told_not_run(bus: Bus) -> None:
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
         cluster = Cluster(emulator, server)
@@ -511,6 +570,7 @@ async def test_the_operators_role_grants_exactly_what_it_uses(bus: Bus) -> None:
         cluster = Cluster(emulator, server)
         await create(cluster, rovejob())
         await create(cluster, rovejob(name="rj2", nnodes="3:1"))  # an invalid one
+        await create(cluster, rovejob(name="rj3"))  # no event yet: its submit Job is read
         for e in (f.elected("m1", 1, job=JOB), f.ended(1, ev.JobPhase.FINISHED, job=JOB)):
             await bus.publish(e)
         start = len(list(emulator))
@@ -518,7 +578,18 @@ async def test_the_operators_role_grants_exactly_what_it_uses(bus: Bus) -> None:
             await eventually(lambda: status_of(cluster).get("phase") == "Finished", timeout=30)
             await eventually(
                 lambda: all(
-                    d["spec"]["replicas"] == 0 for d in cluster.objects("deployments").values()
+                    d["spec"]["replicas"] == 0
+                    for name, d in cluster.objects("deployments").items()
+                    if name.endswith(f"-{JOB}")
+                ),
+                timeout=30,
+            )
+            await eventually(
+                lambda: any(
+                    r.method.value == "GET"
+                    and r.resource is not None
+                    and r.resource.plural == "jobs"
+                    for r in list(emulator)[start:]
                 ),
                 timeout=30,
             )

@@ -419,6 +419,8 @@ class Operator:
             follower.pending.remove(told)
         now = self.clock()
         previous = self._last_status.get(job) or obj.get("status") or {}
+        if not follower.seen and await self._submit_failed(job, obj, previous):
+            return
         status = st.status(
             follower.replica.state,
             follower.report(now),
@@ -435,6 +437,37 @@ class Operator:
         self._last_status[job] = status
         if status.get("phase") != previous.get("phase"):
             log.info("job phase", job=job, phase=status["phase"], round=status["round"])
+
+    async def _submit_failed(self, job: str, obj: dict[str, Any], previous: dict[str, Any]) -> bool:
+        """A job with no event yet whose submit Job failed (`rove submit` refused it: a
+        name a running job has, a bad script argument; or it could not reach NATS, six
+        times): its RoveJob fails, saying so and where the reason is, instead of staying
+        "Submitting" for ever. True when it did (or had)."""
+        if previous.get("phase") == st.FAILED:
+            return True
+        name = rj.names(job)["submit"]
+        try:
+            got = await self._call(self.batch.read_namespaced_job, name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False  # (not made yet, or deleted by hand: nothing to say)
+            raise
+        failed = next(
+            (c for c in (got.status and got.status.conditions) or [] if c.type == "Failed"),
+            None,
+        )
+        if failed is None or failed.status != "True":
+            return False
+        why = st.submit_failure(self.namespace, name, failed.reason, failed.message)
+        generation = int(obj["metadata"].get("generation", 0) or 0)
+        await self._event(
+            obj, st.KubeEvent(seq=0, type="Warning", reason="SubmitFailed", message=why)
+        )
+        status = st.submit_failed(generation, why, self.clock())
+        await self._patch(job, {"status": st.patch(status, previous)}, status=True)
+        self._last_status[job] = status
+        log.warning("the job's submit failed", job=job, reason=why)
+        return True
 
     async def _event(self, obj: dict[str, Any], told: st.KubeEvent) -> None:
         meta = obj["metadata"]

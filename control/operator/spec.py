@@ -342,6 +342,11 @@ def _run_args(spec: JobSpec) -> list[str]:
     return [*out, spec.script, *spec.args]
 
 
+#: The exit code of a `rove` command that refused what it was given (a ConfigError:
+#: `rove.control.flags.options.EXIT_USAGE`, which this pure module does not import).
+REFUSED_EXIT = 2
+
+
 def _submit(name: str, job: str, spec: JobSpec, site: Site) -> dict[str, Any]:
     args = ["submit", "--job", job, "--replicas", str(site.stream_replicas)]
     if spec.resources.memory:
@@ -358,13 +363,24 @@ def _submit(name: str, job: str, spec: JobSpec, site: Site) -> dict[str, Any]:
     args += ["--cwd", spec.working_dir, "--", *_run_args(spec)]
     c = _container("submit", spec.image, args, "master", site, cpu="100m", memory="512Mi")
     c["workingDir"] = spec.working_dir
+    # (the refusal's line is the pod's termination message: `kubectl describe` shows it)
+    c["terminationMessagePolicy"] = "FallbackToLogsOnError"
     pod = _restricted_pod("submit", job, [c], _ca_volumes(site.ca_secret))
-    pod["spec"]["restartPolicy"] = "OnFailure"
+    # A refusal (exit 2: the job's name is a running job's, a bad argument) fails the
+    # Job at once; anything else (NATS not reachable yet) is tried again, 6 times.
+    # (podFailurePolicy takes restartPolicy Never: each try is a pod of its own.)
+    pod["spec"]["restartPolicy"] = "Never"
+    refused = {"containerName": "submit", "operator": "In", "values": [REFUSED_EXIT]}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name, "labels": dict(pod["metadata"]["labels"])},
-        "spec": {"backoffLimit": 6, "ttlSecondsAfterFinished": 3600, "template": pod},
+        "spec": {
+            "backoffLimit": 6,
+            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": refused}]},
+            "ttlSecondsAfterFinished": 3600,
+            "template": pod,
+        },
     }
 
 

@@ -21,7 +21,7 @@ from rove.control.master.state import JobState
 
 #: `.status.phase`: the job's phases, and two of the operator's own before there are
 #: events (`Submitting`) and for a spec it refuses (`Invalid`)
-SUBMITTING, INVALID = "Submitting", "Invalid"
+SUBMITTING, INVALID, FAILED = "Submitting", "Invalid", "Failed"
 
 
 class KubeEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,6 +173,28 @@ def invalid(generation: int, why: str, now: float) -> dict[str, Any]:
         "observedGeneration": generation,
         "phase": INVALID,
         "conditions": [_condition("Running", False, "InvalidSpec", why, now)],
+    }
+
+
+def submit_failure(namespace: str, name: str, reason: str | None, message: str | None) -> str:
+    """What a RoveJob whose submit Job failed says: Kubernetes' reason, and where the
+    refusal's own words are (the pod's log; its termination message too)."""
+    said = "; ".join(x for x in (reason, message) if x)
+    return (
+        f"its submit Job {name} failed ({said or 'no reason given'}); why is in its log: "
+        f"kubectl logs -n {namespace} job/{name}"
+    )
+
+
+def submit_failed(generation: int, why: str, now: float) -> dict[str, Any]:
+    """The `.status` of a RoveJob whose job never started: its submit Job failed."""
+    return {
+        "observedGeneration": generation,
+        "phase": FAILED,
+        "conditions": [
+            _condition("Running", False, "SubmitFailed", why, now),
+            _condition("Failed", True, "SubmitFailed", why, now),
+        ],
     }
 
 
