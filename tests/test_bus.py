@@ -581,6 +581,39 @@ async def test_a_feed_from_a_time_with_nothing_after_it_is_caught_up_and_never_r
         await feed.stop()
 
 
+async def test_a_feed_from_a_time_is_settled_only_once_what_the_server_sent_is_handled(
+    bus: Bus,
+) -> None:
+    """A feed from a time whose messages the server had sent, but whose handler had not
+    finished yet, looked empty (nothing pending, nothing handled) and said it had caught
+    up: `rove events --since` printed nothing, once in CI. It settles once the sent
+    message is handled."""
+    import datetime as dt
+
+    await bus.publish(factories.joined("old"))
+    await asyncio.sleep(0.2)
+    between = dt.datetime.now(dt.UTC)
+    await asyncio.sleep(0.2)
+    await bus.publish(factories.joined("new", n=1))
+    handled: list[str] = []
+
+    async def slow(rec: records.Recorded) -> None:
+        await asyncio.sleep(0.5)  # (a loaded machine: the handler runs late)
+        handled.append(rec.event.node)  # type: ignore[attr-defined]
+
+    async def rejected(_rej: records.Rejection) -> None:
+        raise AssertionError("no rejection here")
+
+    feed = await bus.subscribe(
+        subjects.EVENTS_STREAM, subjects.job_events("j1"), slow, rejected, start_time=between
+    )
+    try:
+        await asyncio.wait_for(feed.settled(), patience(10))
+        assert handled == ["new"], "settled before the message it was sent was handled"
+    finally:
+        await feed.stop()
+
+
 async def test_heartbeats_live_in_memory_and_events_on_disk(bus: Bus) -> None:
     """Heartbeats (the newest per node) are worth nothing after a restart and must not
     share the fsync budget of the facts that matter."""

@@ -278,12 +278,16 @@ async def unsubscribe(sub: Any) -> None:
 
 async def nothing_since(feed: Feed, target: int) -> None:
     """A feed starting at a time that has nothing to deliver from there is caught up,
-    and stands at the stream's last message (what it holds is all older than its start)."""
+    and stands at the stream's last message (what it holds is all older than its start).
+    Nothing to deliver means the server sent nothing either: a message sent whose
+    handler has not finished is not pending any more, and handled not yet (the feed
+    said it had caught up before handling it: `rove events --since` printed nothing)."""
     try:
         info = await feed.sub.consumer_info()
     except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
         return  # not known: the first message (or the watchdog) settles it
-    if info.num_pending == 0 and feed.last_seq == 0:
+    sent = info.delivered.consumer_seq if info.delivered is not None else 0
+    if info.num_pending == 0 and not sent and feed.last_seq == 0:
         feed.last_seq = target
         feed.caught_up.set()
 
