@@ -507,6 +507,12 @@ async def test_a_rovejob_whose_submit_job_failed_fails_saying_why_and_where(bus:
                 {"status": {"failed": 1, "conditions": [verdict]}},
             )
             await eventually(lambda: status_of(cluster).get("phase") == "Failed", timeout=30)
+            await eventually(  # its masters and scaler waited for a job that never came
+                lambda: all(
+                    d["spec"]["replicas"] == 0 for d in cluster.objects("deployments").values()
+                ),
+                timeout=30,
+            )
             await asyncio.sleep(1.0)  # (said once, not again at each tick)
         conditions = {c["type"]: c for c in status_of(cluster)["conditions"]}
         failed = conditions["Failed"]

@@ -442,7 +442,8 @@ class Operator:
         """A job with no event yet whose submit Job failed (`rove submit` refused it: a
         name a running job has, a bad script argument; or it could not reach NATS, six
         times): its RoveJob fails, saying so and where the reason is, instead of staying
-        "Submitting" for ever. True when it did (or had)."""
+        "Submitting" for ever, and its masters, scaler and bridge go to 0 replicas (they
+        waited for a job that never came). True when it did (or had)."""
         if previous.get("phase") == st.FAILED:
             return True
         name = rj.names(job)["submit"]
@@ -467,6 +468,8 @@ class Operator:
         await self._patch(job, {"status": st.patch(status, previous)}, status=True)
         self._last_status[job] = status
         log.warning("the job's submit failed", job=job, reason=why)
+        with contextlib.suppress(ConfigError):  # (its masters wait for no job: to 0)
+            await self._wind_down(job, rj.parse(obj))
         return True
 
     async def _event(self, obj: dict[str, Any], told: st.KubeEvent) -> None:
