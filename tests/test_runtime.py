@@ -762,7 +762,14 @@ async def test_a_full_disk_is_a_clear_event_training_goes_on_and_nothing_is_comm
         node.stop()
     try:
         assert steps_done(tmp_path) == 25, "training went on to the end"
-        failed = await events_of(bus, ev.CkptFailed)
+        # (a step a newer save overwrote while it was persisted is a failed persist too:
+        # with a save every step, one may be overtaken before it meets the full disk, as
+        # step 5 was once in CI)
+        failed = [
+            e
+            for e in await events_of(bus, ev.CkptFailed)
+            if "overwritten" not in e.error  # type: ignore[attr-defined]
+        ]
         assert failed, "every failed persist is an event"
         assert all("file is too large" in e.error for e in failed)  # type: ignore[attr-defined]
         assert all("training goes on with in-memory checkpoints" in e.error for e in failed)  # type: ignore[attr-defined]
