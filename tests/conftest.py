@@ -56,18 +56,6 @@ def _stop_started() -> None:
         proc.stop()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest tests first (`tests/durations.json`, seconds from a CI run; the rest
-    keep their order): xdist hands each lane half the list and a lane that runs out
-    steals from the end of the other's, so both end on short tests, together. (In file
-    order the TensorFlow and stream tests, a minute each, came last.)"""
-    import json
-
-    known = json.loads((Path(__file__).parent / "durations.json").read_text())
-    weight = {k: float(v) for k, v in known.items() if not k.startswith("_")}
-    items.sort(key=lambda item: -weight.get(item.nodeid.split("[", 1)[0], 0.0))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """A failed test's report ends with the log tail of every process it started."""

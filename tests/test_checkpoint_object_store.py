@@ -223,8 +223,10 @@ def test_a_job_persists_to_the_store_and_a_later_run_resumes_from_it(
     committed before it ends, and a new run of the job, on a machine whose memory holds
     nothing of it, goes on from that step (it used to start afresh and drop it)."""
     location = request.getfixturevalue("s3_url") if where == "s3" else str(tmp_path / "ckpt")
+    # (a name of each case's own: the two may run at once, and /dev/shm is the machine's)
+    mine = f"s3job-{where}"
 
-    def run(name: str, steps: int, job: str = "s3job") -> RunProc:
+    def run(name: str, steps: int, job: str = mine) -> RunProc:
         node = RunProc(
             tmp_path,
             name,
@@ -241,7 +243,7 @@ def test_a_job_persists_to_the_store_and_a_later_run_resumes_from_it(
     assert "its last checkpoint, step 12, is committed" in first.log(), first.log()[-3000:]
     storage = open_storage(location)
     assert storage.committed() == 12 and storage.persisted_ranks(12) == {0, 1}
-    assert not list(Path("/dev/shm").glob("rove-ckpt-s3job*")), "nothing left in memory"
+    assert not list(Path("/dev/shm").glob(f"rove-ckpt-{mine}.*")), "nothing left in memory"
 
     second = run("second", 16)
     assert f"found step 12 committed in {location} by an earlier run" in second.log()
@@ -251,7 +253,7 @@ def test_a_job_persists_to_the_store_and_a_later_run_resumes_from_it(
     if where == "s3":
         return  # (the store's tracker names its job: test_commit_marks_the_step_...)
     # another job given the same location goes on from it, and is told whose it is
-    other = run("other", 18, job="s3job-b")
-    said = f"found step 16 committed in {location} by another job, s3job: this job goes on"
+    other = run("other", 18, job=f"{mine}-b")
+    said = f"found step 16 committed in {location} by another job, {mine}: this job goes on"
     assert said in other.log(), other.log()[-3000:]
-    assert storage.tracker() == durable.Tracker(18, "s3job-b")
+    assert storage.tracker() == durable.Tracker(18, f"{mine}-b")
