@@ -280,10 +280,8 @@ class _Server:
                 os.waitpid(pid, 0)  # (a forked one is its parent server's to reap)
         if isinstance(self.server, server_fork.ForkedServer):
             self.server.ended(wait_s=KILL_WAIT_S)  # (gone, as waitpid would have it)
-            address = self.server._forkserver_address
-            self.server.release()
+            self.server.release()  # (its alive pipe among what it closes)
             alive = None
-            self.server._forkserver_address = address
         if alive is not None:
             with contextlib.suppress(OSError):
                 os.close(alive)

@@ -123,7 +123,8 @@ class ForkedServer(mpfs.ForkServer):
 
     def release(self) -> None:
         """Close what this process holds of it (the alive pipe's write end, the pidfd,
-        the fork's pipes): it ends once nothing else holds its pipe."""
+        the fork's pipes): it ends once nothing else holds its pipe. (Its socket's path
+        stays: `_Server.kill` removes it, a fresh start makes another.)"""
         for fd in (self._forkserver_alive_fd, self.pidfd):
             if fd is not None:
                 try:
@@ -133,7 +134,6 @@ class ForkedServer(mpfs.ForkServer):
         if self.popen is not None and self.popen.finalizer is not None:
             self.popen.finalizer()
         self._forkserver_pid = self._forkserver_alive_fd = self.pidfd = self.popen = None
-        self._forkserver_address = None
 
 
 class _PopenFrom(popen_forkserver.Popen):
@@ -202,17 +202,27 @@ def fork(base: Any, serving: Serving, fallback: Sequence[str]) -> ForkedServer:
     return server
 
 
+def let_the_server_go() -> None:
+    """(In a child of a server: a worker, or a server forked from it.) Close the write end
+    of the agent's pipe to the server, which multiprocessing hands every forked child:
+    the server exits when it reads the pipe's end, and a worker holding it kept its
+    server (so itself) alive after its agent was killed with SIGKILL, training on
+    unsupervised for ever."""
+    server: Any = getattr(mpfs, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(alive, int):
+        try:
+            os.close(alive)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
 def _serve(listener: socket.socket, alive: connection.Connection, serving: Serving) -> None:
     """The forked child: become a server of its own (see the module's docstring)."""
     from rove.agent import warm_ready
 
-    parent: Any = mpfs._forkserver  # (the server it was forked from, as its children see it)
-    if isinstance(parent._forkserver_alive_fd, int):
-        try:
-            os.close(parent._forkserver_alive_fd)
-        except OSError:
-            pass
-        parent._forkserver_alive_fd = None
+    let_the_server_go()  # (the one it was forked from: it must not keep that one alive)
     warm: Any = sys.modules.get("rove.agent.warm")  # (preloaded by every server)
     if warm is not None:
         warm.SERVER_PID = os.getpid()

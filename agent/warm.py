@@ -28,14 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
-import multiprocessing.forkserver as mpfs
 import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 
-from rove.agent import echo, forkservers, imports, script
+from rove.agent import echo, forkservers, imports, script, server_fork
 from rove.agent.self_process import die_with_parent
 from rove.control.errors import RoveError, plain
 from rove.control.process import aio
@@ -123,23 +122,10 @@ def entry_args(cmd_args: list[str]) -> tuple[str, ...]:
     return ("script", *args)
 
 
-def _let_the_server_go() -> None:
-    """Close the write end of the agent's pipe to the server, which multiprocessing
-    hands every forked child: the server exits when it reads the pipe's end, and a
-    worker holding it kept its server (so itself) alive after its agent was killed
-    with SIGKILL, training on unsupervised for ever."""
-    server = getattr(mpfs, "_forkserver", None)
-    alive = getattr(server, "_forkserver_alive_fd", None)
-    if isinstance(alive, int):
-        with contextlib.suppress(OSError):
-            os.close(alive)
-        server._forkserver_alive_fd = None  # type: ignore[union-attr]
-
-
 def run_script(kind: str, target: str, *argv: str) -> None:
     """Run the training script or module in this (forked) process as `__main__`."""
     die_with_parent()  # the server's death; it dies with the agent
-    _let_the_server_go()
+    server_fork.let_the_server_go()  # (the server outlives no agent through its workers)
     echo.redirect_to_pipes()  # before anything is printed (rove.agent.echo)
     # A session of its own, as torchrun's workers have: a terminal's Ctrl-C reaches the
     # launcher alone, which forwards it (workers shared the launcher's group before).
