@@ -591,12 +591,20 @@ def scale_events(job: str = JOB) -> list[ev.Event]:
     ]
 
 
-def gone(node: str, *, inc: str = "i1", ts: float = 100.0, job: str = JOB) -> ev.NodeGone:
+def gone(
+    node: str,
+    *,
+    inc: str = "i1",
+    ts: float = 100.0,
+    job: str = JOB,
+    exit_code: int = -9,
+    reason: str = "",
+) -> ev.NodeGone:
     return ev.NodeGone(
         **ev.envelope(job, "scaler:s1", ts, "gone", node, inc),
         node=node,
         incarnation=inc,
         scaler="s1",
-        reason="process exited with code -9",
-        exit_code=-9,
+        reason=reason or f"process exited with code {exit_code}",
+        exit_code=exit_code,
     )

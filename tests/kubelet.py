@@ -6,7 +6,8 @@ second create, deletions), but nothing schedules or runs the pods it stores.
 `rove` container asks for no more memory than the kubelet's capacity runs as
 a real `rove ...` process (its args, env and workingDir), its status set to
 Running, then to Succeeded / Failed with the container's exit code when the
-process ends; a deleted pod's process gets SIGTERM, then SIGKILL after the
+process ends (and, for `terminationMessagePolicy: FallbackToLogsOnError`, its log's
+tail as the termination message); a deleted pod's process gets SIGTERM, then SIGKILL after the
 pod's grace period. A pod that does not fit stays Pending with the scheduler's
 `PodScheduled=False, reason=Unschedulable` condition.
 
@@ -48,12 +49,14 @@ class PodProc(CliProc):
     grace_s = 10.0
 
     def __init__(self, name: str, container: dict[str, Any], log_dir: Path) -> None:
+        self.container = container
+        self.log_path = log_dir / f"pod-{name}.log"
         args = list(container.get("args") or [])
         env = {e["name"]: str(e.get("value", "")) for e in container.get("env") or []}
         cwd = container.get("workingDir")
         self._spawn(
             f"pod {name}",
-            log_dir / f"pod-{name}.log",
+            self.log_path,
             *args,
             env=env,
             cwd=Path(cwd) if cwd else None,
@@ -106,7 +109,7 @@ class Kubelet:
             code = proc.proc.poll()
             phase = (obj.get("status") or {}).get("phase")
             if code is not None and phase == "Running":
-                obj.patch({"status": _terminated(code)})
+                obj.patch({"status": _terminated(code, _message(proc, code))})
 
     def _admit(self, name: str, obj: Any) -> None:
         container = (obj.get("spec") or {}).get("containers", [{}])[0]
@@ -127,7 +130,19 @@ class Kubelet:
         )
 
 
-def _terminated(code: int) -> dict[str, Any]:
+def _message(proc: PodProc, code: int) -> str:
+    """The termination message: with `FallbackToLogsOnError`, a failed container's log
+    tail (Kubernetes keeps its last 80 lines, at most 2048 bytes)."""
+    if code == 0 or proc.container.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+        return ""
+    try:
+        tail = proc.log_path.read_bytes()[-2048:].decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(tail.splitlines()[-80:])
+
+
+def _terminated(code: int, message: str = "") -> dict[str, Any]:
     return {
         "phase": "Succeeded" if code == 0 else "Failed",
         "containerStatuses": [
@@ -138,6 +153,7 @@ def _terminated(code: int) -> dict[str, Any]:
                         "exitCode": code if code >= 0 else 128 - code,
                         "reason": "Completed" if code == 0 else "Error",
                         "finishedAt": _now(),
+                        **({"message": message} if message else {}),
                     }
                 },
             )

@@ -24,7 +24,7 @@ import pytest
 from rove.control.bus.client import Bus
 from rove.control.catalogue import events as ev
 from rove.control.errors import TemporaryError
-from rove.control.scaler.backend import Backend
+from rove.control.scaler.backend import Backend, Ended
 from rove.control.scaler.kubernetes import KubernetesBackend
 from rove.control.scaler.local import LocalBackend
 from rove.control.scaler.pool import PoolBackend
@@ -162,13 +162,21 @@ async def test_a_node_that_ends_on_its_own_is_reported(
         max_nodes=1,
     )
     await launch(backend, "n2-a0", bad)
+    seen: list[Ended | ev.NodeGone] = []
 
     async def reported() -> bool:
-        if any(e.node == "n2-a0" for e in await backend.ended(JOB)):
-            return True
-        return any(isinstance(e, ev.NodeGone) and e.node == "n2-a0" for e in await _events(bus))
+        seen.extend(e for e in await backend.ended(JOB) if e.node == "n2-a0")
+        # (the pool's agent reports its node's end itself: a `node_gone`)
+        seen.extend(
+            e for e in await _events(bus) if isinstance(e, ev.NodeGone) and e.node == "n2-a0"
+        )
+        return bool(seen)
 
     await eventually(reported, timeout=60, every=0.2)
+    # `rove run` refused the missing script (exit code 2), and its line is in the reason:
+    # the master fails the job with it rather than launch the slot again
+    assert seen[0].exit_code == ev.NODE_REFUSED_EXIT, seen
+    assert "missing.py not found" in seen[0].reason, seen
 
 
 async def _events(bus: Bus) -> list[Any]:

@@ -90,6 +90,8 @@ def test_a_node_pod_is_named_per_attempt_guaranteed_never_restarted_and_owned_by
     ]
     assert c["args"][7:] == ["--nproc-per-node", "2", "train.py"]
     assert c["workingDir"] == "/app"
+    # a node that fails says its last line in the pod's status (the scaler reads it)
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
 def test_the_pod_template_keeps_placement_and_volumes_and_rove_sets_the_rest() -> None:

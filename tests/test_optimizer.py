@@ -427,6 +427,23 @@ def test_a_node_the_scaler_saw_die_is_lost_and_replaced_at_once() -> None:
     assert set(m.members()) == {"n0-a1", "n1-a0"}
 
 
+def test_a_node_whose_rove_run_refused_to_start_fails_the_job_at_once_saying_why() -> None:
+    """Exit code 2 is `rove run` refusing its arguments or configuration (another job
+    writes the checkpoint location): each attempt would be refused alike, so the slot is
+    not launched again 5 times (max_attempts) with the refusal lost on the way."""
+    m = Managed(workload(2, 2))
+    m.step()
+    m.step(2.0)
+    said = "rove run: --checkpoint-dir /ck is being written by another job, a"
+    m.apply(factories.gone("n1-a0", ts=m.now, exit_code=2, reason=f"pod failed ({said})"))
+    for _ in range(5):
+        m.step(5.0)
+    assert [p.rule for p in m.plans()] == [ev.ScaleRule.INITIAL]  # not launched again
+    assert m.state.phase is ev.JobPhase.FAILED
+    assert "node n1-a0 refused to start" in m.state.end_reason
+    assert said in m.state.end_reason
+
+
 def test_a_node_the_backend_cannot_place_is_retried_smaller_without_waiting_the_timeout() -> None:
     m = Managed(workload(1, 1, memory=4 * GIB), auto_join=False)
     m.step()

@@ -62,6 +62,7 @@ from rove.control.catalogue.event_base import envelope as envelope
 from rove.control.catalogue.event_base import make_id as make_id
 from rove.control.catalogue.event_base import node_envelope as node_envelope
 from rove.control.catalogue.scale_events import GIB as GIB
+from rove.control.catalogue.scale_events import NODE_REFUSED_EXIT as NODE_REFUSED_EXIT
 from rove.control.catalogue.scale_events import PS_ROLE as PS_ROLE
 from rove.control.catalogue.scale_events import JobSubmitted as JobSubmitted
 from rove.control.catalogue.scale_events import NodeGone as NodeGone

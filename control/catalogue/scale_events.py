@@ -209,10 +209,17 @@ class PlanFailed(Event, tag="plan_failed", frozen=True, kw_only=True):
     parts: int = 0
 
 
+#: `rove run`'s exit code when it refuses to start (`rove.control.flags.options.EXIT_USAGE`).
+NODE_REFUSED_EXIT = 2
+
+
 class NodeGone(Event, tag="node_gone", frozen=True, kw_only=True):
     """The scaler saw the process (or pod) of `node` end: the master takes it as lost
     at once instead of waiting for its heartbeats to time out. `incarnation` is the
-    agent's, as the scaler last knew it ("" if it never joined)."""
+    agent's, as the scaler last knew it ("" if it never joined). `exit_code`
+    `NODE_REFUSED_EXIT` is `rove run` refusing its arguments or configuration (another
+    job writes the checkpoint location, a bad flag): the slot is not launched again,
+    every attempt would be refused alike."""
 
     node: str
     incarnation: str = ""

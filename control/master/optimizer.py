@@ -9,6 +9,8 @@ function of the state and `now`; the first rule that proposes a plan wins:
              `max_memory_bytes` (an OOM at the cap fails the job, naming it);
   replace    a node was lost, left unasked, was excluded (faulty, network check)
              or its launch failed: relaunch its slot (next attempt), one per plan;
+             a node whose `rove run` refused to start (exit code 2) fails the job
+             instead, saying why: every attempt would be refused alike;
   pending    a launched node has not joined after `pending_timeout_s`, or the
              backend said it cannot place it (`node_pending`): fewer nodes if the
              job is above its minimum, else retry with half the memory;
@@ -131,6 +133,12 @@ def _failed(s: ScaleState, p: ev.ScalePolicy) -> FailJob | None:
     if len(s.live()) >= s.target:
         return None
     for slot in s.slots.values():
+        if slot.phase is SlotPhase.GONE and slot.refused:
+            return FailJob(
+                reason=f"node {slot.node} refused to start ({slot.refused}): every node is "
+                "given the job's arguments and would refuse alike; its log says why "
+                "(rove logs, or the pod's); fix the job and submit it again"
+            )
         if slot.phase in (SlotPhase.GONE, SlotPhase.FAILED) and slot.attempt + 1 >= p.max_attempts:
             return FailJob(
                 reason=f"slot {slot.slot} failed {counted(slot.attempt + 1, 'time')} "

@@ -65,6 +65,8 @@ class Slot(msgspec.Struct, frozen=True, kw_only=True):
     unplaceable: str = ""
     #: "ps": a node of a TensorFlow job's parameter servers (kept by every attempt)
     role: str = ""
+    #: this attempt's `rove run` refused to start (exit code 2), and why: the next would too
+    refused: str = ""
 
 
 class PlanStatus(enum.StrEnum):
@@ -274,7 +276,11 @@ def on_lost(s: ScaleState, e: ev.NodeLost) -> ScaleState:
 def on_gone(s: ScaleState, e: ev.NodeGone) -> ScaleState:
     slot = s.current(e.node)
     incarnation = e.incarnation or (slot.incarnation if slot is not None else "")
-    return _gone(s, e.node, incarnation, e.id, f"gone: {e.reason}")
+    s = _gone(s, e.node, incarnation, e.id, f"gone: {e.reason}")
+    after = s.current(e.node)
+    if e.exit_code == ev.NODE_REFUSED_EXIT and after is not None and after.cause == e.id:
+        s = _set(s, replace(after, refused=e.reason))
+    return s
 
 
 def on_excluded(s: ScaleState, e: ev.NodeExcluded) -> ScaleState:

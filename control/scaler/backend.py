@@ -25,8 +25,13 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     exit_code: int | None = None
 
 
+#: At most this much of a failed node's last line goes into its `node_gone` reason.
+LAST_WORDS_CHARS = 400
+
+
 class Ended(msgspec.Struct, frozen=True, kw_only=True):
-    """A node whose process (pod, assignment) ended."""
+    """A node whose process (pod, assignment) ended; a failed one's `reason` ends with
+    the last line it wrote, where the backend can read it (`rove run`'s refusal)."""
 
     node: str
     reason: str

@@ -310,6 +310,8 @@ class KubernetesBackend(Backend):
             if state not in ("Succeeded", "Failed") or node in reported:
                 continue
             code, why = pods.exit_of(p)
+            if state == "Failed" and (said := pods.last_words(p)):
+                why = f"{why}: {said}" if why else said
             reported.add(node)
             out.append(
                 Ended(

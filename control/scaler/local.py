@@ -45,7 +45,7 @@ from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
 from rove.control.process import cgroups
 from rove.control.scaler import standby as standby_node
-from rove.control.scaler.backend import Backend, Ended, NodeInfo
+from rove.control.scaler.backend import LAST_WORDS_CHARS, Backend, Ended, NodeInfo
 
 log = structlog.get_logger("rove.scaler.local")
 
@@ -409,7 +409,9 @@ class LocalBackend(Backend):
             code = child.poll()
             if code is not None:
                 self._reported.add((j, node))
-                out.append(Ended(node=node, reason=_exit_text(code), exit_code=code))
+                said = _last_line(self.log_path(j, node)) if code != 0 else ""
+                reason = _exit_text(code) + (f": {said}" if said else "")
+                out.append(Ended(node=node, reason=reason, exit_code=code))
         # nodes a restarted scaler adopted: no exit code, only that they are gone
         for path in self._dir(job).glob("*.json"):
             key = (job, path.stem)
@@ -436,6 +438,19 @@ class LocalBackend(Backend):
         for child in self._children.values():
             child.poll()  # reap what ended; running nodes keep running
         await asyncio.to_thread(self._drop_standby)
+
+
+def _last_line(path: Path) -> str:
+    """The last line a node wrote to its log (`rove run`'s refusal, a traceback's last
+    line), "" for none (its output went to the console, or nothing was written)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [x.strip() for x in tail.splitlines()]
+    return next((x for x in reversed(lines) if x), "")[:LAST_WORDS_CHARS]
 
 
 def _exit_text(code: int) -> str:

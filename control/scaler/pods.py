@@ -28,6 +28,7 @@ import re
 from typing import Any
 
 from rove.control.catalogue import events as ev
+from rove.control.scaler.backend import LAST_WORDS_CHARS
 
 #: Labels on every object the backend creates.
 APP = "app.kubernetes.io/name"
@@ -151,6 +152,8 @@ def pod(
         ours = {"name": CONTAINER}
         containers.insert(0, ours)
     ours.setdefault("image", image)
+    # (a node that fails says its last line in its pod's status: `rove run`'s refusal)
+    ours.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     ours["command"] = ["rove"]
     ours["args"] = [
         "run",
@@ -189,6 +192,18 @@ def exit_of(pod_obj: dict[str, Any]) -> tuple[int | None, str]:
             code = done.get("exitCode")
             return (int(code) if code is not None else None, str(done.get("reason") or ""))
     return None, str((pod_obj.get("status") or {}).get("reason") or "")
+
+
+def last_words(pod_obj: dict[str, Any]) -> str:
+    """The last line the node container wrote before it failed (its termination message:
+    the pod's `terminationMessagePolicy: FallbackToLogsOnError` makes it its log's tail),
+    "" when it said nothing."""
+    for status in (pod_obj.get("status") or {}).get("containerStatuses") or []:
+        done = (status.get("state") or {}).get("terminated") or {}
+        if status.get("name") == CONTAINER:
+            lines = [x.strip() for x in str(done.get("message") or "").splitlines()]
+            return next((x for x in reversed(lines) if x), "")[:LAST_WORDS_CHARS]
+    return ""
 
 
 def unschedulable(pod_obj: dict[str, Any]) -> tuple[str, str] | None:
