@@ -66,6 +66,27 @@ def leave_process_group() -> NoReturn:
     os._exit(0)
 
 
+def _session_slice() -> tuple[int, int]:
+    """(index, count) of this pytest session among those `ROVE_TEST_PORTS` says run at
+    once ("k/n", k from 1), else (0, 1)."""
+    raw = os.environ.get("ROVE_TEST_PORTS", "").strip()
+    if not raw:
+        return 0, 1
+    k, _, n = raw.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"ROVE_TEST_PORTS must be k/n with 1 <= k <= n, got {raw!r}")
+    return int(k) - 1, int(n)
+
+
+def _worker_slice() -> tuple[int, int]:
+    """(index, count) of this pytest-xdist worker, else (0, 1)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.startswith("gw") and worker[2:].isdigit() and workers > 1:
+        return int(worker[2:]), workers
+    return 0, 1
+
+
 def free_port() -> int:
     """A loopback port nobody holds, below the ports agents offer their rounds.
 
@@ -77,16 +98,16 @@ def free_port() -> int:
     only another pick like this one can take it, and each pick is random among
     thousands. Under pytest-xdist each worker picks from a slice of its own: a test that
     restarts a NATS server on its port (the port free meanwhile) cannot lose it to a
-    test beside it."""
+    test beside it. Two pytest sessions run at once (`make test`: the tests that restart
+    NATS beside those that run alone) each take a slice first (`ROVE_TEST_PORTS=k/n`,
+    the k-th of n)."""
     low = ports.ephemeral_low()
     offers = ports.offer_range(low)
     low = offers.start if offers else low
     start = max(1024, low - 12000)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    if worker.startswith("gw") and worker[2:].isdigit() and workers > 1:
-        width = (low - start) // workers
-        start += int(worker[2:]) % workers * width
+    for index, count in (_session_slice(), _worker_slice()):
+        width = (low - start) // count
+        start += index % count * width
         low = start + width
     for _ in range(200):
         port = random.randrange(start, low)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import socket
 
 import msgspec
+import pytest
 
 from rove.agent import ports
 from rove.agent.diagnosis import classify
@@ -63,6 +65,25 @@ def test_no_range_left_is_the_kernels_choice() -> None:
 def test_the_tests_own_ports_never_meet_the_agents_offers() -> None:
     offers = ports.offer_range(ports.ephemeral_low())
     assert all(free_port() not in offers for _ in range(50))
+
+
+def test_two_sessions_and_their_workers_pick_from_ranges_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`make test` runs two pytest sessions at once, each with two xdist workers in the
+    first: a port one restarts NATS on must never be another's pick meanwhile."""
+    seen: dict[tuple[str, str], set[int]] = {}
+    for session, workers in (("1/2", ("gw0", "gw1")), ("2/2", ("",))):
+        for worker in workers:
+            monkeypatch.setenv("ROVE_TEST_PORTS", session)
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+            monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(len(workers)))
+            seen[session, worker] = {free_port() for _ in range(40)}
+    spans = sorted((min(p), max(p)) for p in seen.values())
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(spans)), spans
+    monkeypatch.setenv("ROVE_TEST_PORTS", "3/2")
+    with pytest.raises(ValueError, match="ROVE_TEST_PORTS must be k/n"):
+        free_port()
 
 
 def _store_failure(port: int, local_rank: int = 0) -> RootFailure:
