@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -36,6 +38,18 @@ TEST_LEASE_TTL = 2.0
 def _rove_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROVE_HOME", str(tmp_path / "rove-home"))
     monkeypatch.delenv("ROVE_NATS_URL", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _shm_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Each test's shared-memory checkpoints in a folder of its own on /dev/shm (tests
+    that want another set ROVE_SHM_DIR themselves): two tests that run at once on two
+    lanes with one job name saw each other's segments and locks."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    path = Path(tempfile.mkdtemp(prefix="rove-test-", dir=root))
+    monkeypatch.setenv("ROVE_SHM_DIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

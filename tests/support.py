@@ -66,6 +66,11 @@ def leave_process_group() -> NoReturn:
     os._exit(0)
 
 
+def shm_root() -> Path:
+    """Where this test's shared-memory checkpoints are (conftest gives each test its own)."""
+    return Path(os.environ.get("ROVE_SHM_DIR", "/dev/shm"))
+
+
 def _session_slice() -> tuple[int, int]:
     """(index, count) of this pytest session among those `ROVE_TEST_PORTS` says run at
     once ("k/n", k from 1), else (0, 1)."""

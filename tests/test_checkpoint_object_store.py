@@ -17,7 +17,7 @@ from rove.checkpoint.object_store import ObjectStorage
 from rove.checkpoint.storage import FileStorage, SlotOverwritten, StorageError
 from rove.checkpoint.stores import open_storage
 from tests.s3server import S3Server
-from tests.support import TRAIN, RunProc, free_port, trace_rows
+from tests.support import TRAIN, RunProc, free_port, shm_root, trace_rows
 
 
 def saved(tmp_path: Path, step: int, rank: int = 0, n: int = 1000) -> tuple[FlashEngine, int]:
@@ -243,7 +243,7 @@ def test_a_job_persists_to_the_store_and_a_later_run_resumes_from_it(
     assert "its last checkpoint, step 12, is committed" in first.log(), first.log()[-3000:]
     storage = open_storage(location)
     assert storage.committed() == 12 and storage.persisted_ranks(12) == {0, 1}
-    assert not list(Path("/dev/shm").glob(f"rove-ckpt-{mine}.*")), "nothing left in memory"
+    assert not list(shm_root().glob(f"rove-ckpt-{mine}.*")), "nothing left in memory"
 
     second = run("second", 16)
     assert f"found step 12 committed in {location} by an earlier run" in second.log()

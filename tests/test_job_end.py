@@ -21,6 +21,7 @@ from tests.support import (
     eventually,
     job_events,
     rove_cli,
+    shm_root,
     trace_rows,
 )
 
@@ -79,7 +80,7 @@ def test_a_job_that_ends_right_after_a_flash_save_commits_that_step_first(
     assert f"its last checkpoint, step {STEPS}, is committed" in node.log()
     events = _stored(tmp_path / "rove-home", "endjob")
     _assert_ended_whole(tmp_path, ckpt, events)
-    assert not list(Path("/dev/shm").glob("rove-ckpt-endjob*")), "memory freed once it ended"
+    assert not list(shm_root().glob("rove-ckpt-endjob*")), "memory freed once it ended"
 
 
 def _stored(home: Path, job: str) -> list[ev.Event]:

@@ -30,6 +30,7 @@ from tests.support import (
     pid_alive,
     rove_cli,
     scrape,
+    shm_root,
     stored_events,
     trace_rows,
 )
@@ -714,7 +715,7 @@ async def test_after_a_worker_kill_every_rank_restores_from_memory_losing_at_mos
         "nothing reached storage but the breakpoint save and the job's last step"
     )
     assert json.loads((ckpt / "committed").read_text())["step"] == 60, "the last one committed"
-    assert not list(Path("/dev/shm").glob(f"rove-ckpt-{job}*")), "shared memory freed"
+    assert not list(shm_root().glob(f"rove-ckpt-{job}*")), "shared memory freed"
 
 
 def _full_disk() -> None:
