@@ -143,8 +143,9 @@ def _worker(
     except Exception as exc:  # noqa: BLE001 - any exception of the function ends the worker
         _record(exc)
         sys.exit(1)
-    returned.put(value)
-    read.wait()
+    returned.send(value)
+    with contextlib.suppress(OSError):
+        os.read(read.fileno(), 1)  # (or EOF: the agent read every value, or is gone)
 
 
 def _flush() -> None:
@@ -164,9 +165,33 @@ def _record(exc: Exception) -> None:
         ErrorHandler().record_exception(exc)
 
 
+class _AllRead:
+    """Set once every worker's value was read: the agent closes its end of a pipe whose
+    other end each worker waits on. (A pipe, not a multiprocessing Event: under the
+    forkserver an Event is named semaphores in /dev/shm, which a node killed with its
+    resource tracker, SIGKILL to its process group, left there for good.)"""
+
+    def __init__(self, ctx: Any, workers: int) -> None:
+        self.reader, self._writer = ctx.Pipe(duplex=False)
+        self._workers = workers
+
+    def set(self) -> None:
+        if self._writer.closed:
+            return
+        # a byte for each (a worker started by fork holds a copy of this end: no EOF),
+        # read one by one (raw: a message's frame read by two workers at once would tear)
+        with contextlib.suppress(OSError):
+            os.write(self._writer.fileno(), b"\0" * self._workers)
+        self._writer.close()
+
+    def is_set(self) -> bool:
+        return bool(self._writer.closed)
+
+
 class Forked:
     """One round's workers: `fn(*args[local_rank])` in a process each, started by the
-    multiprocessing context `start_method` (the warm server's "forkserver")."""
+    multiprocessing context `start_method` (the warm server's "forkserver"). A worker
+    returns its value through a pipe of its own; nothing here is a named semaphore."""
 
     def __init__(
         self,
@@ -181,16 +206,17 @@ class Forked:
             raise ValueError(f"local ranks must be 0..N-1 in both args and envs, got {ranks}")
         ctx: Any = multiprocessing.get_context(start_method)
         self.error_files = dict(error_files)
-        self.returned = {lr: ctx.SimpleQueue() for lr in ranks}
+        #: (read end, write end) of the pipe each worker returns its value through
+        self.returned = {lr: ctx.Pipe(duplex=False) for lr in ranks}
         #: set once every worker's return value was read: then they exit
-        self.all_read = ctx.Event()
+        self.all_read = _AllRead(ctx, len(ranks))
         self._values: dict[int, Any] = {}
         self.processes: list[BaseProcess] = []
         try:
             for lr in ranks:
                 process = ctx.Process(
                     target=_worker,
-                    args=(fn, args[lr], envs[lr], self.returned[lr], self.all_read),
+                    args=(fn, args[lr], envs[lr], self.returned[lr][1], self.all_read.reader),
                     daemon=False,  # (and multiprocessing's own name, as under torch's)
                 )
                 process.start()
@@ -204,14 +230,14 @@ class Forked:
 
     def return_fds(self) -> list[int]:
         """The read ends of the return queues: a worker's return wakes whoever waits."""
-        return [q._reader.fileno() for q in self.returned.values()]
+        return [reader.fileno() for reader, _ in self.returned.values()]
 
     def poll(self) -> Result | None:
         """None while the workers run; else how they ended (blocking only to tear the
         others down once one ended badly)."""
-        for lr, queue in self.returned.items():
-            if lr not in self._values and not queue.empty():
-                self._values[lr] = queue.get()
+        for lr, (reader, _) in self.returned.items():
+            if lr not in self._values and reader.poll():
+                self._values[lr] = reader.recv()
         if any(p.exitcode not in (None, 0) for p in self.processes):
             return self._failed()
         if len(self._values) == len(self.processes):

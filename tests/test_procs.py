@@ -74,3 +74,35 @@ def test_a_worker_that_returns_on_the_stop_signal_exits_and_is_not_killed(
         forked.close(signal.SIGUSR1, timeout=patience(60))
     assert not said, said
     assert [p.exitcode for p in forked.processes] == [0, 0], "returned, not killed"
+
+
+def _returns(local_rank: int) -> dict[str, int]:
+    return {"rank": local_rank}
+
+
+def test_a_rounds_workers_return_through_pipes_and_make_no_named_semaphore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # under the forkserver (the warm server's way) a multiprocessing queue or event is
+    # named semaphores in /dev/shm, unlinked by the resource tracker: a node killed with
+    # its tracker (SIGKILL to its process group) left them there for good
+    import multiprocessing.resource_tracker
+
+    registered: list[tuple[str, str]] = []
+    real = multiprocessing.resource_tracker.register
+
+    def register(name: str, rtype: str) -> None:
+        registered.append((name, rtype))
+        real(name, rtype)
+
+    monkeypatch.setattr(multiprocessing.resource_tracker, "register", register)
+    args = {lr: (lr,) for lr in (0, 1)}
+    forked = procs.Forked(_returns, args, {0: {}, 1: {}}, {}, "forkserver")
+    deadline = time.monotonic() + patience(60)
+    while (result := forked.poll()) is None:
+        assert time.monotonic() < deadline, "the workers never returned"
+        time.sleep(0.05)
+    assert result.return_values == {0: {"rank": 0}, 1: {"rank": 1}}
+    assert not result.failures
+    assert [p.exitcode for p in forked.processes] == [0, 0], "they exit once both were read"
+    assert [r for r in registered if r[1] == "semaphore"] == []
