@@ -223,3 +223,15 @@ def test_a_parameter_servers_node_pod_runs_its_roles_command_with_its_own_size()
     worker = msgspec.structs.replace(spec, node="n1-a0", slot=1, role="")
     [w_c] = pods.pod(spec=worker, **common)["spec"]["containers"]  # type: ignore[arg-type,index]
     assert w_c["args"][-4:] == ["--tf-ps", "--nproc-per-node", "2", "coordinator.py"]
+
+
+def test_a_failed_node_pods_last_words_are_its_termination_messages_last_line() -> None:
+    def pod_with(message: str, name: str = "node") -> dict[str, object]:
+        done = {"exitCode": 2, "reason": "Error", "message": message}
+        return {"status": {"containerStatuses": [{"name": name, "state": {"terminated": done}}]}}
+
+    said = "rove run: training script /app/train.py not found"
+    assert pods.last_words(pod_with(f"starting\n{said}\n\n")) == said
+    assert pods.last_words(pod_with("x" * 5000)) == "x" * 400  # (a reason, not a log)
+    assert pods.last_words(pod_with(said, name="sidecar")) == ""
+    assert pods.last_words(pod_with("")) == ""

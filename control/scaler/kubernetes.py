@@ -310,7 +310,8 @@ class KubernetesBackend(Backend):
             if state not in ("Succeeded", "Failed") or node in reported:
                 continue
             code, why = pods.exit_of(p)
-            if state == "Failed" and (said := pods.last_words(p)):
+            # (its last line says why it exited with a code; not a signal's kill, an OOM)
+            if code is not None and 0 < code < 128 and (said := pods.last_words(p)):
                 why = f"{why}: {said}" if why else said
             reported.add(node)
             out.append(

@@ -409,7 +409,8 @@ class LocalBackend(Backend):
             code = child.poll()
             if code is not None:
                 self._reported.add((j, node))
-                said = _last_line(self.log_path(j, node)) if code != 0 else ""
+                # (its last line says why it exited with a code; not a signal's kill)
+                said = _last_line(self.log_path(j, node)) if 0 < code < 128 else ""
                 reason = _exit_text(code) + (f": {said}" if said else "")
                 out.append(Ended(node=node, reason=reason, exit_code=code))
         # nodes a restarted scaler adopted: no exit code, only that they are gone
