@@ -47,8 +47,11 @@ class LocationMark:
 
     async def _refresh(self) -> None:
         try:
-            await asyncio.to_thread(writers.mark, self.storage, self.job, self.node, time.time())
+            # (read first: the job's claim keeps the time its first node made it)
             marks = await asyncio.to_thread(writers.read, self.storage)
+            now = time.time()
+            since = writers.claimed_since(marks, self.job, now)
+            await asyncio.to_thread(writers.mark, self.storage, self.job, self.node, now, since)
         except CheckpointError as exc:
             if not self._failing:  # (persists fail in turn, and say it louder)
                 self.log.info(f"could not mark the checkpoint location as this job's: {exc}")

@@ -547,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "again, or give this one another --job"
             )
         if cfg.checkpoint_dir:
-            run_checks.check_writers(str(cfg.checkpoint_dir), cfg.job)
+            run_checks.check_writers(str(cfg.checkpoint_dir), cfg.job, cfg.node)
         if elastic := getattr(args, "elastic_alone", ""):
             say(
                 f"{elastic}, on this machine, and no --nats: running as --standalone, this "

@@ -134,11 +134,13 @@ def environment(environ: Mapping[str, str]) -> None:
 WRITERS_READ_S = 10.0
 
 
-def check_writers(location: str, job: str) -> None:
-    """Refuse to start `job` on a checkpoint location another job is writing now (its
-    mark refreshed within `rove.checkpoint.writers.LIVE_S`): the two would remove each
-    other's steps. A location that cannot be read in `WRITERS_READ_S` is not refused:
-    the agent says what fails when it writes there."""
+def check_writers(location: str, job: str, node: str) -> None:
+    """Claim the checkpoint location for `job` (`rove.checkpoint.writers.claim`), and
+    refuse to start it where another job claimed it first and writes it now (its mark
+    refreshed within `rove.checkpoint.writers.LIVE_S`): the two would remove each
+    other's steps. Of two jobs started at once, one goes on. A location that cannot be
+    read or marked in `WRITERS_READ_S` is not refused: the agent says what fails when it
+    writes there."""
     import threading
     import time
 
@@ -150,7 +152,7 @@ def check_writers(location: str, job: str) -> None:
 
     def read() -> None:
         with contextlib.suppress(StorageError):
-            found.append(writers.read(open_storage(location)))
+            found.append(writers.claim(open_storage(location), job, node, time.time()))
 
     # (a daemon: a read still hung is left behind, and never holds the process's exit)
     reader = threading.Thread(target=read, name="rove-writers", daemon=True)
@@ -158,10 +160,8 @@ def check_writers(location: str, job: str) -> None:
     reader.join(WRITERS_READ_S)
     if not found:
         return
-    marks = found[0]
-    now = time.time()
-    if others := writers.live_others(marks, job, now):
-        raise ConfigError(writers.refusal(location, job, others, now))
+    if others := found[0]:
+        raise ConfigError(writers.refusal(location, job, others, time.time()))
 
 
 #: Seconds workers get to exit after the stop signal before SIGKILL, by default. torchrun

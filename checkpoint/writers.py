@@ -7,9 +7,10 @@ job's end said "its last checkpoint is committed" of a step the first job had re
 
 So each node's agent marks the location as its job's while the job runs (`writers/JOB`,
 `WriterMark`: the job, the node, when), again every `MARK_EVERY_S`, and removes the
-mark when the job ends; `rove run` refuses to start a job on a location that another
-job's mark, refreshed within `LIVE_S`, says is being written
-(`rove.agent.run_checks.check_writers`). A job killed without ending leaves a mark that
+mark when the job ends; `rove run` claims the location (`claim`: its mark written, then
+the marks read) and refuses to start a job on a location that another job's mark,
+refreshed within `LIVE_S`, says was claimed first (`rove.agent.run_checks.check_writers`):
+of jobs started at once, one goes on. A job killed without ending leaves a mark that
 stops counting `LIVE_S` after its last refresh. A job started afterwards on the same
 location (a fine-tuning from the first's checkpoint) goes on from its committed step.
 """
@@ -30,11 +31,18 @@ LIVE_S = 45.0
 
 
 class WriterMark(msgspec.Struct, frozen=True, kw_only=True):
-    """A job writing the location: `at` is the wall-clock time of the last refresh."""
+    """A job writing the location: `at` is the wall-clock time of the last refresh,
+    `since` of the job's first mark there (its claim; 0 in an older rove's mark)."""
 
     job: str
     node: str
     at: float
+    since: float = 0.0
+
+    @property
+    def first(self) -> float:
+        """When the job claimed the location."""
+        return self.since or self.at
 
 
 def encode(mark: WriterMark) -> bytes:
@@ -67,13 +75,41 @@ def read(storage: Storage) -> list[WriterMark]:
     return [m for raw in storage.marks() if (m := decode(raw)) is not None]
 
 
-def mark(storage: Storage, job: str, node: str, now: float) -> None:
-    """Mark `storage` as written by `job`'s `node` at `now`.
+def mark(storage: Storage, job: str, node: str, now: float, since: float = 0.0) -> None:
+    """Mark `storage` as written by `job`'s `node` at `now`, the job's claim dating from
+    `since` (`now` by default).
 
     Raises:
         StorageError: the mark could not be written.
     """
-    storage.put_mark(job, encode(WriterMark(job=job, node=node, at=now)))
+    storage.put_mark(job, encode(WriterMark(job=job, node=node, at=now, since=since or now)))
+
+
+def claimed_since(marks: Iterable[WriterMark], job: str, now: float) -> float:
+    """When `job` claimed the location, by its live mark among `marks`; else `now`."""
+    return min((m.first for m in marks if m.job == job and now - m.at < LIVE_S), default=now)
+
+
+def claim(storage: Storage, job: str, node: str, now: float) -> list[WriterMark]:
+    """Mark `storage` as `job`'s, then read which other live jobs claimed it first: []
+    when `job` may write there, else those jobs (newest first), and the claim is taken
+    back (unless the job's own nodes already held it). Each of two jobs started at once
+    writes before it reads, and the claims are ordered by (`since`, job): of the two,
+    the later one sees the earlier and gives way, whichever read first. (Machines whose
+    clocks disagree by more than the moments between their starts may both go on: each
+    agent still warns of the other at its next refresh.)
+
+    Raises:
+        StorageError: the location could not be read or the mark written.
+    """
+    before = read(storage)
+    since = claimed_since(before, job, now)
+    held = since < now
+    mark(storage, job, node, now, since)
+    first = [m for m in live_others(read(storage), job, now) if (m.first, m.job) < (since, job)]
+    if first and not held:
+        storage.drop_mark(job)
+    return first
 
 
 def refusal(location: str, job: str, others: list[WriterMark], now: float) -> str:

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from rove.agent import run_checks
@@ -19,7 +20,7 @@ from tests.support import TRAIN, RunProc, eventually, rove_cli
 
 
 def mark(job: str, at: float, node: str = "n1") -> writers.WriterMark:
-    return writers.WriterMark(job=job, node=node, at=at)
+    return writers.WriterMark(job=job, node=node, at=at, since=at)
 
 
 def test_only_other_jobs_marked_lately_count_as_writing() -> None:
@@ -55,17 +56,62 @@ def test_rove_run_refuses_a_location_another_job_marked_lately(tmp_path: Path) -
     location = str(tmp_path / "ck")
     storage = open_storage(location)
     writers.mark(storage, "a", "n1", time.time() - 3)
-    run_checks.check_writers(location, "a")  # its own mark: a job run again, or its node
     with pytest.raises(ConfigError) as refused:
-        run_checks.check_writers(location, "b")
+        run_checks.check_writers(location, "b", "n1")
     said = str(refused.value)
     assert f"--checkpoint-dir {location} is being written by another job, a" in said
     assert "its node n1 marked it 3 s ago" in said
     assert "Give job b a --checkpoint-dir of its own" in said
     assert f"{location}/writers/a.json stops counting" in said
+    run_checks.check_writers(location, "a", "n2")  # its own mark: a job run again, or its node
     writers.mark(storage, "a", "n1", time.time() - writers.LIVE_S - 1)  # a, killed, went stale
-    run_checks.check_writers(location, "b")
-    run_checks.check_writers(str(tmp_path / "none"), "b")  # nothing there yet
+    run_checks.check_writers(location, "b", "n1")
+    run_checks.check_writers(str(tmp_path / "none"), "b", "n1")  # nothing there yet
+
+
+def test_of_two_jobs_started_at_once_on_a_location_the_later_claim_gives_way(
+    tmp_path: Path,
+) -> None:
+    """Each writes its claim before it reads: whichever reads first, the job that
+    claimed second sees the first and is refused, and its claim is taken back; the
+    first goes on, seeing nobody before it. Claims of one moment go by job name."""
+    storage = FileStorage(tmp_path / "ck")
+    now = time.time()
+    # a claims and reads before b writes: a sees nobody; b sees a, and gives way
+    assert writers.claim(storage, "a", "n1", now) == []
+    refused = writers.claim(storage, "b", "n1", now + 0.5)
+    assert [m.job for m in refused] == ["a"]
+    assert [m.job for m in writers.read(storage)] == ["a"], "b's claim taken back"
+    storage.drop_mark("a")
+    # both wrote before either read: the later one still gives way, the earlier goes on
+    writers.mark(storage, "b", "n1", now + 0.5)  # (b's claim, written; b reads later)
+    assert writers.claim(storage, "a", "n1", now) == [], "a claimed first: b is after it"
+    assert writers.claim(storage, "b", "n1", now + 0.5)[0].job == "a"
+    storage.drop_mark("a")
+    # the same moment: the first name goes on
+    writers.mark(storage, "b", "n1", now)
+    assert writers.claim(storage, "a", "n1", now) == []
+    storage.drop_mark("a")
+
+
+def test_a_jobs_claim_keeps_its_first_time_through_its_nodes_and_refreshes(
+    tmp_path: Path,
+) -> None:
+    """The job's other nodes (and a `rove run` of it again) keep its claim's time, and
+    are not refused for a job that claimed after it; an older rove's mark, with no
+    claim time, dates from its last refresh."""
+    storage = FileStorage(tmp_path / "ck")
+    now = time.time()
+    assert writers.claim(storage, "a", "n1", now - 20) == []
+    writers.mark(storage, "b", "n1", now - 5)  # b got past somehow, after a
+    assert writers.claim(storage, "a", "n2", now) == []  # a's second node
+    [a] = [m for m in writers.read(storage) if m.job == "a"]
+    assert (a.node, a.at, a.since) == ("n2", now, now - 20)
+    assert [m.job for m in writers.claim(storage, "b", "n2", now)] == ["a"]
+    assert "b" in [m.job for m in writers.read(storage)], "b's nodes keep b's own claim"
+    old = msgspec.json.encode({"job": "x", "node": "n1", "at": now - 30})
+    assert writers.decode(old) == writers.WriterMark(job="x", node="n1", at=now - 30)
+    assert writers.WriterMark(job="x", node="n1", at=now - 30).first == now - 30
 
 
 def test_a_location_that_does_not_answer_is_not_refused(
@@ -82,7 +128,7 @@ def test_a_location_that_does_not_answer_is_not_refused(
     monkeypatch.setattr(run_checks, "WRITERS_READ_S", 0.5)
     try:
         began = time.monotonic()
-        run_checks.check_writers(str(tmp_path / "ck"), "b")
+        run_checks.check_writers(str(tmp_path / "ck"), "b", "n1")
         assert time.monotonic() - began < 30
     finally:
         release.set()
@@ -94,11 +140,11 @@ def test_marks_on_an_object_store(s3_url: str) -> None:
     assert [m.job for m in writers.read(storage)] == ["a"]
     assert storage.steps() == []
     with pytest.raises(ConfigError, match=f"{s3_url}/writers/a.json"):
-        run_checks.check_writers(s3_url, "b")
+        run_checks.check_writers(s3_url, "b", "n1")
     storage.drop_mark("a")
     storage.drop_mark("a")
     assert writers.read(storage) == []
-    run_checks.check_writers(s3_url, "b")
+    run_checks.check_writers(s3_url, "b", "n1")
 
 
 async def test_a_second_job_on_a_running_jobs_location_is_refused_and_the_first_keeps_its_steps(
@@ -143,6 +189,34 @@ async def test_a_second_job_on_a_running_jobs_location_is_refused_and_the_first_
         a.kill()
     assert writers.read(storage) == []  # its end removed its mark
     assert storage.committed() == 100 and 100 in storage.steps()
+
+
+async def test_of_two_jobs_run_at_once_on_one_location_one_trains_and_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A sweep started with one --checkpoint-dir for all its jobs: each `rove run`
+    claims the location before anything starts, so one job trains and the others are
+    refused. (Before, all of them got past the check, since a job marked its location
+    only once its agent ran, and each removed the others' steps.)"""
+    ck = tmp_path / "ck"
+    runs = {
+        job: RunProc(
+            tmp_path,
+            job,
+            *("--standalone", "--job", job, "--checkpoint-dir", str(ck), str(TRAIN)),
+            *("--steps", "10", "--ckpt-every", "5"),
+            env={"ROVE_HOME": str(tmp_path / "home")},
+        )
+        for job in ("sweep-a", "sweep-b")
+    }
+    codes = {job: run.wait(180) for job, run in runs.items()}
+    assert sorted(codes.values()) == [0, 2], {job: r.log()[-2000:] for job, r in runs.items()}
+    [refused] = [job for job, code in codes.items() if code == 2]
+    [trained] = [job for job, code in codes.items() if code == 0]
+    said = runs[refused].log()
+    assert f"is being written by another job, {trained}" in said, said[-2000:]
+    storage = open_storage(ck)
+    assert storage.committed() == 10 and writers.read(storage) == []
 
 
 def test_nodes_whose_processes_have_the_same_id_refresh_one_mark_side_by_side(
