@@ -349,7 +349,7 @@ def _form(
     pool = old + [w for w in _waiting_alive(r, alive, clock_off) if w.node not in old_nodes]
     size = _size(len(pool), p)
     broken = r.broken_since is not None
-    first = min((w.since for w in pool if w.node not in old_nodes), default=now)
+    first = _last_call_from(old_nodes, pool, p, now)
     ready = (
         size >= p.min_nodes
         and size > 0
@@ -388,6 +388,21 @@ def _form(
         reason=f"{here} of at most {p.max_nodes}: last call for more nodes",
         until=first + p.last_call_s,
     )
+
+
+def _last_call_from(old_nodes: set[str], pool: list[Waiter], p: ev.RdzvParams, now: float) -> float:
+    """When the last call for more nodes began: when the pool reached its minimum (the
+    arrival of the newcomer that made it, the round's old members counted first), as
+    torch's `last_call_timeout` counts; the first newcomer's arrival where the old
+    members were already enough."""
+    arrivals = sorted(w.since for w in pool if w.node not in old_nodes)
+    if not arrivals:
+        return now
+    need = next((n for n in range(1, len(pool) + 1) if _size(n, p) >= p.min_nodes), None)
+    if need is None:  # (not there yet: a wait for nodes, not a last call)
+        return arrivals[0]
+    k = need - len(old_nodes)
+    return arrivals[min(max(k, 1), len(arrivals)) - 1]
 
 
 def _network_check(
