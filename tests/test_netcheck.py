@@ -118,7 +118,26 @@ def test_a_live_group_that_never_reports_fails_after_the_backstop_not_the_timeou
     assert sim.wait(backstop - 1, *nodes) == []
     decisions = sim.wait(2, *nodes)
     done = decisions[0]
-    assert isinstance(done, ev.NetworkCheckCompleted) and set(done.faulty) == {"n1", "n2"}
+    assert isinstance(done, ev.NetworkCheckCompleted)
+    assert [r.failures for r in done.results] == [2, 2]
+    assert done.faulty == (), "no node passed: none is told faulty (see below)"
+
+
+def test_when_no_node_passes_a_round_none_is_excluded_and_the_job_trains() -> None:
+    """Three nodes check as one group in both rounds: one broken node fails all three,
+    and nothing tells it from its peers. Excluding all three left the job waiting for
+    ever; now none is excluded, the round forms, and training says what fails."""
+    sim = Sim(params(min_nodes=3, max_nodes=3))
+    nodes = ["n1", "n2", "n3"]
+    first = start(sim, nodes)
+    assert [g.nodes for g in first.groups] == [("n1", "n2", "n3")]
+    report_all(sim, first, dict.fromkeys(nodes))
+    second = assigned(sim.wait(0.1, *nodes))
+    assert len(second.groups) == 1
+    report_all(sim, second, dict.fromkeys(nodes))
+    decisions = sim.wait(0.1, *nodes)
+    assert [ev.kind(d) for d in decisions] == ["network_check_completed", "round_completed"]
+    assert sim.members() == nodes
 
 
 def test_a_node_lost_during_a_check_round_counts_as_failed_at_once() -> None:

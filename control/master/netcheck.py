@@ -11,8 +11,10 @@ Each group times a matmul and an allreduce (`rove.agent.netcheck`), each node
 bounding its own check by the timeout (its start, not part of the timeout, by
 `startup_s`). A node that is gone, or has not reported within `backstop_s`,
 counts as failed. A node that failed both
-rounds is **faulty** and is excluded; a node whose best time is more than twice
-the median is a **straggler**, excluded with `--exclude-straggler`.
+rounds is **faulty** and is excluded, unless no node passed a round (then nothing
+tells it from its peers: none is excluded, and training says what fails); a node
+whose best time is more than twice the median is a **straggler**, excluded with
+`--exclude-straggler`.
 """
 
 from __future__ import annotations
@@ -205,8 +207,13 @@ def verdict(c: CheckState) -> tuple[tuple[ev.NodeCheck, ...], tuple[str, ...], t
         results.append(
             ev.NodeCheck(node=node, failures=len(times) - len(ok), best_s=min(ok) if ok else None)
         )
-    faulty = tuple(r.node for r in results if r.best_s is None and r.failures >= CHECK_ROUNDS)
     best = [r.best_s for r in results if r.best_s is not None]
+    # (no node passed a round: nothing tells a broken node from its peers, three nodes
+    # checked as one group, or a fault of the check's own; excluding them all left the
+    # job waiting for ever: none is excluded, and the training round says what fails)
+    faulty = tuple(
+        r.node for r in results if best and r.best_s is None and r.failures >= CHECK_ROUNDS
+    )
     stragglers: tuple[str, ...] = ()
     if len(best) >= 2:
         median = statistics.median(best)
