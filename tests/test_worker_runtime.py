@@ -136,8 +136,9 @@ async def test_waiting_uses_the_processes_not_a_polling_loop(
     runtime.start(1, envs(2, SLEEP="2"))
     ended = await asyncio.wait_for(runtime.wait(), patience(120))
     assert ended.failure is None
-    # once at the start, once per worker's return and exit: not every 0.1 s for 2 s
-    assert polls <= 8, polls
+    # once at the start, once per worker's return and exit (a few more on a loaded
+    # machine, whose wakes come apart: CI saw 9): not every 0.1 s for 2 s (20 or more)
+    assert polls <= 12, polls
 
 
 async def test_a_cancelled_wait_leaves_the_workers_running_and_stop_ends_them(
