@@ -29,6 +29,12 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
 LAST_WORDS_CHARS = 400
 
 
+def last_line(text: str) -> str:
+    """The last line of `text` that says something, cut to `LAST_WORDS_CHARS`."""
+    lines = [x.strip() for x in text.splitlines()]
+    return next((x for x in reversed(lines) if x), "")[:LAST_WORDS_CHARS]
+
+
 class Ended(msgspec.Struct, frozen=True, kw_only=True):
     """A node whose process (pod, assignment) ended; a failed one's `reason` ends with
     the last line it wrote, where the backend can read it (`rove run`'s refusal)."""

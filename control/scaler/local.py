@@ -45,7 +45,7 @@ from rove.control.catalogue import events as ev
 from rove.control.errors import PermanentError, TemporaryError
 from rove.control.process import cgroups
 from rove.control.scaler import standby as standby_node
-from rove.control.scaler.backend import LAST_WORDS_CHARS, Backend, Ended, NodeInfo
+from rove.control.scaler.backend import Backend, Ended, NodeInfo, last_line
 
 log = structlog.get_logger("rove.scaler.local")
 
@@ -450,8 +450,7 @@ def _last_line(path: Path) -> str:
             tail = f.read().decode(errors="replace")
     except OSError:
         return ""
-    lines = [x.strip() for x in tail.splitlines()]
-    return next((x for x in reversed(lines) if x), "")[:LAST_WORDS_CHARS]
+    return last_line(tail)
 
 
 def _exit_text(code: int) -> str:

@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 from rove.control.catalogue import events as ev
-from rove.control.scaler.backend import LAST_WORDS_CHARS
+from rove.control.scaler.backend import last_line
 
 #: Labels on every object the backend creates.
 APP = "app.kubernetes.io/name"
@@ -201,8 +201,7 @@ def last_words(pod_obj: dict[str, Any]) -> str:
     for status in (pod_obj.get("status") or {}).get("containerStatuses") or []:
         done = (status.get("state") or {}).get("terminated") or {}
         if status.get("name") == CONTAINER:
-            lines = [x.strip() for x in str(done.get("message") or "").splitlines()]
-            return next((x for x in reversed(lines) if x), "")[:LAST_WORDS_CHARS]
+            return last_line(str(done.get("message") or ""))
     return ""
 
 
